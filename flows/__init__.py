@@ -1,0 +1,1 @@
+"""Prefect orchestration of the same stage functions (see DESIGN.md §6)."""

