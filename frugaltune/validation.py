@@ -1,0 +1,427 @@
+"""Data validation with a Great Expectations suite: which rows are fit to train on, and is the table healthy.
+
+Library code (no DVC): `stages/validate.py` reads the splits, calls `validate_splits`, and writes what the
+returned `ValidationOutcome` holds. Two kinds of checks, all expressed as GX expectations so that the data docs
+show every rule next to its result:
+
+- row-level: a row that fails one of them is quarantined with the names of every check it failed
+  (`text_too_short; label_not_in_set`). GX's `unexpected_index_list` (result format COMPLETE, indexed by
+  `split` and `source_row`) says which rows failed.
+- table-level: shares measured over all splits together (duplicates, missing confidence, mojibake, class
+  balance), each compared with a threshold; one failing fails the whole validation. So does `bad_fraction`, the
+  share of quarantined rows, the one table-level value computed here rather than by a GX expectation.
+"""
+
+from __future__ import annotations
+
+import datetime
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import great_expectations as gx
+import great_expectations.expectations as gxe
+import pandas as pd
+from great_expectations.core.run_identifier import RunIdentifier
+from great_expectations.data_context.types.base import (
+    DataContextConfig,
+    InMemoryStoreBackendDefaults,
+    ProgressBarsConfig,
+)
+
+REQUIRED_COLUMNS = ("source_row", "text", "label")
+CONFIDENCE = "confidence"
+SPLIT = "split"  # added in front of the columns of the quarantine
+_STRIPPED = "text_stripped"  # helper column seen by GX only: the text stripped, null when blank
+
+# Mojibake: UTF-8 bytes that were decoded as latin-1 or cp1252. A text has it when it holds one of:
+#   - a C1 control character (U+0080-U+009F): a raw byte 0x80-0x9F read as latin-1; never in real text;
+#   - a whole UTF-8 multi-byte sequence seen through latin-1/cp1252: a lead byte (Â-ß: 2 bytes, à-ï: 3, ð-ô: 4)
+#     followed by its continuation bytes (0x80-0xBF as latin-1 or cp1252): 'Ã©' (é), 'â€™' (’), 'ðŸ˜€' (😀);
+#   - 'Â' before whitespace: a no-break space (Â\xa0) whose second byte was normalised to a space;
+#   - UTF-8 mangled twice (through cp1252 and Mac Roman), as in tweet corpora: 'äó' (’ “ ” …), and '_ô', '_Ñ'
+#     where the lead byte became '_'.
+# Legitimate latin-1 text ('café', 'naïve', 'Ångström') matches none; an accented capital directly before a
+# symbol ('É»') would. RE2-compatible (no look-arounds): pandas may run it through pyarrow.
+_CONTINUATION = r"[\x80-\xbf€‚ƒ„…†‡ˆ‰Š‹ŒŽ‘’“”•–—˜™š›œžŸ]"
+MOJIBAKE_PATTERN = "|".join([
+    r"[\x80-\x9f]",
+    rf"[\xc2-\xdf]{_CONTINUATION}",
+    rf"[\xe0-\xef]{_CONTINUATION}{{2}}",
+    rf"[\xf0-\xf4]{_CONTINUATION}{{3}}",
+    r"Â\s",
+    "äó|_[ôÑ]",
+])
+_MOJIBAKE = re.compile(MOJIBAKE_PATTERN)
+
+
+def has_mojibake(text: str) -> bool:
+    """True when `text` carries one of the mojibake signatures of `MOJIBAKE_PATTERN`."""
+    return _MOJIBAKE.search(text) is not None
+
+
+@dataclass(frozen=True)
+class ValidationRules:
+    """The thresholds; field names are those of the `validate` params section (documented there)."""
+
+    min_text_chars: int
+    max_text_chars: int
+    min_confidence: float
+    max_bad_fraction: float
+    max_duplicate_fraction: float
+    max_missing_confidence_fraction: float
+    max_mojibake_fraction: float
+    min_class_fraction: float
+    drop_duplicates: bool
+
+
+class DataValidationError(ValueError):
+    """The data is unfit to train on; the message names each failed check, its value and the knob to turn."""
+
+
+def check_columns(frame: pd.DataFrame, source: str | Path) -> None:
+    """Raise DataValidationError naming `source` and the column when a required column is missing."""
+    for column in REQUIRED_COLUMNS:
+        if column not in frame.columns:
+            raise DataValidationError(
+                f"{source}: required column `{column}` is missing (columns: {', '.join(map(str, frame.columns))}). "
+                "The ingest stage writes source_row, text, label: rerun it, or check data.text_column / "
+                "data.label_column."
+            )
+    for column in (SPLIT, _STRIPPED):
+        if column in frame.columns:
+            raise DataValidationError(f"{source}: column `{column}` is reserved for validation output; rename it.")
+    if not pd.api.types.is_integer_dtype(frame["source_row"]):
+        raise DataValidationError(f"{source}: column `source_row` must hold the integer row numbers of the raw "
+                                  f"input, got dtype {frame['source_row'].dtype}. Rerun the ingest stage.")
+    if CONFIDENCE in frame.columns:
+        confidence = frame[CONFIDENCE]
+        numeric = pd.api.types.is_numeric_dtype(confidence) and not pd.api.types.is_bool_dtype(confidence)
+        if not numeric and confidence.notna().any():
+            raise DataValidationError(f"{source}: column `{CONFIDENCE}` must hold numbers in [0, 1] (or be missing), "
+                                      f"got dtype {confidence.dtype}. Check data.confidence_column.")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The suite
+
+# Row-level checks, in the order their names appear in a quarantine reason.
+ROW_CHECKS = (
+    "text_missing", "text_empty", "text_too_short", "text_too_long", "label_missing", "label_not_in_set",
+    "confidence_out_of_range", "confidence_too_low", "duplicate_text",
+)
+
+
+def build_suite(rules: ValidationRules, labels: Sequence[str], has_confidence: bool) -> gx.ExpectationSuite:
+    """The GX suite; every expectation carries `meta={"check": name, "level": "schema" | "row" | "table"}`."""
+
+    def row(name: str, expectation: gxe.Expectation) -> gxe.Expectation:
+        expectation.meta = {"check": name, "level": "row"}
+        return expectation
+
+    def table(name: str, expectation: gxe.Expectation, note: str) -> gxe.Expectation:
+        expectation.meta = {"check": name, "level": "table"}
+        expectation.notes = note
+        return expectation
+
+    stripped_note = f"`{_STRIPPED}`: the text with surrounding whitespace removed, null when nothing is left."
+    expectations: list[gxe.Expectation] = [
+        *(gxe.ExpectColumnToExist(column=column, meta={"check": f"column_exists.{column}", "level": "schema"})
+          for column in (*REQUIRED_COLUMNS, *((CONFIDENCE,) if has_confidence else ()))),
+        row("text_missing", gxe.ExpectColumnValuesToNotBeNull(column="text")),
+        row("text_empty", gxe.ExpectColumnValuesToMatchRegex(column="text", regex=r"\S")),
+        row("text_too_short", gxe.ExpectColumnValueLengthsToBeBetween(
+            column=_STRIPPED, min_value=rules.min_text_chars, notes=stripped_note)),
+        row("text_too_long", gxe.ExpectColumnValueLengthsToBeBetween(
+            column=_STRIPPED, max_value=rules.max_text_chars, notes=stripped_note)),
+        row("label_missing", gxe.ExpectColumnValuesToNotBeNull(column="label")),
+        row("label_not_in_set", gxe.ExpectColumnValuesToBeInSet(column="label", value_set=list(labels))),
+    ]
+    if has_confidence:  # a missing confidence passes these (GX skips nulls); the table check counts them
+        expectations += [
+            row("confidence_out_of_range", gxe.ExpectColumnValuesToBeBetween(
+                column=CONFIDENCE, min_value=0.0, max_value=1.0)),
+            row("confidence_too_low", gxe.ExpectColumnValuesToBeBetween(
+                column=CONFIDENCE, min_value=rules.min_confidence)),
+        ]
+    expectations += [
+        # GX flags every copy of a repeated text; the first one (train before val before test) is kept.
+        row("duplicate_text", gxe.ExpectColumnValuesToBeUnique(
+            column=_STRIPPED, notes=stripped_note + " Only copies after the first are quarantined.")),
+        table("duplicate_fraction", gxe.ExpectColumnProportionOfUniqueValuesToBeBetween(
+            column=_STRIPPED, min_value=1 - rules.max_duplicate_fraction),
+            f"Duplicate fraction = 1 - this proportion, at most {rules.max_duplicate_fraction}."),
+        table("mojibake_fraction", gxe.ExpectColumnValuesToNotMatchRegex(
+            column="text", regex=MOJIBAKE_PATTERN, mostly=1 - rules.max_mojibake_fraction),
+            f"Mojibake (UTF-8 decoded as latin-1/cp1252) in at most {rules.max_mojibake_fraction} of the texts."),
+    ]
+    if has_confidence:
+        expectations.append(table("missing_confidence_fraction", gxe.ExpectColumnProportionOfNonNullValuesToBeBetween(
+            column=CONFIDENCE, min_value=1 - rules.max_missing_confidence_fraction),
+            f"Confidence missing in at most {rules.max_missing_confidence_fraction} of the rows."))
+    for label in labels:
+        # "label == L for at least min_class_fraction of the rows" is this expectation with `mostly`.
+        expectations.append(table(f"class_fraction.{label}", gxe.ExpectColumnValuesToBeInSet(
+            column="label", value_set=[label], mostly=rules.min_class_fraction),
+            f"Class `{label}` holds at least {rules.min_class_fraction} of the labelled rows."))
+    return gx.ExpectationSuite(name="validate", expectations=expectations)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The outcome
+
+
+@dataclass(frozen=True)
+class TableCheck:
+    name: str  # `duplicate_fraction`, `class_fraction.positive`, `bad_fraction`
+    measured: float
+    threshold: float
+    at_most: bool  # measured must be <= threshold (else >=)
+    rule: str  # the ValidationRules field that sets the threshold
+    passed: bool
+    examples: tuple[str, ...] = ()  # `split:source_row` of rows behind the measure
+
+
+@dataclass(frozen=True)
+class ValidationOutcome:
+    frame: pd.DataFrame  # all splits, in order, with the `split` column first
+    reasons: pd.Series  # per row of `frame`: failed row checks joined by "; ", "" when the row passed
+    row_failures: dict[str, pd.Series]  # check -> boolean mask over `frame` (duplicates: copies after the first)
+    table_checks: tuple[TableCheck, ...]
+    rules: ValidationRules
+    labels: tuple[str, ...]
+
+    @property
+    def passed(self) -> bool:
+        return all(check.passed for check in self.table_checks)
+
+    @property
+    def quarantined(self) -> pd.Series:
+        return self.reasons != ""
+
+    def validated(self, split: str) -> pd.DataFrame:
+        """The rows of `split` that passed every row check, input columns and order unchanged."""
+        keep = (self.frame[SPLIT] == split) & ~self.quarantined
+        return self.frame.loc[keep].drop(columns=SPLIT).reset_index(drop=True)
+
+    def quarantine(self) -> pd.DataFrame:
+        """Failing rows: split, the input columns, reason."""
+        return self.frame.loc[self.quarantined].assign(reason=self.reasons[self.quarantined]).reset_index(drop=True)
+
+    def metrics(self) -> dict:
+        """Numbers only, nested: per split and `total`; table-level values under `total`."""
+
+        def counts(mask: pd.Series) -> dict:
+            bad = self.quarantined & mask
+            return {
+                "rows": int(mask.sum()),
+                "passed": int((mask & ~bad).sum()),
+                "quarantined": int(bad.sum()),
+                "checks": {name: int((failed & mask).sum()) for name, failed in self.row_failures.items()},
+            }
+
+        out = {split: counts(self.frame[SPLIT] == split) for split in self.frame[SPLIT].unique()}
+        total = counts(pd.Series(True, index=self.frame.index))
+        for check in self.table_checks:
+            if check.name.startswith("class_fraction."):
+                total.setdefault("class_fraction", {})[check.name.split(".", 1)[1]] = round(check.measured, 6)
+            else:
+                total[check.name] = round(check.measured, 6)
+        out["total"] = total
+        return out
+
+    def summary(self, key_prefix: str = "") -> str:
+        """A table: each check, failing rows, share, threshold (and the params key), examples."""
+        n = max(len(self.frame), 1)
+        r = self.rules
+        row_rules = {
+            "text_missing": "not null",
+            "text_empty": "not blank",
+            "text_too_short": f">= {r.min_text_chars} chars ({key_prefix}min_text_chars)",
+            "text_too_long": f"<= {r.max_text_chars} chars ({key_prefix}max_text_chars)",
+            "label_missing": "not null",
+            "label_not_in_set": f"in {', '.join(self.labels)}",
+            "confidence_out_of_range": "in [0, 1] when present",
+            "confidence_too_low": f">= {r.min_confidence} when present ({key_prefix}min_confidence)",
+            "duplicate_text": "first copy only" + ("" if r.drop_duplicates else
+                                                  f" (not quarantined: {key_prefix}drop_duplicates=false)"),
+        }
+        lines = [f"{'check':<32} {'rows':>7} {'share':>8}  {'threshold':<56} examples (split:source_row)"]
+        for name, failed in self.row_failures.items():
+            lines.append(f"{name:<32} {int(failed.sum()):>7} {failed.sum() / n:>8.2%}  {row_rules[name]:<56} "
+                         f"{', '.join(_examples(self.frame, failed))}")
+        for check in self.table_checks:
+            sign = "<=" if check.at_most else ">="
+            status = "ok" if check.passed else "FAILED"
+            threshold = f"{sign} {check.threshold:g} ({key_prefix}{check.rule})"
+            lines.append(f"{check.name:<32} {'':>7} {check.measured:>8.2%}  {threshold:<56} "
+                         f"{status:<6} {', '.join(check.examples)}")
+        return "\n".join(lines)
+
+    def failure_message(self, key_prefix: str = "") -> str:
+        """One line per failed table-level check (value, threshold, key to change), then the summary table."""
+        lines = []
+        for check in self.table_checks:
+            if check.passed:
+                continue
+            sign = ">" if check.at_most else "<"
+            knob = f"{key_prefix}{check.rule}"
+            lines.append(f"- {check.name} = {check.measured:.4f} {sign} {check.threshold:g}: {_ADVICE[check.rule]} "
+                         f"(or {'raise' if check.at_most else 'lower'} `{knob}` if this is expected)")
+        return "\n".join(["data validation failed:", *lines, "", self.summary(key_prefix)])
+
+
+_ADVICE = {
+    "max_bad_fraction": "too many rows fail row-level checks; see the table and the quarantine reasons",
+    "max_duplicate_fraction": "too many texts repeat an earlier one; deduplicate the source",
+    "max_missing_confidence_fraction": "too many rows lack a confidence; fix the source or set "
+                                       "data.confidence_column to null",
+    "max_mojibake_fraction": "too many texts look like UTF-8 decoded as latin-1/cp1252; check data.encoding",
+    "min_class_fraction": "a class is too rare to learn; rebalance the data or drop the class from data.labels",
+}
+
+
+def _examples(frame: pd.DataFrame, mask: pd.Series, limit: int = 3) -> tuple[str, ...]:
+    rows = frame.loc[mask, [SPLIT, "source_row"]].head(limit)
+    return tuple(f"{split}:{source_row}" for split, source_row in rows.itertuples(index=False))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Running it
+
+
+def _context(docs_dir: Path | None) -> gx.data_context.EphemeralDataContext:
+    """An in-memory GX context (nothing written to the project), with one docs site in `docs_dir` if given."""
+    sites = {}
+    if docs_dir is not None:
+        sites["local_site"] = {
+            "class_name": "SiteBuilder",
+            "show_how_to_buttons": False,
+            "store_backend": {"class_name": "TupleFilesystemStoreBackend", "base_directory": str(docs_dir.resolve())},
+            "site_index_builder": {"class_name": "DefaultSiteIndexBuilder"},
+        }
+    config = DataContextConfig(
+        store_backend_defaults=InMemoryStoreBackendDefaults(),
+        data_docs_sites=sites,
+        analytics_enabled=False,
+        progress_bars=ProgressBarsConfig(globally=False),
+    )
+    return gx.get_context(mode="ephemeral", project_config=config)
+
+
+def validate_splits(
+    splits: Mapping[str, pd.DataFrame],
+    labels: Sequence[str],
+    rules: ValidationRules,
+    docs_dir: Path | None = None,
+) -> ValidationOutcome:
+    """Run the suite over all splits together (in the mapping's order, which decides which duplicate is first).
+
+    Args:
+        splits: split name -> frame with at least source_row, text, label (and optionally confidence).
+        labels: the declared label set, in class-id order.
+        rules: thresholds.
+        docs_dir: where GX writes the data docs site (HTML) for this run; None writes none.
+
+    Raises:
+        DataValidationError: a required column is missing, or `(split, source_row)` is not unique.
+    """
+    for split, frame in splits.items():
+        check_columns(frame, split)
+    columns = {tuple(frame.columns) for frame in splits.values()}
+    if len({CONFIDENCE in c for c in columns}) > 1:
+        raise DataValidationError(f"`{CONFIDENCE}` is in some splits but not all: {sorted(columns)}.")
+    frame = pd.concat([f.assign(**{SPLIT: s}) for s, f in splits.items()], ignore_index=True)
+    frame = frame[[SPLIT, *(c for c in frame.columns if c != SPLIT)]]
+    if frame.empty:
+        raise DataValidationError("no rows to validate: every split is empty.")
+    if frame.duplicated([SPLIT, "source_row"]).any():
+        twice = frame.loc[frame.duplicated([SPLIT, "source_row"]), [SPLIT, "source_row"]].head(3).values.tolist()
+        raise DataValidationError(f"(split, source_row) must identify a row; repeated: {twice}.")
+    has_confidence = CONFIDENCE in frame.columns
+
+    stripped = frame["text"].astype("str").str.strip()  # astype keeps nulls null
+    gx_frame = frame.assign(**{_STRIPPED: stripped.where(stripped != "")})
+    context = _context(docs_dir)
+    batch = (context.data_sources.add_pandas("frugaltune").add_dataframe_asset("splits")
+             .add_batch_definition_whole_dataframe("all_splits"))
+    suite = context.suites.add(build_suite(rules, labels, has_confidence))
+    definition = context.validation_definitions.add(gx.ValidationDefinition(name="validate", data=batch, suite=suite))
+    result = definition.run(
+        batch_parameters={"dataframe": gx_frame},
+        result_format={"result_format": "COMPLETE", "unexpected_index_column_names": [SPLIT, "source_row"]},
+        run_id=RunIdentifier(run_name="validate", run_time=datetime.datetime.now(datetime.timezone.utc)),
+    )
+    if docs_dir is not None:
+        context.build_data_docs()
+
+    position = {key: i for i, key in enumerate(zip(frame[SPLIT], frame["source_row"].tolist()))}
+
+    def failing(res) -> pd.Series:
+        mask = pd.Series(False, index=frame.index)
+        hits = [position[(d[SPLIT], int(d["source_row"]))] for d in res.result.get("unexpected_index_list") or []]
+        mask.iloc[hits] = True
+        return mask
+
+    by_check = {}  # check name -> GX result, in suite order (GX returns them in its own order)
+    order = [expectation.meta["check"] for expectation in suite.expectations]
+    for res in sorted(result.results, key=lambda res: order.index(res.expectation_config.meta["check"])):
+        config = res.expectation_config
+        if (res.exception_info or {}).get("raised_exception"):
+            raise RuntimeError(f"GX could not evaluate {config.type} {config.kwargs}: "
+                               f"{res.exception_info['exception_message']}")
+        by_check[config.meta["check"]] = res
+
+    row_failures = {}
+    for name in ROW_CHECKS:
+        if name in by_check:
+            row_failures[name] = failing(by_check[name])
+    if "duplicate_text" in row_failures:
+        row_failures["duplicate_text"] &= gx_frame[_STRIPPED].notna() & gx_frame[_STRIPPED].duplicated()
+    quarantining = [n for n in row_failures if n != "duplicate_text" or rules.drop_duplicates]
+    reasons = pd.Series("", index=frame.index, dtype=object)
+    for name in quarantining:
+        reasons[row_failures[name]] += name + "; "
+    reasons = reasons.str.removesuffix("; ").astype(str)
+
+    table_checks = [_bad_fraction(frame, reasons, rules)]
+    behind = {  # rows that make up each measured share, for the examples in the summary
+        "duplicate_fraction": row_failures.get("duplicate_text"),
+        "missing_confidence_fraction": frame[CONFIDENCE].isna() if has_confidence else None,
+    }
+    for name, res in by_check.items():
+        if res.expectation_config.meta["level"] != "table":
+            continue
+        rule, at_most = _TABLE_RULES[name.split(".")[0]]
+        rows = failing(res) if name == "mojibake_fraction" else behind.get(name)
+        examples = _examples(frame, rows) if rows is not None else ()
+        table_checks.append(TableCheck(name, _measured(name, res.result), getattr(rules, rule), at_most, rule,
+                                       bool(res.success), examples))
+    return ValidationOutcome(frame, reasons, row_failures, tuple(table_checks), rules, tuple(labels))
+
+
+# table check (prefix before ".") -> (the ValidationRules field with its threshold, measured must be <= threshold)
+_TABLE_RULES = {
+    "duplicate_fraction": ("max_duplicate_fraction", True),
+    "missing_confidence_fraction": ("max_missing_confidence_fraction", True),
+    "mojibake_fraction": ("max_mojibake_fraction", True),
+    "class_fraction": ("min_class_fraction", False),
+}
+
+
+def _measured(name: str, result: dict) -> float:
+    """The share a table-level GX result stands for (GX itself decides pass or fail)."""
+    if "observed_value" in result:  # proportion of unique / of non-null values: we report the complement
+        return 1.0 - float(result["observed_value"])
+    considered = result["element_count"] - result.get("missing_count", 0)  # `mostly` counts non-null values
+    unexpected = result["unexpected_count"] / considered if considered else 0.0
+    return unexpected if name == "mojibake_fraction" else 1.0 - unexpected  # class share: the rows in the set
+
+
+def _bad_fraction(frame: pd.DataFrame, reasons: pd.Series, rules: ValidationRules) -> TableCheck:
+    """Not a GX expectation: the share of rows quarantined by the row-level checks together."""
+    bad = reasons != ""
+    share = float(bad.mean())
+    return TableCheck("bad_fraction", share, rules.max_bad_fraction, True, "max_bad_fraction",
+                      share <= rules.max_bad_fraction, _examples(frame, bad))

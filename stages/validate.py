@@ -1,0 +1,111 @@
+"""Validate the ingested splits with a Great Expectations suite.  Run by DVC as:  python -m stages.validate
+
+Reads `validate.*`, `data/splits/{train,val,test}.parquet` and the label set in `data/splits/labels.json`.
+Writes, when the data passes:
+  - `data/validated/{split}.parquet`: the rows that pass every row-level check, columns and order unchanged;
+  - `data/quarantine.parquet`: the failing rows (split, source_row, text, label[, confidence], reason), where
+    reason names every failed check (`text_too_short; label_not_in_set`);
+  - `reports/validate.json`: rows/passed/quarantined and failing counts per check, per split and in total, and
+    the measured table-level shares (duplicates, missing confidence, mojibake, class shares, bad rows);
+  - `reports/data_docs/`: the GX data docs (open index.html), also written when validation fails, to see why.
+
+The stage fails, naming the check, the measured value, the threshold and the `validate.*` key to change, when
+more than `validate.max_bad_fraction` of the rows are quarantined or a table-level check fails. It then leaves no
+validated splits, quarantine or report behind. The checks themselves live in `frugaltune/validation.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import pandas as pd
+
+from frugaltune.io import atomic_dir, write_json
+from frugaltune.validation import DataValidationError, ValidationRules, check_columns, validate_splits
+from stages import paths
+from stages.config import Params, ParamsError, load_params
+
+
+def _remove_outputs() -> None:
+    """Stale outputs of an earlier run must not survive a failing one (DVC does this too; a direct run must)."""
+    for path in (paths.VALIDATED_DIR, paths.DATA_DOCS):
+        shutil.rmtree(path, ignore_errors=True)
+    for path in (paths.QUARANTINE, paths.report("validate")):
+        path.unlink(missing_ok=True)
+
+
+def _read_labels() -> list[str]:
+    if not paths.LABELS.is_file():
+        raise DataValidationError(f"{paths.LABELS}: not found. Run `dvc repro ingest` first.")
+    content = json.loads(paths.LABELS.read_text(encoding="utf-8"))
+    labels = content.get("labels") if isinstance(content, dict) else None
+    if not labels or not all(isinstance(label, str) for label in labels):
+        raise DataValidationError(f"{paths.LABELS}: `labels` must be a non-empty list of strings, got {labels!r}.")
+    return labels
+
+
+def _read_split(split: str) -> pd.DataFrame:
+    path = paths.split_path(split)
+    if not path.is_file():
+        raise DataValidationError(f"{path}: not found. Run `dvc repro ingest` first.")
+    frame = pd.read_parquet(path)
+    check_columns(frame, path)  # fail before any GX work, naming the file
+    return frame
+
+
+def _write_parquet(frame: pd.DataFrame, path: Path) -> None:
+    """Temp file beside `path`, then rename: a crash leaves no half-written parquet."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+    os.close(fd)
+    try:
+        frame.to_parquet(tmp, index=False)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def run(params: Params) -> dict:
+    rules = ValidationRules(**params.validate_.model_dump())
+    _remove_outputs()
+    labels = _read_labels()
+    splits = {split: _read_split(split) for split in paths.SPLITS}  # this order decides which duplicate is first
+
+    with atomic_dir(paths.DATA_DOCS) as docs:
+        outcome = validate_splits(splits, labels, rules, docs_dir=docs)
+    if not outcome.passed:
+        raise DataValidationError(
+            f"{outcome.failure_message(key_prefix='validate.')}\n\nDetails: {paths.DATA_DOCS / 'index.html'}"
+        )
+
+    with atomic_dir(paths.VALIDATED_DIR) as out:
+        for split in paths.SPLITS:
+            _write_parquet(outcome.validated(split), out / paths.validated_path(split).name)
+    _write_parquet(outcome.quarantine(), paths.QUARANTINE)
+    metrics = outcome.metrics()
+    write_json(paths.report("validate"), metrics)  # last: its presence means the stage finished
+
+    total = metrics["total"]
+    print(outcome.summary(key_prefix="validate."))
+    per_split = ", ".join(f"{split} {metrics[split]['passed']}/{metrics[split]['rows']}" for split in paths.SPLITS)
+    print(f"validate: {total['passed']} of {total['rows']} rows pass ({per_split}); {total['quarantined']} "
+          f"quarantined in {paths.QUARANTINE}; data docs: {paths.DATA_DOCS / 'index.html'}")
+    return metrics
+
+
+def main() -> None:
+    try:
+        run(load_params())
+    except (ParamsError, DataValidationError) as exc:
+        sys.exit(f"validate: {exc}")
+
+
+if __name__ == "__main__":
+    main()
