@@ -1,0 +1,68 @@
+"""Evaluate the base model (random head) and the fine-tuned model side by side.  Run by DVC as:  python -m stages.evaluate
+
+Reads `evaluate.*`, `common.seed`, `train.precision`, `data/tokenized/`, `models/base/`, `models/adapter/`.
+Writes `reports/evaluate.json` ({"baseline": {...}, "finetuned": {...}, "macro_f1_gain": ...}: accuracy, macro-F1,
+per-class precision/recall/F1, confusion matrix) and `reports/plots/evaluate_confusion.csv` (actual,predicted per
+example, for `dvc plots`' confusion template). The baseline is the base model with the classification head that
+training started from (same seed), so the gain is what fine-tuning added.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pandas as pd
+import torch
+from datasets import load_from_disk
+from peft import PeftModel
+
+from frugaltune.io import read_json, write_json, write_text
+from frugaltune.metrics import classification_metrics
+from frugaltune.models import load_for_classification, load_tokenizer
+from frugaltune.training.loop import predict
+from stages import paths
+from stages.config import Params, ParamsError, load_params
+from stages.train import resolve_precision, resolve_threads
+
+
+def run(params: Params) -> dict:
+    ep, seed = params.evaluate, params.common.seed
+    hardware = read_json(paths.HARDWARE) if paths.HARDWARE.exists() else {}
+    bf16 = resolve_precision(params.train.precision, hardware)
+    torch.set_num_threads(resolve_threads(params.train.threads))
+    labels = read_json(paths.LABELS)["labels"]
+    data = load_from_disk(str(paths.TOKENIZED_DIR))[ep.split]
+    y_true = np.asarray(data["labels"])
+    tokenizer = load_tokenizer(paths.BASE_MODEL)
+
+    model = load_for_classification(paths.BASE_MODEL, labels, tokenizer.pad_token_id, seed)
+    baseline_pred = predict(model, data["input_ids"], tokenizer.pad_token_id, ep.batch_size, bf16)
+    model = PeftModel.from_pretrained(model, str(paths.ADAPTER_DIR))
+    finetuned_pred = predict(model, data["input_ids"], tokenizer.pad_token_id, ep.batch_size, bf16)
+
+    report = {
+        "baseline": classification_metrics(y_true, baseline_pred, labels),
+        "finetuned": classification_metrics(y_true, finetuned_pred, labels),
+    }
+    report["macro_f1_gain"] = round(report["finetuned"]["macro_f1"] - report["baseline"]["macro_f1"], 6)
+    report["accuracy_gain"] = round(report["finetuned"]["accuracy"] - report["baseline"]["accuracy"], 6)
+    report["rows"] = int(len(y_true))
+    write_json(paths.report("evaluate"), report)
+    confusion = pd.DataFrame({"actual": [labels[i] for i in y_true], "predicted": [labels[i] for i in finetuned_pred]})
+    write_text(paths.plot("evaluate", "confusion"), confusion.to_csv(index=False))
+    for name in ("baseline", "finetuned"):
+        print(f"evaluate: {name:9s} accuracy {report[name]['accuracy']:.4f}  macro-F1 {report[name]['macro_f1']:.4f}")
+    print(f"evaluate: macro-F1 gain {report['macro_f1_gain']:+.4f} on {len(y_true)} {ep.split} examples")
+    return report
+
+
+def main() -> None:
+    try:
+        run(load_params())
+    except (ParamsError, FileNotFoundError, ValueError) as exc:
+        sys.exit(f"evaluate: {exc}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""Fine-tune the base model as a sequence classifier.  Run by DVC as:  python -m stages.train
+
+Reads `train.*`, `common.seed`, `data/tokenized/`, the label set, `models/base/` and `reports/hardware.json`.
+Writes `models/adapter/` (PEFT adapter in safetensors + tokenizer + labels.json), `reports/train.json` (loss,
+useful tokens/s, wall time, peak RSS, trainable parameters, the resolved precision and threads) and the loss curve
+`reports/plots/train_loss.csv`. Each run is one MLflow run with params, step metrics and these artifacts.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import sys
+
+import mlflow
+import psutil
+import torch
+from datasets import load_from_disk
+
+from frugaltune import tracking
+from frugaltune.hardware import supports_bf16_autocast
+from frugaltune.io import atomic_dir, read_json, write_json, write_text
+from frugaltune.models import load_for_classification, load_tokenizer
+from frugaltune.training.loop import DivergenceError, LoopConfig, count_parameters, train_classifier
+from frugaltune.training.methods import apply_lora
+from stages import paths
+from stages.config import Params, ParamsError, load_params
+
+
+def resolve_precision(requested: str, hardware: dict) -> bool:
+    """True for bf16 autocast. `auto` picks it where the CPU (avx512_bf16/AMX) or the GPU supports it."""
+    if requested == "auto":
+        return supports_bf16_autocast(hardware)
+    return requested == "bf16"
+
+
+def resolve_threads(requested: int | None) -> int:
+    # Physical cores: a second hyperthread per core adds contention, not FLOPs, to these GEMMs.
+    return requested or psutil.cpu_count(logical=False) or torch.get_num_threads()
+
+
+def flatten(prefix: str, value) -> dict:
+    if isinstance(value, dict):
+        out = {}
+        for key, sub in value.items():
+            out.update(flatten(f"{prefix}.{key}" if prefix else key, sub))
+        return out
+    return {prefix: json.dumps(value) if isinstance(value, list) else value}
+
+
+def loss_curve_csv(history: list[dict]) -> str:
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=["step", "loss", "lr", "tokens_per_s"], lineterminator="\n")
+    writer.writeheader()
+    for record in history:
+        writer.writerow({"step": record["step"], "loss": f"{record['loss']:.6f}", "lr": f"{record['lr']:.3e}",
+                         "tokens_per_s": f"{record['tokens_per_s']:.1f}"})
+    return buffer.getvalue()
+
+
+def run(params: Params) -> dict:
+    tp, seed = params.train, params.common.seed
+    hardware = read_json(paths.HARDWARE) if paths.HARDWARE.exists() else {}
+    bf16 = resolve_precision(tp.precision, hardware)
+    threads = resolve_threads(tp.threads)
+    torch.set_num_threads(threads)
+
+    labels = read_json(paths.LABELS)["labels"]
+    train_set = load_from_disk(str(paths.TOKENIZED_DIR))["train"]
+    tokenizer = load_tokenizer(paths.BASE_MODEL)
+    model = load_for_classification(paths.BASE_MODEL, labels, tokenizer.pad_token_id, seed)
+    model = apply_lora(model, tp.lora.r, tp.lora.alpha, tp.lora.dropout, tp.lora.target_modules)
+    trainable, total = count_parameters(model)
+    cfg = LoopConfig(
+        lr=tp.lr, head_lr=tp.head_lr, weight_decay=tp.weight_decay, scheduler=tp.scheduler,
+        warmup_ratio=tp.warmup_ratio, epochs=tp.epochs, max_steps=tp.max_steps, batch_size=tp.batch_size,
+        grad_accum=tp.grad_accum, max_grad_norm=tp.max_grad_norm, bf16=bf16, group_by_length=tp.group_by_length,
+        log_every=tp.log_every, seed=seed,
+    )
+    print(f"train: {tp.method} r={tp.lora.r} on {len(train_set)} examples, {trainable:,} of {total:,} parameters "
+          f"trainable ({100 * trainable / total:.2f}%), precision {'bf16 autocast' if bf16 else 'fp32'}, "
+          f"{threads} threads")
+
+    tracking.setup(tp.experiment)
+    with mlflow.start_run(tags=tracking.run_tags()) as mlrun:
+        mlflow.log_params(flatten("train", tp.model_dump()))
+        mlflow.log_params({"resolved.precision": "bf16" if bf16 else "fp32", "resolved.threads": threads,
+                           "data.train_rows": len(train_set), "model.source": params.model.source})
+        result = train_classifier(
+            model, train_set["input_ids"], train_set["labels"], cfg, tokenizer.pad_token_id,
+            on_log=lambda rec: mlflow.log_metrics(
+                {"loss": rec["loss"], "lr": rec["lr"], "tokens_per_s": rec["tokens_per_s"]}, step=rec["step"]),
+        )
+        with atomic_dir(paths.ADAPTER_DIR) as out:
+            model.save_pretrained(out)
+            tokenizer.save_pretrained(out)
+            write_json(out / "labels.json", {"labels": labels, "max_length": params.tokenize.max_length})
+        metrics = {
+            "final_loss": round(result.final_loss, 6),
+            "mean_loss": round(result.mean_loss, 6),
+            "steps": result.steps,
+            "sequences": result.sequences,
+            "tokens": result.tokens,
+            "padding_fraction": round(1 - result.tokens / max(result.padded_tokens, 1), 4),
+            "tokens_per_s": round(result.tokens_per_second, 1),
+            "wall_seconds": round(result.wall_seconds, 1),
+            "peak_rss_mb": round(result.peak_rss_mb, 1),
+            "trainable_params": trainable,
+            "total_params": total,
+            "trainable_percent": round(100 * trainable / total, 4),
+            "bf16": int(bf16),
+            "threads": threads,
+        }
+        mlflow.log_metrics({k: v for k, v in metrics.items() if k not in ("bf16", "threads")})
+        write_text(paths.plot("train", "loss"), loss_curve_csv(result.history))
+        write_json(paths.report("train"), {**metrics, "mlflow_run_id": mlrun.info.run_id})
+        mlflow.log_artifact(str(paths.report("train")))
+        mlflow.log_artifact(str(paths.plot("train", "loss")))
+    print(f"train: loss {metrics['final_loss']:.4f}, {metrics['tokens_per_s']:.0f} useful tokens/s, "
+          f"{metrics['wall_seconds']:.0f} s, peak RSS {metrics['peak_rss_mb']:.0f} MB, MLflow run {mlrun.info.run_id}")
+    return metrics
+
+
+def main() -> None:
+    try:
+        run(load_params())
+    except (ParamsError, DivergenceError, ValueError, FileNotFoundError) as exc:
+        sys.exit(f"train: {exc}")
+
+
+if __name__ == "__main__":
+    main()

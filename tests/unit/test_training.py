@@ -1,0 +1,109 @@
+"""Batching, the LoRA training loop on a tiny random llama, prediction, metrics."""
+
+import numpy as np
+import pytest
+import torch
+
+from frugaltune.metrics import classification_metrics
+from frugaltune.models import load_for_classification, load_tokenizer
+from frugaltune.training.batching import collate, length_grouped_batches, sorted_batches
+from frugaltune.training.loop import DivergenceError, LoopConfig, count_parameters, plan_steps, predict, train_classifier
+from frugaltune.training.methods import apply_lora
+
+LABELS = ["negative", "positive"]
+
+
+def toy_task(tokenizer, n=64):
+    """Separable on purpose: the label is in the words, so a few steps must lower the loss."""
+    texts, labels = [], []
+    for i in range(n):
+        positive = i % 2 == 0
+        word = "wonderful great lovely" if positive else "awful terrible horrid"
+        texts.append(f"{word} {'!' * (i % 7)} day number {i}")
+        labels.append(int(positive))
+    return tokenizer(texts)["input_ids"], labels
+
+
+def test_collate_pads_right_to_batch_max():
+    batch = collate([[5, 6, 7], [8]], pad_token_id=0)
+    assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+
+
+def test_length_grouped_batches_cover_every_index_once_and_group_lengths():
+    lengths = list(np.random.default_rng(0).integers(1, 100, size=500))
+    batches = length_grouped_batches(lengths, 16, torch.Generator().manual_seed(0))
+    flat = [i for b in batches for i in b]
+    assert sorted(flat) == list(range(500))
+    padded = sum(len(b) * max(lengths[i] for i in b) for b in batches)
+    random = length_grouped_batches(lengths, 16, torch.Generator().manual_seed(0), group_by_length=False)
+    padded_random = sum(len(b) * max(lengths[i] for i in b) for b in random)
+    assert padded < 0.8 * padded_random  # grouping removes most padding
+    again = length_grouped_batches(lengths, 16, torch.Generator().manual_seed(0))
+    assert again == batches  # seeded
+
+
+def test_sorted_batches_longest_first():
+    assert sorted_batches([1, 5, 3], 2) == [[1, 2], [0]]
+
+
+def test_plan_steps_counts_accumulation_and_epochs():
+    assert plan_steps(100, LoopConfig(lr=1e-3, batch_size=10, grad_accum=2, epochs=1)) == 5
+    assert plan_steps(100, LoopConfig(lr=1e-3, batch_size=10, epochs=2.5)) == 25
+    assert plan_steps(100, LoopConfig(lr=1e-3, batch_size=10, max_steps=3)) == 3
+
+
+def test_lora_training_lowers_the_loss_and_trains_only_adapters_and_head(tiny_model_dir):
+    tokenizer = load_tokenizer(tiny_model_dir)
+    model = load_for_classification(tiny_model_dir, LABELS, tokenizer.pad_token_id, seed=0)
+    model = apply_lora(model, r=4, alpha=8, dropout=0.0, target_modules=["q_proj", "v_proj"])
+    trainable, total = count_parameters(model)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert all("lora_" in n or "score" in n for n in names) and trainable < total
+    ids, labels = toy_task(tokenizer)
+    cfg = LoopConfig(lr=5e-3, head_lr=5e-2, batch_size=8, epochs=6, log_every=4, seed=0, warmup_ratio=0.0)
+    result = train_classifier(model, ids, labels, cfg, tokenizer.pad_token_id, progress=False)
+    assert result.steps == 48 and result.sequences == 6 * 64
+    assert result.tokens == 6 * sum(len(i) for i in ids)
+    assert result.history[-1]["loss"] < 0.5 * result.history[0]["loss"]
+    predictions = predict(model, ids, tokenizer.pad_token_id, batch_size=16, progress=False)
+    assert (predictions == np.array(labels)).mean() > 0.9
+
+
+def test_same_seed_same_losses(tiny_model_dir):
+    tokenizer = load_tokenizer(tiny_model_dir)
+    ids, labels = toy_task(tokenizer, 32)
+    runs = []
+    for _ in range(2):
+        model = apply_lora(load_for_classification(tiny_model_dir, LABELS, tokenizer.pad_token_id, seed=3),
+                           4, 8, 0.1, ["q_proj"])
+        cfg = LoopConfig(lr=1e-2, batch_size=8, max_steps=6, log_every=2, seed=3)
+        runs.append([h["loss"] for h in train_classifier(model, ids, labels, cfg, tokenizer.pad_token_id,
+                                                         progress=False).history])
+    torch.testing.assert_close(runs[0], runs[1])
+
+
+def test_divergence_stops_with_the_step(tiny_model_dir):
+    tokenizer = load_tokenizer(tiny_model_dir)
+    model = load_for_classification(tiny_model_dir, LABELS, tokenizer.pad_token_id, seed=0)
+    with torch.no_grad():
+        model.score.weight.fill_(float("nan"))
+    ids, labels = toy_task(tokenizer, 16)
+    with pytest.raises(DivergenceError, match="at step 1"):
+        train_classifier(model, ids, labels, LoopConfig(lr=1e-3, batch_size=8), tokenizer.pad_token_id,
+                         progress=False)
+
+
+def test_unknown_target_module_lists_the_linear_layers(tiny_model_dir):
+    tokenizer = load_tokenizer(tiny_model_dir)
+    model = load_for_classification(tiny_model_dir, LABELS, tokenizer.pad_token_id, seed=0)
+    with pytest.raises(ValueError, match=r"train.lora.target_modules: \['qproj'\].*q_proj"):
+        apply_lora(model, 4, 8, 0.0, ["qproj"])
+
+
+def test_classification_metrics():
+    m = classification_metrics(np.array([0, 0, 1, 1]), np.array([0, 1, 1, 1]), ["a", "b"])
+    assert m["accuracy"] == 0.75
+    assert m["confusion_matrix"] == [[1, 1], [0, 2]]
+    assert m["per_class"]["a"]["precision"] == 1.0 and m["per_class"]["b"]["recall"] == 1.0
+    assert m["macro_f1"] == pytest.approx((2 / 3 + 0.8) / 2, abs=1e-6)
