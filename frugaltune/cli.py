@@ -1,0 +1,115 @@
+"""The `frugaltune` command line.
+
+    frugaltune predict "I love it" "worst day ever"        # label per text, from models:/<name>@champion
+    echo "I love it" | frugaltune predict                   # one text per input line
+    frugaltune predict --model-uri models:/frugaltune-sentiment/3 --json "I love it"
+
+Each subcommand is a `_<name>(args) -> int` handler registered in `build_parser()`; heavy imports stay inside
+the handlers so `frugaltune --help` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+
+DEFAULT_PARAMS = "params.yaml"
+
+
+class CommandError(RuntimeError):
+    """A problem the user can fix; printed without a traceback."""
+
+
+def _register_params(params_path: Path, explicit: bool):
+    from stages.config import RegisterParams, load_params
+
+    if not params_path.is_file() and not explicit:
+        return RegisterParams()  # outside a project checkout: the documented defaults
+    return load_params(params_path).register_
+
+
+def _read_texts(args: argparse.Namespace) -> list[str]:
+    if args.texts:
+        return list(args.texts)
+    if sys.stdin.isatty():
+        raise CommandError("give texts as arguments, or pipe them in one per line.")
+    return [line.rstrip("\n") for line in sys.stdin if line.strip()]
+
+
+def _predict(args: argparse.Namespace) -> int:
+    texts = _read_texts(args)
+    # Progress bars would interleave with the predictions on a terminal.
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    import mlflow
+    import pandas as pd
+    from mlflow.exceptions import MlflowException
+
+    from frugaltune import tracking
+    from stages.config import ParamsError
+
+    try:
+        register = _register_params(Path(args.params or DEFAULT_PARAMS), explicit=args.params is not None)
+    except ParamsError as exc:
+        raise CommandError(str(exc)) from None
+    model_uri = args.model_uri or f"models:/{register.model_name}@{register.alias}"
+    uri = tracking.tracking_uri()
+    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
+        # MLflow would create an empty store here and then fail to find the model.
+        raise CommandError(
+            f"no MLflow store at {uri} (run from the project root, or set MLFLOW_TRACKING_URI). "
+            "Register a model first: `dvc repro register`."
+        )
+    mlflow.set_tracking_uri(uri)
+    try:
+        model = mlflow.pyfunc.load_model(model_uri)
+    except MlflowException as exc:
+        raise CommandError(
+            f"cannot load {model_uri} from {mlflow.get_tracking_uri()}: {exc.message}\n"
+            "Register a model first (`dvc repro register`), or pass --model-uri / set MLFLOW_TRACKING_URI."
+        ) from None
+    labels = list(model.predict(pd.DataFrame({"text": texts})))
+    for text, label in zip(texts, labels):
+        print(json.dumps({"text": text, "label": label}, ensure_ascii=False) if args.json else label)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="frugaltune", description="Fine-tune small language models on the hardware people have."
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    predict = commands.add_parser(
+        "predict",
+        help="label texts with a registered model",
+        description="Print the predicted label of each text, one per line, in input order.",
+    )
+    predict.add_argument("texts", nargs="*", metavar="TEXT", help="texts to label; none: read lines from stdin")
+    predict.add_argument(
+        "--model-uri",
+        help="any MLflow model URI (models:/name@alias, models:/name/3, runs:/...); "
+        "default: models:/<register.model_name>@<register.alias> from --params",
+    )
+    predict.add_argument("--params", help=f"params file naming the model (default: {DEFAULT_PARAMS})")
+    predict.add_argument("--json", action="store_true", help='print {"text": ..., "label": ...} per line')
+    predict.set_defaults(handler=_predict)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.handler(args)
+    except CommandError as exc:
+        print(f"frugaltune {args.command}: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

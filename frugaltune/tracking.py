@@ -1,0 +1,178 @@
+"""MLflow helpers: where runs go, what every run and model version is tagged with.
+
+The default store is `sqlite:///<project>/mlflow.db` with artifacts under `<project>/mlartifacts/` (the project
+root is the working directory, as for every stage); `MLFLOW_TRACKING_URI` overrides both, e.g. a remote server.
+Tags tie a run or a model version back to the exact code (`git_commit`), pipeline state (`dvc.<stage>`: a short
+hash of that stage's deps and outs in `dvc.lock`) and input data (`data_hash`).
+
+Not run directly. Used by the train and register stages:
+
+    experiment_id = tracking.setup("frugaltune")
+    with mlflow.start_run(tags=tracking.run_tags()): ...
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import yaml
+
+from stages import paths
+
+TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
+LOCK_FILE = Path("dvc.lock")
+INGEST_STAGE = "ingest"
+SHORT_HASH_CHARS = 12
+
+
+def _default_uri() -> str:
+    return f"sqlite:///{paths.MLFLOW_DB.resolve()}"
+
+
+def tracking_uri() -> str:
+    """`MLFLOW_TRACKING_URI` when set, else the project's sqlite store as an absolute URI."""
+    return os.environ.get(TRACKING_URI_ENV) or _default_uri()
+
+
+def setup(experiment: str) -> str:
+    """Point MLflow at the project's store and make `experiment` the active one; return its id.
+
+    Idempotent: an existing experiment is reused. With the default sqlite store a new experiment keeps its
+    artifacts in `mlartifacts/` (MLflow would otherwise pick `./mlruns`); with `MLFLOW_TRACKING_URI` set, the
+    server decides.
+    """
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    uri = tracking_uri()
+    mlflow.set_tracking_uri(uri)
+    client = mlflow.MlflowClient(uri)
+    found = client.get_experiment_by_name(experiment)
+    if found is None:
+        # Compare URIs rather than test the variable: mlflow.set_tracking_uri() exports MLFLOW_TRACKING_URI.
+        artifact_location = paths.MLFLOW_ARTIFACTS.resolve().as_uri() if uri == _default_uri() else None
+        try:
+            experiment_id = client.create_experiment(experiment, artifact_location=artifact_location)
+        except MlflowException:
+            # Another process (a parallel stage, a Prefect retry) created it between our lookup and create.
+            found = client.get_experiment_by_name(experiment)
+            if found is None:
+                raise
+            experiment_id = found.experiment_id
+    elif found.lifecycle_stage == "deleted":
+        raise RuntimeError(
+            f"MLflow experiment {experiment!r} (id {found.experiment_id}) is deleted in {uri}. Restore it with "
+            f"`mlflow experiments restore --experiment-id {found.experiment_id}` or choose another "
+            "`train.experiment`."
+        )
+    else:
+        experiment_id = found.experiment_id
+    mlflow.set_experiment(experiment_id=experiment_id)
+    return experiment_id
+
+
+def _git(*args: str) -> str | None:
+    try:
+        done = subprocess.run(["git", *args], capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def git_commit() -> str | None:
+    """The commit checked out in the working directory; None outside git or before the first commit."""
+    return _git("rev-parse", "HEAD") or None
+
+
+def git_dirty() -> bool | None:
+    """Whether tracked files differ from the commit (so `git_commit` alone does not describe the code)."""
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return None if status is None else bool(status)
+
+
+def _read_lock() -> dict:
+    if not LOCK_FILE.is_file():
+        return {}
+    lock = yaml.safe_load(LOCK_FILE.read_text(encoding="utf-8")) or {}
+    return lock.get("stages") or {}
+
+
+def _entry_md5(entry: dict) -> str:
+    # DVC 3 writes `md5:` (with `hash: md5`); older locks may carry other hash names.
+    return str(entry.get("md5") or entry.get("etag") or entry.get("checksum") or "")
+
+
+def dvc_lock_hashes() -> dict[str, str]:
+    """Per stage in `dvc.lock`: a short hash of its deps and outs (path + md5). {} when there is no lock.
+
+    Stable: it depends only on the recorded paths and hashes, not on key order or the lock's formatting.
+    """
+    hashes = {}
+    for stage, entry in sorted(_read_lock().items()):
+        files = [
+            (kind, str(item.get("path")), _entry_md5(item))
+            for kind in ("deps", "outs")
+            for item in (entry or {}).get(kind) or []
+        ]
+        digest = hashlib.sha256(json.dumps(sorted(files)).encode()).hexdigest()
+        hashes[stage] = digest[:SHORT_HASH_CHARS]
+    return hashes
+
+
+def _is_under(path: str, folder: Path) -> bool:
+    return Path(path) == folder or folder in Path(path).parents
+
+
+def data_hash() -> str | None:
+    """Hash of the raw input data: the md5 DVC recorded for the ingest outs under data/raw, else a sha256
+    of the files under `paths.RAW_DIR`; None when neither exists."""
+    ingest = _read_lock().get(INGEST_STAGE) or {}
+    raw = sorted(
+        (str(out["path"]), _entry_md5(out))
+        for out in ingest.get("outs") or []
+        if _is_under(str(out.get("path", "")), paths.RAW_DIR) and _entry_md5(out)
+    )
+    if len(raw) == 1:
+        return raw[0][1]
+    if raw:
+        return hashlib.md5(json.dumps(raw).encode()).hexdigest()
+    if not paths.RAW_DIR.is_dir():
+        return None
+    digest = hashlib.sha256()
+    for file in sorted(p for p in paths.RAW_DIR.rglob("*") if p.is_file()):
+        # The name goes in too, so renaming a file changes the hash as DVC's directory md5 would.
+        digest.update(file.relative_to(paths.RAW_DIR).as_posix().encode() + b"\0")
+        with file.open("rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def tag_key(name: str) -> str:
+    """`name` with the characters MLflow rejects in tag keys (e.g. `@` of foreach stages) replaced by `_`."""
+    return re.sub(r"[^/\w.\- ]", "_", name)
+
+
+def run_tags() -> dict[str, str]:
+    """Tags for a run or model version: `git_commit`, `git_dirty`, `dvc.<stage>` hashes, `data_hash`.
+
+    Unknown facts (no git, no dvc.lock, no raw data) are left out rather than tagged with a placeholder.
+    """
+    tags: dict[str, str] = {}
+    commit = git_commit()
+    if commit:
+        tags["git_commit"] = commit
+        dirty = git_dirty()
+        if dirty is not None:
+            tags["git_dirty"] = str(dirty).lower()
+    for stage, digest in dvc_lock_hashes().items():
+        tags[tag_key(f"dvc.{stage}")] = digest
+    data = data_hash()
+    if data:
+        tags["data_hash"] = data
+    return tags

@@ -1,0 +1,262 @@
+"""The register stage: one version per training run, the alias moves only on improvement, and the champion loads
+and predicts label names in a fresh process (and through `frugaltune predict`).
+
+Real MLflow with a sqlite store in a temp project; a tiny random llama + LoRA adapter built offline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import mlflow
+import pytest
+import torch
+from mlflow import MlflowClient
+
+from frugaltune import cli, tracking
+from stages import paths
+from stages import register as register_stage
+from stages.config import Params, parse_params
+
+LABELS = ["negative", "neutral", "positive"]
+SENTENCES = ["i love this so much", "i hate that", "it is fine ok", "what a great day", "worst service ever"]
+MODEL_NAME = "tiny-sentiment"
+EXPERIMENT = "tiny"
+
+
+def build_tiny_model(out_dir: Path, labels: Sequence[str], seed: int = 0) -> Path:
+    """Write `<out_dir>/base` (random 2-layer llama classifier + tokenizer, HF dir, safetensors) and
+    `<out_dir>/adapter` (LoRA on q/v with the `score` head in modules_to_save + tokenizer + labels.json), the
+    layout import_model and train produce under `models/`. Offline: the tokenizer is trained in memory."""
+    from peft import LoraConfig, get_peft_model
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForSequenceClassification, PreTrainedTokenizerFast
+
+    word_level = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    word_level.pre_tokenizer = pre_tokenizers.Whitespace()
+    word_level.train_from_iterator(SENTENCES, trainers.WordLevelTrainer(special_tokens=["[PAD]", "[UNK]", "[EOS]"]))
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=word_level, pad_token="[PAD]", eos_token="[EOS]", unk_token="[UNK]"
+    )
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        num_labels=len(labels),
+    )
+    model = LlamaForSequenceClassification(config)
+    base, adapter = out_dir / "base", out_dir / "adapter"
+    model.save_pretrained(base)
+    tokenizer.save_pretrained(base)
+    lora = LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                      modules_to_save=["score"])
+    get_peft_model(model, lora).save_pretrained(adapter)
+    tokenizer.save_pretrained(adapter)
+    (adapter / "labels.json").write_text(json.dumps({"labels": list(labels)}), encoding="utf-8")
+    return out_dir
+
+
+@contextmanager
+def mlflow_project(root: Path) -> Iterator[Path]:
+    """cwd = `root`, MLflow on `root/mlflow.db`; afterwards MLflow's process-wide state and the env vars it
+    exports (MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_ID) are as before."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(root)
+        patch.delenv("MLFLOW_TRACKING_URI", raising=False)
+        patch.delenv("MLFLOW_EXPERIMENT_ID", raising=False)
+        patch.setenv("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+        try:
+            yield root
+        finally:
+            mlflow.set_tracking_uri(None)
+            mlflow.tracking.fluent._active_experiment_id = None
+            os.environ.pop("MLFLOW_EXPERIMENT_ID", None)
+
+
+def _git(root: Path, *args: str) -> None:
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=root, check=True,
+                   capture_output=True)
+
+
+def fake_reports(macro_f1: float, run_id: str | None) -> None:
+    """What train and evaluate would write."""
+    paths.REPORTS.mkdir(exist_ok=True)
+    train = {"train_loss": 0.5, **({"mlflow_run_id": run_id} if run_id else {})}
+    paths.report("train").write_text(json.dumps(train))
+    evaluation = {
+        "baseline": {"accuracy": 0.33, "macro_f1": 0.2},
+        "finetuned": {"accuracy": macro_f1 + 0.05, "macro_f1": macro_f1},
+    }
+    paths.report("evaluate").write_text(json.dumps(evaluation))
+
+
+def training_run() -> str:
+    """A finished MLflow run, as the train stage leaves it."""
+    tracking.setup(EXPERIMENT)
+    with mlflow.start_run(tags=tracking.run_tags()) as run:
+        mlflow.log_metric("train_loss", 0.5)
+    return run.info.run_id
+
+
+def params(model_name: str = MODEL_NAME) -> Params:
+    return parse_params({"register": {"model_name": model_name}, "train": {"experiment": EXPERIMENT}})
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A git project with a tiny model, a dvc.lock, raw data, and version 1 of MODEL_NAME registered."""
+    root = tmp_path_factory.mktemp("project")
+    build_tiny_model(root / paths.MODELS, LABELS)
+    (root / paths.RAW_DIR).mkdir(parents=True)
+    (root / paths.RAW_DIR / "tweets.csv").write_text("text,sentiment\ni love it,positive\n")
+    (root / "dvc.lock").write_text(
+        "schema: '2.0'\nstages:\n  ingest:\n    cmd: python -m stages.ingest\n    outs:\n"
+        "    - path: data/raw\n      hash: md5\n      md5: 0123456789abcdef0123456789abcdef.dir\n"
+    )
+    (root / paths.PARAMS).write_text(f"register:\n  model_name: {MODEL_NAME}\ntrain:\n  experiment: {EXPERIMENT}\n")
+    _git(root, "init", "-q")
+    _git(root, "add", "dvc.lock")
+    _git(root, "commit", "-q", "-m", "init")
+    with mlflow_project(root):
+        fake_reports(0.6, training_run())
+        register_stage.run(params())
+        yield root
+
+
+def test_first_registration_creates_version_1_tagged_and_champion(project: Path) -> None:
+    report = json.loads(paths.report("register").read_text())
+    assert report["version"] == 1 and report["promoted"] == 1 and report["champion_version"] == 1
+    assert report["metric_value"] == report["champion_metric_value"] == 0.6
+
+    version = MlflowClient().get_model_version_by_alias(MODEL_NAME, "champion")
+    assert str(version.version) == "1"
+    assert version.run_id == json.loads(paths.report("train").read_text())["mlflow_run_id"]
+    assert len(version.tags["git_commit"]) == 40
+    assert version.tags["data_hash"] == "0123456789abcdef0123456789abcdef.dir"
+    assert "dvc.ingest" in version.tags
+    assert float(version.tags["finetuned.macro_f1"]) == 0.6
+    assert float(version.tags["baseline.accuracy"]) == 0.33
+    experiment = MlflowClient().get_experiment_by_name(EXPERIMENT)
+    assert experiment.artifact_location == (project / "mlartifacts").as_uri()
+
+
+def test_second_registration_of_the_same_run_reuses_the_version(project: Path) -> None:
+    client = MlflowClient()
+    run_id = json.loads(paths.report("train").read_text())["mlflow_run_id"]
+    before = client.search_logged_models([client.get_run(run_id).info.experiment_id])
+
+    report = register_stage.run(params())
+
+    assert report["version"] == 1 and report["promoted"] == 1
+    assert [str(v.version) for v in client.search_model_versions(f"name = '{MODEL_NAME}'")] == ["1"]
+    after = client.search_logged_models([client.get_run(run_id).info.experiment_id])
+    assert len(after) == len(before) == 1
+    assert client.get_run(run_id).info.status == "FINISHED"
+
+
+def test_register_model_version_is_safe_to_retry(project: Path) -> None:
+    client = MlflowClient()
+    source = client.get_model_version(MODEL_NAME, "1")
+    retried = register_stage.register_model_version(
+        client, "retry-model", source.run_id, source.source, {"k": "v"}, model_id=source.model_id
+    )
+    again = register_stage.register_model_version(
+        client, "retry-model", source.run_id, source.source, {"k": "v", "extra": "1"}, model_id=source.model_id
+    )
+    assert str(retried.version) == str(again.version) == "1"
+    assert len(client.search_model_versions("name = 'retry-model'")) == 1
+    assert again.tags == {"k": "v", "extra": "1"}
+
+
+def test_alias_moves_only_to_a_better_version(project: Path) -> None:
+    client, name = MlflowClient(), "alias-test"
+    fake_reports(0.5, training_run())
+    first = register_stage.run(params(name))
+    fake_reports(0.7, training_run())
+    better = register_stage.run(params(name))
+    fake_reports(0.65, training_run())
+    worse = register_stage.run(params(name))
+
+    assert (first["version"], better["version"], worse["version"]) == (1, 2, 3)
+    assert better["promoted"] == 1 and better["champion_version"] == 2
+    assert worse["promoted"] == 0 and worse["champion_version"] == 2
+    assert worse["metric_value"] == 0.65 and worse["champion_metric_value"] == 0.7
+    assert str(client.get_model_version_by_alias(name, "champion").version) == "2"
+
+
+def test_unknown_training_run_gets_one_new_run_however_often_it_is_retried(project: Path) -> None:
+    fake_reports(0.55, "0" * 32)  # a run id this store has never seen
+    first = register_stage.run(params("orphan"))
+    again = register_stage.run(params("orphan"))
+    assert first["run_id"] != "0" * 32
+    assert again["run_id"] == first["run_id"] and again["version"] == first["version"] == 1
+
+
+def test_unknown_metric_is_rejected_with_the_known_ones(project: Path) -> None:
+    fake_reports(0.6, None)
+    with pytest.raises(register_stage.RegisterError, match="Choose one of: accuracy, macro_f1"):
+        register_stage.run(parse_params({"register": {"metric": "f1_macro"}}))
+
+
+def test_champion_loads_and_predicts_label_names_in_a_fresh_process(project: Path) -> None:
+    script = (
+        "import sys, mlflow, pandas as pd\n"
+        f"model = mlflow.pyfunc.load_model('models:/{MODEL_NAME}@champion')\n"
+        "labels = model.predict(pd.DataFrame({'text': ['i love this', 'i hate that', 'unseen words here']}))\n"
+        "print('LABELS=' + '|'.join(labels))\n"
+        "print('FRUGALTUNE_IMPORTED=' + str(any(m.split('.')[0] == 'frugaltune' for m in sys.modules)))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    # -I: no cwd or PYTHONPATH on sys.path; the default store (sqlite:///mlflow.db in cwd) is found by MLflow.
+    done = subprocess.run([sys.executable, "-I", "-c", script], cwd=project, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = dict(line.split("=", 1) for line in done.stdout.splitlines() if "=" in line)
+    labels = lines["LABELS"].split("|")
+    assert len(labels) == 3 and set(labels) <= set(LABELS)
+    assert lines["FRUGALTUNE_IMPORTED"] == "False"  # the model carries its own serving code
+
+
+def test_cli_predict_prints_one_label_per_text(project: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    texts = ["i love this", "worst service ever"]
+    assert cli.main(["predict", *texts]) == 0  # params.yaml names the model; @champion by default
+    printed = capsys.readouterr().out.splitlines()
+    assert len(printed) == 2 and set(printed) <= set(LABELS)
+
+    assert cli.main(["predict", "--model-uri", f"models:/{MODEL_NAME}/1", "--json", texts[0]]) == 0
+    row = json.loads(capsys.readouterr().out)
+    assert row["text"] == texts[0] and row["label"] in LABELS
+
+
+def test_cli_predict_without_a_store_says_what_to_do(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with mlflow_project(tmp_path):
+        assert cli.main(["predict", "hello"]) == 1
+    assert "dvc repro register" in capsys.readouterr().err
+    assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_an_adapter_without_a_trained_head_is_refused(project: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from frugaltune import serving
+
+    adapter = tmp_path / "adapter"
+    shutil.copytree(project / paths.ADAPTER_DIR, adapter)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, "modules_to_save": None}))
+    with pytest.raises(ValueError, match="does not save a classification head"):
+        serving.load_classifier(project / paths.BASE_MODEL, adapter)

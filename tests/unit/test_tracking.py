@@ -1,0 +1,135 @@
+"""Tracking helpers: where MLflow writes, and the tags that tie a run to code, pipeline state and data."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import mlflow
+import pytest
+
+from frugaltune import tracking
+
+LOCK = """\
+schema: '2.0'
+stages:
+  ingest:
+    cmd: python -m stages.ingest
+    deps:
+    - path: stages/ingest.py
+      hash: md5
+      md5: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa
+    outs:
+    - path: data/raw
+      hash: md5
+      md5: 11111111111111111111111111111111.dir
+    - path: data/splits
+      hash: md5
+      md5: 22222222222222222222222222222222.dir
+  train@lora:
+    cmd: python -m stages.train
+    outs:
+    - path: models/adapter
+      hash: md5
+      md5: 33333333333333333333333333333333.dir
+"""
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Iterator[Path]:
+    """cwd = an empty project dir; MLflow's process-wide state and exported env vars are restored afterwards."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(tmp_path)
+        patch.delenv("MLFLOW_TRACKING_URI", raising=False)
+        patch.delenv("MLFLOW_EXPERIMENT_ID", raising=False)
+        try:
+            yield tmp_path
+        finally:
+            mlflow.set_tracking_uri(None)
+            mlflow.tracking.fluent._active_experiment_id = None
+            os.environ.pop("MLFLOW_EXPERIMENT_ID", None)
+
+
+def test_tracking_uri_defaults_to_the_project_sqlite_file(project: Path) -> None:
+    assert tracking.tracking_uri() == f"sqlite:///{project.resolve() / 'mlflow.db'}"
+
+
+def test_tracking_uri_env_var_wins(project: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
+    assert tracking.tracking_uri() == "http://127.0.0.1:5000"
+
+
+def test_setup_creates_the_experiment_once_with_artifacts_in_mlartifacts(project: Path) -> None:
+    first = tracking.setup("exp")
+    second = tracking.setup("exp")
+
+    assert first == second
+    experiment = mlflow.MlflowClient().get_experiment(first)
+    assert experiment.name == "exp"
+    assert experiment.artifact_location == (project.resolve() / "mlartifacts").as_uri()
+    assert mlflow.get_tracking_uri() == tracking.tracking_uri()
+    with mlflow.start_run() as run:  # the active experiment is the one set up
+        pass
+    assert run.info.experiment_id == first
+    assert (project / "mlflow.db").is_file()
+
+
+def test_git_commit_is_none_outside_git_and_the_head_inside(project: Path) -> None:
+    assert tracking.git_commit() is None
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (project / "f.txt").write_text("x")
+    subprocess.run([*git, "add", "f.txt"], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "c"], check=True)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+
+    assert tracking.git_commit() == head
+    assert tracking.run_tags()["git_dirty"] == "false"
+    (project / "f.txt").write_text("changed")
+    assert tracking.run_tags()["git_dirty"] == "true"
+
+
+def test_dvc_lock_hashes_are_short_stable_and_follow_the_md5s(project: Path) -> None:
+    assert tracking.dvc_lock_hashes() == {}
+    Path("dvc.lock").write_text(LOCK)
+    hashes = tracking.dvc_lock_hashes()
+    assert set(hashes) == {"ingest", "train@lora"}
+    assert all(len(value) == 12 for value in hashes.values())
+
+    Path("dvc.lock").write_text(LOCK.replace("    cmd: python -m stages.ingest\n", ""))  # not a dep or out
+    assert tracking.dvc_lock_hashes() == hashes
+    Path("dvc.lock").write_text(LOCK.replace("2222", "2223"))
+    changed = tracking.dvc_lock_hashes()
+    assert changed["ingest"] != hashes["ingest"] and changed["train@lora"] == hashes["train@lora"]
+
+
+def test_data_hash_prefers_the_md5_dvc_recorded_for_data_raw(project: Path) -> None:
+    assert tracking.data_hash() is None
+    Path("data/raw").mkdir(parents=True)
+    Path("data/raw/a.csv").write_bytes(b"text,label\nhi,pos\n")
+    from_files = tracking.data_hash()
+    assert from_files is not None and len(from_files) == 64
+    assert from_files != hashlib.sha256(b"text,label\nhi,pos\n").hexdigest()  # the file name counts too
+
+    Path("data/raw/a.csv").write_bytes(b"text,label\nhi,neg\n")
+    assert tracking.data_hash() != from_files
+
+    Path("dvc.lock").write_text(LOCK)
+    assert tracking.data_hash() == "11111111111111111111111111111111.dir"
+
+
+def test_run_tags_combine_commit_stage_hashes_and_data_hash(project: Path) -> None:
+    Path("dvc.lock").write_text(LOCK)
+    tags = tracking.run_tags()
+    assert "git_commit" not in tags  # not a git checkout: left out, not faked
+    assert tags["data_hash"] == "11111111111111111111111111111111.dir"
+    # `@` of foreach stages is not allowed in MLflow tag keys.
+    assert set(tags) == {"dvc.ingest", "dvc.train_lora", "data_hash"}
+
+    tracking.setup("exp")
+    with mlflow.start_run(tags=tags) as run:
+        pass
+    assert mlflow.get_run(run.info.run_id).data.tags["dvc.train_lora"] == tracking.dvc_lock_hashes()["train@lora"]
