@@ -1,0 +1,153 @@
+"""Hardware facts: /proc/cpuinfo parsing, the NVML path against a fake NVML, bf16 support, the probe stage."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pynvml
+import pytest
+
+from frugaltune import hardware
+from frugaltune.hardware import parse_cpuinfo, probe, supports_bf16_autocast
+
+
+def cpuinfo_block(processor: int, core: int, flags: str, model: str = "Intel(R) Xeon(R) Platinum 8480+") -> str:
+    return (
+        f"processor\t: {processor}\nvendor_id\t: GenuineIntel\nmodel name\t: {model}\n"
+        f"physical id\t: 0\ncore id\t\t: {core}\ncpu cores\t: 2\nflags\t\t: {flags}\n"
+    )
+
+
+SAPPHIRE_FLAGS = "fpu sse avx avx2 fma avx512f avx512bw avx512_vnni avx512_bf16 avx512_fp16 amx_bf16 amx_tile amx_int8"
+# Two cores with two hyperthreads each: four logical processors.
+SAPPHIRE = "\n".join(cpuinfo_block(p, p // 2, SAPPHIRE_FLAGS) for p in range(4))
+OLD_XEON = "\n".join(cpuinfo_block(p, p, "fpu sse avx avx2 fma", model="Intel(R) Xeon(R) E5-2680 v4") for p in range(2))
+ARM = "processor\t: 0\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd evtstrm aes\n\nprocessor\t: 1\nFeatures\t: fp asimd\n"
+
+
+def test_cpuinfo_gives_model_cores_and_flags():
+    facts = parse_cpuinfo(SAPPHIRE)
+    assert facts["model"] == "Intel(R) Xeon(R) Platinum 8480+"
+    assert facts["logical_cores"] == 4
+    assert facts["physical_cores"] == 2  # distinct (physical id, core id) pairs, not processors
+    assert facts["flags"] == {flag: True for flag in hardware.CPU_FLAGS}
+
+
+def test_cpuinfo_without_bf16_flags():
+    flags = parse_cpuinfo(OLD_XEON)["flags"]
+    assert flags["avx2"] is True
+    assert not any(flags[f] for f in ("avx512f", "avx512_bf16", "amx_bf16", "amx_tile"))
+
+
+def test_cpuinfo_without_core_ids_falls_back_to_psutil():
+    assert parse_cpuinfo(ARM)["physical_cores"] is None
+    facts = hardware.cpu_facts(ARM)
+    assert facts["logical_cores"] == 2
+    assert facts["physical_cores"] >= 1
+    assert facts["model"]  # platform.processor() / machine() when cpuinfo names none
+    assert facts["flags"]["avx2"] is False
+
+
+class FakeNVML:
+    """The pynvml functions `nvml_gpus` calls, answering for the devices given."""
+
+    def __init__(self, devices: list[dict]):
+        self.devices = devices
+        self.shutdown = False
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        handles = [SimpleNamespace(**d) for d in self.devices]
+        for name, fn in {
+            "nvmlInit": lambda: None,
+            "nvmlShutdown": lambda: setattr(self, "shutdown", True),
+            "nvmlSystemGetDriverVersion": lambda: b"550.54.15",
+            "nvmlSystemGetCudaDriverVersion": lambda: 12040,
+            "nvmlDeviceGetCount": lambda: len(handles),
+            "nvmlDeviceGetHandleByIndex": lambda i: handles[i],
+            "nvmlDeviceGetName": lambda h: h.name,
+            "nvmlDeviceGetMemoryInfo": lambda h: SimpleNamespace(total=h.memory, free=1, used=2),
+            "nvmlDeviceGetCudaComputeCapability": lambda h: h.cc,
+            "nvmlDeviceGetMaxClockInfo": lambda h, kind: h.clock,
+        }.items():
+            monkeypatch.setattr(pynvml, name, fn)
+
+
+def test_nvml_lists_gpus_with_memory_and_capability(monkeypatch):
+    fake = FakeNVML([
+        {"name": b"NVIDIA H100 80GB HBM3", "memory": 85_520_809_984, "cc": (9, 0), "clock": 1980},
+        {"name": "NVIDIA GeForce RTX 2050", "memory": 4_294_967_296, "cc": (8, 6), "clock": 1477},
+    ])
+    fake.install(monkeypatch)
+    gpus, note, driver = hardware.nvml_gpus()
+    assert note is None
+    assert driver == {"version": "550.54.15", "cuda_version": "12.4"}
+    assert gpus[0] == {"index": 0, "name": "NVIDIA H100 80GB HBM3", "memory_total_bytes": 85_520_809_984,
+                       "compute_capability": "9.0", "arch": "sm_90", "max_sm_clock_mhz": 1980}
+    assert gpus[1]["name"] == "NVIDIA GeForce RTX 2050" and gpus[1]["arch"] == "sm_86"
+    assert fake.shutdown
+    assert "free" not in json.dumps(gpus)  # stable facts only
+
+
+def test_nvml_without_driver_says_so(monkeypatch):
+    def no_library():
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
+
+    monkeypatch.setattr(pynvml, "nvmlInit", no_library)
+    gpus, note, driver = hardware.nvml_gpus()
+    assert gpus == [] and driver is None
+    assert note.startswith("no NVIDIA GPU: ") and "Not Found" in note
+
+
+def test_nvml_with_zero_devices(monkeypatch):
+    FakeNVML([]).install(monkeypatch)
+    gpus, note, _ = hardware.nvml_gpus()
+    assert gpus == [] and note == "no NVIDIA GPU: NVML reports 0 devices"
+
+
+def test_probe_without_nvml_records_why_there_are_no_gpus():
+    hw = probe(use_nvml=False, cpuinfo_text=SAPPHIRE)
+    assert set(hw) == {"cpu", "memory", "platform", "torch", "gpus", "gpu_note", "nvidia_driver"}
+    assert hw["gpus"] == [] and hw["gpu_note"] == "no NVIDIA GPU: not probed (probe.nvml is false)"
+    assert hw["memory"]["total_bytes"] > 0
+    assert hw["torch"]["build"] == "cpu" or hw["torch"]["build"].startswith("cuda ")
+
+
+@pytest.mark.parametrize(
+    ("cpu_flags", "gpus", "expected"),
+    [
+        ({"avx512_bf16": True}, [], True),
+        ({"amx_bf16": True}, [], True),
+        ({"avx2": True, "avx512f": True}, [], False),
+        ({}, [{"compute_capability": "8.0"}], True),
+        ({}, [{"compute_capability": "7.5"}], False),
+        ({}, [{"compute_capability": "7.5"}, {"compute_capability": "12.0"}], True),
+    ],
+)
+def test_bf16_autocast_support(cpu_flags, gpus, expected):
+    assert supports_bf16_autocast({"cpu": {"flags": cpu_flags}, "gpus": gpus}) is expected
+
+
+def test_probe_stage_writes_stable_facts(tmp_path, monkeypatch):
+    from stages import probe as probe_stage
+    from stages.config import parse_params
+
+    monkeypatch.chdir(tmp_path)
+    params = parse_params({"probe": {"nvml": False}})
+    probe_stage.run(params)
+    first = (tmp_path / "reports/hardware.json").read_bytes()
+    probe_stage.run(params)
+    assert (tmp_path / "reports/hardware.json").read_bytes() == first  # unchanged facts: byte-identical file
+    hw = json.loads(first)
+    assert hw["cpu"]["logical_cores"] >= 1 and hw["gpus"] == []
+    assert not [p.name for p in (tmp_path / "reports").iterdir() if p.name != "hardware.json"]  # no temp files left
+    volatile = [key for key in _keys(hw) if any(word in key for word in ("free", "used", "percent", "load"))]
+    assert volatile == []
+
+
+def _keys(tree) -> list[str]:
+    if isinstance(tree, dict):
+        return [k for key, value in tree.items() for k in (key, *_keys(value))]
+    if isinstance(tree, list):
+        return [k for item in tree for k in _keys(item)]
+    return []
