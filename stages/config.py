@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class Section(BaseModel):
@@ -120,6 +120,10 @@ class KernelsParams(Section):
         description="CUDA architectures (`sm_<major><minor>`) to compile for when no CUDA device is usable; on a "
         "CUDA machine the kernels are built for the device's own architecture instead.",
     )
+    emulate: bool = Field(
+        True, description="With no CUDA device, also run the kernels' own code on the CPU (one thread per CUDA "
+        "thread, kernels/emulate.py) and check it against float64; adds ~15 s the first time, ~7 s after."
+    )
     bench_batch: int = Field(8, ge=1, description="Batch size of the CPU fp32-vs-bf16 timing and the GPU 'used' check.")
     bench_seq_len: int = Field(128, ge=1, description="Sequence length of those timings (tokenize.max_length or less).")
     model_hidden: int = Field(576, ge=1, description="Hidden size of the timed layer (default: SmolLM2-135M).")
@@ -176,6 +180,13 @@ class TrainParams(Section):
     threads: int | None = Field(None, ge=1, description="torch intra-op threads; null = physical cores.")
     group_by_length: bool = Field(True, description="Batch sequences of similar length together (less padding).")
     log_every: int = Field(10, ge=1, description="Log loss and tokens/s every this many optimizer steps.")
+    checkpoint_every: int = Field(
+        50, ge=1, description="Write a resumable checkpoint (under checkpoints/, outside DVC outputs) every N steps."
+    )
+    keep_checkpoints: int = Field(2, ge=1, description="Keep the newest N checkpoints of a run.")
+    resume: Literal["auto", "never"] = Field(
+        "auto", description="`auto`: continue from the newest complete checkpoint of the same configuration."
+    )
     experiment: str = Field("frugaltune", description="MLflow experiment name.")
 
 
@@ -193,6 +204,50 @@ class RegisterParams(Section):
     )
 
 
+class ScheduleParams(Section):
+    """Read only by the Prefect flow (flows/), never by a DVC stage: changing it reruns nothing."""
+
+    cron: str = Field(
+        "0 3 * * *",
+        description="When `make serve` starts the `finetune` flow, in cron syntax (minute hour day-of-month month "
+        "day-of-week) read in `schedule.timezone`. A run that finds no new data and no changed params finishes in "
+        "seconds and registers nothing.",
+    )
+    timezone: str = Field("UTC", description="IANA time zone of `schedule.cron`, e.g. `Europe/Paris`.")
+    stage_timeout_s: int = Field(
+        3600, ge=1, description="A flow run stops a stage that runs longer than this and fails (train: train_timeout_s)."
+    )
+    train_timeout_s: int = Field(43200, ge=1, description="The same limit for the train stage.")
+    register_retries: int = Field(
+        3, ge=0, description="Retries of the register stage after a failure (MLflow registry writes can fail "
+        "transiently; the stage is idempotent, so a retry never adds a second version)."
+    )
+    retry_delay_s: float = Field(30, ge=0, description="Seconds between those retries.")
+
+    @field_validator("cron")
+    @classmethod
+    def _check_cron(cls, value: str) -> str:
+        if len(value.split()) != 5:
+            raise ValueError(
+                "expected 5 fields (minute hour day-of-month month day-of-week), e.g. '0 3 * * *' for 03:00 daily"
+            )
+        return value
+
+    @field_validator("timezone")
+    @classmethod
+    def _check_timezone(cls, value: str) -> str:
+        import zoneinfo
+
+        try:
+            zoneinfo.ZoneInfo(value)
+        except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+            close = difflib.get_close_matches(value, sorted(zoneinfo.available_timezones()), n=1)
+            raise ValueError(
+                "not an IANA time zone " + (f"(did you mean '{close[0]}'?)" if close else "(e.g. UTC, Europe/Paris)")
+            ) from None
+        return value
+
+
 class Params(Section):
     common: CommonParams = Field(default_factory=CommonParams)
     model: ModelParams = Field(default_factory=ModelParams)
@@ -204,6 +259,7 @@ class Params(Section):
     train: TrainParams = Field(default_factory=TrainParams)
     evaluate: EvaluateParams = Field(default_factory=EvaluateParams)
     register_: RegisterParams = Field(default_factory=RegisterParams, alias="register")
+    schedule: ScheduleParams = Field(default_factory=ScheduleParams)
 
     # `validate` and `register` shadow BaseModel attributes, hence the trailing underscore in code; the YAML keys
     # are the plain names.

@@ -23,20 +23,24 @@ from frugaltune.models import load_for_classification, load_tokenizer
 from frugaltune.training.loop import predict
 from stages import paths
 from stages.config import Params, ParamsError, load_params
-from stages.train import resolve_precision, resolve_threads
+from kernels.attention import register_if_used
+from stages.train import device, load_precision_inputs, resolve_precision, resolve_threads
 
 
 def run(params: Params) -> dict:
     ep, seed = params.evaluate, params.common.seed
-    hardware = read_json(paths.HARDWARE) if paths.HARDWARE.exists() else {}
-    bf16 = resolve_precision(params.train.precision, hardware)
+    bf16 = resolve_precision(params.train.precision, *load_precision_inputs())
     torch.set_num_threads(resolve_threads(params.train.threads))
     labels = read_json(paths.LABELS)["labels"]
     data = load_from_disk(str(paths.TOKENIZED_DIR))[ep.split]
     y_true = np.asarray(data["labels"])
     tokenizer = load_tokenizer(paths.BASE_MODEL)
 
-    model = load_for_classification(paths.BASE_MODEL, labels, tokenizer.pad_token_id, seed)
+    model = load_for_classification(paths.BASE_MODEL, labels, tokenizer.pad_token_id, seed).to(device())
+    attention = register_if_used(paths.report("kernels"), paths.KERNEL_BUILD_DIR)
+    if attention:  # the kernels stage verified it and measured it faster than SDPA at these shapes
+        model.set_attn_implementation(attention)
+        print(f"evaluate: attention = {attention} (verified CUDA kernel)")
     baseline_pred = predict(model, data["input_ids"], tokenizer.pad_token_id, ep.batch_size, bf16)
     model = PeftModel.from_pretrained(model, str(paths.ADAPTER_DIR))
     finetuned_pred = predict(model, data["input_ids"], tokenizer.pad_token_id, ep.batch_size, bf16)

@@ -4,6 +4,10 @@ Reads `train.*`, `common.seed`, `data/tokenized/`, the label set, `models/base/`
 Writes `models/adapter/` (PEFT adapter in safetensors + tokenizer + labels.json), `reports/train.json` (loss,
 useful tokens/s, wall time, peak RSS, trainable parameters, the resolved precision and threads) and the loss curve
 `reports/plots/train_loss.csv`. Each run is one MLflow run with params, step metrics and these artifacts.
+
+Checkpoints go to `checkpoints/train/<key>/` (outside the stage's outs, which `dvc repro` deletes first) every
+`train.checkpoint_every` steps and on SIGINT/SIGTERM; with `train.resume: auto` an interrupted run (kill -9
+included) continues from the newest complete checkpoint of the same configuration when `dvc repro` runs again.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import shutil
 import sys
 
 import mlflow
@@ -22,17 +27,45 @@ from frugaltune import tracking
 from frugaltune.hardware import supports_bf16_autocast
 from frugaltune.io import atomic_dir, read_json, write_json, write_text
 from frugaltune.models import load_for_classification, load_tokenizer
-from frugaltune.training.loop import DivergenceError, LoopConfig, count_parameters, train_classifier
+from frugaltune.training import checkpoint
+from frugaltune.training.loop import (
+    DivergenceError,
+    LoopConfig,
+    OutOfMemoryAtBatchOne,
+    TrainingInterrupted,
+    count_parameters,
+    train_classifier,
+)
 from frugaltune.training.methods import apply_lora
 from stages import paths
 from stages.config import Params, ParamsError, load_params
 
 
-def resolve_precision(requested: str, hardware: dict) -> bool:
-    """True for bf16 autocast. `auto` picks it where the CPU (avx512_bf16/AMX) or the GPU supports it."""
-    if requested == "auto":
-        return supports_bf16_autocast(hardware)
-    return requested == "bf16"
+def resolve_precision(requested: str, hardware: dict, kernels_report: dict | None = None) -> bool:
+    """True for bf16 autocast.
+
+    `auto`: bf16 on a GPU that supports it; on a CPU only where the `kernels` stage measured bf16 faster than
+    fp32 (`cpu.preferred_precision`). avx512_bf16 alone does not make bf16 faster: without AMX it ran at ~0.6x
+    of fp32 on the 2-core Xeon we develop on. Without a measurement, the CPU flags decide.
+    """
+    if requested != "auto":
+        return requested == "bf16"
+    if not supports_bf16_autocast(hardware):
+        return False
+    if hardware.get("gpus") and torch.cuda.is_available():
+        return True
+    measured = (kernels_report or {}).get("cpu", {}).get("preferred_precision")
+    return measured == "bf16" if measured else True
+
+
+def device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def load_precision_inputs() -> tuple[dict, dict]:
+    hardware = read_json(paths.HARDWARE) if paths.HARDWARE.exists() else {}
+    kernels_report = read_json(paths.report("kernels")) if paths.report("kernels").exists() else {}
+    return hardware, kernels_report
 
 
 def resolve_threads(requested: int | None) -> int:
@@ -61,18 +94,26 @@ def loss_curve_csv(history: list[dict]) -> str:
 
 def run(params: Params) -> dict:
     tp, seed = params.train, params.common.seed
-    hardware = read_json(paths.HARDWARE) if paths.HARDWARE.exists() else {}
-    bf16 = resolve_precision(tp.precision, hardware)
+    bf16 = resolve_precision(tp.precision, *load_precision_inputs())
     threads = resolve_threads(tp.threads)
     torch.set_num_threads(threads)
 
     labels = read_json(paths.LABELS)["labels"]
     train_set = load_from_disk(str(paths.TOKENIZED_DIR))["train"]
     tokenizer = load_tokenizer(paths.BASE_MODEL)
-    model = load_for_classification(paths.BASE_MODEL, labels, tokenizer.pad_token_id, seed)
+    model = load_for_classification(paths.BASE_MODEL, labels, tokenizer.pad_token_id, seed).to(device())
     model = apply_lora(model, tp.lora.r, tp.lora.alpha, tp.lora.dropout, tp.lora.target_modules)
     trainable, total = count_parameters(model)
+    # Checkpoints resume only a run of the same configuration, data and base model.
+    base_sha = read_json(paths.report("import_model")).get("weights_sha256") if paths.report(
+        "import_model").exists() else None
+    volatile = {"resume", "checkpoint_every", "keep_checkpoints", "log_every", "threads", "experiment"}
+    key = checkpoint.run_key({k: v for k, v in tp.model_dump().items() if k not in volatile}, seed, bf16, base_sha,
+                             checkpoint.data_fingerprint(train_set["input_ids"], train_set["labels"]))
+    checkpoint_dir = paths.CHECKPOINTS_DIR / "train" / key
     cfg = LoopConfig(
+        checkpoint_dir=checkpoint_dir, checkpoint_every=tp.checkpoint_every, keep_checkpoints=tp.keep_checkpoints,
+        resume=tp.resume == "auto",
         lr=tp.lr, head_lr=tp.head_lr, weight_decay=tp.weight_decay, scheduler=tp.scheduler,
         warmup_ratio=tp.warmup_ratio, epochs=tp.epochs, max_steps=tp.max_steps, batch_size=tp.batch_size,
         grad_accum=tp.grad_accum, max_grad_norm=tp.max_grad_norm, bf16=bf16, group_by_length=tp.group_by_length,
@@ -82,6 +123,7 @@ def run(params: Params) -> dict:
           f"trainable ({100 * trainable / total:.2f}%), precision {'bf16 autocast' if bf16 else 'fp32'}, "
           f"{threads} threads")
 
+    events: list[str] = []
     tracking.setup(tp.experiment)
     with mlflow.start_run(tags=tracking.run_tags()) as mlrun:
         mlflow.log_params(flatten("train", tp.model_dump()))
@@ -91,6 +133,7 @@ def run(params: Params) -> dict:
             model, train_set["input_ids"], train_set["labels"], cfg, tokenizer.pad_token_id,
             on_log=lambda rec: mlflow.log_metrics(
                 {"loss": rec["loss"], "lr": rec["lr"], "tokens_per_s": rec["tokens_per_s"]}, step=rec["step"]),
+            on_event=lambda message: mlflow.set_tag(f"event.{len(events)}", message) or events.append(message),
         )
         with atomic_dir(paths.ADAPTER_DIR) as out:
             model.save_pretrained(out)
@@ -111,12 +154,15 @@ def run(params: Params) -> dict:
             "trainable_percent": round(100 * trainable / total, 4),
             "bf16": int(bf16),
             "threads": threads,
+            "resumed_from_step": result.resumed_from_step,
+            "micro_batch_size": result.micro_batch_size,
         }
         mlflow.log_metrics({k: v for k, v in metrics.items() if k not in ("bf16", "threads")})
         write_text(paths.plot("train", "loss"), loss_curve_csv(result.history))
         write_json(paths.report("train"), {**metrics, "mlflow_run_id": mlrun.info.run_id})
         mlflow.log_artifact(str(paths.report("train")))
         mlflow.log_artifact(str(paths.plot("train", "loss")))
+    shutil.rmtree(checkpoint_dir, ignore_errors=True)  # the run finished: its checkpoints have served
     print(f"train: loss {metrics['final_loss']:.4f}, {metrics['tokens_per_s']:.0f} useful tokens/s, "
           f"{metrics['wall_seconds']:.0f} s, peak RSS {metrics['peak_rss_mb']:.0f} MB, MLflow run {mlrun.info.run_id}")
     return metrics
@@ -125,7 +171,8 @@ def run(params: Params) -> dict:
 def main() -> None:
     try:
         run(load_params())
-    except (ParamsError, DivergenceError, ValueError, FileNotFoundError) as exc:
+    except (ParamsError, DivergenceError, TrainingInterrupted, OutOfMemoryAtBatchOne, ValueError,
+            FileNotFoundError) as exc:
         sys.exit(f"train: {exc}")
 
 

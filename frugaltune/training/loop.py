@@ -9,21 +9,34 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import resource
+import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
+from frugaltune.training import checkpoint
 from frugaltune.training.batching import collate, length_grouped_batches, sorted_batches
 
 
 class DivergenceError(RuntimeError):
-    """The loss became NaN or infinite; the message names the step."""
+    """The loss became NaN or infinite; the message names the step and the last good checkpoint."""
+
+
+class TrainingInterrupted(RuntimeError):
+    """SIGINT/SIGTERM arrived: a checkpoint was written and the run stopped; the message says how to resume."""
+
+
+class OutOfMemoryAtBatchOne(RuntimeError):
+    """Out of memory with one sequence per micro-batch: nothing left to halve."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +56,10 @@ class LoopConfig:
     log_every: int = 10
     seed: int = 42
     head_names: tuple[str, ...] = ("score",)
+    checkpoint_dir: Path | None = None  # None: no checkpoints
+    checkpoint_every: int = 50
+    keep_checkpoints: int = 2
+    resume: bool = True
 
 
 @dataclass
@@ -57,6 +74,9 @@ class TrainResult:
     mean_loss: float
     peak_rss_mb: float
     history: list[dict] = field(default_factory=list)
+    resumed_from_step: int = 0
+    micro_batch_size: int = 0  # after any out-of-memory halving
+    events: list[str] = field(default_factory=list)
 
     @property
     def tokens_per_second(self) -> float:
@@ -94,6 +114,58 @@ def plan_steps(num_examples: int, cfg: LoopConfig) -> int:
     return cfg.max_steps or max(1, math.ceil(cfg.epochs * steps_per_epoch))
 
 
+class _EpochOrder:
+    """Micro-batch `i` of the whole run, recomputable from the seed alone: resuming needs only the position."""
+
+    def __init__(self, lengths: list[int], cfg: LoopConfig):
+        self.lengths, self.cfg, self._epoch, self._batches = lengths, cfg, -1, []
+        self.per_epoch = math.ceil(len(lengths) / cfg.batch_size)
+
+    def __getitem__(self, position: int) -> list[int]:
+        epoch, index = divmod(position, self.per_epoch)
+        if epoch != self._epoch:
+            generator = torch.Generator().manual_seed(self.cfg.seed * 1000 + epoch)
+            self._batches = length_grouped_batches(self.lengths, self.cfg.batch_size, generator,
+                                                   self.cfg.group_by_length)
+            self._epoch = epoch
+        return self._batches[index]
+
+
+def _injected_oom_steps() -> set[int]:
+    """Test hook: FRUGALTUNE_TEST_OOM_AT_STEPS=3,7 raises an out-of-memory error once at those steps."""
+    raw = os.environ.get("FRUGALTUNE_TEST_OOM_AT_STEPS", "")
+    return {int(s) for s in raw.split(",") if s.strip()}
+
+
+def _test_step_delay() -> float:
+    """Test hook: FRUGALTUNE_TEST_STEP_DELAY_S slows each step so that a test can kill a run mid-way."""
+    return float(os.environ.get("FRUGALTUNE_TEST_STEP_DELAY_S", "0") or 0)
+
+
+def _is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+@contextlib.contextmanager
+def _stop_on_signals(flag: dict):
+    """SIGINT/SIGTERM set a flag the loop checks after each step, so the checkpoint it writes is consistent."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {}
+
+    def handler(signum, _frame):
+        flag["signal"] = signal.Signals(signum).name
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        previous[sig] = signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
 def train_classifier(
     model: torch.nn.Module,
     input_ids: list[list[int]],
@@ -102,83 +174,156 @@ def train_classifier(
     pad_token_id: int,
     on_log: Callable[[dict], None] | None = None,
     progress: bool = True,
+    on_event: Callable[[str], None] | None = None,
 ) -> TrainResult:
-    """Train `model` (already wrapped by its method) on tokenized examples; return counts, losses and timings."""
+    """Train `model` (already wrapped by its method) on tokenized examples; return counts, losses and timings.
+
+    With `cfg.checkpoint_dir`, writes a checkpoint every `cfg.checkpoint_every` steps and on SIGINT/SIGTERM, and
+    (`cfg.resume`) continues from the newest complete one: same data order, RNG, optimizer and schedule, so the
+    resumed run ends where an uninterrupted one would.
+    """
     device = next(model.parameters()).device
     lengths = [len(ids) for ids in input_ids]
     total_steps = plan_steps(len(input_ids), cfg)
     optimizer = torch.optim.AdamW(_param_groups(model, cfg), weight_decay=cfg.weight_decay)
     scheduler = get_scheduler(cfg.scheduler, optimizer, num_warmup_steps=int(cfg.warmup_ratio * total_steps),
                               num_training_steps=total_steps)
-    generator = torch.Generator().manual_seed(cfg.seed)
+    order = _EpochOrder(lengths, cfg)
     torch.manual_seed(cfg.seed)  # dropout
+    events: list[str] = []
 
-    def micro_batches():
-        while True:  # epochs, each with its own seeded order
-            yield from length_grouped_batches(lengths, cfg.batch_size, generator, cfg.group_by_length)
+    def event(message: str) -> None:
+        events.append(message)
+        tqdm.write(f"train: {message}")
+        if on_event:
+            on_event(message)
 
-    batches = micro_batches()
+    state = {"position": 0, "history": [], "losses": [], "window": [], "tokens": 0, "padded": 0, "sequences": 0,
+             "micros": 0, "micro_split": 1, "elapsed": 0.0, "last_window": []}
+    first_step = 1
+    last_good: Path | None = None
+    if cfg.checkpoint_dir and cfg.resume:
+        found = checkpoint.latest_complete(cfg.checkpoint_dir)
+        if found:
+            saved = checkpoint.load_checkpoint(found, model, optimizer, scheduler)
+            state.update({k: saved[k] for k in state})
+            first_step, last_good = saved["step"] + 1, found.path
+            event(f"resumed from {found.path} (step {saved['step']} of {total_steps})")
+
+    def save(step: int) -> Path:
+        return checkpoint.save_checkpoint(cfg.checkpoint_dir, step, model, optimizer, scheduler,
+                                          {**state, "elapsed": state["elapsed"] + time.perf_counter() - start},
+                                          cfg.keep_checkpoints)
+
+    oom_steps, step_delay = _injected_oom_steps(), _test_step_delay()
     model.train()
-    history: list[dict] = []
-    losses: list[float] = []
-    window: list[float] = []
-    tokens = padded = sequences = micros = 0
     window_tokens, window_start = 0, time.perf_counter()
     start = time.perf_counter()
-    bar = tqdm(total=total_steps, desc="train", unit="step", disable=not progress, dynamic_ncols=True)
-    for step in range(1, total_steps + 1):
-        step_loss = 0.0
-        for _ in range(cfg.grad_accum):
-            batch_index = next(batches)
-            batch = collate([input_ids[i] for i in batch_index], pad_token_id)
-            batch = {k: v.to(device) for k, v in batch.items()}
-            target = torch.tensor([labels[i] for i in batch_index], device=device)
-            with autocast(cfg.bf16, device):
-                loss = model(**batch, labels=target).loss
-            (loss / cfg.grad_accum).backward()
-            step_loss += loss.item() / cfg.grad_accum
-            useful = sum(lengths[i] for i in batch_index)
-            tokens += useful
-            window_tokens += useful
-            padded += batch["input_ids"].numel()
-            sequences += len(batch_index)
-            micros += 1
-        if not math.isfinite(step_loss):
-            raise DivergenceError(f"loss is {step_loss} at step {step}: training diverged. Lower train.lr "
-                                  f"(now {cfg.lr}) or use train.precision: fp32.")
-        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], cfg.max_grad_norm)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(step_loss)
-        window.append(step_loss)
-        bar.update(1)
-        if step % cfg.log_every == 0 or step == total_steps:
-            now = time.perf_counter()
-            record = {
-                "step": step,
-                "loss": float(np.mean(window)),
-                "lr": scheduler.get_last_lr()[0],
-                "tokens_per_s": window_tokens / max(now - window_start, 1e-9),
-                "elapsed_s": now - start,
-            }
-            history.append(record)
-            bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
-            if on_log:
-                on_log(record)
-            last_window, window, window_tokens, window_start = window, [], 0, now
+    stop: dict = {}
+    bar = tqdm(total=total_steps, initial=first_step - 1, desc="train", unit="step", disable=not progress,
+               dynamic_ncols=True)
+    with _stop_on_signals(stop):
+        step = first_step
+        while step <= total_steps:
+            try:
+                step_loss, step_tokens, step_padded, step_sequences = 0.0, 0, 0, 0
+                for micro in range(cfg.grad_accum):
+                    batch_index = order[state["position"] + micro]
+                    # Each micro-batch may run in `micro_split` chunks after an out-of-memory error: the
+                    # gradient is the same, only the peak memory is lower.
+                    chunk = math.ceil(len(batch_index) / state["micro_split"])
+                    for c in range(0, len(batch_index), chunk):
+                        part = batch_index[c:c + chunk]
+                        if step in oom_steps:
+                            oom_steps.discard(step)
+                            raise torch.OutOfMemoryError("injected by FRUGALTUNE_TEST_OOM_AT_STEPS")
+                        batch = collate([input_ids[i] for i in part], pad_token_id)
+                        batch = {k: v.to(device) for k, v in batch.items()}
+                        target = torch.tensor([labels[i] for i in part], device=device)
+                        with autocast(cfg.bf16, device):
+                            loss = model(**batch, labels=target).loss
+                        weight = len(part) / len(batch_index) / cfg.grad_accum
+                        (loss * weight).backward()
+                        step_loss += loss.item() * weight
+                        step_tokens += sum(lengths[i] for i in part)
+                        step_padded += batch["input_ids"].numel()
+                        step_sequences += len(part)
+            except (torch.OutOfMemoryError, RuntimeError) as exc:
+                if not _is_oom(exc):
+                    raise
+                optimizer.zero_grad(set_to_none=True)
+                size = math.ceil(cfg.batch_size / state["micro_split"])
+                if size <= 1:
+                    raise OutOfMemoryAtBatchOne(
+                        f"out of memory at step {step} with one sequence per micro-batch. Lower "
+                        "tokenize.max_length, use a lighter train.method (lora/qlora) or a machine with more memory."
+                    ) from exc
+                state["micro_split"] *= 2
+                new_size = math.ceil(cfg.batch_size / state["micro_split"])
+                event(f"out of memory at step {step}: micro-batch {size} -> {new_size}, gradient accumulation "
+                      f"{cfg.grad_accum * state['micro_split'] // 2} -> {cfg.grad_accum * state['micro_split']} "
+                      f"(effective batch {cfg.batch_size * cfg.grad_accum} unchanged)")
+                continue  # redo the step with smaller chunks
+            if not math.isfinite(step_loss):
+                where = f"the last good checkpoint is {last_good}" if last_good else "no checkpoint was written yet"
+                raise DivergenceError(f"loss is {step_loss} at step {step}: training diverged ({where}). Lower "
+                                      f"train.lr (now {cfg.lr}) or use train.precision: fp32.")
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], cfg.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            if step_delay:
+                time.sleep(step_delay)
+            state["position"] += cfg.grad_accum
+            state["tokens"] += step_tokens
+            state["padded"] += step_padded
+            state["sequences"] += step_sequences
+            state["micros"] += cfg.grad_accum * state["micro_split"]
+            state["losses"].append(step_loss)
+            state["window"].append(step_loss)
+            window_tokens += step_tokens
+            bar.update(1)
+            if step % cfg.log_every == 0 or step == total_steps:
+                now = time.perf_counter()
+                record = {
+                    "step": step,
+                    "loss": float(np.mean(state["window"])),
+                    "lr": scheduler.get_last_lr()[0],
+                    "tokens_per_s": window_tokens / max(now - window_start, 1e-9),
+                    "elapsed_s": state["elapsed"] + now - start,
+                }
+                state["history"].append(record)
+                bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+                if on_log:
+                    on_log(record)
+                state["last_window"], state["window"] = state["window"], []
+                window_tokens, window_start = 0, now
+            if cfg.checkpoint_dir and step < total_steps and (step % cfg.checkpoint_every == 0 or stop):
+                last_good = save(step)
+            if stop:
+                bar.close()
+                where = f"checkpoint {last_good}" if last_good else "no checkpoint (checkpoints are off)"
+                raise TrainingInterrupted(
+                    f"{stop['signal']} at step {step} of {total_steps}: stopped after writing {where}. "
+                    "Run `dvc repro` again (train.resume: auto) to continue from it."
+                )
+            step += 1
     bar.close()
+    wall = state["elapsed"] + time.perf_counter() - start
     return TrainResult(
         steps=total_steps,
-        micro_batches=micros,
-        sequences=sequences,
-        tokens=tokens,
-        padded_tokens=padded,
-        wall_seconds=time.perf_counter() - start,
-        final_loss=float(np.mean(last_window)),
-        mean_loss=float(np.mean(losses)),
+        micro_batches=state["micros"],
+        sequences=state["sequences"],
+        tokens=state["tokens"],
+        padded_tokens=state["padded"],
+        wall_seconds=wall,
+        final_loss=float(np.mean(state.get("last_window") or state["losses"][-1:])),
+        mean_loss=float(np.mean(state["losses"])),
         peak_rss_mb=peak_rss_mb(),
-        history=history,
+        history=state["history"],
+        resumed_from_step=first_step - 1,
+        micro_batch_size=math.ceil(cfg.batch_size / state["micro_split"]),
+        events=events,
     )
 
 

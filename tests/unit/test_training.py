@@ -107,3 +107,89 @@ def test_classification_metrics():
     assert m["confusion_matrix"] == [[1, 1], [0, 2]]
     assert m["per_class"]["a"]["precision"] == 1.0 and m["per_class"]["b"]["recall"] == 1.0
     assert m["macro_f1"] == pytest.approx((2 / 3 + 0.8) / 2, abs=1e-6)
+
+
+def _fresh(tiny_model_dir, tokenizer, dropout=0.1):
+    return apply_lora(load_for_classification(tiny_model_dir, LABELS, tokenizer.pad_token_id, seed=5),
+                      4, 8, dropout, ["q_proj", "v_proj"])
+
+
+def test_sigterm_checkpoints_and_resume_matches_uninterrupted_run(tiny_model_dir, tmp_path):
+    import os
+    import signal
+
+    from frugaltune.training.loop import TrainingInterrupted
+
+    tokenizer = load_tokenizer(tiny_model_dir)
+    ids, labels = toy_task(tokenizer, 48)
+    base = dict(lr=1e-2, batch_size=8, epochs=3, log_every=2, seed=5, checkpoint_every=4)
+    full = train_classifier(_fresh(tiny_model_dir, tokenizer), ids, labels,
+                            LoopConfig(**base, checkpoint_dir=tmp_path / "a"), tokenizer.pad_token_id, progress=False)
+
+    def kill_at_step_7(record):
+        if record["step"] == 6:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    with pytest.raises(TrainingInterrupted, match=r"SIGTERM at step \d+ of 18.*step-\d+.*dvc repro"):
+        train_classifier(_fresh(tiny_model_dir, tokenizer), ids, labels,
+                         LoopConfig(**base, checkpoint_dir=tmp_path / "b"), tokenizer.pad_token_id,
+                         on_log=kill_at_step_7, progress=False)
+    resumed = train_classifier(_fresh(tiny_model_dir, tokenizer), ids, labels,
+                               LoopConfig(**base, checkpoint_dir=tmp_path / "b"), tokenizer.pad_token_id,
+                               progress=False)
+    assert resumed.resumed_from_step == 6
+    assert abs(resumed.final_loss - full.final_loss) < 1e-4
+    assert [h["step"] for h in resumed.history] == [h["step"] for h in full.history]
+    assert resumed.tokens == full.tokens
+
+
+def test_truncated_checkpoint_is_skipped_with_a_warning(tiny_model_dir, tmp_path):
+    from frugaltune.training import checkpoint
+
+    tokenizer = load_tokenizer(tiny_model_dir)
+    ids, labels = toy_task(tokenizer, 32)
+    cfg = LoopConfig(lr=1e-2, batch_size=8, max_steps=9, seed=1, checkpoint_every=3, keep_checkpoints=5,
+                     checkpoint_dir=tmp_path)
+    train_classifier(_fresh(tiny_model_dir, tokenizer), ids, labels, cfg, tokenizer.pad_token_id, progress=False)
+    steps = [c.step for c in checkpoint.list_checkpoints(tmp_path)]
+    assert steps == [3, 6]
+    newest = tmp_path / "step-6" / "trainable.safetensors"
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
+    with pytest.warns(UserWarning, match=r"skipping checkpoint .*step-6: trainable.safetensors does not match"):
+        found = checkpoint.latest_complete(tmp_path)
+    assert found.step == 3
+    with pytest.warns(UserWarning, match="skipping checkpoint"):
+        result = train_classifier(_fresh(tiny_model_dir, tokenizer), ids, labels, cfg, tokenizer.pad_token_id,
+                                  progress=False)
+    assert result.resumed_from_step == 3
+
+
+def test_injected_oom_halves_micro_batch_and_keeps_the_effective_batch(tiny_model_dir, monkeypatch):
+    tokenizer = load_tokenizer(tiny_model_dir)
+    ids, labels = toy_task(tokenizer, 32)
+    cfg = LoopConfig(lr=1e-2, batch_size=8, max_steps=4, seed=2, log_every=1)
+    # No dropout: chunks draw different dropout masks than whole batches, which is not what is tested here.
+    clean = train_classifier(_fresh(tiny_model_dir, tokenizer, 0.0), ids, labels, cfg, tokenizer.pad_token_id,
+                             progress=False)
+    monkeypatch.setenv("FRUGALTUNE_TEST_OOM_AT_STEPS", "2")
+    halved = train_classifier(_fresh(tiny_model_dir, tokenizer, 0.0), ids, labels, cfg, tokenizer.pad_token_id,
+                              progress=False)
+    assert halved.micro_batch_size == 4
+    assert any("micro-batch 8 -> 4, gradient accumulation 1 -> 2 (effective batch 8 unchanged)" in e
+               for e in halved.events)
+    assert halved.sequences == clean.sequences == 32
+    # Same data and effective batch: the losses agree up to float summation order.
+    torch.testing.assert_close([h["loss"] for h in halved.history], [h["loss"] for h in clean.history],
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_oom_at_batch_one_fails_clearly(tiny_model_dir, monkeypatch):
+    from frugaltune.training.loop import OutOfMemoryAtBatchOne
+
+    tokenizer = load_tokenizer(tiny_model_dir)
+    ids, labels = toy_task(tokenizer, 8)
+    monkeypatch.setenv("FRUGALTUNE_TEST_OOM_AT_STEPS", "1")
+    cfg = LoopConfig(lr=1e-2, batch_size=1, max_steps=2, seed=2)
+    with pytest.raises(OutOfMemoryAtBatchOne, match="one sequence per micro-batch"):
+        train_classifier(_fresh(tiny_model_dir, tokenizer), ids, labels, cfg, tokenizer.pad_token_id,
+                         progress=False)

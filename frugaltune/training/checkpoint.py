@@ -1,0 +1,149 @@
+"""Atomic training checkpoints: trainable weights, optimizer, scheduler, RNG states and the data position.
+
+Library code used by `frugaltune.training.loop`. A checkpoint is written to a temp directory, closed with a
+manifest of sha256 sums, then renamed to `step-<N>`: a directory that exists under its final name is complete,
+and one whose files do not match the manifest (truncated, edited) is skipped with a warning, never loaded.
+They live under `checkpoints/<run key>/`, outside every DVC output, because `dvc repro` deletes a stage's outputs
+before running it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+MANIFEST = "manifest.json"
+STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+@dataclass
+class Checkpoint:
+    step: int
+    path: Path
+
+
+def run_key(*parts: Any) -> str:
+    """A short hash of everything that must match for a checkpoint to be resumable (config, data, model)."""
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(json.dumps(part, sort_keys=True, default=str).encode())
+    return digest.hexdigest()[:16]
+
+
+def data_fingerprint(input_ids: list[list[int]], labels: list[int]) -> str:
+    digest = hashlib.sha256()
+    for ids in input_ids:
+        digest.update(np.asarray(ids, dtype=np.int64).tobytes())
+        digest.update(b"|")
+    digest.update(np.asarray(labels, dtype=np.int64).tobytes())
+    return digest.hexdigest()[:16]
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.detach().contiguous().clone() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def save_checkpoint(
+    directory: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+    state: dict[str, Any], keep: int = 2,
+) -> Path:
+    """Write `directory/step-<step>` atomically; keep the newest `keep` checkpoints."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".step-{step}-", dir=directory))
+    try:
+        save_file(trainable_state(model), str(tmp / "trainable.safetensors"))
+        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optim.pt")
+        rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+        torch.save(rng, tmp / "rng.pt")
+        (tmp / "state.json").write_text(json.dumps({"step": step, **state}, indent=2))
+        files = sorted(p.name for p in tmp.iterdir())
+        (tmp / MANIFEST).write_text(json.dumps({"step": step, "sha256": {f: _sha256(tmp / f) for f in files}}))
+        with open(tmp / MANIFEST, "rb") as fh:
+            os.fsync(fh.fileno())
+        final = directory / f"step-{step}"
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    for old in list_checkpoints(directory)[:-keep]:
+        shutil.rmtree(old.path, ignore_errors=True)
+    return final
+
+
+def list_checkpoints(directory: Path) -> list[Checkpoint]:
+    """Final-named checkpoint dirs, oldest first (temp dirs of interrupted writes are not listed)."""
+    if not directory.is_dir():
+        return []
+    found = [Checkpoint(int(m.group(1)), p) for p in directory.iterdir() if (m := STEP_DIR.match(p.name))]
+    return sorted(found, key=lambda c: c.step)
+
+
+def is_complete(checkpoint: Checkpoint) -> tuple[bool, str]:
+    manifest = checkpoint.path / MANIFEST
+    if not manifest.is_file():
+        return False, "no manifest"
+    try:
+        expected = json.loads(manifest.read_text())["sha256"]
+    except (ValueError, KeyError) as exc:
+        return False, f"unreadable manifest ({exc})"
+    for name, digest in expected.items():
+        path = checkpoint.path / name
+        if not path.is_file():
+            return False, f"{name} is missing"
+        if _sha256(path) != digest:
+            return False, f"{name} does not match its checksum (truncated or modified)"
+    return True, ""
+
+
+def latest_complete(directory: Path) -> Checkpoint | None:
+    """The newest checkpoint whose files match its manifest; broken ones are skipped with a warning."""
+    for checkpoint in reversed(list_checkpoints(directory)):
+        ok, why = is_complete(checkpoint)
+        if ok:
+            return checkpoint
+        warnings.warn(f"skipping checkpoint {checkpoint.path}: {why}", stacklevel=2)
+    return None
+
+
+def load_checkpoint(checkpoint: Checkpoint, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    scheduler: Any) -> dict[str, Any]:
+    """Restore weights, optimizer, scheduler and RNG states; return the saved loop state."""
+    weights = load_file(str(checkpoint.path / "trainable.safetensors"))
+    params = dict(model.named_parameters())
+    unknown = sorted(set(weights) - set(params))
+    if unknown:
+        raise RuntimeError(f"{checkpoint.path}: holds parameters this model lacks: {unknown[:3]}")
+    with torch.no_grad():
+        for name, tensor in weights.items():
+            params[name].copy_(tensor)
+    optim = torch.load(checkpoint.path / "optim.pt", weights_only=False)
+    optimizer.load_state_dict(optim["optimizer"])
+    scheduler.load_state_dict(optim["scheduler"])
+    rng = torch.load(checkpoint.path / "rng.pt", weights_only=False)
+    torch.set_rng_state(rng["torch"])
+    np.random.set_state(rng["numpy"])
+    random.setstate(rng["python"])
+    return json.loads((checkpoint.path / "state.json").read_text())
