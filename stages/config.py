@@ -188,6 +188,9 @@ class TrainParams(Section):
         "auto", description="`auto`: continue from the newest complete checkpoint of the same configuration."
     )
     experiment: str = Field("frugaltune", description="MLflow experiment name.")
+    telemetry_interval_s: float = Field(
+        1.0, gt=0, description="Seconds between telemetry samples (CPU, RAM, swap, IO, GPU) sent to MLflow and CSV."
+    )
 
 
 class EvaluateParams(Section):

@@ -27,6 +27,7 @@ from frugaltune import tracking
 from frugaltune.hardware import supports_bf16_autocast
 from frugaltune.io import atomic_dir, read_json, write_json, write_text
 from frugaltune.models import load_for_classification, load_tokenizer
+from frugaltune.telemetry import StepTimer, TelemetrySampler
 from frugaltune.training import checkpoint
 from frugaltune.training.loop import (
     DivergenceError,
@@ -129,12 +130,19 @@ def run(params: Params) -> dict:
         mlflow.log_params(flatten("train", tp.model_dump()))
         mlflow.log_params({"resolved.precision": "bf16" if bf16 else "fp32", "resolved.threads": threads,
                            "data.train_rows": len(train_set), "model.source": params.model.source})
-        result = train_classifier(
-            model, train_set["input_ids"], train_set["labels"], cfg, tokenizer.pad_token_id,
-            on_log=lambda rec: mlflow.log_metrics(
-                {"loss": rec["loss"], "lr": rec["lr"], "tokens_per_s": rec["tokens_per_s"]}, step=rec["step"]),
-            on_event=lambda message: mlflow.set_tag(f"event.{len(events)}", message) or events.append(message),
-        )
+        timer = StepTimer(sync=torch.cuda.synchronize if torch.cuda.is_available() else None)
+        sampler = TelemetrySampler(tp.telemetry_interval_s, paths.plot("train", "telemetry"), mlrun.info.run_id,
+                                   cores=threads, use_nvml=params.probe.nvml)
+        with sampler:
+            result = train_classifier(
+                model, train_set["input_ids"], train_set["labels"], cfg, tokenizer.pad_token_id,
+                on_log=lambda rec: mlflow.log_metrics(
+                    {k: v for k, v in rec.items() if k not in ("step", "elapsed_s")}, step=rec["step"]),
+                on_event=lambda message: mlflow.set_tag(f"event.{len(events)}", message) or events.append(message),
+                timer=timer,
+            )
+        telemetry = sampler.summary(timer)
+        sampler.log_summary(telemetry)
         with atomic_dir(paths.ADAPTER_DIR) as out:
             model.save_pretrained(out)
             tokenizer.save_pretrained(out)
@@ -156,13 +164,18 @@ def run(params: Params) -> dict:
             "threads": threads,
             "resumed_from_step": result.resumed_from_step,
             "micro_batch_size": result.micro_batch_size,
+            "telemetry": {k: v for k, v in telemetry.items() if isinstance(v, int | float) and not isinstance(v, bool)},
         }
-        mlflow.log_metrics({k: v for k, v in metrics.items() if k not in ("bf16", "threads")})
+        mlflow.log_metrics({k: v for k, v in metrics.items() if isinstance(v, int | float) and k not in (
+            "bf16", "threads")})
         write_text(paths.plot("train", "loss"), loss_curve_csv(result.history))
-        write_json(paths.report("train"), {**metrics, "mlflow_run_id": mlrun.info.run_id})
+        write_json(paths.report("train"), {**metrics, "bottlenecks": telemetry["findings"], "events": events,
+                                           "mlflow_run_id": mlrun.info.run_id})
         mlflow.log_artifact(str(paths.report("train")))
         mlflow.log_artifact(str(paths.plot("train", "loss")))
     shutil.rmtree(checkpoint_dir, ignore_errors=True)  # the run finished: its checkpoints have served
+    for finding in telemetry["findings"]:
+        print(f"train: telemetry: {finding}")
     print(f"train: loss {metrics['final_loss']:.4f}, {metrics['tokens_per_s']:.0f} useful tokens/s, "
           f"{metrics['wall_seconds']:.0f} s, peak RSS {metrics['peak_rss_mb']:.0f} MB, MLflow run {mlrun.info.run_id}")
     return metrics

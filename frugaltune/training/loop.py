@@ -23,6 +23,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
+from frugaltune.telemetry import StepTimer
 from frugaltune.training import checkpoint
 from frugaltune.training.batching import collate, length_grouped_batches, sorted_batches
 
@@ -175,6 +176,7 @@ def train_classifier(
     on_log: Callable[[dict], None] | None = None,
     progress: bool = True,
     on_event: Callable[[str], None] | None = None,
+    timer: StepTimer | None = None,
 ) -> TrainResult:
     """Train `model` (already wrapped by its method) on tokenized examples; return counts, losses and timings.
 
@@ -216,6 +218,10 @@ def train_classifier(
                                           cfg.keep_checkpoints)
 
     oom_steps, step_delay = _injected_oom_steps(), _test_step_delay()
+    untimed = contextlib.nullcontext()
+
+    def phase(name: str):
+        return timer.phase(name) if timer is not None else untimed
     model.train()
     window_tokens, window_start = 0, time.perf_counter()
     start = time.perf_counter()
@@ -237,14 +243,16 @@ def train_classifier(
                         if step in oom_steps:
                             oom_steps.discard(step)
                             raise torch.OutOfMemoryError("injected by FRUGALTUNE_TEST_OOM_AT_STEPS")
-                        batch = collate([input_ids[i] for i in part], pad_token_id)
-                        batch = {k: v.to(device) for k, v in batch.items()}
-                        target = torch.tensor([labels[i] for i in part], device=device)
-                        with autocast(cfg.bf16, device):
-                            loss = model(**batch, labels=target).loss
-                        weight = len(part) / len(batch_index) / cfg.grad_accum
-                        (loss * weight).backward()
-                        step_loss += loss.item() * weight
+                        with phase("data"):
+                            batch = collate([input_ids[i] for i in part], pad_token_id)
+                            batch = {k: v.to(device) for k, v in batch.items()}
+                            target = torch.tensor([labels[i] for i in part], device=device)
+                        with phase("fwd_bwd"):
+                            with autocast(cfg.bf16, device):
+                                loss = model(**batch, labels=target).loss
+                            weight = len(part) / len(batch_index) / cfg.grad_accum
+                            (loss * weight).backward()
+                            step_loss += loss.item() * weight
                         step_tokens += sum(lengths[i] for i in part)
                         step_padded += batch["input_ids"].numel()
                         step_sequences += len(part)
@@ -268,10 +276,14 @@ def train_classifier(
                 where = f"the last good checkpoint is {last_good}" if last_good else "no checkpoint was written yet"
                 raise DivergenceError(f"loss is {step_loss} at step {step}: training diverged ({where}). Lower "
                                       f"train.lr (now {cfg.lr}) or use train.precision: fp32.")
-            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], cfg.max_grad_norm)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+            with phase("optimizer"):
+                torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad],
+                                               cfg.max_grad_norm)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+            if timer is not None:
+                timer.end_step()
             if step_delay:
                 time.sleep(step_delay)
             state["position"] += cfg.grad_accum
@@ -292,6 +304,8 @@ def train_classifier(
                     "tokens_per_s": window_tokens / max(now - window_start, 1e-9),
                     "elapsed_s": state["elapsed"] + now - start,
                 }
+                if timer is not None:
+                    record.update(timer.window())
                 state["history"].append(record)
                 bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
                 if on_log:
