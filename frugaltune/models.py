@@ -185,17 +185,29 @@ def load_tokenizer(model_dir: Path | str) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+def qlora_quantization(quant_type: str = "nf4", double_quant: bool = True, compute_dtype=torch.float32):
+    """4-bit weights for QLoRA. bitsandbytes refuses GGUF sources: load from models/base (safetensors)."""
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant_type,
+                              bnb_4bit_use_double_quant=double_quant, bnb_4bit_compute_dtype=compute_dtype,
+                              llm_int8_skip_modules=["score", "classifier"])
+
+
 def load_for_classification(
-    model_dir: Path | str, labels: list[str], pad_token_id: int, seed: int, dtype: torch.dtype = torch.float32
+    model_dir: Path | str, labels: list[str], pad_token_id: int, seed: int, dtype: torch.dtype = torch.float32,
+    quantization_config=None,
 ) -> PreTrainedModel:
     """The base model with a fresh classification head, initialised from `seed` (so baseline and training agree)."""
     torch.manual_seed(seed)
+    extra = {"quantization_config": quantization_config} if quantization_config is not None else {}
     model = AutoModelForSequenceClassification.from_pretrained(
         str(model_dir),
         num_labels=len(labels),
         id2label=dict(enumerate(labels)),
         label2id={name: i for i, name in enumerate(labels)},
         dtype=dtype,
+        **extra,
     )
     # The classification head pools the last non-pad token, so the model must know the pad id.
     model.config.pad_token_id = pad_token_id

@@ -33,6 +33,7 @@ BASE_ARTIFACT = "base_model"
 ADAPTER_ARTIFACT = "adapter"
 HEAD_MODULES = ("score", "classifier")  # the classification head of *ForSequenceClassification models
 # What the logged model needs at load time, pinned to the versions it was logged with.
+TENSORS_FILE = "trainable.safetensors"  # frugaltune.training.methods.TENSORS_FILE (this module imports no project code)
 RUNTIME_PACKAGES = ("mlflow", "cloudpickle", "torch", "transformers", "peft", "tokenizers", "safetensors", "pandas")
 
 
@@ -54,6 +55,15 @@ def _stored_max_length(adapter_dir: Path) -> int | None:
 
 def _trained_head(adapter_dir: Path) -> str:
     """The classification head the adapter saves in full (`score` for llama); without one the head is random."""
+    tensors = adapter_dir / TENSORS_FILE
+    if tensors.is_file():  # full / prelayer / none save plain tensors, the head among them
+        from safetensors import safe_open
+
+        with safe_open(str(tensors), "pt") as fh:
+            heads = {key.split(".")[0] for key in fh.keys()} & set(HEAD_MODULES)
+        if not heads:
+            raise ValueError(f"{tensors}: holds no classification head, so predictions would come from a random one.")
+        return sorted(heads)[0]
     config = json.loads((adapter_dir / "adapter_config.json").read_text(encoding="utf-8"))
     saved = [name for name in config.get("modules_to_save") or [] if name in HEAD_MODULES]
     if not saved:
@@ -121,9 +131,10 @@ def load_classifier(
 
     hf_logging.disable_progress_bar()  # keep `frugaltune predict` output to the predictions
     base_dir, adapter_dir = Path(base_dir), Path(adapter_dir)
+    peft_adapter = (adapter_dir / "adapter_config.json").is_file()
     for what, path, fix in (
         ("base model", base_dir, "the import_model stage"),
-        ("adapter", adapter_dir / "adapter_config.json", "the train stage"),
+        ("adapter", adapter_dir / ("adapter_config.json" if peft_adapter else TENSORS_FILE), "the train stage"),
     ):
         if not path.exists():
             raise FileNotFoundError(f"{path}: {what} not found. Run {fix} first.")
@@ -152,9 +163,17 @@ def load_classifier(
         raise ValueError(f"{adapter_dir}: saves a head `{head}` that {type(model).__name__} does not have.")
     # The model finds each sequence's last real token by the pad id; without it batches of >1 fail.
     model.config.pad_token_id = tokenizer.pad_token_id
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # deprecation chatter between peft and transformers
-        model = PeftModel.from_pretrained(model, adapter_dir, local_files_only=True)
+    if peft_adapter:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # deprecation chatter between peft and transformers
+            model = PeftModel.from_pretrained(model, adapter_dir, local_files_only=True)
+    else:  # the tensors the method trained (frugaltune.training.methods.save_trained), by name
+        from safetensors.torch import load_file
+
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in load_file(str(adapter_dir / TENSORS_FILE)).items():
+                params[name].copy_(tensor)
     model.eval()
     return Classifier(
         model,

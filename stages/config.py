@@ -159,9 +159,30 @@ class LoraParams(Section):
     )
 
 
+class QloraParams(LoraParams):
+    quant_type: Literal["nf4", "fp4"] = Field("nf4", description="4-bit data type of the frozen base weights.")
+    double_quant: bool = Field(True, description="Quantize the quantization constants too (saves ~0.4 bit/param).")
+
+
+class FullParams(Section):
+    lr: float = Field(5e-5, gt=0, description="Learning rate for full fine-tuning (replaces train.lr).")
+
+
+class PrelayerParams(Section):
+    lr: float | None = Field(None, gt=0, description="Learning rate of the embeddings; null = train.lr.")
+
+
 class TrainParams(Section):
-    method: Literal["lora"] = Field("lora", description="Fine-tuning method.")
+    method: Literal["none", "full", "lora", "qlora", "prelayer", "dora"] = Field(
+        "lora",
+        description="none: evaluate the base model; full: every weight; lora/dora: adapters (peft); qlora: LoRA on "
+        "a 4-bit NF4 base (bitsandbytes); prelayer: only the embeddings and the head.",
+    )
     lora: LoraParams = Field(default_factory=LoraParams, description="LoRA knobs.")
+    dora: LoraParams = Field(default_factory=LoraParams, description="DoRA knobs (LoRA with weight decomposition).")
+    qlora: QloraParams = Field(default_factory=QloraParams, description="QLoRA knobs.")
+    full: FullParams = Field(default_factory=FullParams, description="Full fine-tuning knobs.")
+    prelayer: PrelayerParams = Field(default_factory=PrelayerParams, description="PreLayer knobs.")
     lr: float = Field(1e-3, gt=0, description="Peak learning rate of AdamW.")
     head_lr: float | None = Field(
         None, gt=0, description="Learning rate of the new classification head; null = `lr`."

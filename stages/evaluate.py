@@ -15,12 +15,12 @@ import numpy as np
 import pandas as pd
 import torch
 from datasets import load_from_disk
-from peft import PeftModel
 
 from frugaltune.io import read_json, write_json, write_text
 from frugaltune.metrics import classification_metrics
 from frugaltune.models import load_for_classification, load_tokenizer
 from frugaltune.training.loop import predict
+from frugaltune.training.methods import load_trained
 from stages import paths
 from stages.config import Params, ParamsError, load_params
 from kernels.attention import register_if_used
@@ -42,7 +42,7 @@ def run(params: Params) -> dict:
         model.set_attn_implementation(attention)
         print(f"evaluate: attention = {attention} (verified CUDA kernel)")
     baseline_pred = predict(model, data["input_ids"], tokenizer.pad_token_id, ep.batch_size, bf16)
-    model = PeftModel.from_pretrained(model, str(paths.ADAPTER_DIR))
+    model = load_trained(model, paths.ADAPTER_DIR)
     finetuned_pred = predict(model, data["input_ids"], tokenizer.pad_token_id, ep.batch_size, bf16)
 
     report = {

@@ -26,7 +26,7 @@ from datasets import load_from_disk
 from frugaltune import tracking
 from frugaltune.hardware import supports_bf16_autocast
 from frugaltune.io import atomic_dir, read_json, write_json, write_text
-from frugaltune.models import load_for_classification, load_tokenizer
+from frugaltune.models import load_for_classification, load_tokenizer, qlora_quantization
 from frugaltune.telemetry import StepTimer, TelemetrySampler
 from frugaltune.training import checkpoint
 from frugaltune.training.loop import (
@@ -34,10 +34,12 @@ from frugaltune.training.loop import (
     LoopConfig,
     OutOfMemoryAtBatchOne,
     TrainingInterrupted,
+    TrainResult,
     count_parameters,
+    peak_rss_mb,
     train_classifier,
 )
-from frugaltune.training.methods import apply_lora
+from frugaltune.training.methods import apply_lora, freeze_for, prepare_qlora, save_trained
 from stages import paths
 from stages.config import Params, ParamsError, load_params
 
@@ -83,6 +85,29 @@ def flatten(prefix: str, value) -> dict:
     return {prefix: json.dumps(value) if isinstance(value, list) else value}
 
 
+def untrained() -> TrainResult:
+    """`train.method: none`: the base model and its fresh head go to evaluation as they are."""
+    return TrainResult(steps=0, micro_batches=0, sequences=0, tokens=0, padded_tokens=0, wall_seconds=0.0,
+                       final_loss=float("nan"), mean_loss=float("nan"), peak_rss_mb=peak_rss_mb())
+
+
+def build_model(params: Params, labels: list[str], pad_token_id: int, bf16: bool) -> tuple[torch.nn.Module, float]:
+    """The base model with a fresh head, prepared for `train.method`; and the body's learning rate."""
+    tp, seed = params.train, params.common.seed
+    if tp.method == "qlora":
+        q = tp.qlora
+        quantization = qlora_quantization(q.quant_type, q.double_quant, torch.bfloat16 if bf16 else torch.float32)
+        model = load_for_classification(paths.BASE_MODEL, labels, pad_token_id, seed, quantization_config=quantization)
+        return prepare_qlora(model, q.r, q.alpha, q.dropout, q.target_modules), tp.lr
+    model = load_for_classification(paths.BASE_MODEL, labels, pad_token_id, seed).to(device())
+    if tp.method in ("lora", "dora"):
+        knobs = getattr(tp, tp.method)
+        return apply_lora(model, knobs.r, knobs.alpha, knobs.dropout, knobs.target_modules,
+                          use_dora=tp.method == "dora"), tp.lr
+    lr = tp.full.lr if tp.method == "full" else (tp.prelayer.lr or tp.lr)
+    return freeze_for(tp.method, model), lr
+
+
 def loss_curve_csv(history: list[dict]) -> str:
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=["step", "loss", "lr", "tokens_per_s"], lineterminator="\n")
@@ -102,8 +127,7 @@ def run(params: Params) -> dict:
     labels = read_json(paths.LABELS)["labels"]
     train_set = load_from_disk(str(paths.TOKENIZED_DIR))["train"]
     tokenizer = load_tokenizer(paths.BASE_MODEL)
-    model = load_for_classification(paths.BASE_MODEL, labels, tokenizer.pad_token_id, seed).to(device())
-    model = apply_lora(model, tp.lora.r, tp.lora.alpha, tp.lora.dropout, tp.lora.target_modules)
+    model, lr = build_model(params, labels, tokenizer.pad_token_id, bf16)
     trainable, total = count_parameters(model)
     # Checkpoints resume only a run of the same configuration, data and base model.
     base_sha = read_json(paths.report("import_model")).get("weights_sha256") if paths.report(
@@ -115,12 +139,12 @@ def run(params: Params) -> dict:
     cfg = LoopConfig(
         checkpoint_dir=checkpoint_dir, checkpoint_every=tp.checkpoint_every, keep_checkpoints=tp.keep_checkpoints,
         resume=tp.resume == "auto",
-        lr=tp.lr, head_lr=tp.head_lr, weight_decay=tp.weight_decay, scheduler=tp.scheduler,
+        lr=lr, head_lr=tp.head_lr, weight_decay=tp.weight_decay, scheduler=tp.scheduler,
         warmup_ratio=tp.warmup_ratio, epochs=tp.epochs, max_steps=tp.max_steps, batch_size=tp.batch_size,
         grad_accum=tp.grad_accum, max_grad_norm=tp.max_grad_norm, bf16=bf16, group_by_length=tp.group_by_length,
         log_every=tp.log_every, seed=seed,
     )
-    print(f"train: {tp.method} r={tp.lora.r} on {len(train_set)} examples, {trainable:,} of {total:,} parameters "
+    print(f"train: {tp.method} on {len(train_set)} examples, {trainable:,} of {total:,} parameters "
           f"trainable ({100 * trainable / total:.2f}%), precision {'bf16 autocast' if bf16 else 'fp32'}, "
           f"{threads} threads")
 
@@ -134,7 +158,7 @@ def run(params: Params) -> dict:
         sampler = TelemetrySampler(tp.telemetry_interval_s, paths.plot("train", "telemetry"), mlrun.info.run_id,
                                    cores=threads, use_nvml=params.probe.nvml)
         with sampler:
-            result = train_classifier(
+            result = untrained() if tp.method == "none" else train_classifier(
                 model, train_set["input_ids"], train_set["labels"], cfg, tokenizer.pad_token_id,
                 on_log=lambda rec: mlflow.log_metrics(
                     {k: v for k, v in rec.items() if k not in ("step", "elapsed_s")}, step=rec["step"]),
@@ -144,9 +168,10 @@ def run(params: Params) -> dict:
         telemetry = sampler.summary(timer)
         sampler.log_summary(telemetry)
         with atomic_dir(paths.ADAPTER_DIR) as out:
-            model.save_pretrained(out)
+            save_trained(model, tp.method, out)
             tokenizer.save_pretrained(out)
-            write_json(out / "labels.json", {"labels": labels, "max_length": params.tokenize.max_length})
+            write_json(out / "labels.json", {"labels": labels, "max_length": params.tokenize.max_length,
+                                             "method": tp.method})
         metrics = {
             "final_loss": round(result.final_loss, 6),
             "mean_loss": round(result.mean_loss, 6),
@@ -166,6 +191,8 @@ def run(params: Params) -> dict:
             "micro_batch_size": result.micro_batch_size,
             "telemetry": {k: v for k, v in telemetry.items() if isinstance(v, int | float) and not isinstance(v, bool)},
         }
+        if tp.method == "none":  # nothing trained: no loss to report rather than a made-up one
+            metrics = {k: v for k, v in metrics.items() if k not in ("final_loss", "mean_loss")}
         mlflow.log_metrics({k: v for k, v in metrics.items() if isinstance(v, int | float) and k not in (
             "bf16", "threads")})
         write_text(paths.plot("train", "loss"), loss_curve_csv(result.history))
@@ -176,7 +203,7 @@ def run(params: Params) -> dict:
     shutil.rmtree(checkpoint_dir, ignore_errors=True)  # the run finished: its checkpoints have served
     for finding in telemetry["findings"]:
         print(f"train: telemetry: {finding}")
-    print(f"train: loss {metrics['final_loss']:.4f}, {metrics['tokens_per_s']:.0f} useful tokens/s, "
+    print(f"train: loss {metrics.get('final_loss', float('nan')):.4f}, {metrics['tokens_per_s']:.0f} useful tokens/s, "
           f"{metrics['wall_seconds']:.0f} s, peak RSS {metrics['peak_rss_mb']:.0f} MB, MLflow run {mlrun.info.run_id}")
     return metrics
 

@@ -1,21 +1,99 @@
-"""Fine-tuning methods: wrap a classification model so that only the method's parameters train.
+"""Fine-tuning methods: wrap a classification model so that only the method's parameters train, save and reload them.
 
-Library code used by the `train` stage. Today: LoRA through peft (the classification head trains in full,
-as peft's `modules_to_save`).
+Library code used by the `train` and `evaluate` stages.
+
+| method     | what trains                                             | saved as                                   |
+| ---------- | ------------------------------------------------------- | ------------------------------------------ |
+| `none`     | nothing (the base model with its fresh head, evaluated)  | `trainable.safetensors` (the head)         |
+| `full`     | every parameter                                         | `trainable.safetensors` (all tensors)      |
+| `lora`     | low-rank adapters on `target_modules` + the head        | PEFT adapter                               |
+| `dora`     | weight-decomposed LoRA (peft `use_dora`) + the head      | PEFT adapter                               |
+| `qlora`    | LoRA on a 4-bit NF4 base (bitsandbytes, double quant)   | PEFT adapter (applies to the full base)    |
+| `prelayer` | token (and learned position) embeddings + the head      | `trainable.safetensors`                    |
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
-from peft import LoraConfig, TaskType, get_peft_model
+from peft import LoraConfig, PeftModel, TaskType, get_peft_model, prepare_model_for_kbit_training
+from safetensors.torch import load_file, save_file
+
+METHODS = ("none", "full", "lora", "qlora", "prelayer", "dora")
+PEFT_METHODS = ("lora", "qlora", "dora")
+TENSORS_FILE = "trainable.safetensors"
+HEAD_NAMES = ("score", "classifier")
+POSITION_EMBEDDINGS = ("embed_positions", "wpe", "position_embeddings")
 
 
-def apply_lora(model: torch.nn.Module, r: int, alpha: int, dropout: float, target_modules: list[str]) -> torch.nn.Module:
+def apply_lora(model: torch.nn.Module, r: int, alpha: int, dropout: float, target_modules: list[str],
+               use_dora: bool = False) -> torch.nn.Module:
     names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
     missing = [m for m in target_modules if m not in names]
     if missing:
         linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
         raise ValueError(f"train.lora.target_modules: {missing} not found in the model. Its linear layers: {linear}.")
     config = LoraConfig(task_type=TaskType.SEQ_CLS, r=r, lora_alpha=alpha, lora_dropout=dropout,
-                        target_modules=list(target_modules))
+                        target_modules=list(target_modules), use_dora=use_dora)
     return get_peft_model(model, config)
+
+
+def prepare_qlora(model: torch.nn.Module, r: int, alpha: int, dropout: float, target_modules: list[str]):
+    """LoRA on a model loaded in 4 bit (see `frugaltune.models.qlora_quantization`)."""
+    # Gradient checkpointing stays off: on these sequence lengths it costs time and memory is not the limit.
+    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    return apply_lora(model, r, alpha, dropout, target_modules)
+
+
+def _set_trainable(model: torch.nn.Module, predicate) -> None:
+    for name, param in model.named_parameters():
+        param.requires_grad_(predicate(name))
+
+
+def is_head(name: str) -> bool:
+    return name.split(".")[0] in HEAD_NAMES
+
+
+def freeze_for(method: str, model: torch.nn.Module) -> torch.nn.Module:
+    """The non-PEFT methods: choose which plain parameters train."""
+    if method == "full":
+        _set_trainable(model, lambda name: True)
+    elif method == "none":
+        _set_trainable(model, lambda name: False)
+    elif method == "prelayer":
+        embeddings = model.get_input_embeddings()
+        embedding_names = {n for n, p in model.named_parameters() if any(p is q for q in embeddings.parameters())}
+        _set_trainable(model, lambda name: name in embedding_names or is_head(name)
+                       or any(f".{pos}." in f".{name}" for pos in POSITION_EMBEDDINGS))
+    else:
+        raise ValueError(f"freeze_for: {method!r} is a PEFT method or unknown; methods: {', '.join(METHODS)}")
+    return model
+
+
+def save_trained(model: torch.nn.Module, method: str, out_dir: Path) -> None:
+    """PEFT methods save their adapter; the others the tensors they changed (the head included)."""
+    if method in PEFT_METHODS:
+        model.save_pretrained(out_dir)
+        return
+    trained = {n: p.detach().contiguous() for n, p in model.named_parameters() if p.requires_grad or is_head(n)}
+    save_file(trained, str(out_dir / TENSORS_FILE), metadata={"method": method})
+
+
+def load_trained(model: torch.nn.Module, trained_dir: Path) -> torch.nn.Module:
+    """Apply what `save_trained` wrote to a freshly loaded base classification model."""
+    trained_dir = Path(trained_dir)
+    if (trained_dir / "adapter_config.json").is_file():
+        return PeftModel.from_pretrained(model, str(trained_dir))
+    tensors_file = trained_dir / TENSORS_FILE
+    if not tensors_file.is_file():
+        raise FileNotFoundError(f"{trained_dir}: neither a PEFT adapter nor {TENSORS_FILE}. Run the train stage.")
+    tensors = load_file(str(tensors_file))
+    params = dict(model.named_parameters())
+    unknown = sorted(set(tensors) - set(params))
+    if unknown:
+        raise ValueError(f"{tensors_file}: tensors this model does not have: {unknown[:3]}")
+    with torch.no_grad():
+        for name, tensor in tensors.items():
+            params[name].copy_(tensor)
+    return model
