@@ -1,0 +1,661 @@
+"""Live training telemetry: a background sampler, a per-step phase timer, and the bottleneck summary they give.
+
+Library code; the `train` stage wraps its training loop in it. Not run directly.
+
+    sampler = TelemetrySampler(interval_s=1.0, csv_path=paths.plot("train", "telemetry"),
+                               mlflow_run_id=run.info.run_id, cores=threads)
+    timer = StepTimer()
+    with sampler:                                   # start() ... stop()
+        for step in ...:
+            with timer.phase("data"): batch = ...   # batch building, collate, host-to-device copy
+            with timer.phase("fwd_bwd"): ...        # forward + backward
+            with timer.phase("optimizer"): ...      # clip, step, scheduler, zero_grad
+            timer.end_step()                        # timer.window(): mean ms per phase, for the periodic log
+    summary = sampler.summary(timer)                # numbers + summary["findings"], plain sentences
+    sampler.log_summary(summary)                    # MLflow: telemetry/<number> metrics, findings tag + text
+
+The sampler reads psutil counters (process and system CPU, RSS, system memory, swap, disk and network rates) and,
+where NVML finds an NVIDIA GPU, per-GPU utilisation, memory, power, temperature and SM clock: /proc files and
+NVML calls, no subprocesses. Each sample becomes one row of a CSV (written and flushed as it is taken, so a crash
+leaves a readable prefix) and `system/<name>` metrics of the MLflow run (the UI's System metrics tab), with step =
+sample index. MLflow gets the samples in batches every `mlflow_flush_s` through `MlflowClient.log_batch`, never
+through the fluent API (its active-run state belongs to the main thread). Every summary states what the telemetry
+itself cost: `telemetry_cpu_percent` (its thread's CPU time) and `telemetry_busy_percent` (the wall time it was at
+work), as percentages of the run.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import os
+import resource
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from frugaltune import hardware
+
+logger = logging.getLogger(__name__)
+
+MB = 2**20  # "MB" here is MiB, as in `frugaltune.training.loop.peak_rss_mb`
+METRIC_PREFIX = "system/"  # what MLflow's UI groups under "System metrics"
+MLFLOW_BATCH_LIMIT = 1000  # metrics per log_batch call (mlflow.utils.validation.MAX_METRICS_PER_BATCH)
+MLFLOW_ATTEMPTS = 3  # consecutive failed flushes before MLflow logging is given up for the run
+MLFLOW_TAG_LIMIT = 8000  # characters in a tag value (mlflow.utils.validation.MAX_TAG_VAL_LENGTH)
+
+HOST_METRICS = (
+    "process_cpu_percent",  # all threads of the process; 100 = one core busy, so it can exceed 100
+    "system_cpu_percent",  # all cores of the machine; 100 = every core busy
+    "process_rss_mb",
+    "system_memory_used_mb",
+    "swap_used_mb",
+    "disk_read_mb_per_s",
+    "disk_write_mb_per_s",
+    "net_recv_mb_per_s",
+    "net_sent_mb_per_s",
+)
+GPU_FIELDS = ("utilization_percent", "memory_used_mb", "power_w", "temperature_c", "sm_clock_mhz")
+
+# The thresholds of the findings, in one visible place.
+DATA_STARVED_SHARE = 0.10  # data wait above this share of step time: the loader starves the model
+GPU_BUSY_LOW_PERCENT = 40.0
+CPU_BUSY_LOW_SHARE = 0.60  # process CPU below this share of 100% x cores (CPU training only)
+SWAP_GROWTH_MB = 32.0  # system swap grew by more than this during training
+NO_GPU_FINDING = "no NVIDIA GPU: telemetry covers CPU and RAM only"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Step timer
+
+
+class _Phase:
+    """The context manager `StepTimer.phase(name)` returns; one per phase, reused every step (no allocation)."""
+
+    __slots__ = ("_timer", "_name", "_start")
+
+    def __init__(self, timer: StepTimer, name: str):
+        self._timer, self._name, self._start = timer, name, 0.0
+
+    def __enter__(self) -> None:
+        self._start = time.perf_counter()
+        if self._timer._step_start is None:
+            self._timer._step_start = self._start
+
+    def __exit__(self, *exc_info: object) -> None:
+        timer = self._timer
+        if timer._sync is not None:
+            timer._sync()
+        timer._step[self._name] += time.perf_counter() - self._start
+
+
+class StepTimer:
+    """Where each optimizer step's time goes: data wait, forward-backward, optimizer, and the untimed rest.
+
+    Phases add up within a step (with gradient accumulation each micro-batch enters "data" and "fwd_bwd" once);
+    `end_step()` closes the step. A step's wall time runs from the previous `end_step()` (or the first phase of
+    the first step) to this one, so logging, progress bars and checkpoints between steps show up as "other".
+
+    On a GPU, kernels run asynchronously: without `sync` the time of queued kernels lands in whichever phase
+    waits for them next (the optimizer's kernels in the next step's host-to-device copy, which would read as data
+    wait). Pass `sync=torch.cuda.synchronize` on CUDA: it is called as each phase ends, so each phase owns its
+    kernels, at the cost of one synchronisation per phase.
+    """
+
+    PHASES = ("data", "fwd_bwd", "optimizer")
+
+    def __init__(self, sync: Callable[[], None] | None = None):
+        self._sync = sync
+        self._phases = {name: _Phase(self, name) for name in self.PHASES}
+        self._step = dict.fromkeys(self.PHASES, 0.0)
+        self._step_start: float | None = None
+        self._total = dict.fromkeys(self.PHASES, 0.0)
+        self._total_wall = 0.0
+        self._window = dict.fromkeys(self.PHASES, 0.0)
+        self._window_wall = 0.0
+        self._window_steps = 0
+        self.steps = 0
+
+    def phase(self, name: str) -> _Phase:
+        """`with timer.phase("data"): ...` adds the block's wall time to this step's `name` phase."""
+        try:
+            return self._phases[name]
+        except KeyError:
+            raise ValueError(f"unknown step phase {name!r}; StepTimer times {', '.join(self.PHASES)}") from None
+
+    def end_step(self) -> dict[str, float]:
+        """Close the step; return its seconds per phase and in all (`step`)."""
+        now = time.perf_counter()
+        wall = now - self._step_start if self._step_start is not None else sum(self._step.values())
+        step = {**self._step, "step": wall}
+        for name in self.PHASES:
+            self._total[name] += self._step[name]
+            self._window[name] += self._step[name]
+            self._step[name] = 0.0
+        self._total_wall += wall
+        self._window_wall += wall
+        self._window_steps += 1
+        self.steps += 1
+        self._step_start = now
+        return step
+
+    def window(self) -> dict[str, float]:
+        """Mean milliseconds per step of each phase since the last call, then start a new window.
+
+        For the training loop's periodic log: `mlflow.log_metrics(timer.window(), step=step)`. Empty when no step
+        ended since the last call.
+        """
+        steps = self._window_steps
+        if not steps:
+            return {}
+        out = {"step_time_ms": 1000 * self._window_wall / steps}
+        out.update({f"step_{name}_ms": 1000 * self._window[name] / steps for name in self.PHASES})
+        self._window = dict.fromkeys(self.PHASES, 0.0)
+        self._window_wall, self._window_steps = 0.0, 0
+        return out
+
+    def summary(self) -> dict[str, float]:
+        """Steps, mean step time and each phase's share of the total step time (`other_share`: untimed)."""
+        if not self.steps:
+            return {"steps": 0}
+        wall = max(self._total_wall, 1e-12)
+        out: dict[str, float] = {"steps": self.steps, "step_time_mean_ms": round(1000 * wall / self.steps, 3)}
+        for name in self.PHASES:
+            out[f"{name}_mean_ms"] = round(1000 * self._total[name] / self.steps, 3)
+        for name in self.PHASES:
+            out[f"{name}_share"] = round(self._total[name] / wall, 4)
+        out["other_share"] = round(max(0.0, 1 - sum(self._total.values()) / wall), 4)
+        return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# NVML
+
+
+class _NvmlReader:
+    """Open NVML handles for the life of a sampler; one read of every GPU field per sample.
+
+    Which GPUs exist, and why there are none, comes from `hardware.nvml_gpus` (the probe stage's logic). A field a
+    GPU does not report (power on some virtual GPUs, clocks on MIG slices) is dropped after its first error
+    rather than asked for again every second.
+    """
+
+    def __init__(self, use_nvml: bool = True):
+        self.gpus: list[dict[str, Any]] = []
+        self.handles: list[Any] = []
+        self._nvml: Any = None
+        self._dropped: set[tuple[int, str]] = set()
+        self._temperature_v = True
+        if not use_nvml:
+            self.note: str | None = "no NVIDIA GPU: not sampled (use_nvml=False)"
+            return
+        gpus, self.note, _driver = hardware.nvml_gpus()
+        if not gpus:
+            return
+        import pynvml
+
+        try:
+            pynvml.nvmlInit()
+            self.handles = [pynvml.nvmlDeviceGetHandleByIndex(gpu["index"]) for gpu in gpus]
+        except pynvml.NVMLError as exc:
+            self.handles = []
+            self.note = f"no NVIDIA GPU: NVML failed when opening the devices ({exc})"
+            return
+        self._nvml, self.gpus = pynvml, gpus
+
+    @property
+    def names(self) -> list[str]:
+        return [f"gpu_{gpu['index']}_{field}" for gpu in self.gpus for field in GPU_FIELDS]
+
+    def read(self) -> dict[str, float | None]:
+        nvml, row = self._nvml, {}
+        for gpu, handle in zip(self.gpus, self.handles):
+            index = gpu["index"]
+            for field in GPU_FIELDS:
+                key = f"gpu_{index}_{field}"
+                if (index, field) in self._dropped:
+                    row[key] = None
+                    continue
+                try:
+                    row[key] = float(self._read_field(nvml, handle, field))
+                except Exception as exc:  # noqa: BLE001 an NVMLError, or a binding that does not fit this driver
+                    self._dropped.add((index, field))
+                    row[key] = None
+                    logger.warning("telemetry: GPU %d does not report %s (%s); not sampled any more", index, field,
+                                   exc)
+        return row
+
+    def _read_field(self, nvml: Any, handle: Any, field: str) -> float:
+        if field == "utilization_percent":
+            return nvml.nvmlDeviceGetUtilizationRates(handle).gpu
+        if field == "memory_used_mb":
+            return nvml.nvmlDeviceGetMemoryInfo(handle).used / MB
+        if field == "power_w":
+            return nvml.nvmlDeviceGetPowerUsage(handle) / 1000  # NVML reports milliwatts
+        if field == "temperature_c":
+            # nvmlDeviceGetTemperature is deprecated (gone with CUDA 14 drivers); older drivers lack the V form.
+            if self._temperature_v:
+                try:
+                    return nvml.nvmlDeviceGetTemperatureV(handle, nvml.NVML_TEMPERATURE_GPU)
+                except (AttributeError, nvml.NVMLError):
+                    self._temperature_v = False
+            return nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU)
+        if field == "sm_clock_mhz":
+            return nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_SM)
+        raise KeyError(field)
+
+    def close(self) -> None:
+        if self._nvml is not None:
+            try:
+                self._nvml.nvmlShutdown()
+            except self._nvml.NVMLError:
+                pass
+            self._nvml = None
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Sampler
+
+
+class _Stat:
+    __slots__ = ("count", "total", "peak")
+
+    def __init__(self) -> None:
+        self.count, self.total, self.peak = 0, 0.0, float("-inf")
+
+    def add(self, value: float) -> None:
+        self.count += 1
+        self.total += value
+        self.peak = max(self.peak, value)
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.count if self.count else 0.0
+
+
+def _cpu_busy_idle() -> tuple[float, float]:
+    """System CPU (busy, total) seconds. Our own deltas rather than psutil.cpu_percent(), whose module-level state
+    another caller (MLflow's system-metrics monitor) would reset under us."""
+    times = psutil.cpu_times()
+    total = sum(times)
+    # Linux counts guest time inside user time too; psutil subtracts it the same way.
+    total -= getattr(times, "guest", 0.0) + getattr(times, "guest_nice", 0.0)
+    idle = times.idle + getattr(times, "iowait", 0.0)
+    return total - idle, total
+
+
+class TelemetrySampler:
+    """Samples the machine every `interval_s` seconds on a daemon thread, into a CSV and an MLflow run.
+
+    Args:
+        interval_s: seconds between samples (default 1.0).
+        csv_path: the CSV to write (`elapsed_s` then one column per metric); None for no CSV.
+        mlflow_run_id: the run to log `system/<name>` metrics to; None for no MLflow logging.
+        pid: the process whose CPU and RSS are sampled; default this process.
+        cores: CPU cores the training is meant to keep busy (the train stage: its torch threads); default the
+            cores this process may run on. The "CPU under 60% busy" finding compares against it.
+        tracking_uri: the MLflow store; default MLflow's current one (MLFLOW_TRACKING_URI / set_tracking_uri).
+        mlflow_flush_s: seconds between MLflow batches (and at stop); the CSV gets every sample at once.
+        use_nvml: sample NVIDIA GPUs through NVML where present.
+    """
+
+    def __init__(
+        self,
+        interval_s: float = 1.0,
+        csv_path: Path | str | None = None,
+        mlflow_run_id: str | None = None,
+        pid: int | None = None,
+        *,
+        cores: int | None = None,
+        tracking_uri: str | None = None,
+        mlflow_flush_s: float = 10.0,
+        use_nvml: bool = True,
+    ):
+        if not interval_s > 0:
+            raise ValueError(f"telemetry interval_s must be > 0 seconds, got {interval_s}")
+        if cores is not None and cores < 1:
+            raise ValueError(f"telemetry cores must be >= 1, got {cores}")
+        self.interval_s = float(interval_s)
+        self.csv_path = Path(csv_path) if csv_path is not None else None
+        self.mlflow_run_id = mlflow_run_id
+        self.pid = pid or os.getpid()
+        self.cores = cores
+        self.tracking_uri = tracking_uri
+        self.mlflow_flush_s = mlflow_flush_s
+        self.use_nvml = use_nvml
+        self.samples = 0
+        self.last_sample: dict[str, float | None] = {}
+        self.gpu_note: str | None = None
+        self.columns: list[str] = []
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._stats: dict[str, _Stat] = {}
+        self._pending: list[Any] = []  # mlflow Metric objects not yet sent
+        self._mlflow_ok = True
+        self._mlflow_failures = 0
+        self._errors_logged: set[str] = set()
+        self._own_cpu_s = self._own_wall_s = 0.0
+        self._t0 = self._t_end = 0.0
+        self._nvml_reader: _NvmlReader | None = None
+        self._disk_start = self._disk_prev = self._net_start = self._net_prev = None
+        self._swap_start_mb = 0.0
+
+    # -- lifecycle ---------------------------------------------------------------------------------------------
+
+    def __enter__(self) -> TelemetrySampler:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        """Prime the counters, open the CSV and the MLflow client, start the thread. A sampler runs once."""
+        if self._t0:
+            # Its sample index is the MLflow step: a second run would log steps 0, 1, ... over the first ones.
+            raise RuntimeError("this TelemetrySampler has already run; make a new one for the next run")
+        self._process = psutil.Process(self.pid)
+        if self.cores is None:
+            try:
+                self.cores = len(self._process.cpu_affinity()) or None
+            except (AttributeError, psutil.Error):  # no cpu_affinity on macOS
+                self.cores = None
+            self.cores = self.cores or psutil.cpu_count() or 1
+        self._process.cpu_percent(None)  # the first call only sets the reference point
+        self._cpu_prev = _cpu_busy_idle()
+        self._disk_start = self._disk_prev = psutil.disk_io_counters()
+        self._net_start = self._net_prev = psutil.net_io_counters()
+        self._swap_start_mb = psutil.swap_memory().used / MB
+        self._nvml_reader = _NvmlReader(self.use_nvml)
+        self.gpu_note = self._nvml_reader.note
+        self.columns = ["elapsed_s", *HOST_METRICS, *self._nvml_reader.names]
+        self._stats = {name: _Stat() for name in self.columns[1:]}
+        self.samples = 0
+        self._csv_file = None
+        if self.csv_path is not None:
+            self.csv_path.parent.mkdir(parents=True, exist_ok=True)
+            self._csv_file = open(self.csv_path, "w", newline="", encoding="utf-8")  # noqa: SIM115 closed in stop
+            self._csv = csv.writer(self._csv_file, lineterminator="\n")
+            self._csv.writerow(self.columns)
+            self._csv_file.flush()
+        self._client = None
+        if self.mlflow_run_id is not None:
+            from mlflow import MlflowClient
+
+            self._client = MlflowClient(self.tracking_uri)
+        self._stop.clear()
+        self._t0 = self._t_prev = self._last_flush = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="frugaltune-telemetry", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Take a last sample, send what MLflow has not got, close the CSV. Returns within about one sample."""
+        thread = self._thread
+        if thread is None:
+            return
+        self._stop.set()
+        # A stalled MLflow server must not hold training hostage: give up on the thread after a while.
+        thread.join(timeout=max(10.0, 2 * self.mlflow_flush_s))
+        if thread.is_alive():
+            logger.warning("telemetry: the sampler thread did not stop in time; some MLflow metrics may be missing")
+        self._thread = None
+        self._t_end = time.monotonic()
+        if self._csv_file is not None:
+            self._csv_file.close()
+            self._csv_file = None
+        if self._nvml_reader is not None:
+            self._nvml_reader.close()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None
+
+    # -- the thread --------------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        deadline = self._t0 + self.interval_s
+        while True:
+            stopping = self._stop.wait(max(0.0, deadline - time.monotonic()))
+            cpu_start = time.thread_time()
+            now = time.monotonic()
+            # At stop, sample the partial interval unless it is too short to give a meaningful CPU percentage.
+            if not stopping or self.samples == 0 or now - self._t_prev >= 0.2 * self.interval_s:
+                self._guarded("sample", self._sample, now)
+            due = stopping or now - self._last_flush >= self.mlflow_flush_s
+            if self._client is not None and self._pending and due:
+                self._guarded("mlflow", self._flush_mlflow)
+                self._last_flush = now
+            self._own_cpu_s += time.thread_time() - cpu_start
+            self._own_wall_s += time.monotonic() - now
+            if stopping:
+                return
+            deadline += self.interval_s
+            if deadline < now:  # fell behind (a suspended machine, a very slow flush): do not burst to catch up
+                deadline = now + self.interval_s
+
+    def _guarded(self, what: str, fn: Callable[..., None], *args: Any) -> None:
+        # Telemetry must never crash training: log each kind of failure once and carry on.
+        try:
+            fn(*args)
+            if what == "mlflow":
+                self._mlflow_failures = 0
+        except Exception as exc:  # noqa: BLE001
+            suffix = ""
+            if what == "mlflow":
+                # A busy store (sqlite locked by the main thread's own logging) gets the batch again next time;
+                # a store that keeps refusing (run deleted, server gone) is given up on.
+                self._mlflow_failures += 1
+                if self._mlflow_failures >= MLFLOW_ATTEMPTS:
+                    self._mlflow_ok = False
+                    self._pending.clear()
+                    suffix = "; no more MLflow system metrics this run"
+            if what not in self._errors_logged or suffix:
+                self._errors_logged.add(what)
+                logger.warning("telemetry: %s failed (%s: %s)%s", what, type(exc).__name__, exc, suffix)
+
+    def _read(self, now: float) -> dict[str, float | None]:
+        """One sample of every metric (rates over the time since the previous read)."""
+        dt = max(now - self._t_prev, 1e-6)
+        row: dict[str, float | None] = dict.fromkeys(HOST_METRICS)
+        try:
+            with self._process.oneshot():
+                row["process_cpu_percent"] = self._process.cpu_percent(None)
+                row["process_rss_mb"] = self._process.memory_info().rss / MB
+        except psutil.NoSuchProcess:
+            pass  # the sampled process ended; system metrics go on
+        busy, total = _cpu_busy_idle()
+        d_total = total - self._cpu_prev[1]
+        row["system_cpu_percent"] = 100 * (busy - self._cpu_prev[0]) / d_total if d_total > 0 else 0.0
+        self._cpu_prev = (busy, total)
+        row["system_memory_used_mb"] = psutil.virtual_memory().used / MB
+        row["swap_used_mb"] = psutil.swap_memory().used / MB
+        disk = psutil.disk_io_counters()
+        if disk is not None and self._disk_prev is not None:  # None in containers without /proc/diskstats
+            row["disk_read_mb_per_s"] = (disk.read_bytes - self._disk_prev.read_bytes) / MB / dt
+            row["disk_write_mb_per_s"] = (disk.write_bytes - self._disk_prev.write_bytes) / MB / dt
+        self._disk_prev = disk
+        net = psutil.net_io_counters()
+        if net is not None and self._net_prev is not None:
+            row["net_recv_mb_per_s"] = (net.bytes_recv - self._net_prev.bytes_recv) / MB / dt
+            row["net_sent_mb_per_s"] = (net.bytes_sent - self._net_prev.bytes_sent) / MB / dt
+        self._net_prev = net
+        row.update(self._nvml_reader.read())
+        self._t_prev = now
+        return row
+
+    def _sample(self, now: float) -> None:
+        row = self._read(now)
+        step, elapsed = self.samples, now - self._t0
+        with self._lock:
+            for name, value in row.items():
+                if value is not None:
+                    self._stats[name].add(value)
+            self.samples += 1
+            self.last_sample = row
+        if self._csv_file is not None:
+            cells = ("" if row[name] is None else f"{row[name]:.2f}" for name in self.columns[1:])
+            self._csv.writerow([f"{elapsed:.3f}", *cells])
+            self._csv_file.flush()
+        if self._client is not None and self._mlflow_ok:
+            from mlflow.entities import Metric
+
+            timestamp = int(time.time() * 1000)
+            self._pending.extend(Metric(METRIC_PREFIX + name, value, timestamp, step)
+                                 for name, value in row.items() if value is not None)
+
+    def _flush_mlflow(self) -> None:
+        while self._pending:  # what fails stays pending for the next attempt
+            chunk = self._pending[:MLFLOW_BATCH_LIMIT]
+            self._client.log_batch(self.mlflow_run_id, metrics=chunk, synchronous=True)
+            del self._pending[:len(chunk)]
+
+    # -- the summary -------------------------------------------------------------------------------------------
+
+    def summary(self, timer: StepTimer | None = None) -> dict[str, Any]:
+        """Numbers over the whole run (plus `timer.summary()` when given) and `findings`: plain sentences."""
+        if not self._t0:
+            raise RuntimeError("TelemetrySampler.summary() needs a sampler that has been started")
+        with self._lock:
+            stats = {name: (s.count, s.mean, s.peak) for name, s in self._stats.items()}
+            samples = self.samples
+        end = self._t_end if self._thread is None and self._t_end else time.monotonic()
+        duration = max(end - self._t0, 1e-9)
+        cores = self.cores or 1
+
+        def mean(name: str) -> float | None:
+            count, value, _ = stats.get(name, (0, 0.0, 0.0))
+            return value if count else None
+
+        def peak(name: str) -> float | None:
+            count, _, value = stats.get(name, (0, 0.0, 0.0))
+            return value if count else None
+
+        out: dict[str, Any] = {"samples": samples, "duration_s": round(duration, 2), "interval_s": self.interval_s,
+                               "cores": cores}
+        cpu_mean = mean("process_cpu_percent")
+        if cpu_mean is not None:
+            out["process_cpu_mean_percent"] = round(cpu_mean, 1)
+            out["process_cpu_peak_percent"] = round(peak("process_cpu_percent"), 1)
+            out["cpu_busy_share"] = round(cpu_mean / (100 * cores), 4)
+        if mean("system_cpu_percent") is not None:
+            out["system_cpu_mean_percent"] = round(mean("system_cpu_percent"), 1)
+        rss_peak = peak("process_rss_mb") or 0.0
+        if self.pid == os.getpid():  # the kernel's own peak also catches spikes between samples (Linux: KiB)
+            rss_peak = max(rss_peak, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+        out["peak_rss_mb"] = round(rss_peak, 1)
+        if peak("system_memory_used_mb") is not None:
+            out["system_memory_peak_mb"] = round(peak("system_memory_used_mb"), 1)
+        if peak("swap_used_mb") is not None:
+            swap_peak = peak("swap_used_mb")
+            out["swap_peak_mb"] = round(swap_peak, 1)
+            out["swap_growth_mb"] = round(max(0.0, swap_peak - self._swap_start_mb), 1)
+        if self._disk_start is not None and self._disk_prev is not None:
+            out["disk_read_mb"] = round((self._disk_prev.read_bytes - self._disk_start.read_bytes) / MB, 1)
+            out["disk_write_mb"] = round((self._disk_prev.write_bytes - self._disk_start.write_bytes) / MB, 1)
+        if self._net_start is not None and self._net_prev is not None:
+            out["net_recv_mb"] = round((self._net_prev.bytes_recv - self._net_start.bytes_recv) / MB, 1)
+            out["net_sent_mb"] = round((self._net_prev.bytes_sent - self._net_start.bytes_sent) / MB, 1)
+        gpus = self._nvml_reader.gpus if self._nvml_reader is not None else []
+        out["gpu_count"] = len(gpus)
+        busy_means = []
+        for gpu in gpus:
+            i = gpu["index"]
+            for key, name, fn, digits in (
+                (f"gpu_{i}_busy_mean_percent", f"gpu_{i}_utilization_percent", mean, 1),
+                (f"gpu_{i}_memory_peak_mb", f"gpu_{i}_memory_used_mb", peak, 1),
+                (f"gpu_{i}_power_mean_w", f"gpu_{i}_power_w", mean, 1),
+                (f"gpu_{i}_temperature_peak_c", f"gpu_{i}_temperature_c", peak, 1),
+            ):
+                value = fn(name)
+                if value is not None:
+                    out[key] = round(value, digits)
+            if f"gpu_{i}_busy_mean_percent" in out:
+                busy_means.append(out[f"gpu_{i}_busy_mean_percent"])
+        if busy_means:
+            out["gpu_busy_mean_percent"] = round(sum(busy_means) / len(busy_means), 1)
+        # The sampler's own cost: its CPU time, and the wall time it was at work (an upper bound on how long it
+        # can have kept the training thread waiting for the GIL), each as a percentage of the run.
+        out["telemetry_cpu_percent"] = round(100 * self._own_cpu_s / duration, 3)
+        out["telemetry_busy_percent"] = round(100 * self._own_wall_s / duration, 3)
+        if timer is not None:
+            out.update(timer.summary())
+        out["findings"] = bottleneck_findings(out, self.gpu_note)
+        return out
+
+    def log_summary(self, summary: dict[str, Any]) -> None:
+        """Send a `summary()` to the MLflow run (from the main thread, after stop()).
+
+        Numbers become `telemetry/<key>` metrics, the findings the `telemetry.findings` tag and the text artifact
+        `telemetry/findings.txt`, and the CSV (if any) the artifact `telemetry/<csv name>`.
+        """
+        if self.mlflow_run_id is None:
+            raise ValueError("log_summary needs the sampler's mlflow_run_id; this sampler logs to no MLflow run")
+        from mlflow import MlflowClient
+        from mlflow.entities import Metric, RunTag
+
+        client = MlflowClient(self.tracking_uri)
+        timestamp = int(time.time() * 1000)
+        metrics = [Metric(f"telemetry/{key}", float(value), timestamp, 0) for key, value in summary.items()
+                   if isinstance(value, int | float) and not isinstance(value, bool)]
+        text = "\n".join(summary.get("findings", []))
+        tags = [RunTag("telemetry.findings", text[:MLFLOW_TAG_LIMIT])]
+        client.log_batch(self.mlflow_run_id, metrics=metrics, tags=tags, synchronous=True)
+        client.log_text(self.mlflow_run_id, text + "\n", "telemetry/findings.txt")
+        if self.csv_path is not None and self.csv_path.is_file():
+            client.log_artifact(self.mlflow_run_id, str(self.csv_path), "telemetry")
+
+
+def bottleneck_findings(summary: dict[str, Any], gpu_note: str | None = None) -> list[str]:
+    """Plain-sentence findings from summary numbers (the keys `TelemetrySampler.summary` writes).
+
+    Rules: data wait above 10% of step time; system swap grew; a GPU under 40% busy; with no GPU, the process
+    keeping under 60% of its cores busy; no GPU at all. When none of the first four fire, one line says so.
+    """
+    findings: list[str] = []
+    data_share = summary.get("data_share")
+    if data_share is not None and data_share > DATA_STARVED_SHARE:
+        findings.append(
+            f"data loader starved the model {data_share:.0%} of the time "
+            f"({summary.get('data_mean_ms', 0):.1f} ms of {summary.get('step_time_mean_ms', 0):.1f} ms per step "
+            "building batches): pre-tokenize, cache or simplify the collate, or use DataLoader workers"
+        )
+    swap_growth = summary.get("swap_growth_mb")
+    if swap_growth is not None and swap_growth > SWAP_GROWTH_MB:
+        findings.append(
+            f"swapping: {swap_growth:.0f} MB of swap used during training (peak {summary.get('swap_peak_mb', 0):.0f} "
+            "MB): memory is short; lower the micro-batch or sequence length, or use gradient checkpointing"
+        )
+    gpu_count = summary.get("gpu_count", 0)
+    for i in range(gpu_count):
+        busy = summary.get(f"gpu_{i}_busy_mean_percent")
+        if busy is not None and busy < GPU_BUSY_LOW_PERCENT:
+            findings.append(f"GPU {i} under {GPU_BUSY_LOW_PERCENT:.0f}% busy (mean {busy:.0f}% utilisation): "
+                            "it waits on the CPU or the data; a larger micro-batch usually helps")
+    cpu_share = summary.get("cpu_busy_share")
+    if not gpu_count and cpu_share is not None and summary.get("samples", 0) > 0 and cpu_share < CPU_BUSY_LOW_SHARE:
+        cores = summary.get("cores", 1)
+        findings.append(
+            f"CPU under {CPU_BUSY_LOW_SHARE:.0%} of available cores busy: the process kept {cpu_share * cores:.1f} "
+            f"of {cores} cores busy on average ({cpu_share:.0%}); other load on the machine, too few torch threads "
+            "or single-threaded Python (data, logging) hold it back"
+        )
+    if not findings:
+        parts = []
+        if cpu_share is not None:
+            parts.append(f"CPU {cpu_share:.0%} of {summary.get('cores', 1)} cores busy")
+        if summary.get("gpu_busy_mean_percent") is not None:
+            parts.append(f"GPU {summary['gpu_busy_mean_percent']:.0f}% busy")
+        if data_share is not None:
+            parts.append(f"data wait {data_share:.0%} of step time")
+        if swap_growth is not None:
+            parts.append("no swapping")
+        findings.append("no bottleneck found" + (": " + ", ".join(parts) if parts else ""))
+    if not gpu_count:
+        reason = (gpu_note or "").removeprefix("no NVIDIA GPU:").strip()
+        findings.append(NO_GPU_FINDING + (f"; {reason}" if reason else ""))
+    return findings
