@@ -5,6 +5,7 @@ Library code, used by every stage: `write_json(path, obj)`, `write_text`, `atomi
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -52,3 +53,11 @@ def atomic_dir(path: Path | str) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def sha256_file(path: Path | str) -> str:
+    digest = hashlib.sha256()
+    with Path(path).open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()

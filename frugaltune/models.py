@@ -26,7 +26,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from frugaltune.io import atomic_dir
+from frugaltune.io import atomic_dir, sha256_file
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 HUB_HOST = ("huggingface.co", 443)
@@ -135,14 +135,6 @@ def _rebuild_serializable(model: PreTrainedModel, dtype: torch.dtype) -> PreTrai
     return fresh
 
 
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def import_base_model(source: str, out_dir: Path, gguf_file: str | None = None, dtype: str = "float32") -> dict:
     """Save `source` as a Hugging Face directory (safetensors + tokenizer) at `out_dir`, atomically.
 
@@ -161,7 +153,7 @@ def import_base_model(source: str, out_dir: Path, gguf_file: str | None = None, 
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
     weights = sorted(out_dir.glob("*.safetensors"))
-    combined = hashlib.sha256("".join(sha256_of(w) for w in weights).encode()).hexdigest()
+    combined = hashlib.sha256("".join(sha256_file(w) for w in weights).encode()).hexdigest()
     return {
         "source": source,
         "resolved": resolved.description,

@@ -25,6 +25,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from frugaltune.io import sha256_file
+
 MANIFEST = "manifest.json"
 STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -52,12 +54,15 @@ def data_fingerprint(input_ids: list[list[int]], labels: list[int]) -> str:
     return digest.hexdigest()[:16]
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+def copy_named_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor], source: Path) -> None:
+    """Copy saved tensors into the model's parameters of the same names; refuse names the model lacks."""
+    params = dict(model.named_parameters())
+    unknown = sorted(set(tensors) - set(params))
+    if unknown:
+        raise ValueError(f"{source}: holds tensors this model does not have: {unknown[:3]}")
+    with torch.no_grad():
+        for name, tensor in tensors.items():
+            params[name].copy_(tensor)
 
 
 def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -78,7 +83,7 @@ def save_checkpoint(
         torch.save(rng, tmp / "rng.pt")
         (tmp / "state.json").write_text(json.dumps({"step": step, **state}, indent=2))
         files = sorted(p.name for p in tmp.iterdir())
-        (tmp / MANIFEST).write_text(json.dumps({"step": step, "sha256": {f: _sha256(tmp / f) for f in files}}))
+        (tmp / MANIFEST).write_text(json.dumps({"step": step, "sha256": {f: sha256_file(tmp / f) for f in files}}))
         with open(tmp / MANIFEST, "rb") as fh:
             os.fsync(fh.fileno())
         final = directory / f"step-{step}"
@@ -113,7 +118,7 @@ def is_complete(checkpoint: Checkpoint) -> tuple[bool, str]:
         path = checkpoint.path / name
         if not path.is_file():
             return False, f"{name} is missing"
-        if _sha256(path) != digest:
+        if sha256_file(path) != digest:
             return False, f"{name} does not match its checksum (truncated or modified)"
     return True, ""
 
@@ -131,14 +136,8 @@ def latest_complete(directory: Path) -> Checkpoint | None:
 def load_checkpoint(checkpoint: Checkpoint, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     scheduler: Any) -> dict[str, Any]:
     """Restore weights, optimizer, scheduler and RNG states; return the saved loop state."""
-    weights = load_file(str(checkpoint.path / "trainable.safetensors"))
-    params = dict(model.named_parameters())
-    unknown = sorted(set(weights) - set(params))
-    if unknown:
-        raise RuntimeError(f"{checkpoint.path}: holds parameters this model lacks: {unknown[:3]}")
-    with torch.no_grad():
-        for name, tensor in weights.items():
-            params[name].copy_(tensor)
+    weights_file = checkpoint.path / "trainable.safetensors"
+    copy_named_tensors(model, load_file(str(weights_file)), weights_file)
     optim = torch.load(checkpoint.path / "optim.pt", weights_only=False)
     optimizer.load_state_dict(optim["optimizer"])
     scheduler.load_state_dict(optim["scheduler"])

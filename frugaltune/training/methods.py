@@ -20,6 +20,8 @@ import torch
 from peft import LoraConfig, PeftModel, TaskType, get_peft_model, prepare_model_for_kbit_training
 from safetensors.torch import load_file, save_file
 
+from frugaltune.training.checkpoint import copy_named_tensors
+
 METHODS = ("none", "full", "lora", "qlora", "prelayer", "dora")
 PEFT_METHODS = ("lora", "qlora", "dora")
 TENSORS_FILE = "trainable.safetensors"
@@ -88,12 +90,5 @@ def load_trained(model: torch.nn.Module, trained_dir: Path) -> torch.nn.Module:
     tensors_file = trained_dir / TENSORS_FILE
     if not tensors_file.is_file():
         raise FileNotFoundError(f"{trained_dir}: neither a PEFT adapter nor {TENSORS_FILE}. Run the train stage.")
-    tensors = load_file(str(tensors_file))
-    params = dict(model.named_parameters())
-    unknown = sorted(set(tensors) - set(params))
-    if unknown:
-        raise ValueError(f"{tensors_file}: tensors this model does not have: {unknown[:3]}")
-    with torch.no_grad():
-        for name, tensor in tensors.items():
-            params[name].copy_(tensor)
+    copy_named_tensors(model, load_file(str(tensors_file)), tensors_file)
     return model
