@@ -22,7 +22,6 @@ at all), so `find_changes` also compares the source's sha256 with the `raw_sha25
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -42,6 +41,7 @@ from prefect.cache_policies import NO_CACHE
 from flows.ui import mlflow_ui_url
 from frugaltune import tracking
 from frugaltune.data import DataSourceError, resolve_source
+from frugaltune.data import source_sha256 as files_sha256
 from frugaltune.io import read_json, write_text
 from stages import paths
 from stages.config import Params, ScheduleParams, load_params
@@ -203,12 +203,7 @@ def source_sha256(params: Params) -> str | None:
         source = resolve_source(params.data.source, params.data.encoding)
     except DataSourceError:
         return None
-    digest = hashlib.sha256()
-    for _, path in sorted(source.files.items()):  # ingest hashes its copies in this order; copies are exact
-        with path.open("rb") as handle:
-            for block in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(block)
-    return digest.hexdigest()
+    return files_sha256(source)
 
 
 @task(name="find-changes", cache_policy=NO_CACHE, persist_result=False)

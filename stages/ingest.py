@@ -8,7 +8,6 @@ Values are not cleaned here: `validate` judges them, so that what is dropped is 
 
 from __future__ import annotations
 
-import hashlib
 import shutil
 import sys
 
@@ -20,6 +19,7 @@ from frugaltune.data import (
     normalize_columns,
     read_table,
     resolve_source,
+    source_sha256,
     stratified_sample,
     stratified_split,
 )
@@ -55,13 +55,11 @@ def run(params: Params) -> dict:
         raise DataSourceError(f"{data.source}: found {len(labels)} distinct label(s) in the training data ({labels}); "
                               f"a classifier needs at least 2. Check data.label_column.")
 
-    digest = hashlib.sha256()
     with atomic_dir(paths.RAW_DIR) as raw:
         for split, path in sorted(source.files.items()):
             name = f"{source.name}{path.suffix}" if split == "all" else f"{source.name}/{path.name}"
             (raw / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(path, raw / name)
-            digest.update((raw / name).read_bytes())
     with atomic_dir(paths.SPLITS_DIR) as out:
         for split, frame in splits.items():
             frame.to_parquet(out / paths.split_path(split).name, index=False)
@@ -70,7 +68,7 @@ def run(params: Params) -> dict:
             "source": data.source,
             "text_column": data.text_column,
             "label_column": data.label_column,
-            "raw_sha256": digest.hexdigest(),
+            "raw_sha256": source_sha256(source),
         })
 
     metrics = {
