@@ -3,6 +3,8 @@
     frugaltune predict "I love it" "worst day ever"        # label per text, from models:/<name>@champion
     echo "I love it" | frugaltune predict                   # one text per input line
     frugaltune predict --model-uri models:/frugaltune-sentiment/3 --json "I love it"
+    frugaltune plan                                         # will train.method fit here, and how long will it take?
+    frugaltune plan --memory-limit-gb 4 --no-calibrate --json
 
 Each subcommand is a `_<name>(args) -> int` handler registered in `build_parser()`; heavy imports stay inside
 the handlers so `frugaltune --help` is instant.
@@ -78,6 +80,29 @@ def _predict(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from frugaltune import planner
+    from frugaltune.hardware import probe
+    from stages import probe as probe_stage
+    from stages.config import ParamsError, load_params
+
+    try:
+        params = load_params(Path(args.params or DEFAULT_PARAMS))
+        if args.method:
+            params = params.model_copy(update={"train": params.train.model_copy(update={"method": args.method})})
+        plan = probe_stage.build_plan(params, probe(use_nvml=params.probe.nvml), calibrate=args.calibrate,
+                                      memory_limit_gb=args.memory_limit_gb)
+    except (ParamsError, FileNotFoundError, RuntimeError) as exc:
+        raise CommandError(str(exc)) from None
+    print(json.dumps(plan, indent=2) if args.json else planner.render(plan))
+    try:
+        planner.check_fits(plan)
+    except planner.PlanError as exc:
+        print(f"frugaltune plan: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="frugaltune", description="Fine-tune small language models on the hardware people have."
@@ -98,6 +123,23 @@ def build_parser() -> argparse.ArgumentParser:
     predict.add_argument("--params", help=f"params file naming the model (default: {DEFAULT_PARAMS})")
     predict.add_argument("--json", action="store_true", help='print {"text": ..., "label": ...} per line')
     predict.set_defaults(handler=_predict)
+
+    plan = commands.add_parser(
+        "plan",
+        help="predict peak memory and training time of every method on this machine",
+        description="Plan the configured training run (params.yaml, models/base, data/tokenized) on this machine: "
+        "for every method, whether it fits, the predicted peak memory, the micro-batch / accumulation / gradient "
+        "checkpointing / precision / threads it recommends and the ETA. Exit status 1 when train.method cannot fit.",
+    )
+    plan.add_argument("--params", help=f"params file (default: {DEFAULT_PARAMS})")
+    plan.add_argument("--method", choices=["none", "full", "lora", "qlora", "prelayer", "dora"],
+                      help="plan (and calibrate) this method instead of train.method")
+    plan.add_argument("--memory-limit-gb", type=float, help="memory the run may use (default: probe.memory_limit_gb, "
+                      "else the machine's)")
+    plan.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=None,
+                      help="run a few real training steps to fit this machine's constants (default: probe.calibrate)")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.set_defaults(handler=_plan)
     return parser
 
 

@@ -23,7 +23,8 @@ def run(params, method: str) -> dict:
         budget["max_steps"] = params.compare.max_steps
     params = params.model_copy(update={"train": params.train.model_copy(update=budget)})
     out = paths.compare_run(method)
-    trained = train.run(params, out)
+    # Every method on the same batches as configured: the pipeline's plan (probe) is for train.method only.
+    trained = train.run(params, out, use_plan=False)
     evaluated = evaluate.run(params, out)
     return {"train": trained, "evaluate": evaluated}
 

@@ -108,6 +108,15 @@ class TokenizeParams(Section):
 
 class ProbeParams(Section):
     nvml: bool = Field(True, description="Look for NVIDIA GPUs through NVML (nvidia-ml-py).")
+    memory_limit_gb: float | None = Field(
+        None, gt=0, description="Memory the plan may use (GiB); null = the cgroup limit or the machine's RAM "
+        "(a GPU's own memory when training runs on one). The plan keeps 10% of it free."
+    )
+    calibrate: bool = Field(
+        True, description="Time and measure a few real training steps of train.method at two micro-batch sizes to "
+        "fit this machine's memory and time constants (an ETA needs it); false = analytic estimates only."
+    )
+    calibration_steps: int = Field(2, ge=1, le=20, description="Timed steps per calibration point (after one warm-up).")
 
 
 class KernelsParams(Section):
@@ -197,13 +206,21 @@ class TrainParams(Section):
     warmup_ratio: float = Field(0.05, ge=0, lt=1, description="Share of the optimizer steps spent warming up.")
     epochs: float = Field(1.0, gt=0, description="Passes over the training split (ignored when max_steps is set).")
     max_steps: int | None = Field(None, gt=0, description="Stop after this many optimizer steps; null = use epochs.")
-    batch_size: int = Field(16, ge=1, description="Micro-batch size (sequences per forward pass).")
+    batch_size: int = Field(16, ge=1, description="Sequences per micro-batch as configured (the data order).")
     grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step (effective batch = product).")
+    micro_batch_size: Literal["auto"] | int = Field(
+        "auto", description="Sequences per forward pass: `auto` = the plan's (the largest part of batch_size that fits "
+        "in memory); a smaller value splits each batch and accumulates, keeping the effective batch and data order."
+    )
+    gradient_checkpointing: Literal["auto"] | bool = Field(
+        "auto", description="Recompute activations in backward: `auto` = the plan's (on only when memory requires it; "
+        "it costs ~1/3 more compute)."
+    )
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     precision: Literal["auto", "bf16", "fp32"] = Field(
         "auto", description="`auto`: bf16 autocast when the CPU has avx512_bf16/AMX or the GPU supports bf16."
     )
-    threads: int | None = Field(None, ge=1, description="torch intra-op threads; null = physical cores.")
+    threads: int | None = Field(None, ge=1, description="torch intra-op threads; null = the plan's (physical cores).")
     group_by_length: bool = Field(True, description="Batch sequences of similar length together (less padding).")
     log_every: int = Field(10, ge=1, description="Log loss and tokens/s every this many optimizer steps.")
     checkpoint_every: int = Field(
@@ -217,6 +234,15 @@ class TrainParams(Section):
     telemetry_interval_s: float = Field(
         1.0, gt=0, description="Seconds between telemetry samples (CPU, RAM, swap, IO, GPU) sent to MLflow and CSV."
     )
+
+
+    @field_validator("micro_batch_size")
+    @classmethod
+    def _micro_batch_within_batch(cls, micro, info):
+        batch = info.data.get("batch_size", 1)
+        if micro != "auto" and not 1 <= micro <= batch:
+            raise ValueError(f"must be between 1 and train.batch_size ({batch}), or `auto`")
+        return micro
 
 
 class CompareParams(Section):

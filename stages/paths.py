@@ -50,6 +50,7 @@ KERNEL_BUILD_DIR = Path("build/kernels")  # not cached by DVC
 REPORTS = Path("reports")
 PLOTS = REPORTS / "plots"
 HARDWARE = REPORTS / "hardware.json"
+PLAN = REPORTS / "plan.json"  # the planner's recommendation (probe stage); train takes its `auto` values from it
 
 
 def report(stage: str) -> Path:

@@ -26,7 +26,8 @@ from datasets import load_from_disk
 from frugaltune import tracking
 from frugaltune.hardware import supports_bf16_autocast
 from frugaltune.io import atomic_dir, read_json, write_json, write_text
-from frugaltune.models import load_for_classification, load_tokenizer, qlora_quantization
+from frugaltune import planner
+from frugaltune.models import load_tokenizer
 from frugaltune.telemetry import StepTimer, TelemetrySampler
 from frugaltune.training import checkpoint
 from frugaltune.training.loop import (
@@ -39,7 +40,7 @@ from frugaltune.training.loop import (
     peak_rss_mb,
     train_classifier,
 )
-from frugaltune.training.methods import apply_lora, freeze_for, prepare_qlora, save_trained
+from frugaltune.training.methods import prepare_model, save_trained
 from stages import paths
 from stages.config import Params, ParamsError, load_params
 
@@ -91,21 +92,32 @@ def untrained() -> TrainResult:
                        final_loss=float("nan"), mean_loss=float("nan"), peak_rss_mb=peak_rss_mb())
 
 
-def build_model(params: Params, labels: list[str], pad_token_id: int, bf16: bool) -> tuple[torch.nn.Module, float]:
+def build_model(params: Params, labels: list[str], pad_token_id: int, bf16: bool,
+                gradient_checkpointing: bool = False) -> tuple[torch.nn.Module, float]:
     """The base model with a fresh head, prepared for `train.method`; and the body's learning rate."""
-    tp, seed = params.train, params.common.seed
-    if tp.method == "qlora":
-        q = tp.qlora
-        quantization = qlora_quantization(q.quant_type, q.double_quant, torch.bfloat16 if bf16 else torch.float32)
-        model = load_for_classification(paths.BASE_MODEL, labels, pad_token_id, seed, quantization_config=quantization)
-        return prepare_qlora(model, q.r, q.alpha, q.dropout, q.target_modules), tp.lr
-    model = load_for_classification(paths.BASE_MODEL, labels, pad_token_id, seed).to(device())
-    if tp.method in ("lora", "dora"):
-        knobs = getattr(tp, tp.method)
-        return apply_lora(model, knobs.r, knobs.alpha, knobs.dropout, knobs.target_modules,
-                          use_dora=tp.method == "dora"), tp.lr
-    lr = tp.full.lr if tp.method == "full" else (tp.prelayer.lr or tp.lr)
-    return freeze_for(tp.method, model), lr
+    tp = params.train
+    model = prepare_model(paths.BASE_MODEL, labels, pad_token_id, params.common.seed, tp.method,
+                          getattr(tp, tp.method), bf16, gradient_checkpointing)
+    lr = {"full": tp.full.lr, "prelayer": tp.prelayer.lr or tp.lr}.get(tp.method, tp.lr)
+    return model, lr
+
+
+def resolve_plan(params: Params, use_plan: bool) -> dict:
+    """`auto` micro-batch, gradient checkpointing and threads, from reports/plan.json (the probe stage's plan).
+
+    Raises PlanError before anything loads when the plan says the configured method cannot fit.
+    Without a plan (or `use_plan=False`: the method comparison runs every method on the same batches), `auto`
+    means the configured batch, no checkpointing and physical cores.
+    """
+    tp = params.train
+    plan = read_json(paths.PLAN) if use_plan and paths.PLAN.exists() else None
+    entry = planner.check_fits(plan, tp.method) if plan else {}
+    micro = tp.micro_batch_size if tp.micro_batch_size != "auto" else entry.get("micro_batch_size", tp.batch_size)
+    ckpt = (tp.gradient_checkpointing if tp.gradient_checkpointing != "auto"
+            else entry.get("gradient_checkpointing", False))
+    return {"micro_batch_size": int(micro), "gradient_checkpointing": bool(ckpt),
+            "threads": tp.threads or (plan or {}).get("threads") or resolve_threads(None),
+            "predicted_peak_mb": entry.get("predicted_peak_mb"), "eta_seconds": entry.get("eta_seconds")}
 
 
 def loss_curve_csv(history: list[dict]) -> str:
@@ -118,21 +130,23 @@ def loss_curve_csv(history: list[dict]) -> str:
     return buffer.getvalue()
 
 
-def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN) -> dict:
+def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN, use_plan: bool = True) -> dict:
     tp, seed = params.train, params.common.seed
+    resolved = resolve_plan(params, use_plan)  # before any loading: a run that cannot fit stops here
     bf16 = resolve_precision(tp.precision, *load_precision_inputs())
-    threads = resolve_threads(tp.threads)
+    threads = resolved["threads"]
     torch.set_num_threads(threads)
 
     labels = read_json(paths.LABELS)["labels"]
     train_set = load_from_disk(str(paths.TOKENIZED_DIR))["train"]
     tokenizer = load_tokenizer(paths.BASE_MODEL)
-    model, lr = build_model(params, labels, tokenizer.pad_token_id, bf16)
+    model, lr = build_model(params, labels, tokenizer.pad_token_id, bf16, resolved["gradient_checkpointing"])
     trainable, total = count_parameters(model)
     # Checkpoints resume only a run of the same configuration, data and base model.
     base_sha = read_json(paths.report("import_model")).get("weights_sha256") if paths.report(
         "import_model").exists() else None
-    volatile = {"resume", "checkpoint_every", "keep_checkpoints", "log_every", "threads", "experiment"}
+    volatile = {"resume", "checkpoint_every", "keep_checkpoints", "log_every", "threads", "experiment",
+                "micro_batch_size", "gradient_checkpointing"}  # how a step is computed, not what it computes
     key = checkpoint.run_key({k: v for k, v in tp.model_dump().items() if k not in volatile}, seed, bf16, base_sha,
                              checkpoint.data_fingerprint(train_set["input_ids"], train_set["labels"]))
     checkpoint_dir = paths.CHECKPOINTS_DIR / "train" / key
@@ -142,17 +156,20 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN) -> dict:
         lr=lr, head_lr=tp.head_lr, weight_decay=tp.weight_decay, scheduler=tp.scheduler,
         warmup_ratio=tp.warmup_ratio, epochs=tp.epochs, max_steps=tp.max_steps, batch_size=tp.batch_size,
         grad_accum=tp.grad_accum, max_grad_norm=tp.max_grad_norm, bf16=bf16, group_by_length=tp.group_by_length,
-        log_every=tp.log_every, seed=seed,
+        log_every=tp.log_every, seed=seed, micro_batch_size=resolved["micro_batch_size"],
     )
     print(f"train: {tp.method} on {len(train_set)} examples, {trainable:,} of {total:,} parameters "
           f"trainable ({100 * trainable / total:.2f}%), precision {'bf16 autocast' if bf16 else 'fp32'}, "
-          f"{threads} threads")
+          f"{threads} threads, micro-batch {resolved['micro_batch_size']} of {tp.batch_size}, gradient checkpointing "
+          f"{'on' if resolved['gradient_checkpointing'] else 'off'}")
 
     events: list[str] = []
     tracking.setup(tp.experiment)
     with mlflow.start_run(tags=tracking.run_tags()) as mlrun:
         mlflow.log_params(flatten("train", tp.model_dump()))
         mlflow.log_params({"resolved.precision": "bf16" if bf16 else "fp32", "resolved.threads": threads,
+                           "resolved.micro_batch_size": resolved["micro_batch_size"],
+                           "resolved.gradient_checkpointing": resolved["gradient_checkpointing"],
                            "data.train_rows": len(train_set), "model.source": params.model.source})
         timer = StepTimer(sync=torch.cuda.synchronize if torch.cuda.is_available() else None)
         sampler = TelemetrySampler(tp.telemetry_interval_s, out.telemetry_csv, mlrun.info.run_id,
@@ -189,6 +206,8 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN) -> dict:
             "threads": threads,
             "resumed_from_step": result.resumed_from_step,
             "micro_batch_size": result.micro_batch_size,
+            "gradient_checkpointing": int(resolved["gradient_checkpointing"]),
+            "plan": {k: resolved[k] for k in ("predicted_peak_mb", "eta_seconds") if resolved[k] is not None},
             "telemetry": {k: v for k, v in telemetry.items() if isinstance(v, int | float) and not isinstance(v, bool)},
         }
         if tp.method == "none":  # nothing trained: no loss to report rather than a made-up one
@@ -211,7 +230,7 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN) -> dict:
 def main() -> None:
     try:
         run(load_params())
-    except (ParamsError, DivergenceError, TrainingInterrupted, OutOfMemoryAtBatchOne, ValueError,
+    except (ParamsError, planner.PlanError, DivergenceError, TrainingInterrupted, OutOfMemoryAtBatchOne, ValueError,
             FileNotFoundError) as exc:
         sys.exit(f"train: {exc}")
 

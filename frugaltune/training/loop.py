@@ -61,6 +61,7 @@ class LoopConfig:
     checkpoint_every: int = 50
     keep_checkpoints: int = 2
     resume: bool = True
+    micro_batch_size: int | None = None  # None = batch_size; smaller: each batch runs in parts (same gradient)
 
 
 @dataclass
@@ -201,7 +202,8 @@ def train_classifier(
             on_event(message)
 
     state = {"position": 0, "history": [], "losses": [], "window": [], "tokens": 0, "padded": 0, "sequences": 0,
-             "micros": 0, "micro_split": 1, "elapsed": 0.0, "last_window": []}
+             "micros": 0, "micro_split": math.ceil(cfg.batch_size / (cfg.micro_batch_size or cfg.batch_size)),
+             "elapsed": 0.0, "last_window": []}
     first_step = 1
     last_good: Path | None = None
     if cfg.checkpoint_dir and cfg.resume:

@@ -41,10 +41,14 @@ def apply_lora(model: torch.nn.Module, r: int, alpha: int, dropout: float, targe
     return get_peft_model(model, config)
 
 
-def prepare_qlora(model: torch.nn.Module, r: int, alpha: int, dropout: float, target_modules: list[str]):
-    """LoRA on a model loaded in 4 bit (see `frugaltune.models.qlora_quantization`)."""
-    # Gradient checkpointing stays off: on these sequence lengths it costs time and memory is not the limit.
-    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+def prepare_qlora(model: torch.nn.Module, r: int, alpha: int, dropout: float, target_modules: list[str],
+                  gradient_checkpointing: bool = False):
+    """LoRA on a model loaded in 4 bit (see `frugaltune.models.qlora_quantization`).
+
+    Gradient checkpointing only when the plan says memory requires it: on short sequences it costs time.
+    """
+    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing,
+                                            gradient_checkpointing_kwargs={"use_reentrant": False})
     return apply_lora(model, r, alpha, dropout, target_modules)
 
 
@@ -92,3 +96,31 @@ def load_trained(model: torch.nn.Module, trained_dir: Path) -> torch.nn.Module:
         raise FileNotFoundError(f"{trained_dir}: neither a PEFT adapter nor {TENSORS_FILE}. Run the train stage.")
     copy_named_tensors(model, load_file(str(tensors_file)), tensors_file)
     return model
+
+
+def prepare_model(model_dir: Path | str, labels: list[str], pad_token_id: int, seed: int, method: str, knobs,
+                  bf16: bool = False, gradient_checkpointing: bool = False) -> torch.nn.Module:
+    """The base model with a fresh head (seeded), wrapped for `method`; `knobs` = `train.<method>` (r, alpha, ...).
+
+    Shared by the `train` stage and the planner's calibration, so that what is measured is what trains.
+    """
+    from frugaltune.models import load_for_classification, qlora_quantization
+
+    quantization = None
+    if method == "qlora":
+        quantization = qlora_quantization(knobs.quant_type, knobs.double_quant,
+                                          torch.bfloat16 if bf16 else torch.float32)
+    model = load_for_classification(model_dir, labels, pad_token_id, seed, quantization_config=quantization)
+    if method != "qlora" and torch.cuda.is_available():
+        model = model.to("cuda")
+    if gradient_checkpointing:
+        # Non-reentrant: works with frozen embeddings (no input gradients needed) and with peft.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    if method == "qlora":
+        return prepare_qlora(model, knobs.r, knobs.alpha, knobs.dropout, list(knobs.target_modules),
+                             gradient_checkpointing)
+    if method in ("lora", "dora"):
+        return apply_lora(model, knobs.r, knobs.alpha, knobs.dropout, list(knobs.target_modules),
+                          use_dora=method == "dora")
+    return freeze_for(method, model)

@@ -82,6 +82,10 @@ def test_repro_builds_every_artifact_then_is_a_no_op_then_reruns_only_training(r
     labels = json.loads((repo / "models/adapter/labels.json").read_text())["labels"]
     assert labels == ["negative", "neutral", "positive"]
     assert report["register"]["version"] >= 1
+    plan = json.loads((repo / "reports/plan.json").read_text())
+    assert plan["fits"] and plan["configured_method"] == "lora" and "calibrated" in plan["constants"]["source"]
+    assert report["train"]["micro_batch_size"] == plan["methods"]["lora"]["micro_batch_size"]
+    assert report["train"]["plan"]["predicted_peak_mb"] > 0 and report["train"]["plan"]["eta_seconds"] > 0
     predicted = sh([sys.executable, "-c", "import mlflow, pandas as pd; m = mlflow.pyfunc.load_model("
                     "'models:/frugaltune-sentiment@champion'); print(list(m.predict(pd.DataFrame("
                     "{'text': ['what a lovely day', 'this is awful']}))))"], repo)
@@ -157,4 +161,5 @@ def test_method_comparison_table_and_per_method_reruns(repo):
     params["train"]["lora"]["r"] = 4
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     again = sh([sys.executable, "-m", "dvc", "repro", "compare/dvc.yaml"], repo)
-    assert ran_stages(again) == ["compare@lora", "compare_table"], again
+    # train.lora is also a planner input, so probe replans; its hardware facts are unchanged, so nothing else reruns.
+    assert ran_stages(again) == ["probe", "compare@lora", "compare_table"], again

@@ -1,0 +1,608 @@
+"""Will it fit, and how long will it take? Memory and time estimates for a training run, before it starts.
+
+Library code. The `probe` stage (`python -m stages.probe`) writes the plan to `reports/plan.json`; `frugaltune plan`
+prints it; the `train` stage takes its `auto` values from it and refuses a configuration that cannot fit.
+
+Memory model (bytes; per device: CPU RAM, or each GPU's memory):
+
+    peak = runtime + weights + gradients + optimizer states + activations(micro-batch x sequence length) + logits
+
+- Parameter shapes come from the model's config built on the `meta` device (no weights are read), with the
+  method applied (peft on meta), so trainable counts are exact.
+- weights: 4 bytes/param (fp32 master weights; bf16 autocast keeps them fp32). QLoRA: the decoder's linear weights
+  in NF4, 0.5 byte/param plus the quantization constants: one absmax per 64-weight block, stored as 1 byte with
+  double quantization (+ one fp32 per 256 blocks), else 4 bytes. Embeddings, norms and the head stay fp32.
+- gradients: 4 bytes per trainable param; AdamW: 8 bytes per trainable param.
+- activations, saved for backward, per token per decoder layer (llama-style block, RMSNorm + GQA + gated MLP):
+  `16 h + 5 i` values (h hidden, i intermediate), plus `h + r` per LoRA-adapted module (dropout output + A
+  output), plus `h` per DoRA module; 2 bytes each under bf16 autocast, 4 in fp32. Gradient checkpointing keeps
+  one `h` per layer and recomputes one layer at a time. The peak comes from the largest micro-batch of the run
+  (its sequences x its longest length), which is known before training: the batch order is fixed by the seed.
+- runtime: the interpreter, torch and transformers (0.55 GiB on CPU before calibration; + 0.5 GiB CUDA context
+  on a GPU).
+
+Calibration (`calibrate`) runs a few real training steps of the configured method at two micro-batch sizes, each
+in a fresh subprocess (a clean peak RSS), and fits `peak = static + per_sequence x batch` and
+`step_time = overhead + per_token x tokens`. The memory fit rescales the activation constant and replaces the
+runtime constant; the time fit turns the run's exact padded-token count into an ETA. Methods other than the
+calibrated one reuse its constants, their time scaled by the training FLOPs per token (6N full, 4N adapters).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+GiB = 2**30
+MiB = 2**20
+CPU_RUNTIME_BYTES = int(0.55 * GiB)  # python + torch + transformers + peft imported, before calibration
+CUDA_CONTEXT_BYTES = int(0.5 * GiB)
+NF4_BLOCK = 64
+HEADROOM = 0.9  # plan to use at most this share of the memory limit: the OS and page cache need the rest
+TRAINED_METHODS = ("full", "lora", "qlora", "prelayer", "dora")
+ADAPTER_METHODS = ("lora", "qlora", "dora")
+# Training FLOPs per token relative to the matmul parameter count N: forward 2N, backward 2N for the input
+# gradients, +2N for weight gradients when every weight trains.
+FLOPS_FACTOR = {"full": 6.0, "lora": 4.0, "qlora": 4.0, "dora": 4.0, "prelayer": 4.0, "none": 2.0}
+
+
+class PlanError(ValueError):
+    """The configured run cannot fit; the message names the limit and a configuration that fits."""
+
+
+# ---------------------------------------------------------------------------------------------- model shapes
+@dataclass(frozen=True)
+class MethodKnobs:
+    """What the planner needs of `train.<method>`: adapter rank and targets (ignored by full/prelayer/none)."""
+
+    r: int = 8
+    alpha: int = 16
+    dropout: float = 0.05
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    quant_type: str = "nf4"
+    double_quant: bool = True
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    total_params: int
+    trainable_params: int
+    quantizable_params: int  # decoder linear weights (what bitsandbytes turns into NF4 for QLoRA)
+    matmul_params: int  # parameters that take part in a matmul per token (embeddings and tied heads excluded)
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    num_labels: int
+    adapted_modules_per_layer: int
+    adapter_rank: int
+    dora: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _config(model_dir_or_config, num_labels: int):
+    from transformers import AutoConfig, PretrainedConfig
+
+    if isinstance(model_dir_or_config, PretrainedConfig):
+        config = model_dir_or_config
+        config.num_labels = num_labels
+        return config
+    return AutoConfig.from_pretrained(str(model_dir_or_config), num_labels=num_labels)
+
+
+def model_shape(model_dir_or_config, num_labels: int, method: str, knobs: MethodKnobs = MethodKnobs()) -> ModelShape:
+    """Exact parameter counts for `method`, from the config alone: the model is built on the meta device."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    from frugaltune.training.methods import apply_lora, freeze_for, is_head
+
+    config = _config(model_dir_or_config, num_labels)
+    with torch.device("meta"):
+        model = AutoModelForSequenceClassification.from_config(config)
+        linear = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+        quantizable = sum(m.weight.numel() for n, m in linear if not is_head(n))
+        matmul = sum(m.weight.numel() for n, m in linear)
+        total = sum(p.numel() for p in model.parameters())
+        adapted = sum(1 for n, _ in linear if n.rsplit(".", 1)[-1] in knobs.target_modules)
+        if method in ADAPTER_METHODS:
+            model = apply_lora(model, knobs.r, 2 * knobs.r, 0.0, list(knobs.target_modules), use_dora=method == "dora")
+            trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            total = sum(p.numel() for p in model.parameters())
+        elif method in ("full", "prelayer", "none"):
+            trainable = sum(p.numel() for p in freeze_for(method, model).parameters() if p.requires_grad)
+        else:
+            raise ValueError(f"unknown method {method!r}; methods: none, {', '.join(TRAINED_METHODS)}")
+    layers = config.num_hidden_layers
+    return ModelShape(
+        total_params=total, trainable_params=trainable, quantizable_params=quantizable, matmul_params=matmul,
+        layers=layers, hidden=config.hidden_size,
+        intermediate=getattr(config, "intermediate_size", 4 * config.hidden_size),
+        heads=config.num_attention_heads, kv_heads=getattr(config, "num_key_value_heads", config.num_attention_heads),
+        num_labels=num_labels, adapted_modules_per_layer=adapted // max(layers, 1) if method in ADAPTER_METHODS else 0,
+        adapter_rank=knobs.r if method in ADAPTER_METHODS else 0, dora=method == "dora",
+    )
+
+
+# ---------------------------------------------------------------------------------------------- memory model
+@dataclass(frozen=True)
+class Constants:
+    """The memory and time model's machine-specific constants; `calibrate` replaces the defaults."""
+
+    runtime_bytes: int = CPU_RUNTIME_BYTES
+    activation_scale: float = 1.0
+    step_overhead_s: float | None = None  # per optimizer step (optimizer, clipping, Python)
+    seconds_per_token: float | None = None  # per padded token through forward + backward
+    calibrated_method: str | None = None
+    source: str = "analytic defaults (not calibrated)"
+
+
+def weight_bytes(shape: ModelShape, method: str, knobs: MethodKnobs = MethodKnobs()) -> int:
+    if method != "qlora":
+        return 4 * shape.total_params
+    blocks = shape.quantizable_params / NF4_BLOCK
+    constants = blocks * 1 + (blocks / 256) * 4 if knobs.double_quant else blocks * 4
+    rest = shape.total_params - shape.quantizable_params
+    return int(shape.quantizable_params * 0.5 + constants + 4 * rest)
+
+
+def activation_bytes_per_token(shape: ModelShape, bf16: bool, gradient_checkpointing: bool) -> float:
+    """Bytes saved for backward per token of a micro-batch (the analytic constant, before calibration)."""
+    per_value = 2 if bf16 else 4
+    h, i = shape.hidden, shape.intermediate
+    per_layer = 16 * h + 5 * i + shape.adapted_modules_per_layer * (h + shape.adapter_rank + (h if shape.dora else 0))
+    if gradient_checkpointing:  # layer inputs kept, one layer recomputed at a time during backward
+        values = shape.layers * h + per_layer
+    else:
+        values = shape.layers * per_layer
+    return float(values * per_value + 2 * h * 4)  # + embeddings output and final norm, fp32
+
+
+def memory_estimate(shape: ModelShape, method: str, *, bf16: bool, micro_batch: int, seq_len: int,
+                    gradient_checkpointing: bool, constants: Constants = Constants(), device: str = "cpu",
+                    knobs: MethodKnobs = MethodKnobs()) -> dict[str, int]:
+    """Peak bytes by component for one device; `peak_tokens` = the largest micro-batch's sequences x length."""
+    trains = method != "none"
+    tokens = micro_batch * seq_len
+    parts = {
+        "runtime": constants.runtime_bytes + (CUDA_CONTEXT_BYTES if device != "cpu" else 0),
+        "weights": weight_bytes(shape, method, knobs),
+        "gradients": 4 * shape.trainable_params if trains else 0,
+        "optimizer": 8 * shape.trainable_params if trains else 0,
+        "activations": int(constants.activation_scale * tokens
+                           * activation_bytes_per_token(shape, bf16, gradient_checkpointing)) if trains
+        else int(tokens * shape.hidden * 4 * 4),  # inference: a few live hidden states
+        "logits": tokens * shape.num_labels * 4 * (3 if trains else 1),
+    }
+    parts["peak"] = sum(parts.values())
+    return parts
+
+
+# ---------------------------------------------------------------------------------------------- the run's batches
+def planned_batches(lengths: list[int], batch_size: int, grad_accum: int, epochs: float, max_steps: int | None,
+                    seed: int, group_by_length: bool = True) -> tuple[int, list[tuple[int, int]]]:
+    """(optimizer steps, [(sequences, longest length)] of every micro-batch the training loop will run).
+
+    The same order as `frugaltune.training.loop` (seeded, length-grouped), so the largest batch and the padded
+    token count are exact, not averages.
+    """
+    import torch
+
+    from frugaltune.training.batching import length_grouped_batches
+
+    per_epoch = math.ceil(len(lengths) / batch_size)
+    steps = max_steps or max(1, math.ceil(epochs * math.ceil(per_epoch / grad_accum)))
+    micro = steps * grad_accum
+    batches: list[tuple[int, int]] = []
+    epoch = 0
+    while len(batches) < micro:
+        generator = torch.Generator().manual_seed(seed * 1000 + epoch)
+        for batch in length_grouped_batches(lengths, batch_size, generator, group_by_length):
+            batches.append((len(batch), max(lengths[i] for i in batch)))
+        epoch += 1
+    return steps, batches[:micro]
+
+
+# ---------------------------------------------------------------------------------------------- calibration
+def _calibration_point(spec: dict) -> dict:
+    """Run in a fresh process: load the model for `spec['method']`, time a few training steps, report peak RSS."""
+    import resource
+
+    import torch
+
+    from frugaltune.training.loop import autocast
+    from frugaltune.training.methods import prepare_model
+
+    torch.set_num_threads(spec["threads"])
+    rss = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # noqa: E731
+    model = prepare_model(spec["model_dir"], spec["labels"], spec["pad_token_id"], spec["seed"], spec["method"],
+                          spec["knobs"], spec["bf16"], spec["gradient_checkpointing"])
+    loaded_rss = rss()
+    device = next(model.parameters()).device
+    generator = torch.Generator().manual_seed(spec["seed"])
+    batch, length = spec["micro_batch"], spec["seq_len"]
+    input_ids = torch.randint(3, spec["vocab_size"], (batch, length), generator=generator).to(device)
+    target = torch.randint(0, len(spec["labels"]), (batch,), generator=generator).to(device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-5)
+    model.train()
+    times = []
+    for step in range(1 + spec["steps"]):  # step 0 warms up (allocations, kernel selection); not timed
+        start = time.perf_counter()
+        with autocast(spec["bf16"], device):
+            loss = model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), labels=target).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if step:
+            times.append(time.perf_counter() - start)
+    result = {"micro_batch": batch, "seq_len": length, "loaded_rss_bytes": loaded_rss, "peak_rss_bytes": rss(),
+              "step_seconds": sorted(times)[len(times) // 2], "timed": []}
+    if device.type == "cuda":
+        result["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
+        result["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
+    # Time: batches shaped like the run's own (smaller than the memory point, so the peak above stands). Each
+    # shape runs once, as in training, where a new shape costs fresh allocations and page faults.
+    for rows, length in spec.get("time_shapes", []):
+        ids = torch.randint(3, spec["vocab_size"], (rows, length), generator=generator).to(device)
+        labels = torch.randint(0, len(spec["labels"]), (rows,), generator=generator).to(device)
+        start = time.perf_counter()
+        with autocast(spec["bf16"], device):
+            loss = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        result["timed"].append([rows * length, time.perf_counter() - start])
+    return result
+
+
+def _run_point(spec: dict, timeout_s: float) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "frugaltune.planner", "--calibration-point", json.dumps(spec)],
+                          capture_output=True, text=True, timeout=timeout_s,
+                          env={**os.environ, "TQDM_DISABLE": "1"})
+    if proc.returncode != 0:
+        raise RuntimeError(f"calibration step failed (micro-batch {spec['micro_batch']}, length {spec['seq_len']}):"
+                           f"\n{proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _time_shapes(batches: list[tuple[int, int]], count: int) -> list[tuple[int, int]]:
+    """`count` of the run's micro-batches at evenly spaced quantiles of their size (tokens incl. padding)."""
+    if not batches:
+        return []
+    ranked = sorted(set(batches), key=lambda b: b[0] * b[1])
+    picks = {ranked[min(len(ranked) - 1, round(q * (len(ranked) - 1) / max(count - 1, 1)))] for q in range(count)}
+    return sorted(picks, key=lambda b: b[0] * b[1])
+
+
+def _fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least squares `seconds = overhead + per_token x tokens`; (overhead, per_token), both >= 0."""
+    n = len(points)
+    mean_x = sum(x for x, _ in points) / n
+    mean_y = sum(y for _, y in points) / n
+    var = sum((x - mean_x) ** 2 for x, _ in points)
+    if n < 2 or var == 0:
+        return 0.0, mean_y / mean_x
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / var
+    if slope <= 0:  # noise swamped the size effect: the whole step per token
+        return 0.0, mean_y / mean_x
+    overhead = mean_y - slope * mean_x
+    if overhead < 0:  # a line through the origin instead
+        return 0.0, sum(x * y for x, y in points) / sum(x * x for x, _ in points)
+    return overhead, slope
+
+
+def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, method: str, knobs: MethodKnobs,
+              shape: ModelShape, *, bf16: bool, gradient_checkpointing: bool, micro_batches: tuple[int, int],
+              seq_len: int, threads: int, seed: int = 0, steps: int = 2, timeout_s: float = 900,
+              batches: list[tuple[int, int]] | None = None, time_samples: int = 6) -> tuple[Constants, dict]:
+    """Measure real training steps of `method` on this machine and fit its memory and time constants.
+
+    Memory: `steps` steps (after one warm-up) at two micro-batch sizes of length `seq_len`, each in a fresh process;
+    the peak RSS after them includes what the allocator keeps across steps. Time: `time_samples` of the run's own
+    micro-batch shapes (`batches`, from `planned_batches`), each once, fitted by least squares.
+    """
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(str(model_dir)).vocab_size
+    spec = {"model_dir": str(model_dir), "labels": labels, "pad_token_id": pad_token_id, "seed": seed,
+            "method": method, "knobs": asdict(knobs), "bf16": bf16, "gradient_checkpointing": gradient_checkpointing,
+            "seq_len": seq_len, "threads": threads, "steps": steps, "vocab_size": vocab}
+    small, large = sorted(set(micro_batches))[:2] if len(set(micro_batches)) > 1 else (micro_batches[0],
+                                                                                     micro_batches[0] + 1)
+    shapes_to_time = _time_shapes(batches or [(large, seq_len), (small, seq_len)], time_samples)
+    points = [_run_point({**spec, "micro_batch": small}, timeout_s),
+              _run_point({**spec, "micro_batch": large, "time_shapes": shapes_to_time}, timeout_s)]
+    per_token = activation_bytes_per_token(shape, bf16, gradient_checkpointing)
+    static = sum(v for k, v in memory_estimate(shape, method, bf16=bf16, micro_batch=0, seq_len=seq_len,
+                                               gradient_checkpointing=gradient_checkpointing, knobs=knobs,
+                                               constants=Constants(runtime_bytes=0)).items() if k != "peak")
+    p1, p2 = points
+    tokens1, tokens2 = p1["micro_batch"] * seq_len, p2["micro_batch"] * seq_len
+    slope = (p2["peak_rss_bytes"] - p1["peak_rss_bytes"]) / (tokens2 - tokens1)
+    # A non-positive slope means RSS noise swamped the activations (tiny models): keep the analytic constant.
+    scale = slope / per_token if slope > 0 else 1.0
+    runtime = p1["peak_rss_bytes"] - scale * per_token * tokens1 - static
+    timed = p2["timed"] or [[tokens1, p1["step_seconds"]], [tokens2, p2["step_seconds"]]]
+    overhead, per_token_s = _fit_line([(x, y) for x, y in timed])
+    constants = Constants(runtime_bytes=max(0, int(runtime)), activation_scale=round(scale, 4),
+                          step_overhead_s=overhead, seconds_per_token=per_token_s, calibrated_method=method,
+                          source=f"calibrated: {steps} {method} steps at micro-batch {small} and {large}, length "
+                                 f"{seq_len} (memory), {len(timed)} of the run's batch shapes (time), {threads} threads")
+    return constants, {"points": points, "method": method, "seq_len": seq_len, "bf16": bf16,
+                       "gradient_checkpointing": gradient_checkpointing}
+
+
+# ---------------------------------------------------------------------------------------------- the plan
+@dataclass(frozen=True)
+class RunSpec:
+    """The configured training run, as the planner needs it."""
+
+    method: str
+    batch_size: int
+    grad_accum: int
+    epochs: float
+    max_steps: int | None
+    seq_len: int  # tokenize.max_length: the longest a sequence can be
+    lengths: tuple[int, ...]  # token counts of the training split
+    seed: int
+    group_by_length: bool = True
+    precision: str = "auto"  # auto | bf16 | fp32
+    micro_batch_size: int | str = "auto"
+    gradient_checkpointing: bool | str = "auto"
+    threads: int | None = None
+    knobs: dict[str, MethodKnobs] = field(default_factory=dict)
+
+
+def recommend_precision(hardware: dict, requested: str) -> tuple[bool, str]:
+    if requested != "auto":
+        return requested == "bf16", f"{requested} as configured"
+    cpu_flags = hardware.get("cpu", {}).get("flags", {})
+    if hardware.get("gpus"):
+        gpu = hardware["gpus"][0]
+        if gpu.get("bf16"):
+            return True, f"bf16: {gpu['name']} supports it natively"
+        return False, f"fp32: {gpu['name']} has no native bf16"
+    if cpu_flags.get("amx_bf16"):
+        return True, "bf16 autocast: AMX tiles make bf16 matmuls native"
+    if cpu_flags.get("avx512_bf16"):
+        return False, "fp32: avx512_bf16 without AMX measured slower than fp32 (the kernels stage re-measures it)"
+    return False, "fp32: no native bf16 on this CPU"
+
+
+def memory_limit(hardware: dict, limit_gb: float | None) -> tuple[int, str]:
+    if limit_gb:
+        return int(limit_gb * GiB), f"probe.memory_limit_gb = {limit_gb:g}"
+    memory = hardware.get("memory", {})
+    cgroup = memory.get("cgroup_limit_bytes")
+    if cgroup:
+        return int(cgroup), "the cgroup memory limit"
+    return int(memory.get("total_bytes", 0)), "the machine's RAM"
+
+
+def _candidates(batch_size: int) -> list[int]:
+    sizes, size = [], batch_size
+    while size >= 1:
+        sizes.append(size)
+        if size == 1:
+            break
+        size = math.ceil(size / 2)
+    return sizes
+
+
+def plan_method(method: str, run: RunSpec, hardware: dict, shape: ModelShape, constants: Constants,
+                limit_bytes: int, bf16: bool, devices: list[dict],
+                schedule: tuple[int, list[tuple[int, int]]] | None = None) -> dict:
+    """Fits or not, the recommended micro-batch / accumulation / checkpointing, predicted peak and ETA."""
+    knobs = run.knobs.get(method, MethodKnobs())
+    steps, batches = schedule or planned_batches(list(run.lengths), run.batch_size, run.grad_accum, run.epochs,
+                                                 run.max_steps, run.seed, run.group_by_length)
+    if method == "none":
+        steps, batches = 0, []
+    # The largest micro-batch, in tokens, decides the peak; a batch of sequences at the cap bounds it.
+    worst = max(batches, key=lambda b: b[0] * b[1]) if batches else (run.batch_size, run.seq_len)
+    budget = int(limit_bytes * HEADROOM)
+    if run.micro_batch_size != "auto":
+        micro_options = [int(run.micro_batch_size)]
+    else:
+        micro_options = _candidates(run.batch_size)
+    if run.gradient_checkpointing == "auto":
+        ckpt_options = [False, True]
+    else:
+        ckpt_options = [bool(run.gradient_checkpointing)]
+    # Fastest first: the largest micro-batch without checkpointing; checkpointing only when memory requires it.
+    tried = []
+    chosen = None
+    for ckpt in ckpt_options:
+        for micro in micro_options:
+            split = math.ceil(run.batch_size / micro)
+            worst_rows = math.ceil(worst[0] / split)
+            est = memory_estimate(shape, method, bf16=bf16, micro_batch=worst_rows, seq_len=worst[1],
+                                  gradient_checkpointing=ckpt, constants=constants, device=devices[0]["kind"],
+                                  knobs=knobs)
+            tried.append((micro, ckpt, est["peak"]))
+            if est["peak"] <= budget:
+                chosen = (micro, ckpt, est)
+                break
+        if chosen:
+            break
+    fits = chosen is not None
+    micro, ckpt, est = chosen or (micro_options[-1], ckpt_options[-1], memory_estimate(
+        shape, method, bf16=bf16, micro_batch=1, seq_len=worst[1], gradient_checkpointing=ckpt_options[-1],
+        constants=constants, device=devices[0]["kind"], knobs=knobs))
+    split = math.ceil(run.batch_size / micro)
+    padded = sum(rows * length for rows, length in batches)
+    eta, eta_note = None, "no calibration: run `frugaltune plan` with calibration for an ETA"
+    if constants.seconds_per_token is not None and method != "none":
+        factor = 1.0
+        if constants.calibrated_method and constants.calibrated_method != method:
+            factor = FLOPS_FACTOR[method] / FLOPS_FACTOR[constants.calibrated_method]
+        recompute = 4 / 3 if ckpt else 1.0  # checkpointing reruns the forward pass: +1 forward per 3 passes
+        eta = steps * constants.step_overhead_s + padded * constants.seconds_per_token * factor * recompute
+        eta_note = ("measured on this machine" if factor == 1.0 else
+                    f"from the {constants.calibrated_method} calibration x {factor:.2f} (training FLOPs per token)")
+    elif method == "none":
+        eta, eta_note = 0.0, "nothing to train"
+    grad_accum = run.grad_accum * split
+    reasons = []
+    if method == "none":
+        reasons.append("inference only: weights and one batch of hidden states")
+    elif fits:
+        if split > 1:
+            reasons.append(f"micro-batch {run.batch_size} does not fit; {micro} x {grad_accum} accumulation keeps the "
+                           f"effective batch {run.batch_size * run.grad_accum}")
+        if ckpt and run.gradient_checkpointing == "auto":
+            reasons.append("gradient checkpointing on: without it even micro-batch 1 exceeds the budget")
+        if not reasons:
+            reasons.append("fits as configured: no gradient checkpointing (it would cost ~33% time)")
+    return {
+        "fits": fits,
+        "predicted_peak_bytes": est["peak"],
+        "predicted_peak_mb": round(est["peak"] / MiB),
+        "components_mb": {k: round(v / MiB, 1) for k, v in est.items() if k != "peak"},
+        "micro_batch_size": micro,
+        "grad_accum": grad_accum,
+        "effective_batch": run.batch_size * run.grad_accum,
+        "gradient_checkpointing": ckpt,
+        "precision": "bf16" if bf16 else "fp32",
+        "seq_len": run.seq_len,
+        "largest_batch": {"sequences": math.ceil(worst[0] / split), "length": worst[1]},
+        "steps": steps,
+        "padded_tokens": padded,
+        "eta_seconds": round(eta, 1) if eta is not None else None,
+        "eta_note": eta_note,
+        "trainable_params": shape.trainable_params,
+        "total_params": shape.total_params,
+        "why": "; ".join(reasons) if fits else _does_not_fit(method, tried, budget, limit_bytes),
+    }
+
+
+def _does_not_fit(method: str, tried: list, budget: int, limit: int) -> str:
+    smallest = min(peak for _, _, peak in tried)
+    return (f"{method}: even the smallest option tried (micro-batch {tried[-1][0]}, gradient checkpointing "
+            f"{'on' if tried[-1][1] else 'off'}) needs {smallest / GiB:.2f} GiB, over the budget of "
+            f"{budget / GiB:.2f} GiB ({HEADROOM:.0%} of the {limit / GiB:.2f} GiB limit)")
+
+
+def make_plan(run: RunSpec, hardware: dict, shapes: dict[str, ModelShape], constants: Constants,
+              limit_gb: float | None = None, calibration: dict | None = None) -> dict:
+    """The plan for every method in `shapes`; `run.method` is the configured one."""
+    limit, limit_source = memory_limit(hardware, limit_gb)
+    bf16, precision_why = recommend_precision(hardware, run.precision)
+    gpus = hardware.get("gpus") or []
+    devices = [{"kind": "cuda", "name": g["name"], "memory_bytes": g["memory_total_bytes"]} for g in gpus] or [
+        {"kind": "cpu", "name": hardware.get("cpu", {}).get("model", "CPU"), "memory_bytes": limit}]
+    if gpus:  # weights and activations live on the first GPU; its memory is the limit that matters
+        limit, limit_source = int(gpus[0]["memory_total_bytes"]), f"{gpus[0]['name']} memory"
+    threads = run.threads or hardware.get("cpu", {}).get("physical_cores") or os.cpu_count() or 1
+    schedule = planned_batches(list(run.lengths), run.batch_size, run.grad_accum, run.epochs, run.max_steps,
+                               run.seed, run.group_by_length)
+    methods = {m: plan_method(m, run, hardware, s, constants, limit, bf16, devices, schedule)
+               for m, s in shapes.items()}
+    configured = methods.get(run.method)
+    fitting = [m for m, p in methods.items() if p["fits"] and m != "none"]
+    return {
+        "configured_method": run.method,
+        "fits": bool(configured and configured["fits"]),
+        "device": devices[0],
+        "memory_limit_bytes": limit,
+        "memory_limit_source": limit_source,
+        "budget_bytes": int(limit * HEADROOM),
+        "threads": threads,
+        "threads_why": "physical cores: a second hyperthread adds contention, not FLOPs, to these matmuls",
+        "precision": "bf16" if bf16 else "fp32",
+        "precision_why": precision_why,
+        "constants": asdict(constants),
+        "calibration": calibration,
+        "methods": methods,
+        "methods_that_fit": fitting,
+        "gpus_note": None if gpus else (hardware.get("gpu_note") or "no NVIDIA GPU: planning for CPU RAM"),
+    }
+
+
+def check_fits(plan: dict, method: str | None = None) -> dict:
+    """The plan of `method` (default: the configured one), or PlanError saying what to change."""
+    method = method or plan["configured_method"]
+    entry = plan["methods"].get(method)
+    if entry is None:
+        raise PlanError(f"reports/plan.json has no plan for train.method = {method}: run `dvc repro probe`.")
+    if entry["fits"] or method == "none":
+        return entry
+    # The fastest fitting method first: the largest micro-batch, then the fewest training FLOPs, then the least memory.
+    others = sorted((-p["micro_batch_size"], FLOPS_FACTOR[m], p["predicted_peak_bytes"], m)
+                    for m, p in plan["methods"].items() if p["fits"] and m != "none")
+    if others:
+        best = plan["methods"][others[0][3]]
+        suggestion = (f"train.method: {others[0][3]} fits (predicted peak {best['predicted_peak_bytes'] / GiB:.2f} GiB "
+                      f"at micro-batch {best['micro_batch_size']})")
+    else:
+        suggestion = "no method fits: lower tokenize.max_length or train.batch_size, or use a machine with more memory"
+    raise PlanError(
+        f"train.method = {method} cannot fit: predicted peak {entry['predicted_peak_bytes'] / GiB:.2f} GiB with "
+        f"micro-batch {entry['micro_batch_size']}, gradient checkpointing "
+        f"{'on' if entry['gradient_checkpointing'] else 'off'}; the limit is {plan['memory_limit_bytes'] / GiB:.2f} GiB "
+        f"({plan['memory_limit_source']}, {HEADROOM:.0%} usable). Change: {suggestion}; or raise probe.memory_limit_gb "
+        "if the machine has more memory than that."
+    )
+
+
+def render(plan: dict) -> str:
+    """The plan as a table a person reads, each choice explained."""
+    dev = plan["device"]
+    lines = [
+        f"Plan for {dev['name']} ({dev['kind']}): memory limit {plan['memory_limit_bytes'] / GiB:.1f} GiB "
+        f"({plan['memory_limit_source']}), budget {plan['budget_bytes'] / GiB:.1f} GiB; {plan['threads']} threads; "
+        f"precision {plan['precision']} ({plan['precision_why']}).",
+        f"Constants: {plan['constants']['source']}.",
+    ]
+    if plan.get("gpus_note"):
+        lines.append(plan["gpus_note"])
+    header = f"{'method':9s} {'fits':5s} {'peak GiB':>8s} {'micro':>5s} {'accum':>5s} {'ckpt':>4s} {'ETA':>9s}  why"
+    lines += ["", header, "-" * len(header)]
+    for method, p in plan["methods"].items():
+        eta = "-" if p["eta_seconds"] is None else _duration(p["eta_seconds"])
+        mark = "*" if method == plan["configured_method"] else " "
+        lines.append(f"{method + mark:9s} {'yes' if p['fits'] else 'NO':5s} {p['predicted_peak_bytes'] / GiB:8.2f} "
+                     f"{p['micro_batch_size']:5d} {p['grad_accum']:5d} {'on' if p['gradient_checkpointing'] else 'off':>4s} "
+                     f"{eta:>9s}  {p['why']}")
+    lines.append("* configured (train.method). ETA: training wall time; " + next(
+        (p["eta_note"] for m, p in plan["methods"].items() if m == plan["configured_method"]), ""))
+    return "\n".join(lines)
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) == 2 and argv[0] == "--calibration-point":
+        spec = json.loads(argv[1])
+        spec["knobs"] = MethodKnobs(**{k: tuple(v) if isinstance(v, list) else v for k, v in spec["knobs"].items()})
+        print(json.dumps(_calibration_point(spec)))
+        return
+    sys.exit("usage: frugaltune plan   (this module's own entry point is internal: --calibration-point SPEC)")
+
+
+if __name__ == "__main__":
+    main()

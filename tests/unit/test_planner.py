@@ -1,0 +1,231 @@
+"""The planner: exact shapes on the meta device, the memory model, the run's batches, calibration, the fit check."""
+
+import json
+import math
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from frugaltune import planner
+from frugaltune.models import load_for_classification, load_tokenizer
+from frugaltune.training.loop import LoopConfig, _EpochOrder, plan_steps, train_classifier
+from frugaltune.training.methods import prepare_model
+
+LABELS = ["negative", "neutral", "positive"]
+GiB = 2**30
+
+
+def smollm2_config() -> LlamaConfig:
+    """SmolLM2-135M's shapes (the default model), built on the meta device only: no weights are read."""
+    return LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                       num_attention_heads=9, num_key_value_heads=3, head_dim=64, tie_word_embeddings=True,
+                       max_position_embeddings=8192, pad_token_id=2)
+
+
+def cpu_hardware(ram_gb: float = 24.0) -> dict:
+    return {"cpu": {"model": "test CPU", "physical_cores": 2, "flags": {"avx512_bf16": True, "amx_bf16": False}},
+            "memory": {"total_bytes": int(ram_gb * GiB), "cgroup_limit_bytes": None}, "gpus": [],
+            "gpu_note": "no NVIDIA GPU: test"}
+
+
+def run_spec(method="lora", lengths=(30,) * 64 + (128,) * 16, **kw) -> planner.RunSpec:
+    base = dict(method=method, batch_size=16, grad_accum=1, epochs=1.0, max_steps=None, seq_len=128,
+                lengths=tuple(lengths), seed=42)
+    return planner.RunSpec(**{**base, **kw})
+
+
+def shapes(config, methods=("none", "full", "lora", "qlora", "prelayer", "dora")):
+    return {m: planner.model_shape(config, len(LABELS), m) for m in methods}
+
+
+@pytest.mark.parametrize("method", ["full", "lora", "dora", "prelayer", "none"])
+def test_meta_shapes_count_exactly_what_the_real_model_trains(method, tiny_model_dir):
+    """The meta-device count equals the count of the real model wrapped by the same method code."""
+    tokenizer = load_tokenizer(tiny_model_dir)
+    knobs = planner.MethodKnobs(r=4, target_modules=("q_proj", "v_proj"))
+    shape = planner.model_shape(tiny_model_dir, len(LABELS), method, knobs)
+    model = prepare_model(tiny_model_dir, LABELS, tokenizer.pad_token_id, 0, method, knobs)
+    assert shape.trainable_params == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert shape.total_params == sum(p.numel() for p in model.parameters())
+
+
+def test_smollm2_shapes_match_the_default_run_report():
+    """923,328 trainable of 135,440,064: what reports/train.json recorded for the default LoRA run."""
+    shape = planner.model_shape(smollm2_config(), 3, "lora")
+    assert (shape.trainable_params, shape.total_params) == (923_328, 135_440_064)
+
+
+def test_memory_model_orders_qlora_below_lora_below_full_and_checkpointing_saves_activations():
+    config = smollm2_config()
+    peak = {m: planner.memory_estimate(s, m, bf16=False, micro_batch=16, seq_len=128, gradient_checkpointing=False)
+            for m, s in shapes(config, ("full", "lora", "qlora")).items()}
+    assert peak["qlora"]["weights"] < 0.35 * peak["full"]["weights"]  # fp32 embeddings stay
+    assert peak["lora"]["weights"] == pytest.approx(peak["full"]["weights"], rel=0.01)  # + the adapters
+    assert peak["qlora"]["peak"] < peak["lora"]["peak"] < peak["full"]["peak"]
+    # full: gradients + AdamW states = 3x the weights on top of them
+    assert peak["full"]["gradients"] + peak["full"]["optimizer"] == 3 * peak["full"]["weights"]
+    lora = shapes(config, ("lora",))["lora"]
+    ckpt = planner.memory_estimate(lora, "lora", bf16=False, micro_batch=16, seq_len=128, gradient_checkpointing=True)
+    bf16 = planner.memory_estimate(lora, "lora", bf16=True, micro_batch=16, seq_len=128, gradient_checkpointing=False)
+    assert ckpt["activations"] < peak["lora"]["activations"] / 5
+    assert bf16["activations"] < peak["lora"]["activations"]
+
+
+def test_nf4_weights_are_about_an_eighth_of_fp32_for_the_linear_layers():
+    shape = shapes(smollm2_config(), ("qlora",))["qlora"]
+    rest = shape.total_params - shape.quantizable_params
+    nf4 = planner.weight_bytes(shape, "qlora") - 4 * rest
+    assert 0.5 < nf4 / shape.quantizable_params < 0.53  # 4 bits + double-quantized block constants
+    single = planner.weight_bytes(shape, "qlora", planner.MethodKnobs(double_quant=False)) - 4 * rest
+    assert single > nf4
+
+
+def test_planned_batches_are_the_training_loops_batches():
+    lengths = [5 + (i * 37) % 120 for i in range(300)]
+    cfg = LoopConfig(lr=1e-3, batch_size=8, grad_accum=2, epochs=1.5, seed=7)
+    steps, batches = planner.planned_batches(lengths, 8, 2, 1.5, None, 7)
+    assert steps == plan_steps(len(lengths), cfg)
+    order = _EpochOrder(lengths, cfg)
+    expected = [(len(order[i]), max(lengths[j] for j in order[i])) for i in range(steps * 2)]
+    assert batches == expected
+
+
+def test_plan_keeps_the_effective_batch_and_turns_on_checkpointing_only_when_needed():
+    config = smollm2_config()
+    roomy = planner.make_plan(run_spec(), cpu_hardware(24), shapes(config), planner.Constants())
+    lora = roomy["methods"]["lora"]
+    assert lora["fits"] and lora["micro_batch_size"] == 16 and not lora["gradient_checkpointing"]
+    tight = planner.make_plan(run_spec(), cpu_hardware(24), shapes(config), planner.Constants(), limit_gb=2.5)
+    lora = tight["methods"]["lora"]
+    assert lora["fits"] and lora["micro_batch_size"] < 16
+    assert lora["micro_batch_size"] * lora["grad_accum"] == 16  # the effective batch is kept
+    assert lora["predicted_peak_bytes"] <= tight["budget_bytes"]
+    cramped = planner.make_plan(run_spec(), cpu_hardware(24), shapes(config), planner.Constants(), limit_gb=1.25)
+    assert cramped["methods"]["lora"]["fits"] and cramped["methods"]["lora"]["gradient_checkpointing"]
+    assert "gradient checkpointing on" in cramped["methods"]["lora"]["why"]
+    assert "lora*" in planner.render(cramped)
+
+
+def test_impossible_full_finetuning_is_rejected_naming_the_limit_and_a_configuration_that_fits():
+    """Full fine-tuning needs weights + gradients + AdamW (~2 GiB for 135M params): a 1.5 GiB limit cannot hold it."""
+    plan = planner.make_plan(run_spec("full"), cpu_hardware(24), shapes(smollm2_config()), planner.Constants(),
+                             limit_gb=1.5)
+    assert not plan["fits"] and not plan["methods"]["full"]["fits"]
+    with pytest.raises(planner.PlanError) as error:
+        planner.check_fits(plan)
+    message = str(error.value)
+    assert "train.method = full cannot fit" in message
+    assert "1.50 GiB" in message and "probe.memory_limit_gb = 1.5" in message
+    fitting = plan["methods_that_fit"]
+    assert fitting and any(f"train.method: {m} fits" in message for m in fitting)
+    suggested = next(m for m in fitting if f"train.method: {m} fits" in message)
+    assert planner.check_fits(plan, suggested)["fits"]
+
+
+def test_nothing_fits_says_what_to_lower():
+    plan = planner.make_plan(run_spec("lora"), cpu_hardware(24), shapes(smollm2_config()), planner.Constants(),
+                             limit_gb=0.5)
+    with pytest.raises(planner.PlanError, match="no method fits: lower tokenize.max_length or train.batch_size"):
+        planner.check_fits(plan)
+
+
+def test_gpu_plans_against_the_gpu_memory_with_a_cuda_context():
+    hardware = {**cpu_hardware(64), "gpus": [{"name": "Fake GPU 8GB", "memory_total_bytes": 8 * GiB, "bf16": True}]}
+    plan = planner.make_plan(run_spec("full"), hardware, shapes(smollm2_config(), ("full",)), planner.Constants())
+    assert plan["device"]["kind"] == "cuda" and plan["memory_limit_bytes"] == 8 * GiB
+    assert plan["precision"] == "bf16" and plan["gpus_note"] is None
+    assert plan["methods"]["full"]["components_mb"]["runtime"] >= (planner.CPU_RUNTIME_BYTES
+                                                                   + planner.CUDA_CONTEXT_BYTES) / 2**20 - 1
+
+
+def test_cpu_without_amx_plans_fp32_and_says_why():
+    plan = planner.make_plan(run_spec(), cpu_hardware(), shapes(smollm2_config(), ("lora",)), planner.Constants())
+    assert plan["precision"] == "fp32" and "without AMX" in plan["precision_why"]
+    assert "no NVIDIA GPU" in plan["gpus_note"]
+
+
+def test_split_micro_batches_compute_the_same_training(tiny_model_dir):
+    """micro_batch_size < batch_size: each batch runs in parts and accumulates; same losses, same data."""
+    tokenizer = load_tokenizer(tiny_model_dir)
+    ids = [tokenizer(f"text number {i} {'!' * (i % 5)}")["input_ids"] for i in range(32)]
+    labels = [i % 3 for i in range(32)]
+
+    def train(micro):
+        model = prepare_model(tiny_model_dir, LABELS, tokenizer.pad_token_id, 0, "lora",
+                              planner.MethodKnobs(r=4, dropout=0.0))
+        return train_classifier(model, ids, labels, LoopConfig(lr=1e-2, batch_size=8, max_steps=3, seed=1,
+                                                               log_every=1, micro_batch_size=micro),
+                                tokenizer.pad_token_id, progress=False)
+
+    whole, parts = train(None), train(2)
+    assert parts.micro_batch_size == 2 and whole.micro_batch_size == 8
+    assert parts.micro_batches == 4 * whole.micro_batches
+    torch.testing.assert_close([h["loss"] for h in parts.history], [h["loss"] for h in whole.history],
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_gradient_checkpointing_gives_the_same_loss(tiny_model_dir):
+    tokenizer = load_tokenizer(tiny_model_dir)
+    batch = tokenizer(["a short one", "a somewhat longer sentence here"], padding=True, return_tensors="pt")
+    target = torch.tensor([0, 2])
+    losses, grads = [], []
+    for ckpt in (False, True):
+        model = prepare_model(tiny_model_dir, LABELS, tokenizer.pad_token_id, 0, "lora",
+                              planner.MethodKnobs(r=4, dropout=0.0), gradient_checkpointing=ckpt)
+        model.train()
+        loss = model(**batch, labels=target).loss
+        loss.backward()
+        losses.append(loss.item())
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad]))
+    assert losses[0] == pytest.approx(losses[1], abs=1e-6)
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-6)
+
+
+def test_calibration_fits_constants_from_real_steps_and_gives_an_eta(tiny_model_dir):
+    tokenizer = load_tokenizer(tiny_model_dir)
+    shape = planner.model_shape(tiny_model_dir, len(LABELS), "lora")
+    constants, calibration = planner.calibrate(
+        tiny_model_dir, LABELS, tokenizer.pad_token_id, "lora", planner.MethodKnobs(), shape, bf16=False,
+        gradient_checkpointing=False, micro_batches=(2, 8), seq_len=32, threads=1, steps=2)
+    assert [p["micro_batch"] for p in calibration["points"]] == [2, 8]
+    assert all(p["peak_rss_bytes"] >= p["loaded_rss_bytes"] > 100 * 2**20 for p in calibration["points"])
+    assert constants.seconds_per_token > 0 and constants.step_overhead_s >= 0
+    assert constants.runtime_bytes > 100 * 2**20  # a Python process with torch loaded
+    assert constants.calibrated_method == "lora" and "calibrated" in constants.source
+    plan = planner.make_plan(run_spec("lora", lengths=[20] * 40, seq_len=32), cpu_hardware(),
+                             {"lora": shape, "full": planner.model_shape(tiny_model_dir, 3, "full")}, constants)
+    lora, full = plan["methods"]["lora"], plan["methods"]["full"]
+    padded = lora["padded_tokens"]
+    assert padded == 40 * 20
+    expected = lora["steps"] * constants.step_overhead_s + padded * constants.seconds_per_token
+    assert lora["eta_seconds"] == pytest.approx(expected, abs=0.1)
+    assert full["eta_seconds"] == pytest.approx(lora["steps"] * constants.step_overhead_s
+                                                + padded * constants.seconds_per_token * 1.5, abs=0.1)
+    assert "x 1.50" in full["eta_note"]
+    json.dumps(plan)  # the plan is written as JSON: nothing in it may be unserialisable
+
+
+def test_resolve_plan_refuses_before_loading_and_fills_auto_values(tmp_path, monkeypatch):
+    from stages import paths, train
+    from stages.config import Params
+
+    monkeypatch.chdir(tmp_path)
+    plan = planner.make_plan(run_spec("full"), cpu_hardware(24), shapes(smollm2_config()), planner.Constants(),
+                             limit_gb=1.5)
+    paths.PLAN.parent.mkdir(parents=True)
+    paths.PLAN.write_text(json.dumps(plan))
+    params = Params.model_validate({"train": {"method": "full"}})
+    with pytest.raises(planner.PlanError, match="cannot fit"):
+        train.resolve_plan(params, use_plan=True)
+    lora = Params.model_validate({"train": {"method": "lora"}})
+    resolved = train.resolve_plan(lora, use_plan=True)
+    assert resolved["micro_batch_size"] == plan["methods"]["lora"]["micro_batch_size"]
+    assert resolved["gradient_checkpointing"] == plan["methods"]["lora"]["gradient_checkpointing"]
+    assert resolved["threads"] == 2
+    # Explicit values win over the plan; without a plan, auto = as configured.
+    forced = Params.model_validate({"train": {"method": "lora", "micro_batch_size": 4, "gradient_checkpointing": True}})
+    assert train.resolve_plan(forced, use_plan=True)["micro_batch_size"] == 4
+    assert train.resolve_plan(forced, use_plan=True)["gradient_checkpointing"] is True
+    assert train.resolve_plan(params, use_plan=False)["micro_batch_size"] == 16
+    assert math.isclose(resolved["predicted_peak_mb"], plan["methods"]["lora"]["predicted_peak_mb"])
