@@ -184,3 +184,44 @@ def supports_bf16_autocast(hw: dict[str, Any]) -> bool:
         if (int(major), int(minor or 0)) >= (8, 0):
             return True
     return False
+
+
+def cpu_clock_hz() -> tuple[float, str]:
+    """The CPU's rated clock: cpufreq's maximum when the kernel exposes it, else /proc/cpuinfo's `cpu MHz`.
+
+    Volatile on machines that scale frequency, so it stays out of reports/hardware.json; benchmarks read it live.
+    """
+    cpufreq = Path("/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq")
+    if cpufreq.is_file():
+        return int(cpufreq.read_text().strip()) * 1e3, "cpufreq cpuinfo_max_freq"
+    for line in CPUINFO.read_text(errors="replace").splitlines() if CPUINFO.is_file() else []:
+        if line.lower().startswith("cpu mhz"):
+            return float(line.split(":", 1)[1]) * 1e6, "/proc/cpuinfo cpu MHz"
+    return 0.0, "unknown"
+
+
+def cpu_flops_per_cycle(hw: dict[str, Any]) -> tuple[int, str]:
+    """fp32 FLOPs per cycle per core: 2 (FMA) x SIMD lanes x FMA units.
+
+    AVX-512: 16 fp32 lanes; Intel server cores have 2 FMA units (64), AMD Zen 4 runs 512-bit ops on two 256-bit
+    pipes (32). AVX2: 8 lanes x 2 units (32). Without either: 8 (SSE, 2 units).
+    """
+    cpu = hw.get("cpu", {})
+    flags = cpu.get("flags", {})
+    amd = "amd" in str(cpu.get("model", "")).lower()
+    if flags.get("avx512f"):
+        return (32, "AVX-512 on 2x256-bit pipes (Zen 4): 2 FMA x 16 lanes") if amd else (
+            64, "AVX-512: 2 FMA units x 16 fp32 lanes x 2 FLOPs")
+    if flags.get("avx2"):
+        return 32, "AVX2: 2 FMA units x 8 fp32 lanes x 2 FLOPs"
+    return 8, "SSE: 2 units x 4 lanes"
+
+
+def cpu_peak_flops(hw: dict[str, Any], cores: int | None = None) -> tuple[float, str]:
+    """fp32 peak of the cores training uses: cores x clock x FLOPs/cycle, with the formula spelled out."""
+    cores = cores or hw.get("cpu", {}).get("physical_cores") or os.cpu_count() or 1
+    clock, clock_source = cpu_clock_hz()
+    per_cycle, why = cpu_flops_per_cycle(hw)
+    peak = cores * clock * per_cycle
+    return peak, (f"{cores} cores x {clock / 1e9:.2f} GHz ({clock_source}) x {per_cycle} FLOPs/cycle ({why}) "
+                  f"= {peak / 1e9:.0f} GFLOP/s")

@@ -151,3 +151,25 @@ def _keys(tree) -> list[str]:
     if isinstance(tree, list):
         return [k for item in tree for k in _keys(item)]
     return []
+
+
+def test_cpu_peak_flops_spells_out_cores_clock_and_flops_per_cycle(monkeypatch):
+    from frugaltune import hardware
+
+    monkeypatch.setattr(hardware, "cpu_clock_hz", lambda: (2.0e9, "test clock"))
+    intel = {"cpu": {"model": "Intel(R) Xeon(R)", "physical_cores": 2, "flags": {"avx512f": True, "avx2": True}}}
+    peak, formula = hardware.cpu_peak_flops(intel)
+    assert peak == 2 * 2.0e9 * 64
+    assert "2 cores x 2.00 GHz (test clock) x 64 FLOPs/cycle" in formula and "256 GFLOP/s" in formula
+    zen4 = {"cpu": {"model": "AMD Ryzen 7 7840U", "physical_cores": 8, "flags": {"avx512f": True}}}
+    assert hardware.cpu_flops_per_cycle(zen4)[0] == 32
+    assert hardware.cpu_flops_per_cycle({"cpu": {"flags": {"avx2": True}}})[0] == 32
+    assert hardware.cpu_flops_per_cycle({"cpu": {"flags": {}}})[0] == 8
+    assert hardware.cpu_peak_flops(intel, cores=1)[0] == 2.0e9 * 64
+
+
+def test_cpu_clock_is_read_from_this_machine():
+    from frugaltune.hardware import cpu_clock_hz
+
+    clock, source = cpu_clock_hz()
+    assert clock > 1e8 and source != "unknown"
