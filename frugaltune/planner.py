@@ -376,9 +376,10 @@ def recommend_precision(hardware: dict, requested: str) -> tuple[bool, str]:
     cpu_flags = hardware.get("cpu", {}).get("flags", {})
     if hardware.get("gpus"):
         gpu = hardware["gpus"][0]
-        if gpu.get("bf16"):
-            return True, f"bf16: {gpu['name']} supports it natively"
-        return False, f"fp32: {gpu['name']} has no native bf16"
+        major, _, minor = str(gpu.get("compute_capability", "0.0")).partition(".")
+        if (int(major), int(minor or 0)) >= (8, 0):
+            return True, f"bf16: {gpu['name']} (compute capability {gpu['compute_capability']}) runs it natively"
+        return False, f"fp32: {gpu['name']} has no bf16 tensor cores (compute capability < 8.0)"
     if cpu_flags.get("amx_bf16"):
         return True, "bf16 autocast: AMX tiles make bf16 matmuls native"
     if cpu_flags.get("avx512_bf16"):
@@ -485,7 +486,7 @@ def plan_method(method: str, run: RunSpec, hardware: dict, shape: ModelShape, co
         "largest_batch": {"sequences": math.ceil(worst[0] / split), "length": worst[1]},
         "steps": steps,
         "padded_tokens": padded,
-        "eta_seconds": round(eta, 1) if eta is not None else None,
+        "eta_seconds": None if eta is None else round(eta, 1 if eta >= 10 else 4),  # tiny test runs take ms
         "eta_note": eta_note,
         "trainable_params": shape.trainable_params,
         "total_params": shape.total_params,

@@ -210,6 +210,9 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN, use_plan: bo
             "plan": {k: resolved[k] for k in ("predicted_peak_mb", "eta_seconds") if resolved[k] is not None},
             "telemetry": {k: v for k, v in telemetry.items() if isinstance(v, int | float) and not isinstance(v, bool)},
         }
+        if torch.cuda.is_available():  # the GPU's own peaks: what tensors held, and what the caching allocator kept
+            metrics["cuda_peak_allocated_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
+            metrics["cuda_peak_reserved_mb"] = round(torch.cuda.max_memory_reserved() / 2**20, 1)
         if tp.method == "none":  # nothing trained: no loss to report rather than a made-up one
             metrics = {k: v for k, v in metrics.items() if k not in ("final_loss", "mean_loss")}
         mlflow.log_metrics({k: v for k, v in metrics.items() if isinstance(v, int | float) and k not in (

@@ -95,6 +95,10 @@ def autocast(bf16: bool, device: torch.device):
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
+    """(trainable, total) as peft counts them: a 4-bit weight packs two values per byte and counts as both."""
+    if hasattr(model, "get_nb_trainable_parameters"):  # a PeftModel
+        trainable, total = model.get_nb_trainable_parameters()
+        return int(trainable), int(total)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return trainable, sum(p.numel() for p in model.parameters())
 

@@ -128,19 +128,32 @@ def test_bf16_autocast_support(cpu_flags, gpus, expected):
     assert supports_bf16_autocast({"cpu": {"flags": cpu_flags}, "gpus": gpus}) is expected
 
 
-def test_probe_stage_writes_stable_facts(tmp_path, monkeypatch):
+def test_probe_stage_writes_stable_facts_and_the_plan(tmp_path, monkeypatch, tiny_model_dir):
+    import shutil
+
+    from datasets import Dataset, DatasetDict
+
     from stages import probe as probe_stage
     from stages.config import parse_params
 
     monkeypatch.chdir(tmp_path)
-    params = parse_params({"probe": {"nvml": False}})
+    shutil.copytree(tiny_model_dir, tmp_path / "models/base")
+    (tmp_path / "data/splits").mkdir(parents=True)
+    (tmp_path / "data/splits/labels.json").write_text(json.dumps({"labels": ["negative", "neutral", "positive"]}))
+    DatasetDict({"train": Dataset.from_dict({"input_ids": [[1, 2, 3] * (1 + i % 5) for i in range(40)],
+                                             "labels": [i % 3 for i in range(40)]})}).save_to_disk("data/tokenized")
+    params = parse_params({"probe": {"nvml": False, "calibrate": False}, "train": {"batch_size": 8}})
     probe_stage.run(params)
     first = (tmp_path / "reports/hardware.json").read_bytes()
     probe_stage.run(params)
     assert (tmp_path / "reports/hardware.json").read_bytes() == first  # unchanged facts: byte-identical file
     hw = json.loads(first)
     assert hw["cpu"]["logical_cores"] >= 1 and hw["gpus"] == []
-    assert not [p.name for p in (tmp_path / "reports").iterdir() if p.name != "hardware.json"]  # no temp files left
+    plan = json.loads((tmp_path / "reports/plan.json").read_text())
+    assert plan["fits"] and plan["methods"]["lora"]["largest_batch"] == {"sequences": 8, "length": 15}
+    assert "no NVIDIA GPU" in plan["gpus_note"]
+    # no temp files left
+    assert sorted(p.name for p in (tmp_path / "reports").iterdir()) == ["hardware.json", "plan.json"]
     volatile = [key for key in _keys(hw) if any(word in key for word in ("free", "used", "percent", "load"))]
     assert volatile == []
 

@@ -131,10 +131,14 @@ def test_nothing_fits_says_what_to_lower():
 
 
 def test_gpu_plans_against_the_gpu_memory_with_a_cuda_context():
-    hardware = {**cpu_hardware(64), "gpus": [{"name": "Fake GPU 8GB", "memory_total_bytes": 8 * GiB, "bf16": True}]}
+    hardware = {**cpu_hardware(64), "gpus": [{"name": "Fake GPU 8GB", "memory_total_bytes": 8 * GiB,
+                                                  "compute_capability": "8.6"}]}
     plan = planner.make_plan(run_spec("full"), hardware, shapes(smollm2_config(), ("full",)), planner.Constants())
     assert plan["device"]["kind"] == "cuda" and plan["memory_limit_bytes"] == 8 * GiB
     assert plan["precision"] == "bf16" and plan["gpus_note"] is None
+    turing = {**hardware, "gpus": [{**hardware["gpus"][0], "compute_capability": "7.5"}]}
+    assert planner.make_plan(run_spec("full"), turing, shapes(smollm2_config(), ("full",)),
+                             planner.Constants())["precision"] == "fp32"
     assert plan["methods"]["full"]["components_mb"]["runtime"] >= (planner.CPU_RUNTIME_BYTES
                                                                    + planner.CUDA_CONTEXT_BYTES) / 2**20 - 1
 
