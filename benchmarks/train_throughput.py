@@ -109,7 +109,8 @@ def run_recipe(recipe: str, steps: int, batch_size: int, lr: float, threads: int
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(
             output_dir=out, per_device_train_batch_size=batch_size, num_train_epochs=1, learning_rate=lr,
-            lr_scheduler_type="linear", warmup_ratio=0.05, weight_decay=0.0, max_grad_norm=1.0, seed=42,
+            lr_scheduler_type="linear", warmup_steps=0.05,  # a float < 1: a ratio (transformers 5)
+            weight_decay=0.0, max_grad_norm=1.0, seed=42,
             use_cpu=True, bf16=bf16, save_strategy="no", report_to="none", logging_steps=steps,
             disable_tqdm=True, dataloader_num_workers=0,
             train_sampling_strategy="group_by_length" if not max_length else "random",
