@@ -230,33 +230,12 @@ def _calibration_point(spec: dict) -> dict:
     loaded_rss = rss()
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(spec["seed"])
-    batch, length = spec["micro_batch"], spec["seq_len"]
-    input_ids = torch.randint(3, spec["vocab_size"], (batch, length), generator=generator).to(device)
-    target = torch.randint(0, len(spec["labels"]), (batch,), generator=generator).to(device)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-5)
     model.train()
-    times = []
-    for step in range(1 + spec["steps"]):  # step 0 warms up (allocations, kernel selection); not timed
-        start = time.perf_counter()
-        with autocast(spec["bf16"], device):
-            loss = model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), labels=target).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        if step:
-            times.append(time.perf_counter() - start)
-    result = {"micro_batch": batch, "seq_len": length, "loaded_rss_bytes": loaded_rss, "peak_rss_bytes": rss(),
-              "step_seconds": sorted(times)[len(times) // 2], "timed": []}
-    if device.type == "cuda":
-        result["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
-        result["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
-    # Time: batches shaped like the run's own (smaller than the memory point, so the peak above stands). Each
-    # shape runs once, as in training, where a new shape costs fresh allocations and page faults.
-    for rows, length in spec.get("time_shapes", []):
+
+    def timed_step(rows: int, length: int) -> float:
+        """One training step (forward, backward, clipping, AdamW) on a random batch of this shape; its seconds."""
         ids = torch.randint(3, spec["vocab_size"], (rows, length), generator=generator).to(device)
         labels = torch.randint(0, len(spec["labels"]), (rows,), generator=generator).to(device)
         start = time.perf_counter()
@@ -268,7 +247,19 @@ def _calibration_point(spec: dict) -> dict:
         optimizer.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        result["timed"].append([rows * length, time.perf_counter() - start])
+        return time.perf_counter() - start
+
+    batch, length = spec["micro_batch"], spec["seq_len"]
+    timed_step(batch, length)  # warm-up (allocations, kernel selection): not timed
+    times = sorted(timed_step(batch, length) for _ in range(spec["steps"]))
+    result = {"micro_batch": batch, "seq_len": length, "loaded_rss_bytes": loaded_rss, "peak_rss_bytes": rss(),
+              "step_seconds": times[len(times) // 2], "timed": []}
+    if device.type == "cuda":
+        result["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
+        result["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
+    # Time: batches shaped like the run's own (smaller than the memory point, so the peak above stands). Each
+    # shape runs once, as in training, where a new shape costs fresh allocations and page faults.
+    result["timed"] = [[rows * length, timed_step(rows, length)] for rows, length in spec.get("time_shapes", [])]
     return result
 
 
