@@ -21,6 +21,7 @@ this machine, or a machine where the same path holds the project):
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import urllib.request
 from pathlib import Path
@@ -88,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
             source.deploy(name=args.name, work_pool_name=args.work_pool, ignore_warnings=True,
                           **_deployment_args(params, args.data_source))
             return 0
+        # Started in the background (nohup, `&` in a script), a process inherits SIGINT *ignored* and Python then
+        # installs no KeyboardInterrupt handler: restore it so that Ctrl-C / `kill -INT` always stops serving.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         serve(build_deployment(params, args.name, args.data_source), limit=1)
     return 0
 

@@ -115,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.log_dir:
         args.log_dir.mkdir(parents=True, exist_ok=True)
 
+    # Started in the background (nohup, `&` in a script), a process inherits SIGINT *ignored* and Python then
+    # installs no KeyboardInterrupt handler: restore it so that Ctrl-C / `kill -INT` always stops the servers.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGHUP, _interrupt)
     servers: dict[str, tuple[subprocess.Popen, str]] = {}

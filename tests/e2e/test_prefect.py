@@ -315,7 +315,7 @@ def test_rows_appended_to_the_data_source_retrain_and_register_a_new_version(sta
 
 def test_ctrl_c_stops_the_prefect_server_and_the_mlflow_ui(stack: Stack):
     stack.serve.send_signal(signal.SIGINT)
-    stack.serve.wait(timeout=180)  # the runner can take over a minute to wind down on a loaded 2-core machine
+    stack.serve.wait(timeout=60)
     stack.ui.send_signal(signal.SIGINT)  # what Ctrl-C in `make ui` sends
 
     assert stack.ui.wait(timeout=90) == 0, stack.log_tails()
