@@ -76,10 +76,9 @@ def main() -> None:
                         help="steps of the run a switch must pay off in (default: the default pipeline's 178)")
     parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # child process
     args = parser.parse_args()
-    threads = os.cpu_count() if not hasattr(os, "sched_getaffinity") else len(os.sched_getaffinity(0))
     from frugaltune.hardware import probe
 
-    threads = probe(use_nvml=False)["cpu"]["physical_cores"] or threads
+    threads = probe(use_nvml=False)["cpu"]["physical_cores"] or os.cpu_count() or 1
     if args.variant:
         print(json.dumps(run_variant(args.variant, args.steps, args.batch_size, threads)))
         return
@@ -111,7 +110,7 @@ def main() -> None:
     if "compile" in results:
         c = results["compile"]
         per_step_base = base["seconds"] / args.steps
-        per_step_compiled = args.steps * args.batch_size and (c["seconds"] - c["first_two_steps_s"]) / (args.steps - 2)
+        per_step_compiled = (c["seconds"] - c["first_two_steps_s"]) / (args.steps - 2)
         saved = per_step_base - per_step_compiled
         extra = c["first_two_steps_s"] - 2 * per_step_base
         verdict = (f"pays for itself after {extra / saved:.0f} steps" if saved > 0 else "never pays: no faster per step")
