@@ -1,20 +1,21 @@
-"""Peak RSS per method, with glibc's default allocator and with a lean one: how much of the peak is fragmentation?
+"""Peak RSS and step time per method under three mallocs: how much of the peak is the allocator's?
 
     python benchmarks/memory_by_method.py                  # full, lora, qlora; 6 steps of the run's largest batch
-    python benchmarks/memory_by_method.py --steps 10 --batch-size 16 --length 128
+    python benchmarks/memory_by_method.py --steps 10 --batch-size 16 --length 128 --allocators glibc mimalloc
 
 Needs `models/base` (`make pipeline`). Each (method, allocator) trains `--steps` AdamW steps of the same random
 batch (`--batch-size` x `--length`, the default run's largest micro-batch) in a fresh process and reports its
 peak RSS (ru_maxrss) and median step time:
 
-- default: glibc malloc as every Python process has it. Freed activation memory stays in the heap and is reused
-  imperfectly, so RSS grows over the first steps (fragmentation), more when allocations interleave (QLoRA
-  dequantizes every 4-bit weight in every forward and backward).
-- lean: `mallopt(M_MMAP_THRESHOLD, 1 MiB)` before torch allocates anything: every tensor over 1 MiB gets its own
-  mapping, returned to the OS when freed. RSS then follows the live tensors; the price is page faults.
+- glibc: malloc as every Python process has it (`train.allocator: system`). Freed activation memory stays in
+  the heap and is reused imperfectly, so RSS grows over the first steps (fragmentation), more when allocations
+  interleave (QLoRA dequantizes every 4-bit weight in every forward and backward).
+- lean: glibc with `mallopt(M_MMAP_THRESHOLD, 1 MiB)` before torch allocates anything: every tensor over 1 MiB
+  gets its own mapping, returned to the OS when freed. RSS follows the live tensors; the price is page faults.
+- mimalloc: preloaded with purging off, as `train.allocator: auto` runs training (frugaltune/allocator.py).
 
-The difference between the two columns is what the allocator keeps; the lean column orders the methods by what
-they really hold (QLoRA's 4-bit weights, LoRA's fp32 weights, full fine-tuning's gradients and AdamW states).
+glibc minus lean is what glibc's heap keeps; the lean column orders the methods by what they really hold (QLoRA's
+4-bit weights, LoRA's fp32 weights, full fine-tuning's gradients and AdamW states).
 """
 
 from __future__ import annotations
@@ -31,9 +32,13 @@ BASE = Path("models/base")
 M_MMAP_THRESHOLD = -3
 
 
+ALLOCATORS = ("glibc", "lean", "mimalloc")
+
+
 def measure(method: str, lean: bool, steps: int, batch: int, length: int) -> dict:
     if lean:  # before torch is imported: every later large allocation is a private mapping
         ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 1 << 20)
+    from frugaltune import allocator
     import resource
     import statistics
     import time
@@ -59,7 +64,8 @@ def measure(method: str, lean: bool, steps: int, batch: int, length: int) -> dic
         optimizer.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
     return {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "median_step_s": statistics.median(times[1:] or times)}
+            "median_step_s": statistics.median(times[1:] or times), "first_step_s": times[0],
+            "malloc": allocator.active()}
 
 
 def main() -> None:
@@ -68,30 +74,38 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--length", type=int, default=128)
-    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)  # METHOD default|lean
+    parser.add_argument("--allocators", nargs="+", default=list(ALLOCATORS), choices=ALLOCATORS)
+    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)  # METHOD ALLOCATOR
     args = parser.parse_args()
     if args.child:
         print(json.dumps(measure(args.child[0], args.child[1] == "lean", args.steps, args.batch_size, args.length)))
         return
     if not BASE.exists():
         sys.exit(f"{BASE} is missing: run `make pipeline` first.")
+    from frugaltune import allocator
+
     rows = {}
     for method in args.methods:
-        for allocator in ("default", "lean"):
-            print(f"{method} / {allocator} ...", flush=True)
-            proc = subprocess.run([sys.executable, __file__, "--child", method, allocator, "--steps", str(args.steps),
+        for name in args.allocators:
+            print(f"{method} / {name} ...", flush=True)
+            env = allocator.child_env("mimalloc" if name == "mimalloc" else "system")
+            proc = subprocess.run([sys.executable, __file__, "--child", method, name, "--steps", str(args.steps),
                                    "--batch-size", str(args.batch_size), "--length", str(args.length)],
-                                  capture_output=True, text=True, env={**os.environ, "TQDM_DISABLE": "1"})
+                                  capture_output=True, text=True, env={**env, "TQDM_DISABLE": "1"})
             if proc.returncode != 0:
-                sys.exit(f"{method}/{allocator} failed:\n{proc.stderr[-3000:]}")
-            rows[(method, allocator)] = json.loads(proc.stdout.strip().splitlines()[-1])
-    print(f"\n{args.steps} steps of {args.batch_size} x {args.length} tokens, {os.cpu_count()} threads\n")
-    print(f"{'method':8s} {'RSS default MB':>14s} {'RSS lean MB':>11s} {'kept by malloc':>14s} "
-          f"{'step s default':>14s} {'step s lean':>11s}")
+                sys.exit(f"{method}/{name} failed:\n{proc.stderr[-3000:]}")
+            rows[(method, name)] = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(f"\n{args.steps} steps of {args.batch_size} x {args.length} tokens, {os.cpu_count()} threads; "
+          f"peak RSS MB / median step s (first step s)\n")
+    print(f"{'method':8s} " + " ".join(f"{name:>24s}" for name in args.allocators))
     for method in args.methods:
-        d, lean = rows[(method, "default")], rows[(method, "lean")]
-        print(f"{method:8s} {d['peak_rss_mb']:14.0f} {lean['peak_rss_mb']:11.0f} "
-              f"{d['peak_rss_mb'] - lean['peak_rss_mb']:14.0f} {d['median_step_s']:14.2f} {lean['median_step_s']:11.2f}")
+        cells = [rows[(method, name)] for name in args.allocators]
+        print(f"{method:8s} " + " ".join(
+            f"{c['peak_rss_mb']:8.0f} MB {c['median_step_s']:5.2f} s ({c['first_step_s']:5.1f})" for c in cells))
+    if "glibc" in args.allocators:
+        for name in (n for n in args.allocators if n != "glibc"):
+            ratios = [rows[(m, name)]["median_step_s"] / rows[(m, "glibc")]["median_step_s"] for m in args.methods]
+            print(f"{name}: step time {', '.join(f'{m} {r:.2f}x' for m, r in zip(args.methods, ratios))} of glibc")
     out = Path("reports/benchmarks/memory_by_method.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({f"{m}/{a}": r for (m, a), r in rows.items()}, indent=2))

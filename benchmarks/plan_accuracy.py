@@ -7,7 +7,8 @@ Needs `models/base` and `data/tokenized` (`make pipeline`). For each (method, le
 `length` tokens (what `tokenize.max_length: <length>` gives) and to its first steps x batch examples; the planner
 calibrates on this machine exactly as the probe stage does (`frugaltune.planner.calibrate`: real steps of the method
 in fresh processes) and predicts the run's peak RSS and wall time; then the run itself trains in a fresh process
-(`train_classifier`, as the train stage) and its peak RSS (ru_maxrss) and training wall time are measured.
+(`train_classifier`, as the train stage) and its peak RSS (ru_maxrss) and training wall time are measured. Both
+run on `--allocator` (default `auto`, mimalloc where installed, as the train stage runs).
 
 Writes `reports/plan_accuracy.csv` + `.md` (the table, kept in git), `reports/plots/plan_accuracy.csv` (for
 `dvc plots show reports/plots/plan_accuracy.csv`) and `reports/plan_accuracy.png`. Targets: peak within +-15%, ETA
@@ -53,11 +54,13 @@ def measure(method: str, length: int, steps: int, batch: int, threads: int) -> d
     model = prepare_model(BASE, names, tokenizer.pad_token_id, 42, method, MethodKnobs())
     cfg = LoopConfig(lr=5e-5 if method == "full" else 1e-3, batch_size=batch, epochs=1, seed=42, log_every=steps)
     result = train_classifier(model, ids, labels, cfg, tokenizer.pad_token_id, progress=False)
+    from frugaltune import allocator
+
     return {"seconds": result.wall_seconds, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "steps": result.steps}
+            "steps": result.steps, "malloc": allocator.active()}
 
 
-def predict(method: str, length: int, steps: int, batch: int, threads: int, hw: dict) -> dict:
+def predict(method: str, length: int, steps: int, batch: int, threads: int, hw: dict, malloc: str) -> dict:
     from frugaltune import planner
     from frugaltune.models import load_tokenizer
 
@@ -73,7 +76,7 @@ def predict(method: str, length: int, steps: int, batch: int, threads: int, hw: 
     constants, _ = planner.calibrate(
         BASE, names, load_tokenizer(BASE).pad_token_id, method, planner.MethodKnobs(), shape, bf16=False,
         gradient_checkpointing=False, micro_batches=(max(1, largest["sequences"] // 2), largest["sequences"]),
-        seq_len=largest["length"], threads=threads, seed=42, batches=batches)
+        seq_len=largest["length"], threads=threads, seed=42, batches=batches, allocator=malloc)
     plan = planner.make_plan(run, hw, {method: shape}, constants)["methods"][method]
     return {"peak_bytes": plan["predicted_peak_bytes"], "eta_seconds": plan["eta_seconds"],
             "largest_batch": plan["largest_batch"]}
@@ -107,9 +110,12 @@ def main() -> None:
     parser.add_argument("--lengths", nargs="+", type=int, default=[64, 128])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--allocator", default="auto", choices=["auto", "mimalloc", "system"],
+                        help="train.allocator for the calibration and the measured run (default: auto, as training)")
     parser.add_argument("--measure", nargs=2, help=argparse.SUPPRESS)  # child process: METHOD LENGTH
     args = parser.parse_args()
 
+    from frugaltune import allocator
     from frugaltune.hardware import probe
 
     hw = probe(use_nvml=False)
@@ -124,11 +130,11 @@ def main() -> None:
     for method in args.methods:
         for length in args.lengths:
             print(f"{method} at length {length}: calibrating ...", flush=True)
-            predicted = predict(method, length, args.steps, args.batch_size, threads, hw)
+            predicted = predict(method, length, args.steps, args.batch_size, threads, hw, args.allocator)
             print(f"{method} at length {length}: training ...", flush=True)
             proc = subprocess.run([sys.executable, __file__, "--measure", method, str(length), "--steps",
                                    str(args.steps), "--batch-size", str(args.batch_size)], capture_output=True,
-                                  text=True, env={**os.environ, "TQDM_DISABLE": "1"})
+                                  text=True, env={**allocator.child_env(args.allocator), "TQDM_DISABLE": "1"})
             if proc.returncode != 0:
                 sys.exit(f"{method}/{length} failed:\n{proc.stderr[-3000:]}")
             measured = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -152,7 +158,8 @@ def main() -> None:
                           + " |\n" for r in rows)
     within = all(abs(r["peak_error"]) <= 0.15 for r in rows), all(abs(r["eta_error"]) <= 0.25 for r in rows)
     md += (f"\nPeak RSS within +-15%: {'yes' if within[0] else 'NO'}; ETA within +-25%: {'yes' if within[1] else 'NO'}. "
-           f"{args.steps} steps of batch {args.batch_size}, {threads} threads, {hw['cpu']['model']}. "
+           f"{args.steps} steps of batch {args.batch_size}, {threads} threads, malloc {measured['malloc']}, "
+           f"{hw['cpu']['model']}. "
            "Regenerate: `python benchmarks/plan_accuracy.py`.\n")
     OUT.parent.mkdir(parents=True, exist_ok=True)
     Path(f"{OUT}.csv").write_text(csv)

@@ -252,8 +252,10 @@ def _calibration_point(spec: dict) -> dict:
     batch, length = spec["micro_batch"], spec["seq_len"]
     timed_step(batch, length)  # warm-up (allocations, kernel selection): not timed
     times = sorted(timed_step(batch, length) for _ in range(spec["steps"]))
+    from frugaltune import allocator
+
     result = {"micro_batch": batch, "seq_len": length, "loaded_rss_bytes": loaded_rss, "peak_rss_bytes": rss(),
-              "step_seconds": times[len(times) // 2], "timed": []}
+              "step_seconds": times[len(times) // 2], "timed": [], "allocator": allocator.active()}
     if device.type == "cuda":
         result["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
         result["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
@@ -264,9 +266,12 @@ def _calibration_point(spec: dict) -> dict:
 
 
 def _run_point(spec: dict, timeout_s: float) -> dict:
+    from frugaltune import allocator
+
+    # The training process's malloc (train.allocator): RSS depends on it as much as on the tensors.
     proc = subprocess.run([sys.executable, "-m", "frugaltune.planner", "--calibration-point", json.dumps(spec)],
                           capture_output=True, text=True, timeout=timeout_s,
-                          env={**os.environ, "TQDM_DISABLE": "1"})
+                          env={**allocator.child_env(spec.get("allocator", "auto")), "TQDM_DISABLE": "1"})
     if proc.returncode != 0:
         raise RuntimeError(f"calibration step failed (micro-batch {spec['micro_batch']}, length {spec['seq_len']}):"
                            f"\n{proc.stderr[-2000:]}")
@@ -302,19 +307,21 @@ def _fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
 def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, method: str, knobs: MethodKnobs,
               shape: ModelShape, *, bf16: bool, gradient_checkpointing: bool, micro_batches: tuple[int, int],
               seq_len: int, threads: int, seed: int = 0, steps: int = 2, timeout_s: float = 900,
-              batches: list[tuple[int, int]] | None = None, time_samples: int = 6) -> tuple[Constants, dict]:
+              batches: list[tuple[int, int]] | None = None, time_samples: int = 6,
+              allocator: str = "auto") -> tuple[Constants, dict]:
     """Measure real training steps of `method` on this machine and fit its memory and time constants.
 
     Memory: `steps` steps (after one warm-up) at two micro-batch sizes of length `seq_len`, each in a fresh process;
     the peak RSS after them includes what the allocator keeps across steps. Time: `time_samples` of the run's own
-    micro-batch shapes (`batches`, from `planned_batches`), each once, fitted by least squares.
+    micro-batch shapes (`batches`, from `planned_batches`), each once, fitted by least squares. The steps run on
+    `allocator` (`train.allocator`), the malloc the training process will have.
     """
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(str(model_dir)).vocab_size
     spec = {"model_dir": str(model_dir), "labels": labels, "pad_token_id": pad_token_id, "seed": seed,
             "method": method, "knobs": asdict(knobs), "bf16": bf16, "gradient_checkpointing": gradient_checkpointing,
-            "seq_len": seq_len, "threads": threads, "steps": steps, "vocab_size": vocab}
+            "seq_len": seq_len, "threads": threads, "steps": steps, "vocab_size": vocab, "allocator": allocator}
     small, large = sorted(set(micro_batches))[:2] if len(set(micro_batches)) > 1 else (micro_batches[0],
                                                                                      micro_batches[0] + 1)
     shapes_to_time = _time_shapes(batches or [(large, seq_len), (small, seq_len)], time_samples)
@@ -335,8 +342,10 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
     constants = Constants(runtime_bytes=max(0, int(runtime)), activation_scale=round(scale, 4),
                           step_overhead_s=overhead, seconds_per_token=per_token_s, calibrated_method=method,
                           source=f"calibrated: {steps} {method} steps at micro-batch {small} and {large}, length "
-                                 f"{seq_len} (memory), {len(timed)} of the run's batch shapes (time), {threads} threads")
+                                 f"{seq_len} (memory), {len(timed)} of the run's batch shapes (time), {threads} threads, "
+                                 f"malloc {p2['allocator']}")
     return constants, {"points": points, "method": method, "seq_len": seq_len, "bf16": bf16,
+                       "allocator": p2["allocator"],
                        "gradient_checkpointing": gradient_checkpointing}
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 
+from frugaltune import allocator
 from stages import evaluate, paths, train
 from stages.config import ParamsError, load_params
 from frugaltune.training.methods import METHODS
@@ -33,7 +34,9 @@ def main() -> None:
     if len(sys.argv) != 2:
         sys.exit(f"usage: python -m stages.compare <method>   (methods: {', '.join(METHODS)})")
     try:
-        run(load_params(), sys.argv[1])
+        params = load_params()
+        allocator.reexec_with(params.train.allocator)  # as in stages.train: before any tensor exists
+        run(params, sys.argv[1])
     except (ParamsError, ValueError, FileNotFoundError) as exc:
         sys.exit(f"compare: {exc}")
 

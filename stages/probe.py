@@ -83,7 +83,7 @@ def build_plan(params: Params, hardware: dict[str, Any], calibrate: bool | None 
         gradient_checkpointing=entry["gradient_checkpointing"],
         micro_batches=(max(1, large // 2), large) if large > 1 else (1, 2),
         seq_len=entry["largest_batch"]["length"], threads=draft["threads"], seed=params.common.seed,
-        steps=params.probe.calibration_steps, batches=[
+        steps=params.probe.calibration_steps, allocator=params.train.allocator, batches=[
             (math.ceil(rows / split), length) for rows, length in planner.planned_batches(
                 lengths, spec.batch_size, spec.grad_accum, spec.epochs, spec.max_steps, spec.seed,
                 spec.group_by_length)[1]])

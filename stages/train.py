@@ -23,7 +23,7 @@ import psutil
 import torch
 from datasets import load_from_disk
 
-from frugaltune import tracking
+from frugaltune import allocator, tracking
 from frugaltune.hardware import supports_bf16_autocast
 from frugaltune.io import atomic_dir, read_json, write_json, write_text
 from frugaltune import planner
@@ -146,7 +146,7 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN, use_plan: bo
     base_sha = read_json(paths.report("import_model")).get("weights_sha256") if paths.report(
         "import_model").exists() else None
     volatile = {"resume", "checkpoint_every", "keep_checkpoints", "log_every", "threads", "experiment",
-                "micro_batch_size", "gradient_checkpointing"}  # how a step is computed, not what it computes
+                "micro_batch_size", "gradient_checkpointing", "allocator"}  # how a step is computed, not what it computes
     key = checkpoint.run_key({k: v for k, v in tp.model_dump().items() if k not in volatile}, seed, bf16, base_sha,
                              checkpoint.data_fingerprint(train_set["input_ids"], train_set["labels"]))
     checkpoint_dir = paths.CHECKPOINTS_DIR / "train" / key
@@ -161,7 +161,7 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN, use_plan: bo
     print(f"train: {tp.method} on {len(train_set)} examples, {trainable:,} of {total:,} parameters "
           f"trainable ({100 * trainable / total:.2f}%), precision {'bf16 autocast' if bf16 else 'fp32'}, "
           f"{threads} threads, micro-batch {resolved['micro_batch_size']} of {tp.batch_size}, gradient checkpointing "
-          f"{'on' if resolved['gradient_checkpointing'] else 'off'}")
+          f"{'on' if resolved['gradient_checkpointing'] else 'off'}, malloc {allocator.active()}")
 
     events: list[str] = []
     tracking.setup(tp.experiment)
@@ -170,6 +170,7 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN, use_plan: bo
         mlflow.log_params({"resolved.precision": "bf16" if bf16 else "fp32", "resolved.threads": threads,
                            "resolved.micro_batch_size": resolved["micro_batch_size"],
                            "resolved.gradient_checkpointing": resolved["gradient_checkpointing"],
+                           "resolved.allocator": allocator.active(),
                            "data.train_rows": len(train_set), "model.source": params.model.source})
         timer = StepTimer(sync=torch.cuda.synchronize if torch.cuda.is_available() else None)
         sampler = TelemetrySampler(tp.telemetry_interval_s, out.telemetry_csv, mlrun.info.run_id,
@@ -218,7 +219,8 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN, use_plan: bo
         mlflow.log_metrics({k: v for k, v in metrics.items() if isinstance(v, int | float) and k not in (
             "bf16", "threads")})
         write_text(out.loss_csv, loss_curve_csv(result.history))
-        write_json(out.train_report, {**metrics, "bottlenecks": telemetry["findings"], "events": events,
+        write_json(out.train_report, {**metrics, "allocator": allocator.active(),
+                                      "bottlenecks": telemetry["findings"], "events": events,
                                            "mlflow_run_id": mlrun.info.run_id})
         mlflow.log_artifact(str(out.train_report))
         mlflow.log_artifact(str(out.loss_csv))
@@ -231,8 +233,12 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN, use_plan: bo
 
 
 def main() -> None:
+    """The stage's entry point (a process of its own: it may re-execute itself on another malloc)."""
     try:
-        run(load_params())
+        params = load_params()
+        # Before any tensor exists: a process's malloc cannot change later.
+        allocator.reexec_with(params.train.allocator)
+        run(params)
     except (ParamsError, planner.PlanError, DivergenceError, TrainingInterrupted, OutOfMemoryAtBatchOne, ValueError,
             FileNotFoundError) as exc:
         sys.exit(f"train: {exc}")

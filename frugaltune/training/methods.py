@@ -49,7 +49,28 @@ def prepare_qlora(model: torch.nn.Module, r: int, alpha: int, dropout: float, ta
     """
     model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing,
                                             gradient_checkpointing_kwargs={"use_reentrant": False})
+    own_unquantized_tensors(model)
     return apply_lora(model, r, alpha, dropout, target_modules)
+
+
+def own_unquantized_tensors(model: torch.nn.Module) -> None:
+    """Copy the tensors that are not 4-bit (embeddings, norms, head) out of the safetensors file mapping.
+
+    Why: transformers loads zero-copy from an mmap of `model.safetensors`, and quantizing reads every page of it.
+    While one tensor still aliases the mapping, every page read stays resident: the whole fp32 file (538 MB for
+    SmolLM2-135M) counted in the process's RSS next to its 4-bit copy, which made QLoRA's peak higher than LoRA's.
+    Copying the few unquantized tensors (113 MB) releases the mapping (measured: RSS after loading 926 -> 629 MB).
+    """
+    seen: set[int] = set()
+    for param in model.parameters():
+        if id(param) in seen or param.__class__.__name__ == "Params4bit":
+            continue
+        seen.add(id(param))  # tied weights are one Parameter: copy once, the tie stays
+        param.data = param.data.clone()
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = buffer.clone()
 
 
 def _set_trainable(model: torch.nn.Module, predicate) -> None:

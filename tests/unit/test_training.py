@@ -233,3 +233,24 @@ def test_every_method_trains_what_it_should_and_reloads_identically(method, tiny
     got = predict(reloaded, ids, pad, progress=False)
     if expected is not None:  # qlora's adapter is applied to the full-precision base, so outputs differ slightly
         np.testing.assert_array_equal(got, expected)
+
+
+def test_qlora_releases_the_safetensors_mapping_so_the_fp32_file_is_not_resident(tiny_model_dir):
+    # transformers loads zero-copy from an mmap of model.safetensors; while one unquantized tensor aliases it,
+    # every page that quantization read stays in RSS next to the 4-bit copy
+    from frugaltune.models import qlora_quantization
+    from frugaltune.training.methods import prepare_qlora
+
+    pad = load_tokenizer(tiny_model_dir).pad_token_id
+    model = prepare_qlora(load_for_classification(tiny_model_dir, LABELS, pad, seed=0,
+                                                  quantization_config=qlora_quantization()), 4, 8, 0.0, ["q_proj"])
+    spans = []
+    for line in open("/proc/self/maps"):
+        fields = line.split()
+        if len(fields) > 5 and fields[5].endswith("model.safetensors"):
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            spans.append((start, end))
+    tensors = [t for t in (*model.parameters(), *model.buffers()) if t.device.type == "cpu"]
+    aliased = [t.shape for t in tensors if any(a <= t.data_ptr() < b for a, b in spans)]
+    assert not aliased
+    assert any(type(p).__name__ == "Params4bit" for p in model.parameters())
