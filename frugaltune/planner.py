@@ -24,7 +24,10 @@ Memory model (bytes; per device: CPU RAM, or each GPU's memory):
 Calibration (`calibrate`) runs a few real training steps of the configured method at two micro-batch sizes, each
 in a fresh subprocess (a clean peak RSS), and fits `peak = static + per_sequence x batch` and
 `step_time = overhead + per_token x tokens`. The memory fit rescales the activation constant and replaces the
-runtime constant; the time fit turns the run's exact padded-token count into an ETA. Methods other than the
+runtime constant; the time fit turns the run's exact padded-token count into an ETA, plus a one-time startup: what
+the first step at the peak shape costs beyond a warm one (page faults for the memory the run keeps; on a 20-step
+run it is a fifth of the time, on the default 178-step run ~3%). Calibration runs on the training process's malloc
+(`train.allocator`, see frugaltune/allocator.py). Methods other than the
 calibrated one reuse its constants, their time scaled by the training FLOPs per token (6N full, 4N adapters).
 """
 
@@ -143,6 +146,8 @@ class Constants:
     activation_scale: float = 1.0
     step_overhead_s: float | None = None  # per optimizer step (optimizer, clipping, Python)
     seconds_per_token: float | None = None  # per padded token through forward + backward
+    # once per run: the first step at the peak shape faults in the memory the run keeps (and picks kernels)
+    startup_s: float = 0.0
     calibrated_method: str | None = None
     source: str = "analytic defaults (not calibrated)"
 
@@ -250,12 +255,13 @@ def _calibration_point(spec: dict) -> dict:
         return time.perf_counter() - start
 
     batch, length = spec["micro_batch"], spec["seq_len"]
-    timed_step(batch, length)  # warm-up (allocations, kernel selection): not timed
+    first = timed_step(batch, length)  # warm-up: page faults for the peak memory, kernel selection
     times = sorted(timed_step(batch, length) for _ in range(spec["steps"]))
     from frugaltune import allocator
 
     result = {"micro_batch": batch, "seq_len": length, "loaded_rss_bytes": loaded_rss, "peak_rss_bytes": rss(),
-              "step_seconds": times[len(times) // 2], "timed": [], "allocator": allocator.active()}
+              "step_seconds": times[len(times) // 2], "first_step_seconds": first, "timed": [],
+              "allocator": allocator.active()}
     if device.type == "cuda":
         result["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
         result["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
@@ -339,8 +345,11 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
     runtime = p1["peak_rss_bytes"] - scale * per_token * tokens1 - static
     timed = p2["timed"] or [[tokens1, p1["step_seconds"]], [tokens2, p2["step_seconds"]]]
     overhead, per_token_s = _fit_line([(x, y) for x, y in timed])
+    # What the first step at the peak shape costs beyond a warm one: paid once by the run (a fresh process too).
+    startup = max(0.0, p2.get("first_step_seconds", p2["step_seconds"]) - p2["step_seconds"])
     constants = Constants(runtime_bytes=max(0, int(runtime)), activation_scale=round(scale, 4),
-                          step_overhead_s=overhead, seconds_per_token=per_token_s, calibrated_method=method,
+                          step_overhead_s=overhead, seconds_per_token=per_token_s, startup_s=round(startup, 3),
+                          calibrated_method=method,
                           source=f"calibrated: {steps} {method} steps at micro-batch {small} and {large}, length "
                                  f"{seq_len} (memory), {len(timed)} of the run's batch shapes (time), {threads} threads, "
                                  f"malloc {p2['allocator']}")
@@ -455,7 +464,8 @@ def plan_method(method: str, run: RunSpec, hardware: dict, shape: ModelShape, co
         if constants.calibrated_method and constants.calibrated_method != method:
             factor = FLOPS_FACTOR[method] / FLOPS_FACTOR[constants.calibrated_method]
         recompute = 4 / 3 if ckpt else 1.0  # checkpointing reruns the forward pass: +1 forward per 3 passes
-        eta = steps * constants.step_overhead_s + padded * constants.seconds_per_token * factor * recompute
+        eta = (constants.startup_s + steps * constants.step_overhead_s
+               + padded * constants.seconds_per_token * factor * recompute)
         eta_note = ("measured on this machine" if factor == 1.0 else
                     f"from the {constants.calibrated_method} calibration x {factor:.2f} (training FLOPs per token)")
     elif method == "none":

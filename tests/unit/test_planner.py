@@ -202,9 +202,12 @@ def test_calibration_fits_constants_from_real_steps_and_gives_an_eta(tiny_model_
     lora, full = plan["methods"]["lora"], plan["methods"]["full"]
     padded = lora["padded_tokens"]
     assert padded == 40 * 20
-    expected = lora["steps"] * constants.step_overhead_s + padded * constants.seconds_per_token
+    assert all(p["first_step_seconds"] > 0 and p["allocator"] in ("mimalloc", "system")
+               for p in calibration["points"])
+    assert constants.startup_s >= 0
+    expected = constants.startup_s + lora["steps"] * constants.step_overhead_s + padded * constants.seconds_per_token
     assert lora["eta_seconds"] == pytest.approx(expected, abs=0.1)
-    assert full["eta_seconds"] == pytest.approx(lora["steps"] * constants.step_overhead_s
+    assert full["eta_seconds"] == pytest.approx(constants.startup_s + lora["steps"] * constants.step_overhead_s
                                                 + padded * constants.seconds_per_token * 1.5, abs=0.1)
     assert "x 1.50" in full["eta_note"]
     json.dumps(plan)  # the plan is written as JSON: nothing in it may be unserialisable
