@@ -155,9 +155,10 @@ def main() -> None:
         if not needed.exists():
             sys.exit(f"{needed} is missing: run `make pipeline` (or `dvc repro tokenize`) first.")
     kernels = Path("reports/kernels.json")
-    from stages.train import resolve_precision
+    from frugaltune import planner
 
-    bf16_ours = resolve_precision("auto", hw, json.loads(kernels.read_text()) if kernels.exists() else None)
+    bf16_ours, _ = planner.recommend_precision(
+        hw, "auto", planner.measured_on(hw, json.loads(kernels.read_text()) if kernels.exists() else None))
     peak, formula = cpu_peak_flops(hw, threads)
     results = {}
     for recipe in RECIPES:

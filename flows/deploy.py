@@ -32,7 +32,7 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from flows.pipeline import finetune
 from flows.ui import prefect_api_url
-from stages.config import Params, ParamsError, load_params
+from frugaltune.config import Params, ParamsError, load_params
 
 DEPLOYMENT_NAME = "scheduled"
 

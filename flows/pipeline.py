@@ -19,8 +19,8 @@ from prefect import flow, get_run_logger
 from prefect.states import Completed
 
 from flows.tasks import find_changes, pipeline_stages, publish_reports, stage_task, use_data_source
-from stages import paths
-from stages.config import load_params
+from frugaltune import paths
+from frugaltune.config import load_params
 
 
 @flow(name="finetune", description="Fine-tune and register the model when data, params or code changed.")

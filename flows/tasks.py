@@ -43,8 +43,8 @@ from frugaltune import tracking
 from frugaltune.data import DataSourceError, resolve_source
 from frugaltune.data import source_sha256 as files_sha256
 from frugaltune.io import read_json, write_text
-from stages import paths
-from stages.config import Params, ScheduleParams, load_params
+from frugaltune import paths
+from frugaltune.config import Params, ScheduleParams, load_params
 
 PIPELINE = Path("dvc.yaml")  # the pipeline a flow run brings up to date, as plain `dvc repro` does
 MLFLOW_UI_ENV = "FRUGALTUNE_MLFLOW_UI"  # base URL of the MLflow UI for the links in Prefect artifacts
@@ -206,6 +206,16 @@ def source_sha256(params: Params) -> str | None:
     return files_sha256(source)
 
 
+ALWAYS_CHANGED = "always changed"  # how `dvc status --json` reports a stage marked `always_changed`
+
+
+def _dvc_status() -> dict[str, list]:
+    code, lines = dvc("status", "--json", str(PIPELINE), log=False)  # without a target it covers every dvc.yaml
+    if code != 0:
+        raise StageFailed("dvc status failed:\n" + "\n".join(lines[-15:]))
+    return json.loads(next((line for line in reversed(lines) if line.startswith("{")), "{}"))
+
+
 @task(name="find-changes", cache_policy=NO_CACHE, persist_result=False)
 def find_changes(params: Params, check_source: bool = True) -> dict[str, Any]:
     """What a run has to do: {"stages": DVC's changed stages and why, "source_changed": bool, "reason": str}.
@@ -213,10 +223,17 @@ def find_changes(params: Params, check_source: bool = True) -> dict[str, Any]:
     `dvc status` covers code, params and every file DVC tracks; the data source's hash (when `check_source`:
     the pipeline has an ingest stage) covers the file that `data.source` points at, which DVC does not track.
     """
-    code, lines = dvc("status", "--json", str(PIPELINE), log=False)  # without a target it covers every dvc.yaml
-    if code != 0:
-        raise StageFailed("dvc status failed:\n" + "\n".join(lines[-15:]))
-    status = json.loads(next((line for line in reversed(lines) if line.startswith("{")), "{}"))
+    status = _dvc_status()
+    # `always_changed` stages (probe: this machine's facts) are always "changed" by definition: run them first,
+    # cheaply, and ask again; what matters is whether their outputs changed what depends on them.
+    always = [name for name, changes in status.items() if changes and all(c == ALWAYS_CHANGED for c in changes)]
+    for name in always:
+        code, lines = dvc("repro", "--single-item", name, log=False)
+        if code != 0:
+            raise StageFailed(failure_message(name, lines))
+    if always:
+        status = {name: changes for name, changes in _dvc_status().items()
+                  if not (changes and all(c == ALWAYS_CHANGED for c in changes))}
     stages = {name: [key for change in changes if isinstance(change, dict) for key in change]
               for name, changes in status.items()}
 

@@ -1,6 +1,6 @@
 """Which malloc a training process runs on: mimalloc (preloaded) or the system's (glibc).
 
-Library code. `python -m stages.train` and `python -m stages.compare` call `reexec_with(choice)` before they train:
+Library code. `python -m stages.train` and `python -m stages.compare` call `reexec_early()` in their first lines:
 when `train.allocator` resolves to mimalloc and this process does not have it yet, the process re-executes itself
 (same pid, same argv) with mimalloc preloaded. The planner's calibration steps get the same allocator through
 `child_env(choice)`, so that what is calibrated is what trains. `active()` says which one a process has; it is
@@ -81,6 +81,23 @@ def child_env(choice: str, env: dict[str, str] | None = None) -> dict[str, str]:
     else:
         env.pop("LD_PRELOAD", None)
     return env
+
+
+def reexec_early(params_file: str | Path = "params.yaml") -> None:
+    """`reexec_with(train.allocator)` from a stage module's first lines, before torch, datasets and mlflow load.
+
+    Re-executing after those imports would pay for them twice (measured in docs/DECISIONS.md). Reads only the one
+    key, with yaml; a file or value it cannot read is left to the stage's full params check, which names it.
+    """
+    import yaml
+
+    try:
+        train = (yaml.safe_load(Path(params_file).read_text(encoding="utf-8")) or {}).get("train") or {}
+        choice = train.get("allocator", "auto") if isinstance(train, dict) else "auto"
+        if choice in CHOICES:
+            reexec_with(choice)
+    except (OSError, yaml.YAMLError, ValueError, AttributeError):
+        return
 
 
 def reexec_with(choice: str) -> str:

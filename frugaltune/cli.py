@@ -28,7 +28,7 @@ class CommandError(RuntimeError):
 
 
 def _register_params(params_path: Path, explicit: bool):
-    from stages.config import RegisterParams, load_params
+    from frugaltune.config import RegisterParams, load_params
 
     if not params_path.is_file() and not explicit:
         return RegisterParams()  # outside a project checkout: the documented defaults
@@ -52,7 +52,7 @@ def _predict(args: argparse.Namespace) -> int:
     from mlflow.exceptions import MlflowException
 
     from frugaltune import tracking
-    from stages.config import ParamsError
+    from frugaltune.config import ParamsError
 
     try:
         register = _register_params(Path(args.params or DEFAULT_PARAMS), explicit=args.params is not None)
@@ -81,17 +81,21 @@ def _predict(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from frugaltune import planner
+    from frugaltune import paths, planner
+    from frugaltune.config import ParamsError, load_params
     from frugaltune.hardware import probe
-    from stages import probe as probe_stage
-    from stages.config import ParamsError, load_params
 
     try:
         params = load_params(Path(args.params or DEFAULT_PARAMS))
         if args.method:
             params = params.model_copy(update={"train": params.train.model_copy(update={"method": args.method})})
-        plan = probe_stage.build_plan(params, probe(use_nvml=params.probe.nvml), calibrate=args.calibrate,
-                                      memory_limit_gb=args.memory_limit_gb)
+        hardware = probe(use_nvml=params.probe.nvml)
+        # bf16 vs fp32 as the kernels stage measured it, if it measured this CPU (reports/kernels.json): a
+        # measurement from another machine would be a guess (the same flags have measured 0.7x and 2.3x).
+        kernels = paths.report("kernels")
+        measured = planner.measured_on(hardware, json.loads(kernels.read_text()) if kernels.is_file() else None)
+        plan = planner.build_plan(params, hardware, measured,
+                                  run_calibration=args.calibrate, memory_limit_gb=args.memory_limit_gb)
     except (ParamsError, FileNotFoundError, RuntimeError) as exc:
         raise CommandError(str(exc)) from None
     print(json.dumps(plan, indent=2) if args.json else planner.render(plan))

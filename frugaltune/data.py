@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -187,3 +188,31 @@ def stratified_split(frame: pd.DataFrame, val: float, test: float, seed: int) ->
         assignment[index[:n_test]] = "test"
         assignment[index[n_test:n_test + n_val]] = "val"
     return {split: frame[assignment == split].reset_index(drop=True) for split in SPLIT_NAMES}
+
+
+def check_split_sizes(sizes: dict[str, int], labels: list[str], source: str, presplit: bool,
+                      val: float, test: float) -> None:
+    """Refuse splits that cannot train or evaluate: an empty split, or val/test with fewer rows than labels.
+
+    Raises DataSourceError naming the row counts, the `data.split.*` fractions and the fixes; later stages would
+    otherwise fail with less to go on (an empty validation split has no metrics to report).
+    """
+    floor = {"train": len(labels), "val": len(labels), "test": len(labels)}
+    short = {split: rows for split, rows in sizes.items() if rows < floor.get(split, 1)}
+    if not short:
+        return
+    counts = ", ".join(f"{split} {rows}" for split, rows in sizes.items())
+    which = ", ".join(f"{split} has {rows}" for split, rows in short.items())
+    if presplit:
+        fix = (f"put at least {len(labels)} rows in each of the train/val/test files (one per label or more)")
+    else:
+        smallest = min(f for f in (val, test) if f > 0) if val > 0 and test > 0 else 0
+        needed = math.ceil(2 * len(labels) / smallest) if smallest else None
+        fix = ("give the source more rows" + (f" (about {needed} or more for these fractions)" if needed else "")
+               + ", raise data.split.val / data.split.test, or give data.source a directory with train/val/test "
+               "files")
+    raise DataSourceError(
+        f"{source}: {sum(sizes.values())} rows split into {counts} (data.split.val = {val}, data.split.test = "
+        f"{test}): {which} row(s), fewer than the {len(labels)} labels, so it cannot "
+        f"{'train' if 'train' in short else 'evaluate'} a classifier. Fix: {fix}."
+    )

@@ -19,6 +19,8 @@ from typing import Any
 # CPU flags that decide the fast paths: avx512_bf16 / amx_bf16 make bf16 matmuls native on the CPU.
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_bf16", "amx_tile", "amx_int8")
 CPUINFO = Path("/proc/cpuinfo")
+# Read this file instead of /proc/cpuinfo: how a test plays another machine (the probe stage documents it).
+CPUINFO_ENV = "FRUGALTUNE_CPUINFO"
 
 
 def parse_cpuinfo(text: str) -> dict[str, Any]:
@@ -58,7 +60,10 @@ def cpu_facts(cpuinfo_text: str | None = None) -> dict[str, Any]:
     import psutil
 
     if cpuinfo_text is None:
-        cpuinfo_text = CPUINFO.read_text(encoding="utf-8", errors="replace") if CPUINFO.is_file() else ""
+        source = Path(os.environ.get(CPUINFO_ENV) or CPUINFO)
+        if os.environ.get(CPUINFO_ENV) and not source.is_file():
+            raise FileNotFoundError(f"{CPUINFO_ENV}={source}: no such file (unset it to read {CPUINFO})")
+        cpuinfo_text = source.read_text(encoding="utf-8", errors="replace") if source.is_file() else ""
     parsed = parse_cpuinfo(cpuinfo_text)
     logical = parsed["logical_cores"] or psutil.cpu_count(logical=True)
     return {

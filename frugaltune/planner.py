@@ -1,6 +1,6 @@
 """Will it fit, and how long will it take? Memory and time estimates for a training run, before it starts.
 
-Library code. The `probe` stage (`python -m stages.probe`) writes the plan to `reports/plan.json`; `frugaltune plan`
+Library code. The `plan` stage (`python -m stages.plan`) writes the plan to `reports/plan.json`; `frugaltune plan`
 prints it; the `train` stage takes its `auto` values from it and refuses a configuration that cannot fit.
 
 Memory model (bytes; per device: CPU RAM, or each GPU's memory):
@@ -41,7 +41,10 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from frugaltune.config import Params
 
 GiB = 2**30
 MiB = 2**20
@@ -379,21 +382,40 @@ class RunSpec:
     knobs: dict[str, MethodKnobs] = field(default_factory=dict)
 
 
-def recommend_precision(hardware: dict, requested: str) -> tuple[bool, str]:
+def measured_on(hardware: dict, kernels_report: dict | None) -> dict | None:
+    """The `cpu` section of reports/kernels.json if it was measured on this CPU (`hardware`), else None.
+
+    A measurement from another machine would be a guess: reports in git describe the last machine that ran.
+    """
+    measured = (kernels_report or {}).get("cpu")
+    if measured and measured.get("cpu_model") == hardware.get("cpu", {}).get("model"):
+        return measured
+    return None
+
+
+def recommend_precision(hardware: dict, requested: str, measured: dict | None = None) -> tuple[bool, str]:
+    """(bf16?, why) for this machine: what the plan calibrates and training uses.
+
+    `measured` is the `cpu` section of reports/kernels.json: the kernels stage times one decoder layer in fp32 and
+    bf16 on this machine and prefers bf16 only when it verified and won by its margin. On a CPU nothing else
+    decides: the same flag (avx512_bf16) has measured 0.7x fp32 on one Xeon and 2.3x on a Zen 4, so a flag, a
+    vendor or a number from another machine would be a guess. A CUDA GPU that torch can drive decides by its
+    compute capability (bf16 tensor cores from 8.0 on, a property of the architecture).
+    """
     if requested != "auto":
-        return requested == "bf16", f"{requested} as configured"
-    cpu_flags = hardware.get("cpu", {}).get("flags", {})
-    if hardware.get("gpus"):
-        gpu = hardware["gpus"][0]
+        return requested == "bf16", f"{requested} as configured (train.precision)"
+    gpus = hardware.get("gpus") or []
+    if gpus and hardware.get("torch", {}).get("cuda_available"):
+        gpu = gpus[0]
         major, _, minor = str(gpu.get("compute_capability", "0.0")).partition(".")
         if (int(major), int(minor or 0)) >= (8, 0):
-            return True, f"bf16: {gpu['name']} (compute capability {gpu['compute_capability']}) runs it natively"
+            return True, f"bf16: {gpu['name']} (compute capability {gpu['compute_capability']}) has bf16 tensor cores"
         return False, f"fp32: {gpu['name']} has no bf16 tensor cores (compute capability < 8.0)"
-    if cpu_flags.get("amx_bf16"):
-        return True, "bf16 autocast: AMX tiles make bf16 matmuls native"
-    if cpu_flags.get("avx512_bf16"):
-        return False, "fp32: avx512_bf16 without AMX measured slower than fp32 (the kernels stage re-measures it)"
-    return False, "fp32: no native bf16 on this CPU"
+    preferred = (measured or {}).get("preferred_precision")
+    if preferred in ("bf16", "fp32"):
+        return preferred == "bf16", f"{preferred}, measured on this machine by the kernels stage: {measured['reason']}"
+    return False, ("fp32: bf16 was not measured on this machine (reports/kernels.json has no `cpu` section; "
+                   "`dvc repro kernels` measures it)")
 
 
 def memory_limit(hardware: dict, limit_gb: float | None) -> tuple[int, str]:
@@ -512,10 +534,16 @@ def _does_not_fit(method: str, tried: list, budget: int, limit: int) -> str:
 
 
 def make_plan(run: RunSpec, hardware: dict, shapes: dict[str, ModelShape], constants: Constants,
-              limit_gb: float | None = None, calibration: dict | None = None) -> dict:
-    """The plan for every method in `shapes`; `run.method` is the configured one."""
+              limit_gb: float | None = None, calibration: dict | None = None,
+              measured_precision: dict | None = None) -> dict:
+    """The plan for every method in `shapes`; `run.method` is the configured one.
+
+    `measured_precision`: the `cpu` section of reports/kernels.json (see `recommend_precision`). The plan's `run`
+    section is what the configured run resolves to; the train stage depends on exactly those keys, so a
+    recalibration that changes only the ETA or the predicted peak retrains nothing.
+    """
     limit, limit_source = memory_limit(hardware, limit_gb)
-    bf16, precision_why = recommend_precision(hardware, run.precision)
+    bf16, precision_why = recommend_precision(hardware, run.precision, measured_precision)
     gpus = hardware.get("gpus") or []
     devices = [{"kind": "cuda", "name": g["name"], "memory_bytes": g["memory_total_bytes"]} for g in gpus] or [
         {"kind": "cpu", "name": hardware.get("cpu", {}).get("model", "CPU"), "memory_bytes": limit}]
@@ -531,6 +559,10 @@ def make_plan(run: RunSpec, hardware: dict, shapes: dict[str, ModelShape], const
     return {
         "configured_method": run.method,
         "fits": bool(configured and configured["fits"]),
+        # What the configured run resolves to: the train and evaluate stages depend on these keys alone.
+        "run": {"method": run.method, "precision": "bf16" if bf16 else "fp32",
+                "micro_batch_size": configured["micro_batch_size"] if configured else run.batch_size,
+                "gradient_checkpointing": bool(configured["gradient_checkpointing"]) if configured else False},
         "device": devices[0],
         "memory_limit_bytes": limit,
         "memory_limit_source": limit_source,
@@ -552,7 +584,7 @@ def check_fits(plan: dict, method: str | None = None) -> dict:
     method = method or plan["configured_method"]
     entry = plan["methods"].get(method)
     if entry is None:
-        raise PlanError(f"reports/plan.json has no plan for train.method = {method}: run `dvc repro probe`.")
+        raise PlanError(f"reports/plan.json has no plan for train.method = {method}: run `dvc repro plan`.")
     if entry["fits"] or method == "none":
         return entry
     # The fastest fitting method first: the largest micro-batch, then the fewest training FLOPs, then the least memory.
@@ -571,6 +603,77 @@ def check_fits(plan: dict, method: str | None = None) -> dict:
         f"({plan['memory_limit_source']}, {HEADROOM:.0%} usable). Change: {suggestion}; or raise probe.memory_limit_gb "
         "if the machine has more memory than that."
     )
+
+
+def method_knobs(params: "Params") -> dict[str, MethodKnobs]:
+    """`train.<method>` as the planner sees it (adapter rank, targets, quantization)."""
+    knobs = {}
+    for method in ADAPTER_METHODS:
+        k = getattr(params.train, method)
+        extra = {"quant_type": k.quant_type, "double_quant": k.double_quant} if method == "qlora" else {}
+        knobs[method] = MethodKnobs(r=k.r, alpha=k.alpha, dropout=k.dropout,
+                                    target_modules=tuple(k.target_modules), **extra)
+    return knobs
+
+
+def run_spec(params: "Params", lengths: list[int]) -> RunSpec:
+    tp = params.train
+    return RunSpec(
+        method=tp.method, batch_size=tp.batch_size, grad_accum=tp.grad_accum, epochs=tp.epochs,
+        max_steps=tp.max_steps, seq_len=params.tokenize.max_length, lengths=tuple(lengths), seed=params.common.seed,
+        group_by_length=tp.group_by_length, precision=tp.precision, micro_batch_size=tp.micro_batch_size,
+        gradient_checkpointing=tp.gradient_checkpointing, threads=tp.threads, knobs=method_knobs(params),
+    )
+
+
+def build_plan(params: "Params", hardware: dict[str, Any], measured_precision: dict | None = None,
+               run_calibration: bool | None = None, memory_limit_gb: float | None = None,
+               methods: tuple[str, ...] | None = None, log=print) -> dict[str, Any]:
+    """The plan for this project's model, data and params on `hardware` (the `plan` stage and `frugaltune plan`).
+
+    Run from the project root. `measured_precision` is the `cpu` section of reports/kernels.json; the
+    calibration steps run in the precision the plan chose, so the constants describe the run that will train.
+    """
+    from datasets import load_from_disk
+
+    from frugaltune import paths
+
+    for needed, stage in ((paths.BASE_MODEL, "import_model"), (paths.TOKENIZED_DIR, "tokenize"),
+                          (paths.LABELS, "ingest")):
+        if not needed.exists():
+            raise FileNotFoundError(f"{needed} is missing: run `dvc repro {stage}` first (the plan needs it).")
+    labels = json.loads(paths.LABELS.read_text())["labels"]
+    lengths = [len(ids) for ids in load_from_disk(str(paths.TOKENIZED_DIR))["train"]["input_ids"]]
+    spec = run_spec(params, lengths)
+    knobs = spec.knobs
+    methods = methods or ("none", *TRAINED_METHODS)
+    shapes = {m: model_shape(paths.BASE_MODEL, len(labels), m, knobs.get(m, MethodKnobs())) for m in methods}
+    limit_gb = memory_limit_gb if memory_limit_gb is not None else params.probe.memory_limit_gb
+    draft = make_plan(spec, hardware, shapes, Constants(), limit_gb, measured_precision=measured_precision)
+    run_calibration = params.probe.calibrate if run_calibration is None else run_calibration
+    method = spec.method
+    if not run_calibration or method == "none" or not draft["methods"][method]["fits"]:
+        if run_calibration and method != "none":
+            log(f"plan: not calibrating: {method} does not fit by the analytic model")
+        return draft
+    entry = draft["methods"][method]
+    from frugaltune.models import load_tokenizer
+
+    large = entry["largest_batch"]["sequences"]
+    split = math.ceil(spec.batch_size / entry["micro_batch_size"])  # the plan's parts of each batch
+    log(f"plan: calibrating {method} in {entry['precision']}: {params.probe.calibration_steps} steps at micro-batch "
+        f"{max(1, large // 2)} and {large}, length {entry['largest_batch']['length']} ...")
+    constants, calibration = calibrate(
+        paths.BASE_MODEL, labels, load_tokenizer(paths.BASE_MODEL).pad_token_id, method,
+        knobs.get(method, MethodKnobs()), shapes[method], bf16=entry["precision"] == "bf16",
+        gradient_checkpointing=entry["gradient_checkpointing"],
+        micro_batches=(max(1, large // 2), large) if large > 1 else (1, 2),
+        seq_len=entry["largest_batch"]["length"], threads=draft["threads"], seed=params.common.seed,
+        steps=params.probe.calibration_steps, allocator=params.train.allocator, batches=[
+            (math.ceil(rows / split), length) for rows, length in planned_batches(
+                lengths, spec.batch_size, spec.grad_accum, spec.epochs, spec.max_steps, spec.seed,
+                spec.group_by_length)[1]])
+    return make_plan(spec, hardware, shapes, constants, limit_gb, calibration, measured_precision=measured_precision)
 
 
 def render(plan: dict) -> str:

@@ -1,7 +1,11 @@
 """Serve a fine-tuned classifier: load base model + PEFT adapter, predict label names; the MLflow pyfunc wrapper.
 
-Not run directly. The register stage logs `SequenceClassifierModel` with two artifacts (the base model dir and
-the adapter dir, which also holds the tokenizer and `labels.json`); anyone can then predict with
+Not run directly. The register stage logs `SequenceClassifierModel` with one artifact, the adapter dir (which also
+holds the tokenizer and `labels.json`), and a reference to the base model: its sha256 and the MLflow URI where
+`log_base_model` stored it once, in the experiment `frugaltune-base-models`, whatever the number of versions
+trained on it (a version that copied the 538 MB base would grow the store by that much per retraining). Loading
+resolves the base from a local cache (`~/.cache/frugaltune/bases/<sha256>`, or `FRUGALTUNE_BASE_CACHE`), else
+downloads it from the tracking store once and checks its hash. Anyone can then predict with
 
     mlflow.pyfunc.load_model("models:/frugaltune-sentiment@champion").predict(pd.DataFrame({"text": [...]}))
 
@@ -29,8 +33,14 @@ LABELS_FILE = "labels.json"  # {"labels": [names in class-id order], "max_length
 TEXT_COLUMN = "text"
 DEFAULT_MAX_LENGTH = 128
 DEFAULT_BATCH_SIZE = 32
-BASE_ARTIFACT = "base_model"
+BASE_ARTIFACT = "base_model"  # versions logged before the base was stored once carry it as an artifact
 ADAPTER_ARTIFACT = "adapter"
+BASE_EXPERIMENT = "frugaltune-base-models"  # one run per distinct base model, tagged with its sha256
+BASE_SHA_TAG = "frugaltune.base_sha256"
+BASE_COMPLETE_TAG = "frugaltune.base_complete"  # set only after every file is uploaded
+BASE_CACHE_ENV = "FRUGALTUNE_BASE_CACHE"
+# log_model points this at the local base dir for the load MLflow does right after logging (input example check).
+_LOCAL_BASE_ENV = "FRUGALTUNE_LOCAL_BASE_"
 HEAD_MODULES = ("score", "classifier")  # the classification head of *ForSequenceClassification models
 # What the logged model needs at load time, pinned to the versions it was logged with.
 TENSORS_FILE = "trainable.safetensors"  # frugaltune.training.methods.TENSORS_FILE (this module imports no project code)
@@ -205,17 +215,127 @@ def texts_from(model_input: Any) -> list[str]:
     raise TypeError(f"Cannot read texts from a {type(model_input).__name__}; pass a DataFrame with `text`.")
 
 
+def dir_sha256(directory: str | Path) -> str:
+    """sha256 over a directory's files (relative names + bytes), in name order: the identity of a base model."""
+    import hashlib
+
+    directory = Path(directory)
+    digest = hashlib.sha256()
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+        digest.update(path.relative_to(directory).as_posix().encode() + b"\0")
+        with path.open("rb") as fh:
+            for block in iter(lambda: fh.read(1 << 22), b""):
+                digest.update(block)
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
+def base_cache_root() -> Path:
+    import os
+
+    return Path(os.environ.get(BASE_CACHE_ENV) or Path.home() / ".cache" / "frugaltune" / "bases")
+
+
+def resolve_base(sha256: str, uri: str) -> Path:
+    """A local directory holding the base model whose hash is `sha256`: the cache, else downloaded from `uri`.
+
+    The download goes to a temporary directory beside the cache entry, is hashed, and is renamed into place only
+    when the hash matches, so a cache entry is always complete.
+    """
+    import os
+    import shutil
+    import tempfile
+
+    hint = os.environ.get(_LOCAL_BASE_ENV + sha256[:16])
+    if hint and Path(hint).is_dir():
+        return Path(hint)
+    cached = base_cache_root() / sha256
+    if (cached / ".sha256").is_file() and (cached / ".sha256").read_text().strip() == sha256:
+        return cached
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{sha256[:12]}-", dir=cached.parent))
+    try:
+        try:
+            local = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(staging)))
+        except Exception as exc:  # MlflowException, OSError: the message names what to do either way
+            raise FileNotFoundError(
+                f"base model sha256 {sha256} is not in the local cache ({cached}) and could not be downloaded "
+                f"from {uri} (tracking store {mlflow.get_tracking_uri()}): {exc}. Load from the store that "
+                f"registered the model (MLFLOW_TRACKING_URI), or put the base model's files in {cached}."
+            ) from None
+        found = dir_sha256(local)
+        if found != sha256:
+            raise ValueError(f"{uri}: the downloaded base model hashes to {found}, not {sha256}: refusing to use it.")
+        (local / ".sha256").write_text(sha256)
+        try:
+            os.replace(local, cached)
+        except OSError:  # another process put it in place first
+            if not (cached / ".sha256").is_file():
+                raise
+        return cached
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def log_base_model(base_dir: str | Path, sha256: str | None = None) -> str:
+    """Store the base model once in the tracking store; return its artifact URI (`runs:/<run>/base_model`).
+
+    Idempotent: a base with the same sha256 already uploaded completely is reused. Leaves the active run and
+    experiment as they were.
+    """
+    from mlflow import MlflowClient
+
+    sha256 = sha256 or dir_sha256(base_dir)
+    client = MlflowClient()
+    experiment = client.get_experiment_by_name(BASE_EXPERIMENT)
+    if experiment is None:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            experiment_id = client.create_experiment(BASE_EXPERIMENT, **_artifact_location())
+        except MlflowException:  # created meanwhile by another process
+            experiment_id = client.get_experiment_by_name(BASE_EXPERIMENT).experiment_id
+    else:
+        experiment_id = experiment.experiment_id
+    found = client.search_runs([experiment_id], filter_string=(
+        f"tags.`{BASE_SHA_TAG}` = '{sha256}' AND tags.`{BASE_COMPLETE_TAG}` = '1'"), max_results=1)
+    if found:
+        return f"runs:/{found[0].info.run_id}/{BASE_ARTIFACT}"
+    run = client.create_run(experiment_id, run_name=f"base-{sha256[:12]}", tags={BASE_SHA_TAG: sha256})
+    try:
+        client.log_artifacts(run.info.run_id, str(base_dir), BASE_ARTIFACT)
+    except BaseException:
+        client.set_terminated(run.info.run_id, "FAILED")
+        raise
+    client.set_tag(run.info.run_id, BASE_COMPLETE_TAG, "1")
+    client.set_terminated(run.info.run_id)
+    return f"runs:/{run.info.run_id}/{BASE_ARTIFACT}"
+
+
+def _artifact_location() -> dict[str, str]:
+    """With the default sqlite store, artifacts go to ./mlartifacts beside it (as frugaltune.tracking does)."""
+    uri = mlflow.get_tracking_uri()
+    if uri.startswith("sqlite:///"):
+        return {"artifact_location": (Path(uri.removeprefix("sqlite:///")).parent / "mlartifacts").resolve().as_uri()}
+    return {}
+
+
 class SequenceClassifierModel(mlflow.pyfunc.PythonModel):
     """MLflow pyfunc: DataFrame with a `text` column -> list of label names.
 
-    Artifacts: `base_model` (HF dir) and `adapter` (PEFT dir + tokenizer + labels.json). `model_config` may
-    set `max_length` and `batch_size`.
+    Artifact: `adapter` (PEFT dir + tokenizer + labels.json). `model_config`: `base_model_sha256` and
+    `base_model_uri` (the base stored once, see `resolve_base`), optional `max_length` and `batch_size`.
+    Versions logged before carry the base as the artifact `base_model`.
     """
 
     def load_context(self, context: Any) -> None:
         config = dict(context.model_config or {})
+        if BASE_ARTIFACT in context.artifacts:
+            base = context.artifacts[BASE_ARTIFACT]
+        else:
+            base = resolve_base(config["base_model_sha256"], config["base_model_uri"])
         self._classifier = load_classifier(
-            context.artifacts[BASE_ARTIFACT],
+            base,
             context.artifacts[ADAPTER_ARTIFACT],
             max_length=config.get("max_length"),
             batch_size=int(config.get("batch_size") or DEFAULT_BATCH_SIZE),
@@ -247,26 +367,30 @@ def log_model(
     max_length: int | None = None,
     tags: dict[str, str] | None = None,
 ) -> Any:
-    """Log base model + adapter as a pyfunc into the active MLflow run; return MLflow's `ModelInfo`.
+    """Log the adapter as a pyfunc into the active MLflow run, the base by reference; return MLflow's `ModelInfo`.
 
-    The model carries its own copy of this module (pickled by value), so loading it never imports
-    `frugaltune`. MLflow loads it once after saving to check that the input example predicts.
+    The base model is stored once per sha256 (`log_base_model`), not per version. The model carries its own
+    copy of this module (pickled by value), so loading it never imports `frugaltune`. MLflow loads it once after
+    saving to check that the input example predicts: that load reads the local base dir.
     """
+    import os
+
     import cloudpickle
 
     module = sys.modules[__name__]
-    config = {"batch_size": DEFAULT_BATCH_SIZE}
+    sha256 = dir_sha256(base_dir)
+    config = {"batch_size": DEFAULT_BATCH_SIZE, "base_model_sha256": sha256,
+              "base_model_uri": log_base_model(base_dir, sha256)}
     if max_length:
         config["max_length"] = max_length
+    hint = _LOCAL_BASE_ENV + sha256[:16]
+    os.environ[hint] = str(Path(base_dir).resolve())
     cloudpickle.register_pickle_by_value(module)
     try:
         return mlflow.pyfunc.log_model(
             name=name,
             python_model=SequenceClassifierModel(),
-            artifacts={
-                BASE_ARTIFACT: str(Path(base_dir).resolve()),
-                ADAPTER_ARTIFACT: str(Path(adapter_dir).resolve()),
-            },
+            artifacts={ADAPTER_ARTIFACT: str(Path(adapter_dir).resolve())},
             signature=signature(),
             input_example=pd.DataFrame({TEXT_COLUMN: list(example_texts)}),
             pip_requirements=pip_requirements(),
@@ -275,3 +399,4 @@ def log_model(
         )
     finally:
         cloudpickle.unregister_pickle_by_value(module)
+        os.environ.pop(hint, None)

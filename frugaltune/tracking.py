@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from stages import paths
+from frugaltune import paths
 
 TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
 LOCK_FILE = Path("dvc.lock")

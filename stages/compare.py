@@ -8,11 +8,18 @@ method's params reruns only that method. Each writes `models/compare/<method>/` 
 
 from __future__ import annotations
 
+if __name__ == "__main__":
+    # Before the heavy imports below: a malloc cannot change after start, so this process may re-execute itself
+    # on mimalloc (train.allocator), and doing it here saves importing torch, datasets and mlflow twice.
+    from frugaltune import allocator as _allocator
+
+    _allocator.reexec_early()
+
 import sys
 
-from frugaltune import allocator
-from stages import evaluate, paths, train
-from stages.config import ParamsError, load_params
+from frugaltune import paths
+from stages import evaluate, train
+from frugaltune.config import ParamsError, load_params
 from frugaltune.training.methods import METHODS
 
 
@@ -24,7 +31,7 @@ def run(params, method: str) -> dict:
         budget["max_steps"] = params.compare.max_steps
     params = params.model_copy(update={"train": params.train.model_copy(update=budget)})
     out = paths.compare_run(method)
-    # Every method on the same batches as configured: the pipeline's plan (probe) is for train.method only.
+    # Every method on the same batches as configured: the pipeline's plan is for train.method only.
     trained = train.run(params, out, use_plan=False)
     evaluated = evaluate.run(params, out)
     return {"train": trained, "evaluate": evaluated}
@@ -34,9 +41,7 @@ def main() -> None:
     if len(sys.argv) != 2:
         sys.exit(f"usage: python -m stages.compare <method>   (methods: {', '.join(METHODS)})")
     try:
-        params = load_params()
-        allocator.reexec_with(params.train.allocator)  # as in stages.train: before any tensor exists
-        run(params, sys.argv[1])
+        run(load_params(), sys.argv[1])  # on train.allocator's malloc already: see the first lines
     except (ParamsError, ValueError, FileNotFoundError) as exc:
         sys.exit(f"compare: {exc}")
 

@@ -14,8 +14,8 @@ import sys
 import pandas as pd
 
 from frugaltune.io import read_json, write_text
-from stages import paths
-from stages.config import Params, ParamsError, load_params
+from frugaltune import paths
+from frugaltune.config import Params, ParamsError, load_params
 
 COLUMNS = {
     "method": "method",

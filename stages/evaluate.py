@@ -1,6 +1,7 @@
 """Evaluate the base model (random head) and the fine-tuned model side by side.  Run by DVC as:  python -m stages.evaluate
 
-Reads `evaluate.*`, `common.seed`, `train.precision`, `data/tokenized/`, `models/base/`, `models/adapter/`.
+Reads `evaluate.*`, `common.seed`, `data/tokenized/`, `models/base/`, `models/adapter/`, and the precision the
+model trained in from `reports/train.json`.
 Writes `reports/evaluate.json` ({"baseline": {...}, "finetuned": {...}, "macro_f1_gain": ...}: accuracy, macro-F1,
 per-class precision/recall/F1, confusion matrix) and `reports/plots/evaluate_confusion.csv` (actual,predicted per
 example, for `dvc plots`' confusion template). The baseline is the base model with the classification head that
@@ -21,15 +22,24 @@ from frugaltune.metrics import classification_metrics
 from frugaltune.models import load_for_classification, load_tokenizer
 from frugaltune.training.loop import predict
 from frugaltune.training.methods import load_trained
-from stages import paths
-from stages.config import Params, ParamsError, load_params
-from kernels.attention import register_if_used
-from stages.train import device, load_precision_inputs, resolve_precision, resolve_threads
+from frugaltune import paths
+from frugaltune.config import Params, ParamsError, load_params
+from frugaltune.kernels.attention import register_if_used
+from stages.train import device, measured_precision_inputs, resolve_threads
+from frugaltune import planner
+
+
+def trained_precision(params: Params, out: paths.RunOutputs) -> bool:
+    """bf16? The precision the model was trained in (its train report), so that evaluation sees what training did."""
+    if out.train_report.exists() and "bf16" in (report := read_json(out.train_report)):
+        return bool(report["bf16"])
+    hardware, measured = measured_precision_inputs()
+    return planner.recommend_precision(hardware, params.train.precision, measured)[0]
 
 
 def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN) -> dict:
     ep, seed = params.evaluate, params.common.seed
-    bf16 = resolve_precision(params.train.precision, *load_precision_inputs())
+    bf16 = trained_precision(params, out)
     torch.set_num_threads(resolve_threads(params.train.threads))
     labels = read_json(paths.LABELS)["labels"]
     data = load_from_disk(str(paths.TOKENIZED_DIR))[ep.split]

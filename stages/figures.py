@@ -15,8 +15,8 @@ import sys
 import pandas as pd
 
 from frugaltune.io import read_json
-from stages import paths
-from stages.config import load_params
+from frugaltune import paths
+from frugaltune.config import load_params
 
 FIGURES = paths.REPORTS / "figures"
 

@@ -12,8 +12,8 @@ import time
 
 from frugaltune.io import write_json
 from frugaltune.models import ModelSourceError, import_base_model
-from stages import paths
-from stages.config import Params, ParamsError, load_params
+from frugaltune import paths
+from frugaltune.config import Params, ParamsError, load_params
 
 
 def run(params: Params) -> dict:

@@ -15,6 +15,7 @@ import pandas as pd
 
 from frugaltune.data import (
     DataSourceError,
+    check_split_sizes,
     infer_labels,
     normalize_columns,
     read_table,
@@ -24,8 +25,8 @@ from frugaltune.data import (
     stratified_split,
 )
 from frugaltune.io import atomic_dir, write_json
-from stages import paths
-from stages.config import Params, ParamsError, load_params
+from frugaltune import paths
+from frugaltune.config import Params, ParamsError, load_params
 
 
 def _read(path, params: Params, encoding: str) -> pd.DataFrame:
@@ -54,6 +55,8 @@ def run(params: Params) -> dict:
     if len(labels) < 2:
         raise DataSourceError(f"{data.source}: found {len(labels)} distinct label(s) in the training data ({labels}); "
                               f"a classifier needs at least 2. Check data.label_column.")
+    check_split_sizes({split: len(frame) for split, frame in splits.items()}, labels, data.source,
+                      source.presplit, data.split.val, data.split.test)
 
     with atomic_dir(paths.RAW_DIR) as raw:
         for split, path in sorted(source.files.items()):

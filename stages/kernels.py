@@ -27,9 +27,9 @@ from typing import Any
 import torch
 
 from frugaltune.io import read_json, write_json
-from kernels import build, cpu
-from stages import paths
-from stages.config import KernelsParams, Params, load_params
+from frugaltune.kernels import build, cpu
+from frugaltune import paths
+from frugaltune.config import KernelsParams, Params, load_params
 
 FALLBACK = "training and evaluation use PyTorch's kernels (torch.matmul, scaled_dot_product_attention)"
 
@@ -74,8 +74,8 @@ def compile_only(archs: list[str], build_root: Path, nvcc: str, emulate: bool) -
 
 
 def run_emulation(build_root: Path) -> dict[str, Any]:
-    """The kernels' code run on the CPU (kernels/emulate.py), per kernel; a missing compiler is recorded."""
-    from kernels import emulate
+    """The kernels' code run on the CPU (frugaltune/kernels/emulate.py), per kernel; a missing compiler is recorded."""
+    from frugaltune.kernels import emulate
 
     try:
         return emulate.per_kernel(emulate.emulate(build_root))
@@ -96,9 +96,9 @@ def usable_cuda_device(hw: dict[str, Any]) -> str | None:
 def on_cuda(hw: dict[str, Any], kp: KernelsParams, build_root: Path, device: dict[str, Any]) -> dict[str, Any]:
     """CUDA device present: build for it, verify, benchmark. Fills `device` (name, arch, peaks) first.
 
-    Raises kernels.cuda.MeasurementError when a timing exceeds the device's peak.
+    Raises frugaltune.kernels.cuda.MeasurementError when a timing exceeds the device's peak.
     """
-    from kernels import cuda
+    from frugaltune.kernels import cuda
 
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     arch = f"sm_{props.major}{props.minor}"
@@ -168,7 +168,7 @@ def on_cuda(hw: dict[str, Any], kp: KernelsParams, build_root: Path, device: dic
 def guarded(step, when: bool = True) -> dict[str, Any]:
     """Run a verification or benchmark step. A crash (illegal address, launch failure, out of memory) is recorded
     as a failed step, never a failed stage; only a MeasurementError (a figure above peak) goes through."""
-    from kernels.cuda import MeasurementError
+    from frugaltune.kernels.cuda import MeasurementError
 
     if not when:
         return {"status": "not run", "reason": "verification did not pass"}
@@ -230,7 +230,7 @@ def run(params: Params) -> dict[str, Any]:
     if not kp.enabled:
         mode, kernels = "disabled", {k: skipped("kernels.enabled is false") for k in build.KERNEL_SOURCES}
     elif no_cuda is None:
-        from kernels.cuda import MeasurementError
+        from frugaltune.kernels.cuda import MeasurementError
 
         mode, report["device"] = "cuda", {"cuda": True}
         try:
@@ -249,7 +249,8 @@ def run(params: Params) -> dict[str, Any]:
     report["mode"] = mode
     report["kernels"] = kernels
     report["reference"] = {"tiled_attention_vs_sdpa": cpu.verify_tiled_reference(seed=params.common.seed)}
-    report["cpu"] = cpu_precision(kp, hw, params.common.seed)
+    # The CPU it was measured on: `frugaltune plan` uses the measurement only on that same CPU.
+    report["cpu"] = {**cpu_precision(kp, hw, params.common.seed), "cpu_model": hw.get("cpu", {}).get("model")}
     report["summary"] = error or summarize(mode, kernels, archs, report["cpu"])
     report["seconds"] = round(time.perf_counter() - start, 2)
     write_json(paths.report("kernels"), report)  # atomic: temp file + rename

@@ -2,19 +2,23 @@
 
     python -m stages.register
 
-Reads `register.*` and `train.experiment`, `reports/train.json` (its `mlflow_run_id`), `reports/evaluate.json`,
+Reads `register.*`, `train.experiment`, `evaluate.split`, `data/tokenized/`, `reports/train.json` (its `mlflow_run_id`), `reports/evaluate.json`,
 `models/base/` and `models/adapter/`. Logs the model as an MLflow pyfunc into the training run (a new run when
 that run is unknown to the store), registers it as a version of `register.model_name` tagged with the git commit,
 the dvc.lock stage hashes, the data hash and the evaluation metrics, and writes `reports/register.json`.
 
 Idempotent and safe to retry: a run that already has a version gets no second one, and a model already logged
 into the run is reused. The alias moves to the new version only when its `finetuned.<register.metric>` beats the
-holder's (ties keep the holder), or when nobody holds it.
+holder's (ties keep the holder), or when nobody holds it, and only between versions evaluated on the same data:
+each version is tagged with a fingerprint of the evaluation split (token ids and labels) and its label set, and a
+version of another task or another test set is registered but never compared (its metric would measure something
+else); the message says to give that task a `register.model_name` of its own.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import sys
 from collections.abc import Iterator
@@ -30,9 +34,11 @@ from mlflow.exceptions import MlflowException
 
 from frugaltune import serving, tracking
 from frugaltune.io import read_json, write_json
-from stages import paths
-from stages.config import Params, ParamsError, load_params
+from frugaltune import paths
+from frugaltune.config import Params, ParamsError, load_params
 
+EVAL_DATA_TAG = "frugaltune.eval_data"  # fingerprint of the evaluation split: token ids + label ids
+LABELS_TAG = "frugaltune.labels"  # the label names, in class-id order, as JSON
 MODEL_HASH_TAG = "frugaltune.model_hash"  # content hash of adapter + base config: finds a logged model again
 LOGGED_MODEL_NAME = "model"
 TERMINAL_STATUSES = ("FINISHED", "FAILED", "KILLED")
@@ -58,6 +64,22 @@ def model_hash(base_dir: Path, adapter_dir: Path) -> str:
         if path.is_file():
             digest.update(name.encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()
+
+
+def eval_data_tags(split: str) -> dict[str, str]:
+    """What the metrics were measured on: the fingerprint of `data/tokenized/<split>` and the label set."""
+    from datasets import load_from_disk
+
+    from frugaltune.training.checkpoint import data_fingerprint
+
+    for path, stage in ((paths.TOKENIZED_DIR, "tokenize"), (paths.LABELS, "ingest")):
+        if not path.exists():
+            raise RegisterError(f"{path}: not found. Run the {stage} stage first (`dvc repro {stage}`).")
+    data = load_from_disk(str(paths.TOKENIZED_DIR))
+    if split not in data:
+        raise RegisterError(f"{paths.TOKENIZED_DIR} has no `{split}` split (evaluate.split); it has {list(data)}.")
+    return {EVAL_DATA_TAG: data_fingerprint(data[split]["input_ids"], data[split]["labels"]),
+            LABELS_TAG: json.dumps(read_json(paths.LABELS)["labels"])}
 
 
 def metric_tags(evaluation: dict) -> dict[str, str]:
@@ -161,6 +183,18 @@ def _holder(client: MlflowClient, name: str, alias: str) -> ModelVersion | None:
         return None
 
 
+def _not_comparable(holder: ModelVersion, version: ModelVersion) -> str | None:
+    """Why two versions' metrics cannot be compared (other label set, other evaluation data), or None."""
+    for tag, what in ((LABELS_TAG, "label set"), (EVAL_DATA_TAG, "evaluation data")):
+        held, new = holder.tags.get(tag), version.tags.get(tag)
+        if held is None:
+            return f"v{holder.version} records no {what} (registered before frugaltune tagged it)"
+        if held != new:
+            shown = (held, new) if tag == LABELS_TAG else (held[:12], new[:12] if new else new)
+            return f"the {what} differs (v{holder.version}: {shown[0]}, this version: {shown[1]})"
+    return None
+
+
 def update_alias(
     client: MlflowClient, name: str, alias: str, version: ModelVersion, metric_tag: str, higher_is_better: bool
 ) -> tuple[ModelVersion, str]:
@@ -171,6 +205,10 @@ def update_alias(
         return holder, f"already holds @{alias}"
     if holder is None:
         reason = f"@{alias} was unset"
+    elif (mismatch := _not_comparable(holder, version)) is not None:
+        return holder, (f"not compared with v{holder.version}: {mismatch}, so their {metric_tag} measure different "
+                        f"things; @{alias} stays on v{holder.version}. To track this task, set register.model_name "
+                        "to a name of its own.")
     elif metric_tag not in holder.tags:
         reason = f"holder v{holder.version} has no `{metric_tag}` tag to compare"
     else:
@@ -199,6 +237,7 @@ def run(params: Params) -> dict:
         if not path.is_dir():
             raise RegisterError(f"{path}: not found. Run the {stage} stage first (`dvc repro {stage}`).")
 
+    eval_data = eval_data_tags(params.evaluate.split)
     experiment_id = tracking.setup(params.train.experiment)
     client = MlflowClient()
     content_hash = model_hash(paths.BASE_MODEL, paths.ADAPTER_DIR)
@@ -221,10 +260,10 @@ def run(params: Params) -> dict:
                 paths.BASE_MODEL, paths.ADAPTER_DIR, name=LOGGED_MODEL_NAME, tags={MODEL_HASH_TAG: content_hash}
             )
         model_uri, model_id = info.model_uri, info.model_id
-    tags = {**tracking.run_tags(), **metrics, MODEL_HASH_TAG: content_hash}
+    tags = {**tracking.run_tags(), **metrics, **eval_data, MODEL_HASH_TAG: content_hash}
     version = register_model_version(client, reg.model_name, run_id, model_uri, tags, model_id=model_id)
     # A rerun after a new evaluation of the same model: the version's metric tags follow reports/evaluate.json.
-    stale = {key: value for key, value in metrics.items() if version.tags.get(key) != value}
+    stale = {key: value for key, value in {**metrics, **eval_data}.items() if version.tags.get(key) != value}
     for key, value in stale.items():
         client.set_model_version_tag(reg.model_name, version.version, key, value)
     if stale:

@@ -16,8 +16,8 @@ from datasets import Dataset, DatasetDict
 
 from frugaltune.io import atomic_dir, read_json, write_json
 from frugaltune.models import load_tokenizer
-from stages import paths
-from stages.config import Params, ParamsError, load_params
+from frugaltune import paths
+from frugaltune.config import Params, ParamsError, load_params
 
 
 def length_stats(lengths: np.ndarray, max_length: int) -> dict:

@@ -12,6 +12,13 @@ included) continues from the newest complete checkpoint of the same configuratio
 
 from __future__ import annotations
 
+if __name__ == "__main__":
+    # Before the heavy imports below: a malloc cannot change after start, so this process may re-execute itself
+    # on mimalloc (train.allocator), and doing it here saves importing torch, datasets and mlflow twice.
+    from frugaltune import allocator as _allocator
+
+    _allocator.reexec_early()
+
 import csv
 import io
 import json
@@ -24,7 +31,6 @@ import torch
 from datasets import load_from_disk
 
 from frugaltune import allocator, tracking
-from frugaltune.hardware import supports_bf16_autocast
 from frugaltune.io import atomic_dir, read_json, write_json, write_text
 from frugaltune import planner
 from frugaltune.models import load_tokenizer
@@ -41,35 +47,19 @@ from frugaltune.training.loop import (
     train_classifier,
 )
 from frugaltune.training.methods import prepare_model, save_trained
-from stages import paths
-from stages.config import Params, ParamsError, load_params
+from frugaltune import paths
+from frugaltune.config import Params, ParamsError, load_params
 
 
-def resolve_precision(requested: str, hardware: dict, kernels_report: dict | None = None) -> bool:
-    """True for bf16 autocast.
-
-    `auto`: bf16 on a GPU that supports it; on a CPU only where the `kernels` stage measured bf16 faster than
-    fp32 (`cpu.preferred_precision`). avx512_bf16 alone does not make bf16 faster: without AMX it ran at ~0.6x
-    of fp32 on the 2-core Xeon we develop on. Without a measurement, the CPU flags decide.
-    """
-    if requested != "auto":
-        return requested == "bf16"
-    if not supports_bf16_autocast(hardware):
-        return False
-    if hardware.get("gpus") and torch.cuda.is_available():
-        return True
-    measured = (kernels_report or {}).get("cpu", {}).get("preferred_precision")
-    return measured == "bf16" if measured else True
+def measured_precision_inputs() -> tuple[dict, dict | None]:
+    """This machine's facts and the kernels stage's bf16/fp32 measurement (None if it measured another CPU)."""
+    hardware = read_json(paths.HARDWARE) if paths.HARDWARE.exists() else {}
+    kernels_report = read_json(paths.report("kernels")) if paths.report("kernels").exists() else None
+    return hardware, planner.measured_on(hardware, kernels_report)
 
 
 def device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def load_precision_inputs() -> tuple[dict, dict]:
-    hardware = read_json(paths.HARDWARE) if paths.HARDWARE.exists() else {}
-    kernels_report = read_json(paths.report("kernels")) if paths.report("kernels").exists() else {}
-    return hardware, kernels_report
 
 
 def resolve_threads(requested: int | None) -> int:
@@ -112,10 +102,15 @@ def resolve_plan(params: Params, use_plan: bool) -> dict:
     tp = params.train
     plan = read_json(paths.PLAN) if use_plan and paths.PLAN.exists() else None
     entry = planner.check_fits(plan, tp.method) if plan else {}
+    if plan and plan.get("run", {}).get("method") == tp.method:
+        bf16 = plan["run"]["precision"] == "bf16"  # decided once, by the plan stage, from this machine's measurement
+    else:
+        hardware, measured = measured_precision_inputs()
+        bf16, _ = planner.recommend_precision(hardware, tp.precision, measured)
     micro = tp.micro_batch_size if tp.micro_batch_size != "auto" else entry.get("micro_batch_size", tp.batch_size)
     ckpt = (tp.gradient_checkpointing if tp.gradient_checkpointing != "auto"
             else entry.get("gradient_checkpointing", False))
-    return {"micro_batch_size": int(micro), "gradient_checkpointing": bool(ckpt),
+    return {"bf16": bool(bf16), "micro_batch_size": int(micro), "gradient_checkpointing": bool(ckpt),
             "threads": tp.threads or (plan or {}).get("threads") or resolve_threads(None),
             "predicted_peak_mb": entry.get("predicted_peak_mb"), "eta_seconds": entry.get("eta_seconds")}
 
@@ -133,7 +128,7 @@ def loss_curve_csv(history: list[dict]) -> str:
 def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN, use_plan: bool = True) -> dict:
     tp, seed = params.train, params.common.seed
     resolved = resolve_plan(params, use_plan)  # before any loading: a run that cannot fit stops here
-    bf16 = resolve_precision(tp.precision, *load_precision_inputs())
+    bf16 = resolved["bf16"]
     threads = resolved["threads"]
     torch.set_num_threads(threads)
 
@@ -235,10 +230,7 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN, use_plan: bo
 def main() -> None:
     """The stage's entry point (a process of its own: it may re-execute itself on another malloc)."""
     try:
-        params = load_params()
-        # Before any tensor exists: a process's malloc cannot change later.
-        allocator.reexec_with(params.train.allocator)
-        run(params)
+        run(load_params())  # on train.allocator's malloc already: see the first lines of this module
     except (ParamsError, planner.PlanError, DivergenceError, TrainingInterrupted, OutOfMemoryAtBatchOne, ValueError,
             FileNotFoundError) as exc:
         sys.exit(f"train: {exc}")

@@ -27,8 +27,8 @@ import pandas as pd
 
 from frugaltune.io import atomic_dir, write_json
 from frugaltune.validation import DataValidationError, ValidationRules, check_columns, validate_splits
-from stages import paths
-from stages.config import Params, ParamsError, load_params
+from frugaltune import paths
+from frugaltune.config import Params, ParamsError, load_params
 
 
 def _remove_outputs() -> None:
@@ -55,6 +55,9 @@ def _read_split(split: str) -> pd.DataFrame:
         raise DataValidationError(f"{path}: not found. Run `dvc repro ingest` first.")
     frame = pd.read_parquet(path)
     check_columns(frame, path)  # fail before any GX work, naming the file
+    if frame.empty:
+        raise DataValidationError(f"{path}: the {split} split has no rows. Rerun `dvc repro ingest` (it refuses "
+                                  "empty splits and says which data.split.* to change), or give it more rows.")
     return frame
 
 
@@ -85,6 +88,12 @@ def run(params: Params) -> dict:
             f"{outcome.failure_message(key_prefix='validate.')}\n\nDetails: {paths.DATA_DOCS / 'index.html'}"
         )
 
+    emptied = [split for split in paths.SPLITS if outcome.validated(split).empty]
+    if emptied:
+        raise DataValidationError(
+            f"no row of the {', '.join(emptied)} split(s) passed validation (all quarantined): nothing to "
+            f"{'train on' if 'train' in emptied else 'evaluate on'}. See the checks above and "
+            f"{paths.DATA_DOCS / 'index.html'}; fix the source or loosen the validate.* rule that removed them.")
     with atomic_dir(paths.VALIDATED_DIR) as out:
         for split in paths.SPLITS:
             _write_parquet(outcome.validated(split), out / paths.validated_path(split).name)

@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import build, cuda
-from kernels.reference import tiled_attention
-from stages import paths
+from frugaltune.kernels import build, cuda
+from frugaltune.kernels.reference import tiled_attention
+from frugaltune import paths
 
 pytestmark = [
     pytest.mark.gpu,
@@ -115,7 +115,7 @@ def test_benchmarks_stay_below_the_device_peak(ext, peaks):
 def test_registered_attention_matches_sdpa_in_a_model(ext):
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
-    from kernels.attention import NAME, register
+    from frugaltune.kernels.attention import NAME, register
 
     calls = []
 
@@ -142,7 +142,7 @@ def test_stage_on_this_device(tmp_path, monkeypatch):
     """`python -m stages.kernels` end to end on this GPU: built, verified, benchmarked, a decision recorded."""
     from frugaltune.hardware import probe
     from stages import kernels as stage
-    from stages.config import parse_params
+    from frugaltune.config import parse_params
 
     build_dir = paths.KERNEL_BUILD_DIR.resolve()
     monkeypatch.chdir(tmp_path)

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from stages.config import Params, ParamsError, load_params, parse_params
+from frugaltune.config import Params, ParamsError, load_params, parse_params
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -78,3 +78,15 @@ def test_params_are_frozen():
     params = parse_params({})
     with pytest.raises(Exception):
         params.train.lr = 1.0
+
+
+@pytest.mark.parametrize("text,key,lines", [
+    ("common:\n  seed: 1\ntrain:\n  lr: 0.001\ncommon:\n  seed: 7\n", "common", (1, 5)),
+    ("train:\n  lora:\n    r: 8\n    r: 16\n", "r", (3, 4)),
+])
+def test_a_key_given_twice_at_any_depth_is_an_error_naming_both_lines(tmp_path, text, key, lines):
+    """Issue 19: YAML keeps the last of two `common:` sections silently; params.yaml must not."""
+    path = tmp_path / "params.yaml"
+    path.write_text(text)
+    with pytest.raises(ParamsError, match=rf"`{key}` is given twice \(lines {lines[0]} and {lines[1]}\)"):
+        load_params(path)

@@ -146,8 +146,9 @@ def test_stratified_sample_caps_rows_and_keeps_shares():
 
 
 def test_ingest_stage_writes_splits_labels_and_raw_copy(tmp_path, monkeypatch):
-    from stages import ingest, paths
-    from stages.config import parse_params
+    from frugaltune import paths
+    from stages import ingest
+    from frugaltune.config import parse_params
 
     src = tmp_path / "tweets.csv"
     frame(120).rename(columns={"text": "body", "label": "y"}).drop(columns="source_row").to_csv(src, index=False)
@@ -164,8 +165,9 @@ def test_ingest_stage_writes_splits_labels_and_raw_copy(tmp_path, monkeypatch):
 
 
 def test_ingest_bad_input_leaves_no_outputs(tmp_path, monkeypatch):
-    from stages import ingest, paths
-    from stages.config import parse_params
+    from frugaltune import paths
+    from stages import ingest
+    from frugaltune.config import parse_params
 
     src = tmp_path / "bad.csv"
     src.write_text("body,y\nhello,pos\n")
@@ -173,3 +175,35 @@ def test_ingest_bad_input_leaves_no_outputs(tmp_path, monkeypatch):
     with pytest.raises(DataSourceError, match="no column 'text'"):
         ingest.run(parse_params({"data": {"source": str(src)}}))
     assert not paths.SPLITS_DIR.exists() and not paths.RAW_DIR.exists()
+
+
+@pytest.mark.parametrize("rows,short", [(12, "val has 0"), (3, "val has 0, test has 0")])
+def test_ingest_refuses_splits_too_small_to_evaluate_and_validate_never_keyerrors(tmp_path, monkeypatch, rows, short):
+    """Issue 19: a 12-row (or 3-row) source used to give an empty val split and a KeyError in validate."""
+    from frugaltune import paths
+    from frugaltune.config import parse_params
+    from frugaltune.validation import DataValidationError
+    from stages import ingest, validate
+
+    src = tmp_path / "small.csv"
+    labels = ["negative", "neutral", "positive"]
+    pd.DataFrame({"text": [f"some text number {i} here" for i in range(rows)],
+                  "label": [labels[i % 3] for i in range(rows)], "confidence": [None] * rows}).to_csv(src, index=False)
+    monkeypatch.chdir(tmp_path)
+    params = parse_params({"data": {"source": str(src), "label_column": "label", "confidence_column": None}})
+    with pytest.raises(DataSourceError) as refused:
+        ingest.run(params)
+    message = str(refused.value)
+    assert f"{rows} rows split into" in message and short in message
+    assert "data.split.val" in message and "data.split.test" in message and "train/val/test" in message
+    assert not paths.SPLITS_DIR.exists()  # nothing half-written
+
+    # Splits that reach validate empty anyway (written by hand, or by an older ingest): a clear error, no KeyError.
+    paths.SPLITS_DIR.mkdir(parents=True)
+    paths.LABELS.write_text(json.dumps({"labels": labels}))
+    frame = pd.DataFrame({"source_row": range(rows), "text": [f"text {i}" for i in range(rows)],
+                          "label": [labels[i % 3] for i in range(rows)]})
+    for split in paths.SPLITS:
+        (frame.iloc[:0] if split == "val" else frame).to_parquet(paths.split_path(split), index=False)
+    with pytest.raises(DataValidationError, match=r"data/splits/val.parquet: the val split has no rows"):
+        validate.run(params)

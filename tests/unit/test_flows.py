@@ -7,6 +7,7 @@ builds a small DVC project whose stages are the real stage modules or a stand-in
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import time
@@ -17,7 +18,7 @@ import psutil
 import pytest
 import yaml
 
-from stages.config import load_params, parse_params
+from frugaltune.config import load_params, parse_params
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,7 +34,7 @@ from mlflow import MlflowClient
 from frugaltune import tracking
 from frugaltune.io import write_json
 from stages import register
-from stages.config import load_params
+from frugaltune.config import load_params
 
 params = load_params()
 client = MlflowClient(tracking.tracking_uri())
@@ -51,8 +52,10 @@ write_json("reports/register.json", {  # the register stage's report
 
 
 def dvc_project(root: Path, stages: dict, params: dict, files: dict[str, str] | None = None) -> Path:
-    """A DVC project (no git) with this dvc.yaml and params.yaml."""
+    """A DVC project (no git) with this dvc.yaml and params.yaml, and the stage modules (a project's own code:
+    `python -m stages.<name>` finds them in the project root; only the library is installed)."""
     root.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(ROOT / "stages", root / "stages", ignore=shutil.ignore_patterns("__pycache__"))
     (root / "dvc.yaml").write_text(yaml.safe_dump({"stages": stages}, sort_keys=False))
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     for name, text in (files or {}).items():

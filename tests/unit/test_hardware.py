@@ -128,13 +128,47 @@ def test_bf16_autocast_support(cpu_flags, gpus, expected):
     assert supports_bf16_autocast({"cpu": {"flags": cpu_flags}, "gpus": gpus}) is expected
 
 
-def test_probe_stage_writes_stable_facts_and_the_plan(tmp_path, monkeypatch, tiny_model_dir):
+def test_probe_stage_writes_stable_facts_and_reads_another_machine(tmp_path, monkeypatch):
+    from frugaltune.config import parse_params
+    from stages import probe as probe_stage
+
+    monkeypatch.chdir(tmp_path)
+    params = parse_params({"probe": {"nvml": False}})
+    probe_stage.run(params)
+    first = (tmp_path / "reports/hardware.json").read_bytes()
+    probe_stage.run(params)
+    assert (tmp_path / "reports/hardware.json").read_bytes() == first  # unchanged facts: byte-identical file
+    hw = json.loads(first)
+    assert hw["cpu"]["logical_cores"] >= 1 and hw["gpus"] == []
+    assert sorted(p.name for p in (tmp_path / "reports").iterdir()) == ["hardware.json"]  # no temp files left
+    volatile = [key for key in _keys(hw) if any(word in key for word in ("free", "used", "percent", "load"))]
+    assert volatile == []
+
+    other = tmp_path / "cpuinfo"
+    other.write_text(ZEN4_CPUINFO)
+    monkeypatch.setenv("FRUGALTUNE_CPUINFO", str(other))
+    probe_stage.run(params)
+    moved = json.loads((tmp_path / "reports/hardware.json").read_text())
+    assert moved["cpu"]["model"] == "AMD EPYC 9R14 96-Core Processor" and moved["cpu"]["flags"]["avx512_bf16"]
+    monkeypatch.setenv("FRUGALTUNE_CPUINFO", str(tmp_path / "missing"))
+    with pytest.raises(FileNotFoundError, match="FRUGALTUNE_CPUINFO"):
+        probe_stage.run(params)
+
+
+ZEN4_CPUINFO = "".join(
+    f"processor\t: {i}\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 9R14 96-Core Processor\n"
+    f"physical id\t: 0\ncore id\t: {i}\ncpu cores\t: 2\n"
+    "flags\t\t: fpu sse sse2 avx avx2 fma avx512f avx512_bf16 avx512_vnni\n\n" for i in range(2))
+
+
+def test_plan_stage_calibrates_in_the_precision_this_machine_measured(tmp_path, monkeypatch, tiny_model_dir):
     import shutil
 
     from datasets import Dataset, DatasetDict
 
+    from frugaltune.config import parse_params
+    from stages import plan as plan_stage
     from stages import probe as probe_stage
-    from stages.config import parse_params
 
     monkeypatch.chdir(tmp_path)
     shutil.copytree(tiny_model_dir, tmp_path / "models/base")
@@ -144,18 +178,30 @@ def test_probe_stage_writes_stable_facts_and_the_plan(tmp_path, monkeypatch, tin
                                              "labels": [i % 3 for i in range(40)]})}).save_to_disk("data/tokenized")
     params = parse_params({"probe": {"nvml": False, "calibrate": False}, "train": {"batch_size": 8}})
     probe_stage.run(params)
-    first = (tmp_path / "reports/hardware.json").read_bytes()
-    probe_stage.run(params)
-    assert (tmp_path / "reports/hardware.json").read_bytes() == first  # unchanged facts: byte-identical file
-    hw = json.loads(first)
-    assert hw["cpu"]["logical_cores"] >= 1 and hw["gpus"] == []
-    plan = json.loads((tmp_path / "reports/plan.json").read_text())
-    assert plan["fits"] and plan["methods"]["lora"]["largest_batch"] == {"sequences": 8, "length": 15}
-    assert "no NVIDIA GPU" in plan["gpus_note"]
-    # no temp files left
-    assert sorted(p.name for p in (tmp_path / "reports").iterdir()) == ["hardware.json", "plan.json"]
-    volatile = [key for key in _keys(hw) if any(word in key for word in ("free", "used", "percent", "load"))]
-    assert volatile == []
+    model = json.loads((tmp_path / "reports/hardware.json").read_text())["cpu"]["model"]
+
+    def plan_with(kernels_cpu: dict | None) -> dict:
+        report = tmp_path / "reports/kernels.json"
+        report.unlink(missing_ok=True)
+        if kernels_cpu is not None:
+            report.write_text(json.dumps({"cpu": kernels_cpu}))
+        return plan_stage.run(params)
+
+    unmeasured = plan_with(None)
+    assert unmeasured["run"] == {"method": "lora", "precision": "fp32", "micro_batch_size": 8,
+                                 "gradient_checkpointing": False}
+    assert "not measured" in unmeasured["precision_why"]
+    assert unmeasured["methods"]["lora"]["largest_batch"] == {"sequences": 8, "length": 15}
+    measured = plan_with({"preferred_precision": "bf16", "reason": "bf16 2.29x fp32", "cpu_model": model})
+    assert measured["run"]["precision"] == measured["methods"]["lora"]["precision"] == "bf16"
+    assert "measured on this machine" in measured["precision_why"]
+    # A measurement of another CPU (reports in git come from the last machine) is not this machine's.
+    elsewhere = plan_with({"preferred_precision": "bf16", "reason": "x", "cpu_model": "Some Other CPU"})
+    assert elsewhere["run"]["precision"] == "fp32"
+    configured = plan_stage.run(parse_params({"probe": {"nvml": False, "calibrate": False},
+                                              "train": {"batch_size": 8, "precision": "bf16"}}))
+    assert configured["run"]["precision"] == "bf16" and "as configured" in configured["precision_why"]
+    assert json.loads((tmp_path / "reports/plan.json").read_text())["run"] == configured["run"]
 
 
 def _keys(tree) -> list[str]:

@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import build, cpu, cuda
-from kernels.reference import attention_flops, naive_attention, sgemm_reference, tiled_attention
+from frugaltune.kernels import build, cpu, cuda
+from frugaltune.kernels.reference import attention_flops, naive_attention, sgemm_reference, tiled_attention
 
 # ---- references --------------------------------------------------------------------------------------------------
 
@@ -273,7 +273,7 @@ def test_measure_precisions_verifies_and_times_both_dtypes():
 
 # ---- the stage ---------------------------------------------------------------------------------------------------
 def stage_params(**kernels):
-    from stages.config import parse_params
+    from frugaltune.config import parse_params
 
     small = {"bench_batch": 1, "bench_seq_len": 16, "model_hidden": 128, "model_heads": 2,
              "model_intermediate": 256, "timing_repeats": 3, "emulate": False}
@@ -325,7 +325,7 @@ def test_stage_with_nvcc_and_no_gpu_records_ptxas_figures(project, fake_nvcc, mo
 
 
 def test_stage_attaches_the_cpu_emulation_to_verify(project, fake_nvcc, monkeypatch):
-    from kernels import emulate
+    from frugaltune.kernels import emulate
 
     monkeypatch.setattr(build, "find_nvcc", lambda: fake_nvcc.path)
     cases = [
@@ -438,7 +438,7 @@ def test_both_kernels_compile_with_ptxas_figures(arch, tmp_path):
 
 # ---- the kernels' own code, run on the CPU by the emulator -------------------------------------------------------
 def test_launches_are_rewritten_for_the_emulator():
-    from kernels.emulate import rewrite_launches
+    from frugaltune.kernels.emulate import rewrite_launches
 
     source = '#include "launchers.h"\n  k<T, 64>\n      <<<grid, Tile<1, 2>::kThreads, 0, stream>>>(a, b);\n'
     out = rewrite_launches(source)
@@ -449,7 +449,7 @@ def test_launches_are_rewritten_for_the_emulator():
 @pytest.mark.slow
 @pytest.mark.skipif(build.find_nvcc() is None, reason="the emulator needs the CUDA headers")
 def test_kernels_run_on_the_cpu_emulator_and_match_float64(tmp_path):
-    from kernels.emulate import emulate
+    from frugaltune.kernels.emulate import emulate
 
     result = emulate(tmp_path)
     assert result["status"] == "passed", json.dumps(result["failures"], indent=1)

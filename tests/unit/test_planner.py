@@ -131,22 +131,35 @@ def test_nothing_fits_says_what_to_lower():
 
 
 def test_gpu_plans_against_the_gpu_memory_with_a_cuda_context():
-    hardware = {**cpu_hardware(64), "gpus": [{"name": "Fake GPU 8GB", "memory_total_bytes": 8 * GiB,
-                                                  "compute_capability": "8.6"}]}
+    hardware = {**cpu_hardware(64), "torch": {"cuda_available": True},
+                "gpus": [{"name": "Fake GPU 8GB", "memory_total_bytes": 8 * GiB, "compute_capability": "8.6"}]}
     plan = planner.make_plan(run_spec("full"), hardware, shapes(smollm2_config(), ("full",)), planner.Constants())
     assert plan["device"]["kind"] == "cuda" and plan["memory_limit_bytes"] == 8 * GiB
     assert plan["precision"] == "bf16" and plan["gpus_note"] is None
     turing = {**hardware, "gpus": [{**hardware["gpus"][0], "compute_capability": "7.5"}]}
     assert planner.make_plan(run_spec("full"), turing, shapes(smollm2_config(), ("full",)),
                              planner.Constants())["precision"] == "fp32"
+    # A GPU that this torch build cannot drive (CPU wheel) trains on the CPU: its capability decides nothing.
+    undriven = {**hardware, "torch": {"cuda_available": False}}
+    assert "not measured" in planner.make_plan(run_spec("full"), undriven, shapes(smollm2_config(), ("full",)),
+                                               planner.Constants())["precision_why"]
     assert plan["methods"]["full"]["components_mb"]["runtime"] >= (planner.CPU_RUNTIME_BYTES
                                                                    + planner.CUDA_CONTEXT_BYTES) / 2**20 - 1
 
 
-def test_cpu_without_amx_plans_fp32_and_says_why():
-    plan = planner.make_plan(run_spec(), cpu_hardware(), shapes(smollm2_config(), ("lora",)), planner.Constants())
-    assert plan["precision"] == "fp32" and "without AMX" in plan["precision_why"]
-    assert "no NVIDIA GPU" in plan["gpus_note"]
+def test_cpu_precision_follows_this_machines_measurement_never_its_flags():
+    """The same flags (avx512_bf16, no AMX) measured 0.7x fp32 on one Xeon and 2.3x on a Zen 4."""
+    hardware = cpu_hardware()
+    unmeasured = planner.make_plan(run_spec(), hardware, shapes(smollm2_config(), ("lora",)), planner.Constants())
+    assert unmeasured["precision"] == "fp32" and "not measured" in unmeasured["precision_why"]
+    assert "no NVIDIA GPU" in unmeasured["gpus_note"]
+    for preferred in ("bf16", "fp32"):
+        measured = {"preferred_precision": preferred, "reason": "measured", "cpu_model": hardware["cpu"]["model"]}
+        plan = planner.make_plan(run_spec(), hardware, shapes(smollm2_config(), ("lora",)), planner.Constants(),
+                                 measured_precision=planner.measured_on(hardware, {"cpu": measured}))
+        assert plan["precision"] == plan["run"]["precision"] == plan["methods"]["lora"]["precision"] == preferred
+    other = {"cpu": {"preferred_precision": "bf16", "reason": "x", "cpu_model": "another CPU"}}
+    assert planner.measured_on(hardware, other) is None
 
 
 def test_split_micro_batches_compute_the_same_training(tiny_model_dir):
@@ -214,8 +227,9 @@ def test_calibration_fits_constants_from_real_steps_and_gives_an_eta(tiny_model_
 
 
 def test_resolve_plan_refuses_before_loading_and_fills_auto_values(tmp_path, monkeypatch):
-    from stages import paths, train
-    from stages.config import Params
+    from frugaltune import paths
+    from frugaltune.config import Params
+    from stages import train
 
     monkeypatch.chdir(tmp_path)
     plan = planner.make_plan(run_spec("full"), cpu_hardware(24), shapes(smollm2_config()), planner.Constants(),

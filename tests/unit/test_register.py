@@ -20,9 +20,9 @@ import torch
 from mlflow import MlflowClient
 
 from frugaltune import cli, tracking
-from stages import paths
+from frugaltune import paths
 from stages import register as register_stage
-from stages.config import Params, parse_params
+from frugaltune.config import Params, parse_params
 
 LABELS = ["negative", "neutral", "positive"]
 SENTENCES = ["i love this so much", "i hate that", "it is fine ok", "what a great day", "worst service ever"]
@@ -92,6 +92,18 @@ def _git(root: Path, *args: str) -> None:
                    capture_output=True)
 
 
+def write_eval_data(labels: Sequence[str], rows: int = 6, seed: int = 0) -> None:
+    """What ingest and tokenize leave for register: the label set and a tokenized test split (cwd = project)."""
+    from datasets import Dataset, DatasetDict
+
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 12, (rows, 5), generator=generator).tolist()
+    split = Dataset.from_dict({"input_ids": ids, "labels": [i % len(labels) for i in range(rows)]})
+    paths.SPLITS_DIR.mkdir(parents=True, exist_ok=True)
+    paths.LABELS.write_text(json.dumps({"labels": list(labels)}))
+    DatasetDict({"train": split, "test": split}).save_to_disk(str(paths.TOKENIZED_DIR))
+
+
 def fake_reports(macro_f1: float, run_id: str | None) -> None:
     """What train and evaluate would write."""
     paths.REPORTS.mkdir(exist_ok=True)
@@ -131,7 +143,9 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     _git(root, "init", "-q")
     _git(root, "add", "dvc.lock")
     _git(root, "commit", "-q", "-m", "init")
-    with mlflow_project(root):
+    with mlflow_project(root), pytest.MonkeyPatch.context() as patch:
+        patch.setenv("FRUGALTUNE_BASE_CACHE", str(root / "base-cache"))  # never the user's ~/.cache
+        write_eval_data(LABELS)
         fake_reports(0.6, training_run())
         register_stage.run(params())
         yield root
@@ -221,6 +235,8 @@ def test_champion_loads_and_predicts_label_names_in_a_fresh_process(project: Pat
         "print('FRUGALTUNE_IMPORTED=' + str(any(m.split('.')[0] == 'frugaltune' for m in sys.modules)))\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    # An empty cache: the base model comes from the tracking store, stored there once, and is hash-checked.
+    env["FRUGALTUNE_BASE_CACHE"] = str(project / "fresh-cache")
     # -I: no cwd or PYTHONPATH on sys.path; the default store (sqlite:///mlflow.db in cwd) is found by MLflow.
     done = subprocess.run([sys.executable, "-I", "-c", script], cwd=project, env=env, capture_output=True,
                           text=True, timeout=120)
@@ -229,6 +245,46 @@ def test_champion_loads_and_predicts_label_names_in_a_fresh_process(project: Pat
     labels = lines["LABELS"].split("|")
     assert len(labels) == 3 and set(labels) <= set(LABELS)
     assert lines["FRUGALTUNE_IMPORTED"] == "False"  # the model carries its own serving code
+    assert len([p for p in (project / "fresh-cache").iterdir() if not p.name.startswith(".")]) == 1
+
+
+def test_the_base_model_is_stored_once_whatever_the_number_of_versions(project: Path) -> None:
+    def weight_copies() -> int:
+        return len([p for p in (project / "mlartifacts").rglob("model.safetensors")
+                    if "adapter" not in p.parts])
+
+    before = weight_copies()
+    reports = [register_stage.run(params("store-once")) for _ in range(3) if fake_reports(0.5, training_run()) is None]
+    assert [r["version"] for r in reports] == [1, 2, 3]
+    assert before == weight_copies() == 1  # the fixture's version stored it; three more versions added no copy
+    base_runs = MlflowClient().search_runs(
+        [MlflowClient().get_experiment_by_name("frugaltune-base-models").experiment_id])
+    assert len(base_runs) == 1 and base_runs[0].data.tags["frugaltune.base_complete"] == "1"
+
+
+def test_a_model_of_another_dataset_never_takes_the_champion_alias(project: Path) -> None:
+    """Two datasets under one name: a higher macro-F1 on another test set with other labels does not win."""
+    name = "two-datasets"
+    fake_reports(0.6, training_run())
+    first = register_stage.run(params(name))
+    try:
+        write_eval_data(["no", "yes"], rows=8, seed=1)
+        fake_reports(0.9, training_run())
+        other = register_stage.run(params(name))
+        write_eval_data(LABELS, rows=6, seed=2)  # same labels, another test set: not comparable either
+        fake_reports(0.95, training_run())
+        other_split = register_stage.run(params(name))
+    finally:
+        write_eval_data(LABELS)
+    assert first["champion_version"] == other["champion_version"] == other_split["champion_version"] == 1
+    assert other["promoted"] == other_split["promoted"] == 0
+    assert "register.model_name" in register_stage.update_alias(
+        MlflowClient(), name, "champion", MlflowClient().get_model_version(name, str(other["version"])),
+        "finetuned.macro_f1", True)[1]
+    # Back on the first data, a better model does move it.
+    fake_reports(0.7, training_run())
+    better = register_stage.run(params(name))
+    assert better["promoted"] == 1 and better["champion_version"] == 4
 
 
 def test_cli_predict_prints_one_label_per_text(project: Path, capsys: pytest.CaptureFixture[str]) -> None:

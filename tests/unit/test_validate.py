@@ -17,9 +17,9 @@ from frugaltune.validation import (
     has_mojibake,
     validate_splits,
 )
-from stages import paths
+from frugaltune import paths
 from stages import validate as stage
-from stages.config import parse_params
+from frugaltune.config import parse_params
 
 LABELS = ["negative", "neutral", "positive"]
 RULES = dict(

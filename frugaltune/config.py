@@ -2,7 +2,7 @@
 
 Not run directly; every stage calls `load_params()`. To check a params file by hand:
 
-    python -m stages.config [params.yaml]
+    python -m frugaltune.config [params.yaml]
 
 A misspelled key fails with its path and a suggestion (`train.lora.rnk: unknown key. Did you mean
 `train.lora.r`?`), a wrong type names the key, the value and the expected type.
@@ -131,7 +131,7 @@ class KernelsParams(Section):
     )
     emulate: bool = Field(
         True, description="With no CUDA device, also run the kernels' own code on the CPU (one thread per CUDA "
-        "thread, kernels/emulate.py) and check it against float64; adds ~15 s the first time, ~7 s after."
+        "thread, frugaltune/kernels/emulate.py) and check it against float64; adds ~15 s the first time, ~7 s after."
     )
     bench_batch: int = Field(8, ge=1, description="Batch size of the CPU fp32-vs-bf16 timing and the GPU 'used' check.")
     bench_seq_len: int = Field(128, ge=1, description="Sequence length of those timings (tokenize.max_length or less).")
@@ -383,13 +383,40 @@ def parse_params(raw: dict[str, Any] | None, source: str = "params.yaml") -> Par
         raise ParamsError("\n".join(lines)) from None
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (YAML keeps the last one, silently)."""
+
+
+class DuplicateKeyError(yaml.MarkedYAMLError):
+    pass
+
+
+def _mapping_without_duplicates(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: dict[Any, yaml.Node] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        if key in seen:
+            raise DuplicateKeyError(
+                None, None,
+                f"`{key}` is given twice (lines {seen[key].start_mark.line + 1} and {key_node.start_mark.line + 1}); "
+                "YAML would keep the last one silently. Merge the two into one",
+                key_node.start_mark)
+        seen[key] = key_node
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates)
+
+
 def load_params(path: str | Path = "params.yaml") -> Params:
     """Read and validate `params.yaml` (relative to the working directory, the project root)."""
     path = Path(path)
     if not path.is_file():
         raise ParamsError(f"{path}: not found. Run from the project root (the directory with dvc.yaml).")
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
+    except DuplicateKeyError as exc:
+        raise ParamsError(f"{path}: line {exc.problem_mark.line + 1}: {exc.problem}.") from None
     except yaml.YAMLError as exc:
         raise ParamsError(f"{path}: not valid YAML: {exc}") from None
     if raw is not None and not isinstance(raw, dict):

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kernels.reference import attention_flops, matmul_flops, naive_attention, sgemm_reference
+from frugaltune.kernels.reference import attention_flops, matmul_flops, naive_attention, sgemm_reference
 
 DEVICE = "cuda"  # where the functions below allocate; the unit tests run their logic with "cpu"
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kernels.reference import naive_attention, tiled_attention
+from frugaltune.kernels.reference import naive_attention, tiled_attention
 
 # Scaled-down grid for the CPU check of the tiled reference (the GPU grid is in kernels/cuda.py). Sequence
 # lengths that are not multiples of the 32-wide tiles exercise the ragged last tile.

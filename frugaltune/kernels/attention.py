@@ -69,7 +69,7 @@ def register_if_used(report: Path, build_root: Path) -> str | None:
     record = json.loads(report.read_text(encoding="utf-8")).get("kernels", {}).get("flash_attn_fwd", {})
     if not record.get("used"):
         return None
-    from kernels.build import load_extension
+    from frugaltune.kernels.build import load_extension
 
     ext, _ = load_extension(record["build"]["arch"], build_root)
     return register(lambda q, k, v, causal, scale: ext.flash_attn_fwd(q, k, v, causal, scale or 0.0))

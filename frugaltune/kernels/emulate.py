@@ -6,7 +6,7 @@ sources are compiled with the host C++ compiler against the CUDA headers, and ke
 ragged cases of both kernels. It checks indexing, masking, tiling, the online softmax and barrier placement; it
 does not model speed, memory coalescing or occupancy, which only the GPU suite measures.
 
-    python -m kernels.emulate           # prints one JSON line per case
+    python -m frugaltune.kernels.emulate           # prints one JSON line per case
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kernels import build
-from kernels.cuda import ATTN_TOLERANCE, SGEMM_TOLERANCE
+from frugaltune.kernels import build
+from frugaltune.kernels.cuda import ATTN_TOLERANCE, SGEMM_TOLERANCE
 
 EMULATION_DIR = build.KERNELS_DIR / "emulation"
 _LAUNCH = re.compile(r"([A-Za-z_]\w*<[^<>;]*>)\s*<<<(.*?)>>>\((.*?)\);", re.S)
@@ -132,7 +132,7 @@ def per_kernel(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def main() -> None:
-    from stages import paths
+    from frugaltune import paths
 
     result = emulate(paths.KERNEL_BUILD_DIR)
     for case in result["cases"]:

@@ -1,4 +1,4 @@
-"""Compile the CUDA kernels, cached by source hash and architecture under `stages.paths.KERNEL_BUILD_DIR`.
+"""Compile the CUDA kernels, cached by source hash and architecture under `frugaltune.paths.KERNEL_BUILD_DIR`.
 
 Two builds, for two situations:
 
@@ -25,7 +25,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-KERNELS_DIR = Path(__file__).resolve().parent
+# The CUDA sources stay in the repository's top-level `kernels/` folder (DESIGN.md §1); only their Python is in the
+# package, so nothing named `kernels` is installed (Hugging Face's `kernels`, which bitsandbytes imports, owns the
+# name). The package is installed editable from the repository, so the sources sit two levels above this file.
+KERNELS_DIR = Path(__file__).resolve().parents[2] / "kernels"
 KERNEL_SOURCES = {"sgemm": "sgemm.cu", "flash_attn_fwd": "flash_attn_fwd.cu"}
 HEADERS = ("launchers.h",)
 BINDINGS = "bindings.cpp"
