@@ -232,7 +232,7 @@ def main() -> None:
     try:
         run(load_params())  # on train.allocator's malloc already: see the first lines of this module
     except (ParamsError, planner.PlanError, DivergenceError, TrainingInterrupted, OutOfMemoryAtBatchOne, ValueError,
-            FileNotFoundError) as exc:
+            FileNotFoundError, checkpoint.CheckpointRefused) as exc:
         sys.exit(f"train: {exc}")
 
 

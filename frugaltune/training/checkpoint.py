@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -35,6 +36,10 @@ STEP_DIR = re.compile(r"^step-(\d+)$")
 class Checkpoint:
     step: int
     path: Path
+
+
+class CheckpointRefused(RuntimeError):
+    """A checkpoint file that `weights_only=True` loading refuses; the message names it and the fix."""
 
 
 def run_key(*parts: Any) -> str:
@@ -79,8 +84,7 @@ def save_checkpoint(
     try:
         save_file(trainable_state(model), str(tmp / "trainable.safetensors"))
         torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optim.pt")
-        rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
-        torch.save(rng, tmp / "rng.pt")
+        torch.save(rng_state(), tmp / "rng.pt")
         (tmp / "state.json").write_text(json.dumps({"step": step, **state}, indent=2))
         files = sorted(p.name for p in tmp.iterdir())
         (tmp / MANIFEST).write_text(json.dumps({"step": step, "sha256": {f: sha256_file(tmp / f) for f in files}}))
@@ -133,16 +137,45 @@ def latest_complete(directory: Path) -> Checkpoint | None:
     return None
 
 
+def rng_state() -> dict[str, Any]:
+    """torch, numpy and Python RNG states as tensors and plain numbers: loadable with `weights_only=True`."""
+    _, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    version, internal, gauss = random.getstate()
+    return {"torch": torch.get_rng_state(),
+            "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos), "has_gauss": int(has_gauss),
+                      "cached_gaussian": float(cached_gaussian)},
+            "python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64), "gauss": gauss}}
+
+
+def set_rng_state(rng: dict[str, Any]) -> None:
+    torch.set_rng_state(rng["torch"])
+    numpy_state = rng["numpy"]
+    np.random.set_state(("MT19937", numpy_state["keys"].numpy().astype(np.uint32), numpy_state["pos"],
+                         numpy_state["has_gauss"], numpy_state["cached_gaussian"]))
+    python_state = rng["python"]
+    random.setstate((python_state["version"], tuple(int(x) for x in python_state["state"].tolist()),
+                     python_state["gauss"]))
+
+
+def _load_tensors_only(path: Path) -> Any:
+    """torch.load with `weights_only=True`: a checkpoint directory is data, and data must not run code on load
+    (a pickle can). Tensors, numbers, strings and containers only; anything else is refused, naming the file."""
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise CheckpointRefused(
+            f"{path}: holds objects other than tensors and plain values, so it is not loaded (it could run code): "
+            f"{str(exc).splitlines()[0]}. Delete {path.parent} (training restarts from the previous checkpoint or "
+            "from step 0), or set train.resume: never.") from None
+
+
 def load_checkpoint(checkpoint: Checkpoint, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     scheduler: Any) -> dict[str, Any]:
     """Restore weights, optimizer, scheduler and RNG states; return the saved loop state."""
     weights_file = checkpoint.path / "trainable.safetensors"
     copy_named_tensors(model, load_file(str(weights_file)), weights_file)
-    optim = torch.load(checkpoint.path / "optim.pt", weights_only=False)
+    optim = _load_tensors_only(checkpoint.path / "optim.pt")
     optimizer.load_state_dict(optim["optimizer"])
     scheduler.load_state_dict(optim["scheduler"])
-    rng = torch.load(checkpoint.path / "rng.pt", weights_only=False)
-    torch.set_rng_state(rng["torch"])
-    np.random.set_state(rng["numpy"])
-    random.setstate(rng["python"])
+    set_rng_state(_load_tensors_only(checkpoint.path / "rng.pt"))
     return json.loads((checkpoint.path / "state.json").read_text())

@@ -254,3 +254,33 @@ def test_qlora_releases_the_safetensors_mapping_so_the_fp32_file_is_not_resident
     aliased = [t.shape for t in tensors if any(a <= t.data_ptr() < b for a, b in spans)]
     assert not aliased
     assert any(type(p).__name__ == "Params4bit" for p in model.parameters())
+
+
+def test_checkpoint_rng_state_round_trips_through_weights_only_loading_and_pickles_are_refused(tmp_path):
+    """Checkpoint files load with torch.load(weights_only=True): data, never code (the fault table's security row)."""
+    import pickle
+    import random
+
+    import numpy as np
+
+    from frugaltune.training import checkpoint
+
+    torch.manual_seed(3), np.random.seed(3), random.seed(3)
+    np.random.standard_normal()  # leaves a cached Gaussian in numpy's state
+    torch.save(checkpoint.rng_state(), tmp_path / "rng.pt")
+    expected = (torch.rand(3), np.random.standard_normal(4), [random.random() for _ in range(3)])
+    torch.manual_seed(0), np.random.seed(0), random.seed(0)
+    checkpoint.set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
+    assert torch.equal(torch.rand(3), expected[0])
+    assert np.array_equal(np.random.standard_normal(4), expected[1])
+    assert [random.random() for _ in range(3)] == expected[2]
+
+    class RunsCode:
+        def __reduce__(self):
+            return (print, ("this would run on load",))
+
+    (tmp_path / "evil").mkdir()
+    with open(tmp_path / "evil" / "optim.pt", "wb") as fh:
+        pickle.dump({"optimizer": RunsCode()}, fh)
+    with pytest.raises(checkpoint.CheckpointRefused, match="optim.pt: holds objects other than tensors"):
+        checkpoint._load_tensors_only(tmp_path / "evil" / "optim.pt")
