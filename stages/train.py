@@ -1,6 +1,7 @@
 """Fine-tune the base model as a sequence classifier.  Run by DVC as:  python -m stages.train
 
-Reads `train.*`, `common.seed`, `data/tokenized/`, the label set, `models/base/` and `reports/hardware.json`.
+Reads `train.*`, `common.seed`, `data/tokenized/`, the label set, `models/base/` and `reports/plan.json` (the `plan`
+stage's resolved run: precision, micro-batch, gradient checkpointing, threads).
 Writes `models/adapter/` (PEFT adapter in safetensors + tokenizer + labels.json), `reports/train.json` (loss,
 useful tokens/s, wall time, peak RSS, trainable parameters, the resolved precision and threads) and the loss curve
 `reports/plots/train_loss.csv`. Each run is one MLflow run with params, step metrics and these artifacts.
@@ -93,7 +94,7 @@ def build_model(params: Params, labels: list[str], pad_token_id: int, bf16: bool
 
 
 def resolve_plan(params: Params, use_plan: bool) -> dict:
-    """`auto` micro-batch, gradient checkpointing and threads, from reports/plan.json (the probe stage's plan).
+    """`auto` micro-batch, gradient checkpointing and threads, from reports/plan.json (the plan stage).
 
     Raises PlanError before anything loads when the plan says the configured method cannot fit.
     Without a plan (or `use_plan=False`: the method comparison runs every method on the same batches), `auto`

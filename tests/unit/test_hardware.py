@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pynvml
@@ -232,3 +233,27 @@ def test_cpu_clock_is_read_from_this_machine():
 
     clock, source = cpu_clock_hz()
     assert clock > 1e8 and source != "unknown"
+
+
+def test_bitsandbytes_hub_kernel_notice_is_dropped_and_nothing_named_kernels_is_installed(caplog):
+    import importlib.util
+    import logging
+
+    import frugaltune  # noqa: F401  (installs the filter)
+
+    logger = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    with caplog.at_level(logging.WARNING):
+        logger.warning("Failed to load CPU gemm_4bit_forward from kernels-community: %s.", "offline")
+        logger.warning("another bitsandbytes warning")
+    assert [r.getMessage() for r in caplog.records] == ["another bitsandbytes warning"]
+    # Only `frugaltune` is installed: outside the repository (-I: no cwd, no PYTHONPATH) nothing named `kernels`
+    # (Hugging Face's package, which bitsandbytes imports), `stages` or `flows` comes from this project.
+    import subprocess
+    import sys
+
+    root = str(Path(__file__).resolve().parents[2])
+    script = ("import importlib.util as u, sys; root = sys.argv[1]; found = [u.find_spec(n) for n in "
+              "('kernels', 'stages', 'flows')]; print([s.name for s in found if s and any(str(p).startswith(root) "
+              "for p in [s.origin, *(s.submodule_search_locations or [])])])")
+    done = subprocess.run([sys.executable, "-I", "-c", script, root], capture_output=True, text=True, cwd="/")
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
