@@ -25,6 +25,9 @@ import yaml
 from frugaltune import paths
 
 TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
+# MLflow 3's UI opens an experiment without this tag in its GenAI view (traces); ours are model development.
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
 LOCK_FILE = Path("dvc.lock")
 INGEST_STAGE = "ingest"
 SHORT_HASH_CHARS = 12
@@ -57,7 +60,8 @@ def setup(experiment: str) -> str:
         # Compare URIs rather than test the variable: mlflow.set_tracking_uri() exports MLFLOW_TRACKING_URI.
         artifact_location = paths.MLFLOW_ARTIFACTS.resolve().as_uri() if uri == _default_uri() else None
         try:
-            experiment_id = client.create_experiment(experiment, artifact_location=artifact_location)
+            experiment_id = client.create_experiment(experiment, artifact_location=artifact_location,
+                                                     tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
         except MlflowException:
             # Another process (a parallel stage, a Prefect retry) created it between our lookup and create.
             found = client.get_experiment_by_name(experiment)
@@ -72,6 +76,8 @@ def setup(experiment: str) -> str:
         )
     else:
         experiment_id = found.experiment_id
+        if EXPERIMENT_KIND_TAG not in found.tags:  # made before frugaltune set it
+            client.set_experiment_tag(experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
     mlflow.set_experiment(experiment_id=experiment_id)
     return experiment_id
 

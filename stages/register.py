@@ -21,6 +21,7 @@ import hashlib
 import json
 import math
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -95,6 +96,19 @@ def metric_tags(evaluation: dict) -> dict[str, str]:
 
     walk("", evaluation)
     return tags
+
+
+def log_eval_metrics(client: MlflowClient, run_id: str, metrics: dict[str, str]) -> None:
+    """The evaluation's numbers as metrics of the training run (`eval.finetuned.macro_f1`, ...), not only as
+    version tags: the MLflow runs table sorts and charts by metrics. Logged once; a retry finds them there."""
+    from mlflow.entities import Metric
+
+    logged = client.get_run(run_id).data.metrics
+    now = int(time.time() * 1000)
+    batch = [Metric(f"eval.{key}", float(value), now, 0) for key, value in metrics.items()
+             if math.isfinite(float(value)) and logged.get(f"eval.{key}") != float(value)]
+    for start in range(0, len(batch), 1000):  # MLflow's batch limit
+        client.log_batch(run_id, metrics=batch[start:start + 1000])
 
 
 def resolve_run(client: MlflowClient, run_id: str | None, experiment_id: str, content_hash: str) -> tuple[str, str]:
@@ -245,6 +259,7 @@ def run(params: Params) -> dict:
     if fallback:
         print(f"register: {fallback}", file=sys.stderr)
 
+    log_eval_metrics(client, run_id, metrics)
     version = find_version(client, reg.model_name, run_id)
     if version is not None:
         print(f"register: run {run_id} already has {reg.model_name} v{version.version}; reusing it")

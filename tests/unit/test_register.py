@@ -316,3 +316,18 @@ def test_an_adapter_without_a_trained_head_is_refused(project: Path, tmp_path: P
     (adapter / "adapter_config.json").write_text(json.dumps({**config, "modules_to_save": None}))
     with pytest.raises(ValueError, match="does not save a classification head"):
         serving.load_classifier(project / paths.BASE_MODEL, adapter)
+
+
+def test_evaluation_metrics_are_run_metrics_and_the_experiment_is_model_development(project: Path) -> None:
+    """The MLflow runs table sorts by macro-F1 (a metric, not only a version tag); the UI opens the experiment in its
+    model-training view, not the GenAI one."""
+    client = MlflowClient()
+    fake_reports(0.62, training_run())
+    run_id = register_stage.run(params("run-metrics"))["run_id"]
+    metrics = client.get_run(run_id).data.metrics
+    assert metrics["eval.finetuned.macro_f1"] == 0.62 and metrics["eval.baseline.accuracy"] == 0.33
+    ranked = client.search_runs([client.get_experiment_by_name(EXPERIMENT).experiment_id],
+                                order_by=["metrics.`eval.finetuned.macro_f1` DESC"])
+    assert ranked and all("eval.finetuned.macro_f1" in r.data.metrics for r in ranked[:1])
+    experiment = client.get_experiment_by_name(EXPERIMENT)
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
