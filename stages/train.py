@@ -32,7 +32,7 @@ import torch
 from datasets import load_from_disk
 
 from frugaltune import allocator, tracking
-from frugaltune.io import atomic_dir, read_json, write_json, write_text
+from frugaltune.io import atomic_dir, read_json, write_json, write_metrics, write_text
 from frugaltune import planner
 from frugaltune.models import load_tokenizer
 from frugaltune.telemetry import StepTimer, TelemetrySampler
@@ -50,6 +50,13 @@ from frugaltune.training.loop import (
 from frugaltune.training.methods import prepare_model, save_trained
 from frugaltune import paths
 from frugaltune.config import Params, ParamsError, load_params
+
+
+# Values the run was set up with (MLflow params, not metrics); the rest of reports/train.json was measured.
+RUN_CONFIG_KEYS = ("trainable_params", "total_params", "trainable_percent", "bf16", "threads", "resumed_from_step",
+                   "micro_batch_size", "gradient_checkpointing")
+# reports/metrics/train.json: the columns `dvc exp show` compares across experiments
+TRAIN_METRICS = ("final_loss", "tokens_per_s", "wall_seconds", "peak_rss_mb", "steps")
 
 
 def measured_precision_inputs() -> tuple[dict, dict | None]:
@@ -212,8 +219,14 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN, use_plan: bo
             metrics["cuda_peak_reserved_mb"] = round(torch.cuda.max_memory_reserved() / 2**20, 1)
         if tp.method == "none":  # nothing trained: no loss to report rather than a made-up one
             metrics = {k: v for k, v in metrics.items() if k not in ("final_loss", "mean_loss")}
-        mlflow.log_metrics({k: v for k, v in metrics.items() if isinstance(v, int | float) and k not in (
-            "bf16", "threads")})
+        # What the run measured is a metric (charted, sortable); what it was set up with is a param, so the run page
+        # opens on the loss curve rather than on a single-point chart per configuration value.
+        mlflow.log_params({f"run.{k}": metrics[k] for k in RUN_CONFIG_KEYS if k in metrics}
+                          | {f"plan.{k}": v for k, v in metrics["plan"].items()})
+        mlflow.log_metrics({k: v for k, v in metrics.items() if isinstance(v, int | float) and not isinstance(v, bool)
+                            and k not in RUN_CONFIG_KEYS})
+        if out.train_metrics is not None:
+            write_metrics(out.train_metrics, {k: metrics[k] for k in TRAIN_METRICS if k in metrics})
         write_text(out.loss_csv, loss_curve_csv(result.history))
         write_json(out.train_report, {**metrics, "allocator": allocator.active(),
                                       "bottlenecks": telemetry["findings"], "events": events,

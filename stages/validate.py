@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from frugaltune.io import atomic_dir, write_json
+from frugaltune.io import atomic_dir, write_json, write_metrics
 from frugaltune.validation import DataValidationError, ValidationRules, check_columns, validate_splits
 from frugaltune import paths
 from frugaltune.config import Params, ParamsError, load_params
@@ -99,6 +99,7 @@ def run(params: Params) -> dict:
             _write_parquet(outcome.validated(split), out / paths.validated_path(split).name)
     _write_parquet(outcome.quarantine(), paths.QUARANTINE)
     metrics = outcome.metrics()
+    write_metrics(paths.metrics("validate"), {k: metrics["total"][k] for k in ("rows", "passed", "quarantined")})
     write_json(paths.report("validate"), metrics)  # last: its presence means the stage finished
 
     total = metrics["total"]

@@ -57,7 +57,9 @@ def repo(tmp_path_factory, tiny_model_dir) -> Path:
     sh(["git", "config", "user.email", "ci@example.com"], repo)
     sh(["git", "config", "user.name", "ci"], repo)
     sh([sys.executable, "-m", "dvc", "init", "-q"], repo)
-    sh([sys.executable, "-m", "dvc", "config", "core.analytics", "false"], repo)
+    for name in ("config", ".gitignore"):  # the project's: analytics off, the offline plots template (not committed)
+        shutil.copy(ROOT / ".dvc" / name, repo / ".dvc" / name)
+    sh([sys.executable, "-m", "frugaltune.offline", "dvc-template"], repo)  # what `make install` writes
     sh(["git", "add", "-A"], repo)
     sh(["git", "commit", "-qm", "project"], repo)
     return repo
@@ -210,3 +212,122 @@ def test_method_comparison_table_and_per_method_reruns(repo):
     again = sh([sys.executable, "-m", "dvc", "repro", "compare/dvc.yaml"], repo)
     # The probe always runs (its facts are unchanged, so nothing depends on it anew); only lora's comparison reruns.
     assert ran_stages(again) == ["probe", "compare@lora", "compare_table"], again
+
+
+# Every command of README.md's ```bash blocks is either run by test_every_readme_command_runs_on_the_tiny_project
+# or listed here with where it is tested or why it cannot be: a new README command with neither fails the test.
+README_NOT_RUN_HERE = {
+    "make pipeline": "the first test of this module runs its `dvc repro` on the tiny project",
+    "make test": "this suite",
+    "make ui": "tests/e2e/test_prefect.py starts it (python -m flows.ui) and checks both servers and Ctrl-C",
+    "make serve": "tests/e2e/test_prefect.py serves the deployment (python -m flows.deploy)",
+    "make serve DATA=incoming/tweets.csv": "tests/e2e/test_prefect.py serves with exactly this data source",
+    "PREFECT_API_URL=http://127.0.0.1:4200/api .venv/bin/prefect deployment run finetune/scheduled":
+        "tests/e2e/test_prefect.py runs this line as written (its own port) for the second flow run",
+    "export PREFECT_API_URL=https://prefect.example.com/api": "a placeholder for the user's own Prefect server",
+    "prefect work-pool create frugaltune --type process": "work pools are issue #17: not exercised by a test yet",
+    "python -m flows.deploy --work-pool frugaltune [--data-source PATH]": "issue #17 (work pools)",
+    "prefect worker start --pool frugaltune": "issue #17 (work pools)",
+    "pytest -m gpu tests/gpu -v -s": "needs a CUDA device (skips with the reason without one)",
+    "source .venv/bin/activate": "the tests already run in the venv",
+    'dvc exp apply <exp> && git commit -am "..."': "placeholders: `dvc exp apply` runs below on the real name",
+    "mlflow models serve -m models:/frugaltune-sentiment@champion -h 127.0.0.1 -p 5001 --env-manager local":
+        "started below as a server on a free port, and queried with the README's request",
+}
+
+
+def test_every_readme_command_runs_on_the_tiny_project(repo):
+    from tests import readme_commands
+
+    sh([sys.executable, "-m", "dvc", "repro"], repo)
+    sh(["git", "add", "-A"], repo)
+    sh(["git", "commit", "-qm", "pipeline", "--allow-empty"], repo)
+    shutil.copy(ROOT / "Makefile", repo / "Makefile")
+    shutil.copy(ROOT / "pyproject.toml", repo / "pyproject.toml")  # `make` checks the venv against it
+    make_env = {"VIRTUAL_ENV": sys.prefix}
+    ran: list[str] = []
+    outputs: dict[str, str] = {}
+    serve = None
+    for command in readme_commands.commands():
+        if command in README_NOT_RUN_HERE:
+            continue
+        if command.startswith("curl "):
+            assert serve is not None, "README: the curl example comes after `mlflow models serve`"
+            continue  # sent below, once the server answers
+        if command.startswith("make "):  # the target's own recipe; `-o install`: the venv is this one, installed
+            outputs[command] = sh_env(["bash", "-c", command.replace("make ", "make -o install ", 1)], repo, make_env)
+        else:
+            outputs[command] = sh(["bash", "-c", command], repo)
+        ran.append(command)
+    unknown = [c for c in readme_commands.commands() if c not in ran and c not in README_NOT_RUN_HERE
+               and not c.startswith("curl ")]
+    assert not unknown, f"README commands neither run nor explained in README_NOT_RUN_HERE: {unknown}"
+
+    # What the commands said
+    assert re.search(r"^(negative|neutral|positive)$", outputs['frugaltune predict "what a great day" "this is '
+                     'terrible"'], re.M)
+    exps = outputs["make exps"]
+    width = max(len(line) for line in exps.splitlines())
+    print(f"make exps: {width} columns\n{exps}")
+    assert width <= 200, exps
+    macro_f1_column = exps.splitlines()
+    assert "macro_f1" in exps and "train.lora.r" in exps and "16" in exps, exps
+    assert "…" not in exps, exps  # no column collapsed
+    # Both experiments' macro-F1 side by side: the workspace/HEAD row and the r=16 experiment's row
+    rows = [line for line in macro_f1_column if re.search(r"\b0\.\d{3,}", line)]
+    assert len(rows) >= 2, exps
+    plots = (repo / "dvc_plots/index.html").read_text()
+    assert "vegaEmbed" in plots and "cdn.jsdelivr" not in plots  # .dvc/config's offline template
+    assert "reports/metrics/evaluate.json" in outputs["dvc metrics diff"] or \
+        outputs["dvc metrics diff"].strip() == "", outputs["dvc metrics diff"]
+
+    # dvc exp apply with the experiment's real name
+    name = re.search(r"Experiment '?([\w-]+)'? is ready|Ran experiment\(s\): ([\w-]+)",
+                     outputs["dvc exp run -S train.lora.r=16"])
+    assert name, outputs["dvc exp run -S train.lora.r=16"]
+    sh([sys.executable, "-m", "dvc", "exp", "apply", name.group(1) or name.group(2)], repo)
+    assert "r: 16" in (repo / "params.yaml").read_text().replace("\n      ", " ")
+
+    # Serving: the README's `mlflow models serve` on a free port, queried with the README's request body
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    serve_line = next(c for c in readme_commands.commands() if c.startswith("mlflow models serve"))
+    curl_line = next(c for c in readme_commands.commands() if c.startswith("curl "))
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    serve = subprocess.Popen(["bash", "-c", "exec " + serve_line.replace("-p 5001", f"-p {port}")], cwd=repo,
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        body = re.search(r"-d '([^']+)'", curl_line).group(1)
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                request = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", data=body.encode(),
+                                                 headers={"Content-Type": "application/json"})
+                answer = json.loads(urllib.request.urlopen(request, timeout=60).read())
+                break
+            except OSError:
+                assert serve.poll() is None, serve.stdout.read().decode(errors="replace")[-4000:]
+                assert time.monotonic() < deadline, "mlflow models serve did not answer in 180 s"
+                time.sleep(2)
+    finally:
+        os.killpg(serve.pid, signal.SIGTERM)
+        serve.wait(timeout=60)
+    assert answer["predictions"][0] in ("negative", "neutral", "positive"), answer
+
+
+def sh_env(cmd: list[str], cwd: Path, extra: dict[str, str]) -> str:
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        return sh(cmd, cwd)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

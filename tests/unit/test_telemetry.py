@@ -93,8 +93,11 @@ def test_summary_goes_to_the_mlflow_run_as_metrics_tag_and_artifacts(tmp_path, m
     sampler.log_summary(summary)
 
     run = client.get_run(run_id)
-    assert run.data.metrics["telemetry/samples"] == summary["samples"]
     assert run.data.metrics["telemetry/peak_rss_mb"] == summary["peak_rss_mb"]
+    # how the sampler was set up is a param, not a one-point chart
+    assert run.data.params["telemetry.samples"] == str(summary["samples"])
+    assert run.data.params["telemetry.cores"] == str(summary["cores"])
+    assert not {"telemetry/samples", "telemetry/cores", "telemetry/interval_s"} & set(run.data.metrics)
     assert run.data.tags["telemetry.findings"] == "\n".join(summary["findings"])
     assert "no NVIDIA GPU: telemetry covers CPU and RAM only" in run.data.tags["telemetry.findings"]
     artifacts = {a.path for a in client.list_artifacts(run_id, "telemetry")}

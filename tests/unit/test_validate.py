@@ -6,6 +6,7 @@ Real GX runs (no mocks) on small parquet files in a temp project dir, and the li
 from __future__ import annotations
 
 import json
+import re
 
 import pandas as pd
 import pytest
@@ -245,6 +246,22 @@ def test_quarantine_file_names_every_failed_check(project):
     train = pd.read_parquet(paths.validated_path("train"))
     assert len(train) == 29 and 3 not in train["source_row"].tolist()
     assert json.loads(paths.report("validate").read_text())["total"]["quarantined"] == 2
+    assert json.loads(paths.metrics("validate").read_text()) == {"rows": 54, "passed": 52, "quarantined": 2}
+
+    # The data docs say what happened: the run passed (rows were quarantined, not a failure), each row rule says it
+    # quarantines, the class-share check says what it means; and every page renders with no network.
+    from frugaltune.offline import remote_urls
+
+    result_page = next((paths.DATA_DOCS / "validations").rglob("*.html")).read_text()
+    assert re.search(r"Status:</span>[^<]*<i [^>]*></i>\s*(\w+)", result_page).group(1) == "Succeeded"
+    assert "Row rule `confidence_too_low`" in result_page and "are quarantined" in result_page
+    assert "Class share: `negative` holds at least" in result_page
+    assert "at least 10 % of the time" not in result_page
+    for page in paths.DATA_DOCS.rglob("*.html"):
+        assert remote_urls(page.read_text()) == [], page
+    index = (paths.DATA_DOCS / "index.html").read_text()
+    assert "static/vendor/bootstrap-table-offline.js" in index and "static/vendor/jquery.min.js" in index
+    assert (paths.DATA_DOCS / "static/vendor/font-awesome/webfonts").is_dir()
 
 
 def test_over_max_bad_fraction_fails_and_leaves_no_outputs(project):
