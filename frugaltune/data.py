@@ -178,7 +178,15 @@ def normalize_columns(
     out = pd.DataFrame({"source_row": np.arange(len(frame), dtype=np.int64)})
     out["text"] = frame[text_column].astype("string").fillna("").astype(str).to_numpy()
     labels = frame[label_column]
-    if pd.api.types.is_float_dtype(labels) and labels.dropna().mod(1).eq(0).all():
+    if pd.api.types.is_float_dtype(labels):
+        fractional = labels.dropna()[labels.dropna().mod(1).ne(0)]
+        if len(fractional):  # a score (0.5, 0.73...) is not a class: naming it "0.5" would train on made-up classes
+            row = int(fractional.index[0])
+            raise DataSourceError(
+                f"{path}: column {label_column!r} (data.label_column) holds fractional numbers, e.g. "
+                f"{fractional.iloc[0]!r} at row {row + 1}, in {len(fractional)} row(s): that looks like a score, not "
+                f"a class. frugaltune trains classifiers: give each row a class (a name or an integer id), or point "
+                f"data.label_column at the column that holds it.")
         labels = labels.astype("Int64")  # 1.0 -> "1": integer labels read with NaNs become floats
     out["label"] = labels.astype("string").fillna("").astype(str).str.strip().to_numpy()
     if confidence_column and confidence_column in frame.columns:

@@ -15,6 +15,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from frugaltune import faults
+
 
 def write_text(path: Path | str, text: str) -> None:
     path = Path(path)
@@ -23,7 +25,9 @@ def write_text(path: Path | str, text: str) -> None:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
+            faults.inject("write", path.name)  # tests/faults: a disk that fills up mid-write
         os.chmod(tmp, 0o644)  # mkstemp makes it private; the artifact should not be
+        faults.inject("commit", path.name)  # tests/faults: killed just before the rename
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -61,6 +65,7 @@ def atomic_dir(path: Path | str) -> Iterator[Path]:
     tmp.chmod(0o755)  # mkdtemp makes it private; the artifact should not be
     try:
         yield tmp
+        faults.inject("commit", path.name)  # tests/faults: killed (or the disk full) with the output complete
         if path.exists():
             shutil.rmtree(path) if path.is_dir() else path.unlink()
         os.replace(tmp, path)

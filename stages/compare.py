@@ -17,6 +17,7 @@ if __name__ == "__main__":
 
 import sys
 
+from frugaltune.faults import stage_errors
 from frugaltune import paths
 from stages import evaluate, train
 from frugaltune.config import ParamsError, load_params
@@ -38,12 +39,13 @@ def run(params, method: str) -> dict:
 
 
 def main() -> None:
-    if len(sys.argv) != 2:
-        sys.exit(f"usage: python -m stages.compare <method>   (methods: {', '.join(METHODS)})")
-    try:
-        run(load_params(), sys.argv[1])  # on train.allocator's malloc already: see the first lines
-    except (ParamsError, ValueError, FileNotFoundError) as exc:
-        sys.exit(f"compare: {exc}")
+    with stage_errors("compare"):  # a full disk: one clear line, not a traceback
+        if len(sys.argv) != 2:
+            sys.exit(f"usage: python -m stages.compare <method>   (methods: {', '.join(METHODS)})")
+        try:
+            run(load_params(), sys.argv[1])  # on train.allocator's malloc already: see the first lines
+        except (ParamsError, ValueError, FileNotFoundError) as exc:
+            sys.exit(f"compare: {exc}")
 
 
 if __name__ == "__main__":

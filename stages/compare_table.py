@@ -13,6 +13,7 @@ import sys
 
 import pandas as pd
 
+from frugaltune.faults import stage_errors
 from frugaltune.io import read_json, write_text
 from frugaltune import paths
 from frugaltune.config import Params, ParamsError, load_params
@@ -101,10 +102,11 @@ def run(params: Params) -> dict:
 
 
 def main() -> None:
-    try:
-        run(load_params())
-    except (ParamsError, FileNotFoundError) as exc:
-        sys.exit(f"compare_table: {exc}")
+    with stage_errors("compare_table"):  # a full disk: one clear line, not a traceback
+        try:
+            run(load_params())
+        except (ParamsError, FileNotFoundError) as exc:
+            sys.exit(f"compare_table: {exc}")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import pandas as pd
 import torch
 from datasets import load_from_disk
 
+from frugaltune.faults import stage_errors
 from frugaltune.io import read_json, write_json, write_metrics, write_text
 from frugaltune.metrics import classification_metrics
 from frugaltune.models import load_for_classification, load_tokenizer
@@ -76,10 +77,11 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN) -> dict:
 
 
 def main() -> None:
-    try:
-        run(load_params())
-    except (ParamsError, FileNotFoundError, ValueError) as exc:
-        sys.exit(f"evaluate: {exc}")
+    with stage_errors("evaluate"):  # a full disk: one clear line, not a traceback
+        try:
+            run(load_params())
+        except (ParamsError, FileNotFoundError, ValueError) as exc:
+            sys.exit(f"evaluate: {exc}")
 
 
 if __name__ == "__main__":

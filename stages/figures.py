@@ -14,6 +14,7 @@ import sys
 
 import pandas as pd
 
+from frugaltune.faults import stage_errors
 from frugaltune.io import read_json
 from frugaltune import paths
 from frugaltune.config import load_params
@@ -65,10 +66,11 @@ def run(params=None) -> dict:
 
 
 def main() -> None:
-    try:
-        run(load_params())
-    except FileNotFoundError as exc:
-        sys.exit(f"figures: {exc}: run `dvc repro train` first.")
+    with stage_errors("figures"):  # a full disk: one clear line, not a traceback
+        try:
+            run(load_params())
+        except FileNotFoundError as exc:
+            sys.exit(f"figures: {exc}: run `dvc repro train` first.")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 import time
 
+from frugaltune.faults import stage_errors
 from frugaltune.io import write_json
 from frugaltune.models import ModelSourceError, import_base_model
 from frugaltune import paths
@@ -36,10 +37,11 @@ def run(params: Params) -> dict:
 
 
 def main() -> None:
-    try:
-        run(load_params())
-    except (ParamsError, ModelSourceError) as exc:
-        sys.exit(f"import_model: {exc}")
+    with stage_errors("import_model"):  # a full disk: one clear line, not a traceback
+        try:
+            run(load_params())
+        except (ParamsError, ModelSourceError) as exc:
+            sys.exit(f"import_model: {exc}")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import sys
 
 import pandas as pd
 
+from frugaltune.faults import stage_errors
 from frugaltune.data import (
     DataSourceError,
     check_split_sizes,
@@ -87,10 +88,11 @@ def run(params: Params) -> dict:
 
 
 def main() -> None:
-    try:
-        run(load_params())
-    except (ParamsError, DataSourceError) as exc:
-        sys.exit(f"ingest: {exc}")
+    with stage_errors("ingest"):  # a full disk: one clear line, not a traceback
+        try:
+            run(load_params())
+        except (ParamsError, DataSourceError) as exc:
+            sys.exit(f"ingest: {exc}")
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from frugaltune.faults import stage_errors
 from frugaltune.io import read_json, write_json
 from frugaltune.kernels import build, cpu
 from frugaltune import paths
@@ -262,7 +263,8 @@ def run(params: Params) -> dict[str, Any]:
 
 
 def main() -> None:
-    run(load_params())
+    with stage_errors("kernels"):  # a full disk: one clear line, not a traceback
+        run(load_params())
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import sys
 
+from frugaltune.faults import stage_errors
 from frugaltune import paths, planner
 from frugaltune.config import Params, ParamsError, load_params
 from frugaltune.io import read_json, write_json
@@ -37,10 +38,11 @@ def run(params: Params) -> dict:
 
 
 def main() -> None:
-    try:
-        run(load_params())
-    except (ParamsError, FileNotFoundError, RuntimeError) as exc:
-        sys.exit(f"plan: {exc}")
+    with stage_errors("plan"):  # a full disk: one clear line, not a traceback
+        try:
+            run(load_params())
+        except (ParamsError, FileNotFoundError, RuntimeError) as exc:
+            sys.exit(f"plan: {exc}")
 
 
 if __name__ == "__main__":

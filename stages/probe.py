@@ -19,6 +19,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from frugaltune.faults import stage_errors
 from frugaltune.hardware import probe
 from frugaltune.io import write_json
 from frugaltune import paths
@@ -40,10 +41,11 @@ def run(params: Params) -> dict[str, Any]:
 
 
 def main() -> None:
-    try:
-        run(load_params())
-    except ParamsError as exc:
-        sys.exit(f"probe: {exc}")
+    with stage_errors("probe"):  # a full disk: one clear line, not a traceback
+        try:
+            run(load_params())
+        except ParamsError as exc:
+            sys.exit(f"probe: {exc}")
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from mlflow.entities import LoggedModel, LoggedModelStatus
 from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 
+from frugaltune.faults import stage_errors
 from frugaltune import serving, tracking
 from frugaltune.io import read_json, write_json
 from frugaltune import paths
@@ -304,10 +305,11 @@ def run(params: Params) -> dict:
 
 
 def main() -> None:
-    try:
-        run(load_params())
-    except (ParamsError, RegisterError) as exc:
-        sys.exit(f"register: {exc}")
+    with stage_errors("register"):  # a full disk: one clear line, not a traceback
+        try:
+            run(load_params())
+        except (ParamsError, RegisterError) as exc:
+            sys.exit(f"register: {exc}")
 
 
 if __name__ == "__main__":

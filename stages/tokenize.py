@@ -14,6 +14,7 @@ import numpy as np
 import pandas as pd
 from datasets import Dataset, DatasetDict
 
+from frugaltune.faults import stage_errors
 from frugaltune.io import atomic_dir, read_json, write_json
 from frugaltune.models import load_tokenizer
 from frugaltune import paths
@@ -64,10 +65,11 @@ def run(params: Params) -> dict:
 
 
 def main() -> None:
-    try:
-        run(load_params())
-    except (ParamsError, FileNotFoundError, ValueError) as exc:
-        sys.exit(f"tokenize: {exc}")
+    with stage_errors("tokenize"):  # a full disk: one clear line, not a traceback
+        try:
+            run(load_params())
+        except (ParamsError, FileNotFoundError, ValueError) as exc:
+            sys.exit(f"tokenize: {exc}")
 
 
 if __name__ == "__main__":

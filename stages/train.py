@@ -31,6 +31,7 @@ import psutil
 import torch
 from datasets import load_from_disk
 
+from frugaltune.faults import stage_errors
 from frugaltune import allocator, tracking
 from frugaltune.io import atomic_dir, read_json, write_json, write_metrics, write_text
 from frugaltune import planner
@@ -243,11 +244,12 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN, use_plan: bo
 
 def main() -> None:
     """The stage's entry point (a process of its own: it may re-execute itself on another malloc)."""
-    try:
-        run(load_params())  # on train.allocator's malloc already: see the first lines of this module
-    except (ParamsError, planner.PlanError, DivergenceError, TrainingInterrupted, OutOfMemoryAtBatchOne, ValueError,
-            FileNotFoundError, checkpoint.CheckpointRefused) as exc:
-        sys.exit(f"train: {exc}")
+    with stage_errors("train"):  # a full disk: one clear line, not a traceback
+        try:
+            run(load_params())  # on train.allocator's malloc already: see the first lines of this module
+        except (ParamsError, planner.PlanError, DivergenceError, TrainingInterrupted, OutOfMemoryAtBatchOne, ValueError,
+                FileNotFoundError, checkpoint.CheckpointRefused) as exc:
+            sys.exit(f"train: {exc}")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from frugaltune.faults import stage_errors
 from frugaltune.io import atomic_dir, write_json, write_metrics
 from frugaltune.validation import DataValidationError, ValidationRules, check_columns, validate_splits
 from frugaltune import paths
@@ -111,10 +112,11 @@ def run(params: Params) -> dict:
 
 
 def main() -> None:
-    try:
-        run(load_params())
-    except (ParamsError, DataValidationError) as exc:
-        sys.exit(f"validate: {exc}")
+    with stage_errors("validate"):  # a full disk: one clear line, not a traceback
+        try:
+            run(load_params())
+        except (ParamsError, DataValidationError) as exc:
+            sys.exit(f"validate: {exc}")
 
 
 if __name__ == "__main__":

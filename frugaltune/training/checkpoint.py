@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from frugaltune import faults
 from frugaltune.io import sha256_file
 
 MANIFEST = "manifest.json"
@@ -84,6 +85,7 @@ def save_checkpoint(
     try:
         save_file(trainable_state(model), str(tmp / "trainable.safetensors"))
         torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optim.pt")
+        faults.inject("checkpoint", f"step-{step}")  # tests/faults: killed or out of disk mid-checkpoint
         torch.save(rng_state(), tmp / "rng.pt")
         (tmp / "state.json").write_text(json.dumps({"step": step, **state}, indent=2))
         files = sorted(p.name for p in tmp.iterdir())

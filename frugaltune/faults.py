@@ -1,0 +1,57 @@
+"""Faults: the disk-full message every stage gives, and the injection points the fault suite drives.
+
+Library code. `stage_errors(stage)` wraps a stage's `main()`; `inject(point, name)` is called where a fault is most
+harmful (just before an atomic rename, in the middle of a checkpoint write) and does nothing unless the fault suite
+(`tests/faults/`, `pytest -m slow tests/faults`) set FRUGALTUNE_FAULT in the stage's environment:
+
+    FRUGALTUNE_FAULT=<point>:<file name>:<action>[,...]   action: enospc (raise OSError ENOSPC) | hang (write the
+                                                          pid to $FRUGALTUNE_FAULT_MARKER, then wait to be killed)
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def inject(point: str, name: str) -> None:
+    spec = os.environ.get("FRUGALTUNE_FAULT")
+    if not spec:
+        return
+    for item in spec.split(","):
+        where, target, action = item.split(":")
+        if where != point or target != name:
+            continue
+        if action == "enospc":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), name)
+        if action == "hang":
+            marker = os.environ.get("FRUGALTUNE_FAULT_MARKER")
+            if marker:
+                Path(marker).write_text(str(os.getpid()))
+            time.sleep(3600)
+
+
+def disk_full_message(stage: str, exc: OSError) -> str:
+    where = exc.filename or "its outputs"
+    return (f"{stage}: no space left on the device while writing {where} ({exc.strerror}). Nothing half-written was "
+            f"kept: outputs are written to temporary paths and renamed only when complete, so the previous outputs "
+            f"(and, for train, the last complete checkpoint) are intact. Free some space (`df -h .`; `dvc gc` "
+            f"removes cache entries no commit uses) and rerun: training resumes from its last checkpoint.")
+
+
+@contextmanager
+def stage_errors(stage: str) -> Iterator[None]:
+    """Turn a full disk into one clear line and exit status 1, for any stage (other errors pass through)."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno in DISK_FULL:
+            sys.exit(disk_full_message(stage, exc))
+        raise

@@ -1,0 +1,87 @@
+"""Shared by the fault tests: params for a temp project, good and bad data files, a built tiny project."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+LABELS = ["negative", "neutral", "positive"]
+
+
+def base_params() -> dict:
+    return yaml.safe_load((ROOT / "params.yaml").read_text())
+
+
+def params_for(source: Path | str, **data) -> dict:
+    raw = copy.deepcopy(base_params())
+    raw["data"].update({"source": str(source), "max_rows": None, "text_column": "text", "label_column": "label",
+                        "confidence_column": None, "labels": None, "encoding": "utf-8"})
+    raw["data"].update(data)
+    return raw
+
+
+def rows(n: int = 90) -> list[tuple[str, str]]:
+    return [(f"tweet number {i} about the weather and things", LABELS[i % 3]) for i in range(n)]
+
+
+def csv_text(pairs: list[tuple[str, str]]) -> str:
+    return "text,label\n" + "".join(f"{t},{l}\n" for t, l in pairs)
+
+
+def env(**extra: str) -> dict[str, str]:
+    out = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "FRUGALTUNE_FAULT")}
+    return {**out, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", "HF_HUB_OFFLINE": "1",
+            "TQDM_DISABLE": "1", "DVC_NO_ANALYTICS": "1", **extra}
+
+
+def dvc(args: list[str], cwd: Path, check: bool = True, **extra: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "dvc", *args], cwd=cwd, env=env(**extra), capture_output=True,
+                          text=True, timeout=900)
+    if check:
+        assert proc.returncode == 0, f"dvc {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}{proc.stderr}"
+    return proc
+
+
+def status(cwd: Path) -> dict:
+    """`dvc status` of the pipeline, without the probe's permanent "always changed"."""
+    out = dvc(["status", "--json", "dvc.yaml"], cwd).stdout
+    got = json.loads(out.strip().splitlines()[-1])
+    got.pop("probe", None)
+    return got
+
+
+def make_project(repo: Path, model_dir: Path, **train) -> Path:
+    """A git + DVC project of the real stages on a tiny model and 200 real tweets (as tests/e2e does)."""
+    import shutil
+
+    repo.mkdir(parents=True, exist_ok=True)
+    for name in ("stages", "frugaltune", "kernels", "compare"):
+        shutil.copytree(ROOT / name, repo / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "dvc.yaml", repo / "dvc.yaml")
+    params = base_params()
+    params["model"]["source"] = str(model_dir)
+    params["data"]["max_rows"] = 200
+    params["validate"]["min_class_fraction"] = 0.05
+    params["kernels"]["enabled"] = False
+    params["probe"]["calibrate"] = False  # the planner's own tests calibrate; here only the faults matter
+    params["train"].update({"max_steps": 6, "batch_size": 8, "log_every": 1, "threads": 1, "checkpoint_every": 2,
+                            **train})
+    params["evaluate"]["batch_size"] = 16
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    for cmd in (["git", "init", "-q"], ["git", "config", "user.email", "ci@example.com"],
+                ["git", "config", "user.name", "ci"], [sys.executable, "-m", "dvc", "init", "-q"],
+                [sys.executable, "-m", "dvc", "config", "core.analytics", "false"]):
+        subprocess.run(cmd, cwd=repo, check=True, capture_output=True, env=env())
+    return repo
+
+
+def commit(repo: Path, message: str) -> None:
+    subprocess.run(["git", "add", "-A"], cwd=repo, check=True, capture_output=True)
+    subprocess.run(["git", "commit", "-qm", message, "--allow-empty"], cwd=repo, check=True, capture_output=True)

@@ -1,0 +1,211 @@
+"""Process and disk faults on a real tiny project: a stage killed (-9, SIGTERM) with its output complete but not yet
+renamed, dvc and the stage killed together, two `dvc repro` at once, `register` killed after the model version
+exists, and a disk that fills up while writing a checkpoint, the adapter or a report.
+
+Run with `make test` or `pytest -m slow tests/faults` (a few minutes: one pipeline build, then one stage per test).
+Faults are injected with FRUGALTUNE_FAULT (frugaltune/faults.py) at the worst moment: just before the atomic
+rename, or in the middle of the checkpoint write. Each test is a row of docs/FAULTS.md (see table.py).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.faults.helpers import commit, dvc, env, make_project, status
+from tests.faults.table import fault
+
+pytestmark = pytest.mark.slow
+
+# stage -> (the output renamed last, the FRUGALTUNE_FAULT file name of that rename)
+LAST_WRITE = {
+    "ingest": ("data/splits", "splits"),
+    "validate": ("data/validated", "validated"),
+    "tokenize": ("data/tokenized", "tokenized"),
+    "plan": ("reports/plan.json", "plan.json"),
+    "evaluate": ("reports/evaluate.json", "evaluate.json"),
+}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, tiny_model_dir) -> Path:
+    repo = make_project(tmp_path_factory.mktemp("faults") / "project", tiny_model_dir)
+    dvc(["repro"], repo)
+    commit(repo, "pipeline")
+    return repo
+
+
+@pytest.fixture
+def project(built, tmp_path) -> Path:
+    """A copy of the built project (git, DVC cache, checkpoints); MLflow is not used by the stages tested on it."""
+    copy = tmp_path / "project"
+    shutil.copytree(built, copy, symlinks=True)
+    return copy
+
+
+def locked_hashes(repo: Path) -> dict[str, str]:
+    lock = yaml.safe_load((repo / "dvc.lock").read_text())
+    return {out["path"]: out["md5"] for stage in lock["stages"].values() for out in stage.get("outs", [])}
+
+
+def start_with_fault(repo: Path, args: list[str], fault_spec: str) -> tuple[subprocess.Popen, Path]:
+    marker = repo.parent / f"marker-{time.monotonic_ns()}"
+    proc = subprocess.Popen([sys.executable, "-m", "dvc", *args], cwd=repo, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env=env(FRUGALTUNE_FAULT=fault_spec, FRUGALTUNE_FAULT_MARKER=str(marker)))
+    deadline = time.monotonic() + 600
+    while not marker.exists():
+        assert proc.poll() is None, f"finished before the fault point:\n{proc.stdout.read()}"
+        assert time.monotonic() < deadline, "the fault point was not reached in 600 s"
+        time.sleep(0.2)
+    return proc, marker
+
+
+def kill_stage(repo: Path, stage: str, sig: int) -> str:
+    """Run `stage` alone until its last rename, kill the stage's process with `sig`; return DVC's output."""
+    proc, marker = start_with_fault(repo, ["repro", "--force", "--single-item", stage],
+                                    f"commit:{LAST_WRITE[stage][1]}:hang")
+    os.kill(int(marker.read_text()), sig)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0, output
+    return output
+
+
+def assert_nothing_half_written(repo: Path, stage: str) -> None:
+    """The stage's output is absent (DVC removed it before the run; the new one was never renamed in) and no temp
+    file beside it looks like an output; `dvc status` says the stage must run again."""
+    out = repo / LAST_WRITE[stage][0]
+    assert not out.exists(), f"{out} exists after the kill"
+    leftovers = [p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}-")]
+    # a temp name starts with "." and is never an output path DVC or a stage reads
+    assert all(name.startswith(".") for name in leftovers)
+    assert stage in status(repo), status(repo)
+
+
+@fault("process", "kill -9 in a stage just before its output is renamed (ingest, validate, tokenize, plan, "
+       "evaluate; train: see checkpoints)", "DVC reports the stage failed; `dvc status` shows it must run again",
+       "recovered, nothing lost: no half-written output; `dvc repro` of the stage restores byte-identical outputs")
+@pytest.mark.parametrize("stage", list(LAST_WRITE))
+def test_kill9_in_each_stage_before_the_rename(project, stage):
+    before = locked_hashes(project)
+    kill_stage(project, stage, signal.SIGKILL)
+    assert_nothing_half_written(project, stage)
+    dvc(["repro", "--single-item", stage], project)
+    assert stage not in status(project)
+    after = locked_hashes(project)
+    assert after[LAST_WRITE[stage][0]] == before[LAST_WRITE[stage][0]]  # the same bytes as the uninterrupted run
+
+
+@fault("process", "SIGTERM in a stage just before its output is renamed (validate, evaluate)",
+       "the stage exits at once; DVC reports it failed", "recovered, nothing lost: as for kill -9")
+@pytest.mark.parametrize("stage", ["validate", "evaluate"])
+def test_sigterm_in_a_stage_before_the_rename(project, stage):
+    kill_stage(project, stage, signal.SIGTERM)
+    assert_nothing_half_written(project, stage)
+    dvc(["repro", "--single-item", stage], project)
+    assert stage not in status(project)
+
+
+@fault("process", "dvc and the stage killed -9 together (a closed terminal, a crashed session)",
+       "both die; no lock is left behind", "recovered: the next `dvc repro` runs the stage and the rest as usual")
+def test_dvc_and_the_stage_killed_together(project):
+    proc, _ = start_with_fault(project, ["repro", "--force", "--single-item", "tokenize"],
+                               "commit:tokenized:hang")
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert_nothing_half_written(project, "tokenize")
+    out = dvc(["repro"], project).stdout
+    assert "Running stage 'tokenize'" in out
+    assert status(project) == {}
+
+
+@fault("process", "a second `dvc repro` while one runs in the same repo", "the second stops at once with DVC's "
+       "lock error", "the first finishes unharmed; nothing is run twice")
+def test_concurrent_repro_in_the_same_repo(project):
+    first, marker = start_with_fault(project, ["repro", "--force", "--single-item", "validate"],
+                                     "commit:validated:hang")
+    second = dvc(["repro"], project, check=False)
+    assert second.returncode != 0 and "lock" in (second.stdout + second.stderr).lower(), second.stdout + second.stderr
+    os.killpg(first.pid, signal.SIGKILL)  # the first one hangs at its fault point: end it, then recover
+    first.wait(timeout=60)
+    dvc(["repro"], project)
+    assert status(project) == {}
+
+
+def checkpoints(repo: Path) -> list[Path]:
+    return sorted(p for p in (repo / "checkpoints").rglob("step-*") if p.is_dir() and not p.name.startswith("."))
+
+
+@fault("disk", "the disk fills up while a training checkpoint is written", "clear error: no space left writing the "
+       "checkpoint, what was kept, and the fix", "recovered, nothing lost: the previous checkpoint is intact (its "
+       "manifest verifies); the rerun resumes from it")
+def test_disk_full_during_a_checkpoint(project):
+    shutil.rmtree(project / "checkpoints", ignore_errors=True)
+    proc = dvc(["repro", "--force", "--single-item", "train"], project, check=False,
+               FRUGALTUNE_FAULT="checkpoint:step-4:enospc")
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "no space left on the device" in output and "Traceback" not in output, output
+    assert [p.name for p in checkpoints(project)] == ["step-2"]  # step 4's write failed; step 2 is whole
+    assert not [p for p in (project / "checkpoints").rglob(".step-*")], "a temp checkpoint dir was left behind"
+    assert not (project / "models/adapter").exists()
+    dvc(["repro", "--single-item", "train"], project)
+    assert json.loads((project / "reports/train.json").read_text())["resumed_from_step"] == 2
+
+
+@fault("disk", "the disk fills up while the adapter is written", "clear error: no space left writing `adapter`, "
+       "and the fix", "no half-written adapter; the rerun trains (from the last checkpoint when one is left)")
+def test_disk_full_writing_the_adapter(project):
+    proc = dvc(["repro", "--force", "--single-item", "train"], project, check=False,
+               FRUGALTUNE_FAULT="commit:adapter:enospc")
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "no space left on the device while writing adapter" in output, output
+    assert "Traceback" not in output
+    assert not (project / "models/adapter").exists() and not list((project / "models").glob(".adapter-*"))
+    dvc(["repro", "--single-item", "train"], project)
+    assert (project / "models/adapter/adapter_model.safetensors").is_file()
+
+
+@fault("disk", "the disk fills up while a report is written", "clear error: no space left writing "
+       "`evaluate.json`, and the fix", "no half-written report; `dvc repro` reruns the stage")
+def test_disk_full_writing_a_report(project):
+    proc = dvc(["repro", "--force", "--single-item", "evaluate"], project, check=False,
+               FRUGALTUNE_FAULT="write:evaluate.json:enospc")
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "while writing evaluate.json" in output and "Traceback" not in output, output
+    assert not (project / "reports/evaluate.json").exists()
+    assert not list((project / "reports").glob(".evaluate.json-*"))
+    dvc(["repro", "--single-item", "evaluate"], project)
+    assert "evaluate" not in status(project)
+
+
+# Last in the module: it works on the built project itself (its MLflow store holds absolute artifact paths).
+@fault("process", "kill -9 in `register` after the model version exists, before its report",
+       "DVC reports the stage failed", "recovered, nothing lost: the rerun finds the version of that run and "
+       "registers no second one; `@champion` unchanged")
+def test_kill9_in_register_after_the_version_exists(built):
+    def versions() -> list[str]:
+        code = ("import mlflow; c = mlflow.MlflowClient(); print(sorted(v.version for v in "
+                "c.search_model_versions(\"name = 'frugaltune-sentiment'\")))")
+        return subprocess.run([sys.executable, "-c", code], cwd=built, env=env(), capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    before = versions()
+    proc, marker = start_with_fault(built, ["repro", "--force", "--single-item", "register"],
+                                    "commit:register.json:hang")
+    os.kill(int(marker.read_text()), signal.SIGKILL)
+    proc.communicate(timeout=120)
+    assert not (built / "reports/register.json").exists()
+    dvc(["repro", "--single-item", "register"], built)
+    assert versions() == before, (before, versions())
+    report = json.loads((built / "reports/register.json").read_text())
+    assert report["version"] == int(ast.literal_eval(before)[-1])
