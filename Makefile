@@ -39,7 +39,7 @@ test: install
 
 # The experiments side by side, only the columns that differ (plus the ones users compare): fits a terminal
 exps: install
-	@dvc exp show --no-pager --only-changed --drop 'Created|State|Executor' \
+	@dvc exp show --no-pager --only-changed --drop 'Created|State|Executor|/' \
 		--keep 'macro_f1$$|accuracy$$|tokens_per_s$$|wall_seconds$$|peak_rss_mb$$|train.method$$|train.lora.r$$|train.lr$$|train.epochs$$'
 
 
