@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 
 import pandas as pd
 import pytest
@@ -130,7 +129,7 @@ def test_parquet_with_float_labels(project):
     report = ingest.run(parse_params(params_for(project / "ids.parquet"), "params.yaml"))
     assert report["train"]["labels"].keys() == {"0", "1", "2"}
     for path in (paths.SPLITS_DIR, paths.report("ingest")):
-        path.unlink() if path.is_file() else shutil.rmtree(path)
+        (path.unlink() if path.is_file() else __import__("shutil").rmtree(path))
     pd.DataFrame({"text": [t for t, _ in pairs], "label": [0.5 * (i % 3) for i in range(90)]}).to_parquet(
         project / "scores.parquet")
     ingest_fails(project / "scores.parquet", ["scores.parquet", "label"])
