@@ -279,7 +279,8 @@ def test_every_readme_command_runs_on_the_tiny_project(repo):
     assert len(rows) >= 2, exps
     plots = (repo / "dvc_plots/index.html").read_text()
     assert "vegaEmbed" in plots and "cdn.jsdelivr" not in plots  # .dvc/config's offline template
-    assert "reports/metrics/evaluate.json" in outputs["dvc metrics diff"] or \
+    # Any numbers-only metrics file: the tiny model's evaluation may not move with r=16 while train's timings do
+    assert "reports/metrics/" in outputs["dvc metrics diff"] or \
         outputs["dvc metrics diff"].strip() == "", outputs["dvc metrics diff"]
 
     # dvc exp apply with the experiment's real name
