@@ -2,6 +2,7 @@
 
     python benchmarks/scheduling_heuristics.py                       # Lublin-256, 20 sequences of 256 jobs
     python benchmarks/scheduling_heuristics.py ../shared/data/swf/lublin_256.swf --sequences 50 --out /tmp/sched
+    python benchmarks/scheduling_heuristics.py --full-trace          # also time each policy on the whole trace
 
 Run from the repository root. Reads the trace (default `../shared/data/swf/lublin_256.swf`, the workspace's copy of
 RLScheduler's Lublin trace), draws `--sequences` start points in its held-out last `--held-out` fraction (seeded),
@@ -11,6 +12,7 @@ bounded slowdown, the same for mean wait, and the simulator's throughput (simula
 summed over all runs). Writes to `--out` (default reports/scheduling/): heuristics.md (the tables and the
 settings), heuristics.csv (one row per policy x backfilling x sequence), bsld_by_policy.png (bars with std) and
 queue_length_cdf.png (time-weighted CDF of the queue length per policy, pooled over the sequences).
+`--full-trace` also simulates the whole trace once per policy and backfilling mode and prints each wall time.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import matplotlib  # noqa: E402
 matplotlib.use("Agg")  # files only; no display on the build machines
 import matplotlib.pyplot as plt  # noqa: E402
 
-from frugaltune.scheduling import HEURISTICS, queue_length_cdf, read_swf  # noqa: E402
+from frugaltune.scheduling import HEURISTICS, queue_length_cdf, read_swf, simulate  # noqa: E402
 from frugaltune.scheduling.evaluation import Protocol, evaluate, markdown_table, summary_table  # noqa: E402
 
 DEFAULT_TRACE = Path("../shared/data/swf/lublin_256.swf")
@@ -92,6 +94,7 @@ def main() -> None:
     parser.add_argument("--held-out", type=float, default=0.3, help="last fraction of the trace to sample from")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--window", type=int, default=Protocol.window, help="waiting jobs a policy sees")
+    parser.add_argument("--full-trace", action="store_true", help="also time one simulation of the whole trace")
     args = parser.parse_args()
 
     workload = read_swf(args.trace)
@@ -112,6 +115,16 @@ def main() -> None:
              f"= {jobs_per_second:,.0f} jobs/s ({len(frame)} runs, {wall:.1f} s wall in all) on {cpu_name()}")
     print(settings, "", "Average bounded slowdown (tau = 10 s), mean and std over sequences:", "", bsld, "",
           "Mean wait (s):", "", wait, "", speed, sep="\n")
+
+    if args.full_trace:
+        print(f"\nwhole trace ({len(workload)} jobs) in one simulation:")
+        for backfill in (False, True):
+            for policy in HEURISTICS.values():
+                began = time.perf_counter()
+                simulate(workload.jobs, workload.max_procs, policy, backfill=backfill, window=args.window)
+                seconds = time.perf_counter() - began
+                print(f"  {policy.name:7s} {'+EASY' if backfill else '     '} {seconds:5.2f} s "
+                      f"({len(workload) / seconds:,.0f} jobs/s)")
 
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "heuristics.md").write_text(
