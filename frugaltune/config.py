@@ -185,6 +185,15 @@ class PrelayerParams(Section):
     lr: float | None = Field(None, gt=0, description="Learning rate of the embeddings; null = train.lr.")
 
 
+class DistributedParams(Section):
+    nproc_per_node: int = Field(
+        1, ge=1, description="Training processes on this host (data parallel, torchrun): 1 = one process; N > 1 = "
+        "the train stage re-launches itself under `torchrun --standalone`, one rank per GPU, or per share of the "
+        "CPU cores (train.threads is then per process).")
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="torch.distributed backend: auto = nccl on CUDA GPUs, gloo on CPU.")
+
+
 class TrainParams(Section):
     method: Literal["none", "full", "lora", "qlora", "prelayer", "dora"] = Field(
         "lora",
@@ -237,6 +246,9 @@ class TrainParams(Section):
     experiment: str = Field("frugaltune", description="MLflow experiment name.")
     telemetry_interval_s: float = Field(
         1.0, gt=0, description="Seconds between telemetry samples (CPU, RAM, swap, IO, GPU) sent to MLflow and CSV."
+    )
+    distributed: DistributedParams = Field(
+        default_factory=DistributedParams, description="Data-parallel training over several processes (torchrun)."
     )
 
 

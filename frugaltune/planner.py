@@ -380,6 +380,7 @@ class RunSpec:
     gradient_checkpointing: bool | str = "auto"
     threads: int | None = None
     knobs: dict[str, MethodKnobs] = field(default_factory=dict)
+    ranks: int = 1  # train.distributed.nproc_per_node: data-parallel processes on this host
 
 
 def measured_on(hardware: dict, kernels_report: dict | None) -> dict | None:
@@ -450,6 +451,8 @@ def plan_method(method: str, run: RunSpec, hardware: dict, shape: ModelShape, co
     # The largest micro-batch, in tokens, decides the peak; a batch of sequences at the cap bounds it.
     worst = max(batches, key=lambda b: b[0] * b[1]) if batches else (run.batch_size, run.seq_len)
     budget = int(limit_bytes * HEADROOM)
+    # On CPU the ranks share the host's RAM, each with its own copy of the weights; a GPU rank has its own memory
+    host_ranks = run.ranks if devices[0]["kind"] == "cpu" else 1
     if run.micro_batch_size != "auto":
         micro_options = [int(run.micro_batch_size)]
     else:
@@ -464,12 +467,13 @@ def plan_method(method: str, run: RunSpec, hardware: dict, shape: ModelShape, co
     for ckpt in ckpt_options:
         for micro in micro_options:
             split = math.ceil(run.batch_size / micro)
-            worst_rows = math.ceil(worst[0] / split)
+            # each rank computes its share of a batch (every ranks-th sequence), in `split` parts
+            worst_rows = math.ceil(math.ceil(worst[0] / run.ranks) / split)
             est = memory_estimate(shape, method, bf16=bf16, micro_batch=worst_rows, seq_len=worst[1],
                                   gradient_checkpointing=ckpt, constants=constants, device=devices[0]["kind"],
                                   knobs=knobs)
-            tried.append((micro, ckpt, est["peak"]))
-            if est["peak"] <= budget:
+            tried.append((micro, ckpt, est["peak"] * host_ranks))
+            if est["peak"] * host_ranks <= budget:
                 chosen = (micro, ckpt, est)
                 break
         if chosen:
@@ -508,6 +512,8 @@ def plan_method(method: str, run: RunSpec, hardware: dict, shape: ModelShape, co
         "fits": fits,
         "predicted_peak_bytes": est["peak"],
         "predicted_peak_mb": round(est["peak"] / MiB),
+        "ranks": run.ranks,
+        "predicted_peak_all_ranks_mb": round(est["peak"] * host_ranks / MiB),
         "components_mb": {k: round(v / MiB, 1) for k, v in est.items() if k != "peak"},
         "micro_batch_size": micro,
         "grad_accum": grad_accum,
@@ -515,7 +521,7 @@ def plan_method(method: str, run: RunSpec, hardware: dict, shape: ModelShape, co
         "gradient_checkpointing": ckpt,
         "precision": "bf16" if bf16 else "fp32",
         "seq_len": run.seq_len,
-        "largest_batch": {"sequences": math.ceil(worst[0] / split), "length": worst[1]},
+        "largest_batch": {"sequences": math.ceil(math.ceil(worst[0] / run.ranks) / split), "length": worst[1]},
         "steps": steps,
         "padded_tokens": padded,
         "eta_seconds": None if eta is None else round(eta, 1 if eta >= 10 else 4),  # tiny test runs take ms
@@ -549,7 +555,8 @@ def make_plan(run: RunSpec, hardware: dict, shapes: dict[str, ModelShape], const
         {"kind": "cpu", "name": hardware.get("cpu", {}).get("model", "CPU"), "memory_bytes": limit}]
     if gpus:  # weights and activations live on the first GPU; its memory is the limit that matters
         limit, limit_source = int(gpus[0]["memory_total_bytes"]), f"{gpus[0]['name']} memory"
-    threads = run.threads or hardware.get("cpu", {}).get("physical_cores") or os.cpu_count() or 1
+    cores = hardware.get("cpu", {}).get("physical_cores") or os.cpu_count() or 1
+    threads = run.threads or max(1, cores // run.ranks)  # per process: ranks on one CPU split its cores
     schedule = planned_batches(list(run.lengths), run.batch_size, run.grad_accum, run.epochs, run.max_steps,
                                run.seed, run.group_by_length)
     methods = {m: plan_method(m, run, hardware, s, constants, limit, bf16, devices, schedule)
@@ -568,7 +575,9 @@ def make_plan(run: RunSpec, hardware: dict, shapes: dict[str, ModelShape], const
         "memory_limit_source": limit_source,
         "budget_bytes": int(limit * HEADROOM),
         "threads": threads,
-        "threads_why": "physical cores: a second hyperthread adds contention, not FLOPs, to these matmuls",
+        "threads_why": ("physical cores: a second hyperthread adds contention, not FLOPs, to these matmuls" +
+                        (f"; {run.ranks} processes share them" if run.ranks > 1 and not run.threads else "")),
+        "ranks": run.ranks,
         "precision": "bf16" if bf16 else "fp32",
         "precision_why": precision_why,
         "constants": asdict(constants),
@@ -623,6 +632,7 @@ def run_spec(params: "Params", lengths: list[int]) -> RunSpec:
         max_steps=tp.max_steps, seq_len=params.tokenize.max_length, lengths=tuple(lengths), seed=params.common.seed,
         group_by_length=tp.group_by_length, precision=tp.precision, micro_batch_size=tp.micro_batch_size,
         gradient_checkpointing=tp.gradient_checkpointing, threads=tp.threads, knobs=method_knobs(params),
+        ranks=tp.distributed.nproc_per_node,
     )
 
 

@@ -110,7 +110,9 @@ class StepTimer:
 
     PHASES = ("data", "fwd_bwd", "optimizer")
 
-    def __init__(self, sync: Callable[[], None] | None = None):
+    def __init__(self, sync: Callable[[], None] | None = None, extra_phases: tuple[str, ...] = ()):
+        # extra_phases: e.g. "all_reduce" in a data-parallel run, timed only where it exists
+        self.PHASES = StepTimer.PHASES + tuple(extra_phases)
         self._sync = sync
         self._phases = {name: _Phase(self, name) for name in self.PHASES}
         self._step = dict.fromkeys(self.PHASES, 0.0)

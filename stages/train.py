@@ -6,6 +6,10 @@ Writes `models/adapter/` (PEFT adapter in safetensors + tokenizer + labels.json)
 useful tokens/s, wall time, peak RSS, trainable parameters, the resolved precision and threads) and the loss curve
 `reports/plots/train_loss.csv`. Each run is one MLflow run with params, step metrics and these artifacts.
 
+With `train.distributed.nproc_per_node: N` > 1 the stage re-launches itself under `torchrun --standalone` with N
+ranks (data parallel, frugaltune.training.distributed); launched by torchrun directly (several hosts, see README
+"Scaling out") it joins the group torchrun describes. Only rank 0 talks to MLflow and writes the outputs.
+
 Checkpoints go to `checkpoints/train/<key>/` (outside the stage's outs, which `dvc repro` deletes first) every
 `train.checkpoint_every` steps and on SIGINT/SIGTERM; with `train.resume: auto` an interrupted run (kill -9
 included) continues from the newest complete checkpoint of the same configuration when `dvc repro` runs again.
@@ -23,6 +27,7 @@ if __name__ == "__main__":
 import csv
 import io
 import json
+import os
 import shutil
 import sys
 
@@ -37,7 +42,7 @@ from frugaltune.io import atomic_dir, read_json, write_json, write_metrics, writ
 from frugaltune import planner
 from frugaltune.models import load_tokenizer
 from frugaltune.telemetry import StepTimer, TelemetrySampler
-from frugaltune.training import checkpoint
+from frugaltune.training import checkpoint, distributed
 from frugaltune.training.loop import (
     DivergenceError,
     LoopConfig,
@@ -55,7 +60,7 @@ from frugaltune.config import Params, ParamsError, load_params
 
 # Values the run was set up with (MLflow params, not metrics); the rest of reports/train.json was measured.
 RUN_CONFIG_KEYS = ("trainable_params", "total_params", "trainable_percent", "bf16", "threads", "resumed_from_step",
-                   "micro_batch_size", "gradient_checkpointing")
+                   "micro_batch_size", "gradient_checkpointing", "ranks")
 # reports/metrics/train.json: the columns `dvc exp show` compares across experiments
 TRAIN_METRICS = ("final_loss", "tokens_per_s", "wall_seconds", "peak_rss_mb", "steps")
 
@@ -138,7 +143,10 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN, use_plan: bo
     tp, seed = params.train, params.common.seed
     resolved = resolve_plan(params, use_plan)  # before any loading: a run that cannot fit stops here
     bf16 = resolved["bf16"]
+    world = distributed.init(tp.distributed.backend)  # World() unless torchrun started this process
     threads = resolved["threads"]
+    if world.distributed and not tp.threads and not (use_plan and paths.PLAN.exists()):
+        threads = max(1, threads // world.size)  # no plan: the ranks on this host split its cores
     torch.set_num_threads(threads)
 
     labels = read_json(paths.LABELS)["labels"]
@@ -150,7 +158,7 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN, use_plan: bo
     base_sha = read_json(paths.report("import_model")).get("weights_sha256") if paths.report(
         "import_model").exists() else None
     volatile = {"resume", "checkpoint_every", "keep_checkpoints", "log_every", "threads", "experiment",
-                "micro_batch_size", "gradient_checkpointing", "allocator"}  # how a step is computed, not what it computes
+                "micro_batch_size", "gradient_checkpointing", "allocator", "distributed"}  # how a step is computed
     key = checkpoint.run_key({k: v for k, v in tp.model_dump().items() if k not in volatile}, seed, bf16, base_sha,
                              checkpoint.data_fingerprint(train_set["input_ids"], train_set["labels"]))
     checkpoint_dir = paths.CHECKPOINTS_DIR / "train" / key
@@ -162,10 +170,20 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN, use_plan: bo
         grad_accum=tp.grad_accum, max_grad_norm=tp.max_grad_norm, bf16=bf16, group_by_length=tp.group_by_length,
         log_every=tp.log_every, seed=seed, micro_batch_size=resolved["micro_batch_size"],
     )
+    if not world.is_main:  # the other ranks train their shares; rank 0 logs and writes everything
+        try:
+            if tp.method != "none":
+                train_classifier(model, train_set["input_ids"], train_set["labels"], cfg, tokenizer.pad_token_id,
+                                 progress=False, world=world)
+            world.sum([peak_rss_mb()])  # rank 0 adds up the ranks' peaks
+        finally:
+            distributed.shutdown(world)
+        return {}
     print(f"train: {tp.method} on {len(train_set)} examples, {trainable:,} of {total:,} parameters "
           f"trainable ({100 * trainable / total:.2f}%), precision {'bf16 autocast' if bf16 else 'fp32'}, "
           f"{threads} threads, micro-batch {resolved['micro_batch_size']} of {tp.batch_size}, gradient checkpointing "
-          f"{'on' if resolved['gradient_checkpointing'] else 'off'}, malloc {allocator.active()}")
+          f"{'on' if resolved['gradient_checkpointing'] else 'off'}, malloc {allocator.active()}"
+          + (f", {world.size} ranks (data parallel, {threads} threads each)" if world.distributed else ""))
 
     events: list[str] = []
     tracking.setup(tp.experiment)
@@ -176,7 +194,8 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN, use_plan: bo
                            "resolved.gradient_checkpointing": resolved["gradient_checkpointing"],
                            "resolved.allocator": allocator.active(),
                            "data.train_rows": len(train_set), "model.source": params.model.source})
-        timer = StepTimer(sync=torch.cuda.synchronize if torch.cuda.is_available() else None)
+        timer = StepTimer(sync=torch.cuda.synchronize if torch.cuda.is_available() else None,
+                          extra_phases=("all_reduce",) if world.distributed else ())
         sampler = TelemetrySampler(tp.telemetry_interval_s, out.telemetry_csv, mlrun.info.run_id,
                                    cores=threads, use_nvml=params.probe.nvml)
         with sampler:
@@ -185,8 +204,10 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN, use_plan: bo
                 on_log=lambda rec: mlflow.log_metrics(
                     {k: v for k, v in rec.items() if k not in ("step", "elapsed_s")}, step=rec["step"]),
                 on_event=lambda message: mlflow.set_tag(f"event.{len(events)}", message) or events.append(message),
-                timer=timer,
+                timer=timer, world=world,
             )
+            peak_all_ranks = world.sum([peak_rss_mb()])[0]
+        distributed.shutdown(world)
         telemetry = sampler.summary(timer)
         sampler.log_summary(telemetry)
         with atomic_dir(out.adapter_dir) as tmp:
@@ -204,6 +225,7 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN, use_plan: bo
             "tokens_per_s": round(result.tokens_per_second, 1),
             "wall_seconds": round(result.wall_seconds, 1),
             "peak_rss_mb": round(result.peak_rss_mb, 1),
+            "ranks": world.size,
             "trainable_params": trainable,
             "total_params": total,
             "trainable_percent": round(100 * trainable / total, 4),
@@ -215,6 +237,8 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN, use_plan: bo
             "plan": {k: resolved[k] for k in ("predicted_peak_mb", "eta_seconds") if resolved[k] is not None},
             "telemetry": {k: v for k, v in telemetry.items() if isinstance(v, int | float) and not isinstance(v, bool)},
         }
+        if world.distributed:  # every rank holds its own copy of the model: what the host held at most, all ranks
+            metrics["peak_rss_all_ranks_mb"] = round(peak_all_ranks, 1)
         if torch.cuda.is_available():  # the GPU's own peaks: what tensors held, and what the caching allocator kept
             metrics["cuda_peak_allocated_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
             metrics["cuda_peak_reserved_mb"] = round(torch.cuda.max_memory_reserved() / 2**20, 1)
@@ -246,7 +270,14 @@ def main() -> None:
     """The stage's entry point (a process of its own: it may re-execute itself on another malloc)."""
     with stage_errors("train"):  # a full disk: one clear line, not a traceback
         try:
-            run(load_params())  # on train.allocator's malloc already: see the first lines of this module
+            params = load_params()
+            nproc = params.train.distributed.nproc_per_node
+            if nproc > 1 and not distributed.launched_by_torchrun():
+                # One process per rank, on this host; torchrun stops all of them if one fails
+                argv = distributed.torchrun_argv(nproc, "stages.train")
+                print(f"train: {nproc} ranks: {' '.join(argv[1:])}", flush=True)
+                os.execv(argv[0], argv)
+            run(params)  # on train.allocator's malloc already: see the first lines of this module
         except (ParamsError, planner.PlanError, DivergenceError, TrainingInterrupted, OutOfMemoryAtBatchOne, ValueError,
                 FileNotFoundError, checkpoint.CheckpointRefused) as exc:
             sys.exit(f"train: {exc}")

@@ -26,6 +26,7 @@ from transformers import get_scheduler
 from frugaltune.telemetry import StepTimer
 from frugaltune.training import checkpoint
 from frugaltune.training.batching import collate, length_grouped_batches, sorted_batches
+from frugaltune.training.distributed import World
 
 
 class DivergenceError(RuntimeError):
@@ -182,12 +183,17 @@ def train_classifier(
     progress: bool = True,
     on_event: Callable[[str], None] | None = None,
     timer: StepTimer | None = None,
+    world: World = World(),
 ) -> TrainResult:
     """Train `model` (already wrapped by its method) on tokenized examples; return counts, losses and timings.
 
     With `cfg.checkpoint_dir`, writes a checkpoint every `cfg.checkpoint_every` steps and on SIGINT/SIGTERM, and
     (`cfg.resume`) continues from the newest complete one: same data order, RNG, optimizer and schedule, so the
     resumed run ends where an uninterrupted one would.
+
+    Under torchrun (`world.size` > 1) every rank runs this same loop on its share of each batch and the gradients
+    are summed across ranks (frugaltune.training.distributed): the step is the one-process step. Only rank 0 logs,
+    shows progress and writes checkpoints; counts and losses are global on every rank.
     """
     device = next(model.parameters()).device
     lengths = [len(ids) for ids in input_ids]
@@ -196,7 +202,11 @@ def train_classifier(
     scheduler = get_scheduler(cfg.scheduler, optimizer, num_warmup_steps=int(cfg.warmup_ratio * total_steps),
                               num_training_steps=total_steps)
     order = _EpochOrder(lengths, cfg)
-    torch.manual_seed(cfg.seed)  # dropout
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    world.broadcast_parameters(trainable)
+    torch.manual_seed(cfg.seed + world.rank)  # dropout: each rank draws its own masks
+    progress = progress and world.is_main
+    on_log = on_log if world.is_main else None
     events: list[str] = []
 
     def event(message: str) -> None:
@@ -216,6 +226,8 @@ def train_classifier(
             saved = checkpoint.load_checkpoint(found, model, optimizer, scheduler)
             state.update({k: saved[k] for k in state})
             first_step, last_good = saved["step"] + 1, found.path
+            if world.rank:  # the checkpoint holds rank 0's RNG: the others draw their own dropout masks
+                torch.manual_seed(cfg.seed + world.rank + 1000 * saved["step"])
             event(f"resumed from {found.path} (step {saved['step']} of {total_steps})")
 
     def save(step: int) -> Path:
@@ -237,15 +249,17 @@ def train_classifier(
     with _stop_on_signals(stop):
         step = first_step
         while step <= total_steps:
+            out_of_memory: BaseException | None = None
             try:
                 step_loss, step_tokens, step_padded, step_sequences = 0.0, 0, 0, 0
                 for micro in range(cfg.grad_accum):
                     batch_index = order[state["position"] + micro]
+                    mine = world.shard(batch_index)
                     # Each micro-batch may run in `micro_split` chunks after an out-of-memory error: the
                     # gradient is the same, only the peak memory is lower.
-                    chunk = math.ceil(len(batch_index) / state["micro_split"])
-                    for c in range(0, len(batch_index), chunk):
-                        part = batch_index[c:c + chunk]
+                    chunk = max(1, math.ceil(len(mine) / state["micro_split"]))
+                    for c in range(0, len(mine), chunk):
+                        part = mine[c:c + chunk]
                         if step in oom_steps:
                             oom_steps.discard(step)
                             raise torch.OutOfMemoryError("injected by FRUGALTUNE_TEST_OOM_AT_STEPS")
@@ -265,26 +279,34 @@ def train_classifier(
             except (torch.OutOfMemoryError, RuntimeError) as exc:
                 if not _is_oom(exc):
                     raise
+                out_of_memory = exc
+            # Every rank halves together (one rank alone would leave the others waiting in the all-reduce)
+            if world.any(out_of_memory is not None):
                 optimizer.zero_grad(set_to_none=True)
                 size = math.ceil(cfg.batch_size / state["micro_split"])
                 if size <= 1:
                     raise OutOfMemoryAtBatchOne(
                         f"out of memory at step {step} with one sequence per micro-batch. Lower "
                         "tokenize.max_length, use a lighter train.method (lora/qlora) or a machine with more memory."
-                    ) from exc
+                    ) from out_of_memory
                 state["micro_split"] *= 2
                 new_size = math.ceil(cfg.batch_size / state["micro_split"])
                 event(f"out of memory at step {step}: micro-batch {size} -> {new_size}, gradient accumulation "
                       f"{cfg.grad_accum * state['micro_split'] // 2} -> {cfg.grad_accum * state['micro_split']} "
                       f"(effective batch {cfg.batch_size * cfg.grad_accum} unchanged)")
                 continue  # redo the step with smaller chunks
+            if world.distributed:
+                with phase("all_reduce"):
+                    world.all_reduce_gradients(trainable)
+                    step_loss, step_tokens, step_padded, step_sequences = world.sum(
+                        [step_loss, step_tokens, step_padded, step_sequences])
+                    step_tokens, step_padded, step_sequences = int(step_tokens), int(step_padded), int(step_sequences)
             if not math.isfinite(step_loss):
                 where = f"the last good checkpoint is {last_good}" if last_good else "no checkpoint was written yet"
                 raise DivergenceError(f"loss is {step_loss} at step {step}: training diverged ({where}). Lower "
                                       f"train.lr (now {cfg.lr}) or use train.precision: fp32.")
             with phase("optimizer"):
-                torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad],
-                                               cfg.max_grad_norm)
+                torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm)
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -318,9 +340,15 @@ def train_classifier(
                     on_log(record)
                 state["last_window"], state["window"] = state["window"], []
                 window_tokens, window_start = 0, now
+            if world.distributed and world.any(bool(stop)):  # a signal on one rank stops all at the same step
+                stop.setdefault("signal", "SIGTERM")
             if cfg.checkpoint_dir and step < total_steps and (step % cfg.checkpoint_every == 0 or stop):
-                last_good = save(step)
+                if world.is_main:  # every rank holds the same weights and optimizer state: one writes them
+                    last_good = save(step)
+                else:
+                    last_good = cfg.checkpoint_dir / f"step-{step}"
             if stop:
+                world.barrier()  # the checkpoint is on disk before any rank exits (torchrun then stops them all)
                 bar.close()
                 where = f"checkpoint {last_good}" if last_good else "no checkpoint (checkpoints are off)"
                 raise TrainingInterrupted(

@@ -13,7 +13,7 @@ from frugaltune.training.loop import LoopConfig, _EpochOrder, plan_steps, train_
 from frugaltune.training.methods import prepare_model
 
 LABELS = ["negative", "neutral", "positive"]
-GiB = 2**30
+GiB, MiB = 2**30, 2**20
 
 
 def smollm2_config() -> LlamaConfig:
@@ -105,6 +105,23 @@ def test_plan_keeps_the_effective_batch_and_turns_on_checkpointing_only_when_nee
     assert cramped["methods"]["lora"]["fits"] and cramped["methods"]["lora"]["gradient_checkpointing"]
     assert "gradient checkpointing on" in cramped["methods"]["lora"]["why"]
     assert "lora*" in planner.render(cramped)
+
+
+def test_ranks_on_one_cpu_split_its_cores_and_share_its_memory():
+    config = smollm2_config()
+    one = planner.make_plan(run_spec(), cpu_hardware(24), shapes(config, ("lora",)), planner.Constants())
+    two = planner.make_plan(run_spec(ranks=2), cpu_hardware(24), shapes(config, ("lora",)), planner.Constants())
+    assert (one["threads"], two["threads"], two["ranks"]) == (2, 1, 2)
+    solo, pair = one["methods"]["lora"], two["methods"]["lora"]
+    # each rank computes half of each batch, and each holds its own model: the host holds both
+    assert pair["largest_batch"]["sequences"] == solo["largest_batch"]["sequences"] // 2
+    assert pair["predicted_peak_bytes"] < solo["predicted_peak_bytes"]
+    assert pair["predicted_peak_all_ranks_mb"] == pytest.approx(2 * pair["predicted_peak_mb"], abs=1)
+    # a limit one process fits in but two do not: the plan shrinks the ranks' micro-batch rather than overcommit
+    limit_gb = solo["predicted_peak_bytes"] / GiB / planner.HEADROOM * 1.01
+    tight = planner.make_plan(run_spec(ranks=2), cpu_hardware(24), shapes(config, ("lora",)), planner.Constants(),
+                              limit_gb=limit_gb)["methods"]["lora"]
+    assert tight["predicted_peak_all_ranks_mb"] * MiB <= limit_gb * GiB * planner.HEADROOM + MiB
 
 
 def test_impossible_full_finetuning_is_rejected_naming_the_limit_and_a_configuration_that_fits():
