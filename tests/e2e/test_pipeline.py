@@ -226,9 +226,8 @@ README_NOT_RUN_HERE = {
     "PREFECT_API_URL=http://127.0.0.1:4200/api .venv/bin/prefect deployment run finetune/scheduled":
         "tests/e2e/test_prefect.py runs this line as written (its own port) for the second flow run",
     "export PREFECT_API_URL=https://prefect.example.com/api": "a placeholder for the user's own Prefect server",
-    "prefect work-pool create frugaltune --type process": "work pools are issue #17: not exercised by a test yet",
-    "python -m flows.deploy --work-pool frugaltune [--data-source PATH]": "issue #17 (work pools)",
-    "prefect worker start --pool frugaltune": "issue #17 (work pools)",
+    "make deploy-pool": "tests/e2e/test_prefect_pool.py registers the deployment (python -m flows.deploy --work-pool)",
+    "make worker": "tests/e2e/test_prefect_pool.py starts workers (python -m flows.worker), kills one mid-run",
     "pytest -m gpu tests/gpu -v -s": "needs a CUDA device (skips with the reason without one)",
     "source .venv/bin/activate": "the tests already run in the venv",
     'dvc exp apply <exp> && git commit -am "..."': "placeholders: `dvc exp apply` runs below on the real name",

@@ -202,6 +202,16 @@ def test_deployment_uses_the_cron_and_timezone_of_params_and_the_data_source_par
     assert deployment.entrypoint == "flows/pipeline.py:finetune"
 
 
+def test_a_crash_delay_within_one_heartbeat_is_refused_before_anything_is_registered(in_project, capsys):
+    from flows.deploy import HEARTBEAT_S, main
+
+    in_project(ROOT)
+    with pytest.raises(SystemExit) as exit_:
+        main(["--work-pool", "--crash-after", str(HEARTBEAT_S)])
+    assert exit_.value.code == 2
+    assert f"--crash-after must exceed the heartbeat interval ({HEARTBEAT_S} s)" in capsys.readouterr().err
+
+
 def test_a_new_data_source_is_written_into_params_yaml_keeping_its_comments(in_project, tmp_path):
     from flows.tasks import use_data_source
 
