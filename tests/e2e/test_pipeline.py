@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests import tiny_project
+
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
@@ -40,29 +42,7 @@ def ran_stages(output: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory, tiny_model_dir) -> Path:
-    repo = tmp_path_factory.mktemp("project")
-    for name in ("stages", "frugaltune", "kernels", "compare"):
-        shutil.copytree(ROOT / name, repo / name, ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(ROOT / "dvc.yaml", repo / "dvc.yaml")
-    params = yaml.safe_load((ROOT / "params.yaml").read_text())
-    params["model"]["source"] = str(tiny_model_dir)
-    params["data"]["max_rows"] = 200
-    params["validate"]["min_class_fraction"] = 0.05
-    params["kernels"]["enabled"] = False  # compiled and verified by tests/unit/test_kernels.py
-    params["train"].update({"max_steps": 4, "batch_size": 8, "log_every": 1, "threads": 1})
-    params["evaluate"]["batch_size"] = 16
-    params["compare"]["max_steps"] = 2
-    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    sh(["git", "init", "-q"], repo)
-    sh(["git", "config", "user.email", "ci@example.com"], repo)
-    sh(["git", "config", "user.name", "ci"], repo)
-    sh([sys.executable, "-m", "dvc", "init", "-q"], repo)
-    for name in ("config", ".gitignore"):  # the project's: analytics off, the offline plots template (not committed)
-        shutil.copy(ROOT / ".dvc" / name, repo / ".dvc" / name)
-    sh([sys.executable, "-m", "frugaltune.offline", "dvc-template"], repo)  # what `make install` writes
-    sh(["git", "add", "-A"], repo)
-    sh(["git", "commit", "-qm", "project"], repo)
-    return repo
+    return tiny_project.build(tmp_path_factory.mktemp("project"), tiny_model_dir)
 
 
 def test_repro_builds_every_artifact_then_is_a_no_op_then_reruns_only_training(repo):
