@@ -210,6 +210,20 @@ README_NOT_RUN_HERE = {
     "python -m flows.deploy --work-pool frugaltune [--data-source PATH]": "issue #17 (work pools)",
     "prefect worker start --pool frugaltune": "issue #17 (work pools)",
     "pytest -m gpu tests/gpu -v -s": "needs a CUDA device (skips with the reason without one)",
+    "make mlflow-server": "tests/e2e/test_scale_out.py starts it (python -m flows.ui --mlflow-server --no-prefect)",
+    "make ui SERVER=1": "python -m flows.ui --mlflow-server: tests/e2e/test_scale_out.py starts that server alone",
+    "export MLFLOW_TRACKING_URI=http://127.0.0.1:5000": "tests/e2e/test_scale_out.py sets it (its server's port)",
+    "dvc repro": "tests/e2e/test_scale_out.py runs it against the server, and in the new clone",
+    "dvc remote add -d storage /srv/dvc/frugaltune": "tests/e2e/test_scale_out.py runs it with its own directory",
+    'git commit -m "DVC remote" .dvc/config': "tests/e2e/test_scale_out.py runs it as written",
+    "dvc push": "tests/e2e/test_scale_out.py pushes to its local remote",
+    "git clone <repo-url> frugaltune2 && cd frugaltune2": "a placeholder: tests/e2e/test_scale_out.py clones anew",
+    "make install && dvc pull dvc.yaml": "tests/e2e/test_scale_out.py: what install writes (the plots template), "
+                                         "then this pull",
+    "pip install 'dvc[s3]' && dvc remote add -d storage s3://my-bucket/frugaltune": "needs a bucket and network",
+    "pip install 'dvc[gs]' && dvc remote add -d storage gs://my-bucket/frugaltune": "needs a bucket and network",
+    "pip install 'dvc[ssh]' && dvc remote add -d storage ssh://user@dvc-host/srv/dvc/frugaltune":
+        "needs an SSH host and network",
     "source .venv/bin/activate": "the tests already run in the venv",
     'dvc exp apply <exp> && git commit -am "..."': "placeholders: `dvc exp apply` runs below on the real name",
     "mlflow models serve -m models:/frugaltune-sentiment@champion -h 127.0.0.1 -p 5001 --env-manager local":
