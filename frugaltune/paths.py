@@ -103,3 +103,5 @@ def compare_run(method: str) -> RunOutputs:
 # tracking (overridable by MLFLOW_TRACKING_URI)
 MLFLOW_DB = Path("mlflow.db")
 MLFLOW_ARTIFACTS = Path("mlartifacts")
+# `make ui SERVER=1` / `make mlflow-server`: the tracking server's own sqlite store and proxied artifacts
+MLFLOW_SERVER_DIR = Path("mlflow-server")

@@ -1,7 +1,9 @@
 """MLflow helpers: where runs go, what every run and model version is tagged with.
 
 The default store is `sqlite:///<project>/mlflow.db` with artifacts under `<project>/mlartifacts/` (the project
-root is the working directory, as for every stage); `MLFLOW_TRACKING_URI` overrides both, e.g. a remote server.
+root is the working directory, as for every stage); `MLFLOW_TRACKING_URI` overrides both, e.g. a remote server
+(`http://…`, `make mlflow-server`), which then holds runs, registry and artifacts: nothing is read from or written
+to a local store, and artifacts only ever move through MLflow's API.
 Tags tie a run or a model version back to the exact code (`git_commit`), pipeline state (`dvc.<stage>`: a short
 hash of that stage's deps and outs in `dvc.lock`) and input data (`data_hash`).
 
@@ -18,7 +20,9 @@ import json
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
+from urllib.parse import urlparse
 
 import yaml
 
@@ -78,8 +82,32 @@ def setup(experiment: str) -> str:
         experiment_id = found.experiment_id
         if EXPERIMENT_KIND_TAG not in found.tags:  # made before frugaltune set it
             client.set_experiment_tag(experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+    if is_server(uri):
+        warn_if_artifacts_local(experiment, client.get_experiment(experiment_id).artifact_location, uri)
     mlflow.set_experiment(experiment_id=experiment_id)
     return experiment_id
+
+
+def is_server(uri: str) -> bool:
+    """Whether `uri` names a tracking server (the store is reached over HTTP, not opened from a local file)."""
+    return uri.startswith(("http://", "https://"))
+
+
+def warn_if_artifacts_local(experiment: str, artifact_location: str, uri: str) -> bool:
+    """Warn (stderr) when a server's experiment keeps artifacts at a plain path; return whether it does.
+
+    MLflow clients write and read such a location themselves, on their own disk: from another machine the
+    artifacts land where nobody else sees them, and loading the model elsewhere fails. It happens when a server is
+    started on a store made without one (the project's mlflow.db: `file://.../mlartifacts`), or without
+    `--serve-artifacts`.
+    """
+    if urlparse(artifact_location).scheme not in ("", "file"):
+        return False
+    print(f"tracking: warning: experiment {experiment!r} on {uri} keeps its artifacts at {artifact_location}, a "
+          "path on the disk of whichever machine logs or loads them: other machines will not find them. Serve "
+          "artifacts through the server (`make mlflow-server`: a store of its own, `--serve-artifacts`), or set "
+          "`train.experiment` to a new name there.", file=sys.stderr)
+    return True
 
 
 def _git(*args: str) -> str | None:

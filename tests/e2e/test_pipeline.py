@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests import tiny_project
+
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
@@ -40,29 +42,7 @@ def ran_stages(output: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory, tiny_model_dir) -> Path:
-    repo = tmp_path_factory.mktemp("project")
-    for name in ("stages", "frugaltune", "kernels", "compare"):
-        shutil.copytree(ROOT / name, repo / name, ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(ROOT / "dvc.yaml", repo / "dvc.yaml")
-    params = yaml.safe_load((ROOT / "params.yaml").read_text())
-    params["model"]["source"] = str(tiny_model_dir)
-    params["data"]["max_rows"] = 200
-    params["validate"]["min_class_fraction"] = 0.05
-    params["kernels"]["enabled"] = False  # compiled and verified by tests/unit/test_kernels.py
-    params["train"].update({"max_steps": 4, "batch_size": 8, "log_every": 1, "threads": 1})
-    params["evaluate"]["batch_size"] = 16
-    params["compare"]["max_steps"] = 2
-    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    sh(["git", "init", "-q"], repo)
-    sh(["git", "config", "user.email", "ci@example.com"], repo)
-    sh(["git", "config", "user.name", "ci"], repo)
-    sh([sys.executable, "-m", "dvc", "init", "-q"], repo)
-    for name in ("config", ".gitignore"):  # the project's: analytics off, the offline plots template (not committed)
-        shutil.copy(ROOT / ".dvc" / name, repo / ".dvc" / name)
-    sh([sys.executable, "-m", "frugaltune.offline", "dvc-template"], repo)  # what `make install` writes
-    sh(["git", "add", "-A"], repo)
-    sh(["git", "commit", "-qm", "project"], repo)
-    return repo
+    return tiny_project.build(tmp_path_factory.mktemp("project"), tiny_model_dir)
 
 
 def test_repro_builds_every_artifact_then_is_a_no_op_then_reruns_only_training(repo):
@@ -229,6 +209,27 @@ README_NOT_RUN_HERE = {
     "make deploy-pool": "tests/e2e/test_prefect_pool.py registers the deployment (python -m flows.deploy --work-pool)",
     "make worker": "tests/e2e/test_prefect_pool.py starts workers (python -m flows.worker), kills one mid-run",
     "pytest -m gpu tests/gpu -v -s": "needs a CUDA device (skips with the reason without one)",
+    "dvc exp run -S train.distributed.nproc_per_node=4":
+        "tests/e2e/test_distributed.py runs the train stage with nproc_per_node=2 through dvc repro",
+    "torchrun --nnodes 2 --node_rank 0 --nproc_per_node 4 --rdzv_backend c10d --rdzv_endpoint hostA:29500 -m "
+    "stages.train": "needs two hosts (tests/e2e/test_distributed.py runs torchrun on one)",
+    "torchrun --nnodes 2 --node_rank 1 --nproc_per_node 4 --rdzv_backend c10d --rdzv_endpoint hostA:29500 -m "
+    "stages.train": "needs two hosts",
+    "dvc commit train && dvc repro": "after a two-host run only (the line above)",
+    "make mlflow-server": "tests/e2e/test_scale_out.py starts it (python -m flows.ui --mlflow-server --no-prefect)",
+    "make ui SERVER=1": "python -m flows.ui --mlflow-server: tests/e2e/test_scale_out.py starts that server alone",
+    "export MLFLOW_TRACKING_URI=http://127.0.0.1:5000": "tests/e2e/test_scale_out.py sets it (its server's port)",
+    "dvc repro": "tests/e2e/test_scale_out.py runs it against the server, and in the new clone",
+    "dvc remote add -d storage /srv/dvc/frugaltune": "tests/e2e/test_scale_out.py runs it with its own directory",
+    'git commit -m "DVC remote" .dvc/config': "tests/e2e/test_scale_out.py runs it as written",
+    "dvc push": "tests/e2e/test_scale_out.py pushes to its local remote",
+    "git clone <repo-url> frugaltune2 && cd frugaltune2": "a placeholder: tests/e2e/test_scale_out.py clones anew",
+    "make install && dvc pull dvc.yaml": "tests/e2e/test_scale_out.py: what install writes (the plots template), "
+                                         "then this pull",
+    "pip install 'dvc[s3]' && dvc remote add -d storage s3://my-bucket/frugaltune": "needs a bucket and network",
+    "pip install 'dvc[gs]' && dvc remote add -d storage gs://my-bucket/frugaltune": "needs a bucket and network",
+    "pip install 'dvc[ssh]' && dvc remote add -d storage ssh://user@dvc-host/srv/dvc/frugaltune":
+        "needs an SSH host and network",
     "source .venv/bin/activate": "the tests already run in the venv",
     'dvc exp apply <exp> && git commit -am "..."': "placeholders: `dvc exp apply` runs below on the real name",
     "mlflow models serve -m models:/frugaltune-sentiment@champion -h 127.0.0.1 -p 5001 --env-manager local":

@@ -77,6 +77,25 @@ def test_setup_creates_the_experiment_once_with_artifacts_in_mlartifacts(project
     assert (project / "mlflow.db").is_file()
 
 
+@pytest.mark.parametrize("location, local", [
+    ("mlflow-artifacts:/1", False),  # a server that proxies artifacts
+    ("s3://bucket/mlflow/1", False),
+    ("file:///srv/project/mlartifacts", True),  # a server started on a store made locally (the project's mlflow.db)
+    ("/srv/mlruns/1", True),  # a server without --serve-artifacts
+])
+def test_a_server_experiment_with_artifacts_on_a_local_path_is_warned_about(
+    location: str, local: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert tracking.warn_if_artifacts_local("frugaltune", location, "http://mlflow:5000") is local
+    warning = capsys.readouterr().err
+    assert (location in warning and "make mlflow-server" in warning) if local else warning == ""
+
+
+def test_is_server_tells_http_from_local_stores() -> None:
+    assert tracking.is_server("http://127.0.0.1:5000") and tracking.is_server("https://mlflow.example.com")
+    assert not tracking.is_server("sqlite:////p/mlflow.db") and not tracking.is_server("file:///p/mlruns")
+
+
 def test_git_commit_is_none_outside_git_and_the_head_inside(project: Path) -> None:
     assert tracking.git_commit() is None
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]

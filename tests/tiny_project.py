@@ -1,0 +1,58 @@
+"""The tiny project the end-to-end tests run `dvc repro` in: the real stages and dvc.yaml in a temp git+DVC repo,
+on a tiny random llama and 200 real tweets. Imported by tests/e2e/test_pipeline.py and test_scale_out.py; not run
+on its own."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def env(**extra: str) -> dict[str, str]:
+    """This environment for a subprocess: the venv first on PATH, offline, no progress bars, and the default
+    MLflow store (the project's mlflow.db) unless `extra` sets MLFLOW_TRACKING_URI."""
+    base = {name: value for name, value in os.environ.items() if name != "MLFLOW_TRACKING_URI"}
+    return {**base, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+            "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1", **extra}
+
+
+def run(cmd: list[str], cwd: Path, timeout: float = 1200, **extra: str) -> str:
+    """Run `cmd` in `cwd` with `env(**extra)`; its stdout + stderr, or a failed assertion that shows them."""
+    proc = subprocess.run(cmd, cwd=cwd, env=env(**extra), capture_output=True, text=True, timeout=timeout)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{output[-6000:]}"
+    return output
+
+
+def build(repo: Path, model_dir: Path) -> Path:
+    """The project in `repo` with tiny settings (model `model_dir`, 200 rows, 4 training steps, no kernels),
+    committed; `.dvc/config` and the offline plots template as `make install` leaves them."""
+    for name in ("stages", "frugaltune", "kernels", "compare"):
+        shutil.copytree(ROOT / name, repo / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "dvc.yaml", repo / "dvc.yaml")
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    params["model"]["source"] = str(model_dir)
+    params["data"]["max_rows"] = 200
+    params["validate"]["min_class_fraction"] = 0.05
+    params["kernels"]["enabled"] = False  # compiled and verified by tests/unit/test_kernels.py
+    params["train"].update({"max_steps": 4, "batch_size": 8, "log_every": 1, "threads": 1})
+    params["evaluate"]["batch_size"] = 16
+    params["compare"]["max_steps"] = 2
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    run(["git", "init", "-q"], repo)
+    run(["git", "config", "user.email", "ci@example.com"], repo)
+    run(["git", "config", "user.name", "ci"], repo)
+    run([sys.executable, "-m", "dvc", "init", "-q"], repo)
+    for name in ("config", ".gitignore"):  # the project's: analytics off, the offline plots template (not committed)
+        shutil.copy(ROOT / ".dvc" / name, repo / ".dvc" / name)
+    run([sys.executable, "-m", "frugaltune.offline", "dvc-template"], repo)  # what `make install` writes
+    run(["git", "add", "-A"], repo)
+    run(["git", "commit", "-qm", "project"], repo)
+    return repo
