@@ -35,7 +35,7 @@ compare: pipeline
 	dvc repro compare/dvc.yaml
 
 test: install
-	python -m pytest -q tests -m "not gpu"
+	python -m pytest -q tests -m "not gpu" --durations=25
 
 # The experiments side by side, only the columns that differ (plus the ones users compare): fits a terminal
 exps: install

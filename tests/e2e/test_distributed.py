@@ -69,8 +69,17 @@ def test_two_ranks_take_the_same_steps_as_one_process(project: Path):
 
 
 def rank_processes(launcher: psutil.Process) -> list[psutil.Process]:
-    return [p for p in launcher.children(recursive=True) if "stages.train" in " ".join(p.cmdline())
-            and "torch.distributed.run" not in " ".join(p.cmdline())]
+    """The training ranks under `dvc repro`: the processes torchrun gave a LOCAL_RANK. Not by command line: the
+    shell DVC runs the stage in (kept by some /bin/sh, exec'ed away by others) and the stage process that
+    launches torchrun read `stages.train` too."""
+    ranks = []
+    for proc in launcher.children(recursive=True):
+        try:
+            if "LOCAL_RANK" in proc.environ():
+                ranks.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return ranks
 
 
 def test_a_two_rank_run_killed_with_sigkill_resumes_to_the_same_final_loss(project: Path):
