@@ -75,6 +75,45 @@ class DataParams(Section):
     split: SplitParams = Field(default_factory=SplitParams, description="Split shares when one file is given.")
 
 
+class TaskParams(Section):
+    """What the model learns: a label per text, or a response per prompt (README "Generative fine-tuning")."""
+
+    type: Literal["classification", "causal_lm"] = Field(
+        "classification", description="classification: a new head predicts `data.label_column` from "
+        "`data.text_column`. causal_lm: the base model's own LM head learns to write the response of each prompt "
+        "(loss on the response tokens only).")
+    prompt_column: str = Field("prompt", description="causal_lm: the column holding the prompt.")
+    response_column: str = Field("response", description="causal_lm: the column holding the reference response.")
+    messages_column: str | None = Field(
+        None, description="causal_lm: a column of chat messages ([{role, content}, ...], the last one the "
+        "assistant's response) instead of prompt/response columns.")
+    candidates_column: str | None = Field(
+        None, description="causal_lm: a column listing each row's allowed answers (a list of strings, or a JSON "
+        "list); evaluation and serving can then choose among them (`task.constrained`).")
+    prompt_template: str | None = Field(
+        None, description="causal_lm from a labelled dataset: the prompt is this template with `{text}` replaced by "
+        "`data.text_column`, the response is the label of `data.label_column`, and the label set is every row's "
+        "candidates. Ingest and validation are then the classifier's, on the same rows and splits.")
+    system: str | None = Field(
+        None, description="causal_lm: the system message of the chat template; null = the template's default.")
+    chat_template: Literal["auto", "always", "never"] = Field(
+        "auto", description="causal_lm: wrap prompts in the tokenizer's chat template: auto = when it has one.")
+    constrained: bool = Field(
+        True, description="causal_lm: where candidates are known, evaluate by choosing the most likely candidate "
+        "(one batched forward) instead of generating freely and matching strings.")
+    max_new_tokens: int = Field(32, ge=1, description="causal_lm: tokens generated at most per answer.")
+    temperature: float = Field(0.0, ge=0, description="causal_lm: sampling temperature; 0 = greedy decoding.")
+    scorer: str | None = Field(
+        None, description="causal_lm: `module:function` scoring one answer, `score(prompt, prediction, reference) -> "
+        "float`, for answers whose correctness is not string equality; its mean is the metric `score`.")
+
+    @model_validator(mode="after")
+    def _check_template(self) -> "TaskParams":
+        if self.prompt_template is not None and "{text}" not in self.prompt_template:
+            raise ValueError("task.prompt_template must contain `{text}` (where the input text goes)")
+        return self
+
+
 class ValidateParams(Section):
     min_text_chars: int = Field(1, ge=1, description="Row-level: texts shorter than this (after stripping) fail.")
     max_text_chars: int = Field(1000, gt=1, description="Row-level: texts longer than this fail.")
@@ -332,6 +371,7 @@ class ScheduleParams(Section):
 class Params(Section):
     common: CommonParams = Field(default_factory=CommonParams)
     model: ModelParams = Field(default_factory=ModelParams)
+    task: TaskParams = Field(default_factory=TaskParams)
     data: DataParams = Field(default_factory=DataParams)
     validate_: ValidateParams = Field(default_factory=ValidateParams, alias="validate")
     tokenize: TokenizeParams = Field(default_factory=TokenizeParams)

@@ -194,6 +194,69 @@ def normalize_columns(
     return out
 
 
+def normalize_pairs(frame: pd.DataFrame, path: Path, prompt_column: str, response_column: str,
+                    messages_column: str | None, candidates_column: str | None) -> pd.DataFrame:
+    """causal_lm rows as `source_row, prompt, response[, messages][, candidates]`: prompt and response are strings;
+    `messages` (the chat context before the answer, JSON) when the rows are chat conversations; `candidates` a JSON
+    list of the allowed answers. Malformed rows raise naming the file, the row and the key."""
+    import json
+
+    out = pd.DataFrame({"source_row": np.arange(len(frame), dtype=np.int64)})
+    if messages_column:
+        if messages_column not in frame.columns:
+            raise DataSourceError(f"{path}: no column {messages_column!r} (columns: {', '.join(map(str, frame.columns))})"
+                                  f". Set task.messages_column to the column of chat messages, or null.")
+        from frugaltune.generation import split_messages
+
+        prompts, responses, contexts = [], [], []
+        for row, value in enumerate(frame[messages_column]):
+            try:
+                messages = json.loads(value) if isinstance(value, str) else value
+                if messages is not None and not isinstance(messages, list | dict | str):
+                    messages = list(messages)  # parquet/pandas hand over arrays
+                context, response = split_messages(messages)
+            except ValueError as exc:  # json's too
+                raise DataSourceError(f"{path}: row {row + 1}, column {messages_column!r} (task.messages_column): "
+                                      f"{exc}") from None
+            context = [{"role": str(m["role"]), "content": str(m["content"])} for m in context]
+            contexts.append(json.dumps(context, ensure_ascii=False))
+            prompts.append(next(m["content"] for m in reversed(context) if m["role"] != "system"))
+            responses.append(str(response))
+        out["prompt"], out["response"], out["messages"] = prompts, responses, contexts
+    else:
+        for key, column in (("task.prompt_column", prompt_column), ("task.response_column", response_column)):
+            if column not in frame.columns:
+                raise DataSourceError(
+                    f"{path}: no column {column!r} (columns: {', '.join(map(str, frame.columns))}). Set {key} to the "
+                    "column that holds it (or task.messages_column for chat-format rows).")
+        for name, column in (("prompt", prompt_column), ("response", response_column)):
+            out[name] = frame[column].astype("string").fillna("").astype(str).to_numpy()
+    if candidates_column:
+        if candidates_column not in frame.columns:
+            raise DataSourceError(f"{path}: no column {candidates_column!r}. Set task.candidates_column to the column "
+                                  "listing each row's allowed answers, or null.")
+        lists = []
+        for row, value in enumerate(frame[candidates_column]):
+            try:
+                items = json.loads(value) if isinstance(value, str) else list(value)
+            except (TypeError, ValueError):
+                items = None
+            if not isinstance(items, list) or not items or not all(isinstance(i, str) for i in items):
+                raise DataSourceError(f"{path}: row {row + 1}: column {candidates_column!r} must be a non-empty list "
+                                      f"of strings (or its JSON), got {value!r}.")
+            lists.append(json.dumps(items, ensure_ascii=False))
+        out["candidates"] = lists
+    return out
+
+
+def random_split(frame: pd.DataFrame, val: float, test: float, seed: int) -> dict[str, pd.DataFrame]:
+    """Seeded train/val/test split of rows that have no label to stratify on (prompt -> response pairs)."""
+    index = np.random.default_rng(seed).permutation(len(frame))
+    n_test, n_val = int(round(len(frame) * test)), int(round(len(frame) * val))
+    parts = {"test": index[:n_test], "val": index[n_test:n_test + n_val], "train": index[n_test + n_val:]}
+    return {split: frame.iloc[sorted(parts[split])].reset_index(drop=True) for split in SPLIT_NAMES}
+
+
 def infer_labels(labels: pd.Series) -> list[str]:
     """Sorted distinct non-empty labels; numeric order when every label is an integer."""
     distinct = sorted({label for label in labels if label != ""})

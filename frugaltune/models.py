@@ -183,7 +183,7 @@ def qlora_quantization(quant_type: str = "nf4", double_quant: bool = True, compu
 
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant_type,
                               bnb_4bit_use_double_quant=double_quant, bnb_4bit_compute_dtype=compute_dtype,
-                              llm_int8_skip_modules=["score", "classifier"])
+                              llm_int8_skip_modules=["score", "classifier", "lm_head"])
 
 
 def load_for_classification(
@@ -202,6 +202,16 @@ def load_for_classification(
         **extra,
     )
     # The classification head pools the last non-pad token, so the model must know the pad id.
+    model.config.pad_token_id = pad_token_id
+    return model
+
+
+def load_for_causal_lm(model_dir: Path | str, pad_token_id: int, seed: int, dtype: torch.dtype = torch.float32,
+                       quantization_config=None) -> PreTrainedModel:
+    """The base model with its own LM head (causal_lm fine-tuning); `seed` seeds LoRA's init as for classifiers."""
+    torch.manual_seed(seed)
+    extra = {"quantization_config": quantization_config} if quantization_config is not None else {}
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, **extra)
     model.config.pad_token_id = pad_token_id
     return model
 

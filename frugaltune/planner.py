@@ -106,23 +106,30 @@ def _config(model_dir_or_config, num_labels: int):
     return AutoConfig.from_pretrained(str(model_dir_or_config), num_labels=num_labels)
 
 
-def model_shape(model_dir_or_config, num_labels: int, method: str, knobs: MethodKnobs = MethodKnobs()) -> ModelShape:
-    """Exact parameter counts for `method`, from the config alone: the model is built on the meta device."""
+def model_shape(model_dir_or_config, num_labels: int, method: str, knobs: MethodKnobs = MethodKnobs(),
+                task: str = "classification") -> ModelShape:
+    """Exact parameter counts for `method`, from the config alone: the model is built on the meta device.
+
+    `task` causal_lm: the model with its LM head, whose logits span the vocabulary (`num_labels` is ignored).
+    """
     import torch
-    from transformers import AutoModelForSequenceClassification
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from frugaltune.training.methods import apply_lora, freeze_for, is_head
 
     config = _config(model_dir_or_config, num_labels)
+    if task == "causal_lm":
+        num_labels = config.vocab_size  # every position scores the whole vocabulary
     with torch.device("meta"):
-        model = AutoModelForSequenceClassification.from_config(config)
+        model = (AutoModelForCausalLM if task == "causal_lm" else AutoModelForSequenceClassification).from_config(config)
         linear = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-        quantizable = sum(m.weight.numel() for n, m in linear if not is_head(n))
+        quantizable = sum(m.weight.numel() for n, m in linear if not is_head(n) and not n.startswith("lm_head"))
         matmul = sum(m.weight.numel() for n, m in linear)
         total = sum(p.numel() for p in model.parameters())
         adapted = sum(1 for n, _ in linear if n.rsplit(".", 1)[-1] in knobs.target_modules)
         if method in ADAPTER_METHODS:
-            model = apply_lora(model, knobs.r, 2 * knobs.r, 0.0, list(knobs.target_modules), use_dora=method == "dora")
+            model = apply_lora(model, knobs.r, 2 * knobs.r, 0.0, list(knobs.target_modules), use_dora=method == "dora",
+                               task=task)
             trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
             total = sum(p.numel() for p in model.parameters())
         elif method in ("full", "prelayer", "none"):
@@ -233,8 +240,10 @@ def _calibration_point(spec: dict) -> dict:
 
     torch.set_num_threads(spec["threads"])
     rss = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # noqa: E731
+    causal = spec.get("task") == "causal_lm"
     model = prepare_model(spec["model_dir"], spec["labels"], spec["pad_token_id"], spec["seed"], spec["method"],
-                          spec["knobs"], spec["bf16"], spec["gradient_checkpointing"])
+                          spec["knobs"], spec["bf16"], spec["gradient_checkpointing"], task=spec.get("task",
+                                                                                                  "classification"))
     loaded_rss = rss()
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(spec["seed"])
@@ -245,7 +254,8 @@ def _calibration_point(spec: dict) -> dict:
     def timed_step(rows: int, length: int) -> float:
         """One training step (forward, backward, clipping, AdamW) on a random batch of this shape; its seconds."""
         ids = torch.randint(3, spec["vocab_size"], (rows, length), generator=generator).to(device)
-        labels = torch.randint(0, len(spec["labels"]), (rows,), generator=generator).to(device)
+        labels = ids.clone() if causal else torch.randint(0, len(spec["labels"]), (rows,), generator=generator).to(
+            device)  # causal_lm: every token a target, the LM head's full cost
         start = time.perf_counter()
         with autocast(spec["bf16"], device):
             loss = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels).loss
@@ -317,7 +327,7 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
               shape: ModelShape, *, bf16: bool, gradient_checkpointing: bool, micro_batches: tuple[int, int],
               seq_len: int, threads: int, seed: int = 0, steps: int = 2, timeout_s: float = 900,
               batches: list[tuple[int, int]] | None = None, time_samples: int = 6,
-              allocator: str = "auto") -> tuple[Constants, dict]:
+              allocator: str = "auto", task: str = "classification") -> tuple[Constants, dict]:
     """Measure real training steps of `method` on this machine and fit its memory and time constants.
 
     Memory: `steps` steps (after one warm-up) at two micro-batch sizes of length `seq_len`, each in a fresh process;
@@ -330,7 +340,8 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
     vocab = AutoConfig.from_pretrained(str(model_dir)).vocab_size
     spec = {"model_dir": str(model_dir), "labels": labels, "pad_token_id": pad_token_id, "seed": seed,
             "method": method, "knobs": asdict(knobs), "bf16": bf16, "gradient_checkpointing": gradient_checkpointing,
-            "seq_len": seq_len, "threads": threads, "steps": steps, "vocab_size": vocab, "allocator": allocator}
+            "seq_len": seq_len, "threads": threads, "steps": steps, "vocab_size": vocab, "allocator": allocator,
+            "task": task}
     small, large = sorted(set(micro_batches))[:2] if len(set(micro_batches)) > 1 else (micro_batches[0],
                                                                                      micro_batches[0] + 1)
     shapes_to_time = _time_shapes(batches or [(large, seq_len), (small, seq_len)], time_samples)
@@ -657,7 +668,9 @@ def build_plan(params: "Params", hardware: dict[str, Any], measured_precision: d
     spec = run_spec(params, lengths)
     knobs = spec.knobs
     methods = methods or ("none", *TRAINED_METHODS)
-    shapes = {m: model_shape(paths.BASE_MODEL, len(labels), m, knobs.get(m, MethodKnobs())) for m in methods}
+    task = params.task.type
+    shapes = {m: model_shape(paths.BASE_MODEL, max(len(labels), 1), m, knobs.get(m, MethodKnobs()), task)
+              for m in methods}
     limit_gb = memory_limit_gb if memory_limit_gb is not None else params.probe.memory_limit_gb
     draft = make_plan(spec, hardware, shapes, Constants(), limit_gb, measured_precision=measured_precision)
     run_calibration = params.probe.calibrate if run_calibration is None else run_calibration
@@ -679,7 +692,7 @@ def build_plan(params: "Params", hardware: dict[str, Any], measured_precision: d
         gradient_checkpointing=entry["gradient_checkpointing"],
         micro_batches=(max(1, large // 2), large) if large > 1 else (1, 2),
         seq_len=entry["largest_batch"]["length"], threads=draft["threads"], seed=params.common.seed,
-        steps=params.probe.calibration_steps, allocator=params.train.allocator, batches=[
+        steps=params.probe.calibration_steps, allocator=params.train.allocator, task=task, batches=[
             (math.ceil(rows / split), length) for rows, length in planned_batches(
                 lengths, spec.batch_size, spec.grad_accum, spec.epochs, spec.max_steps, spec.seed,
                 spec.group_by_length)[1]])

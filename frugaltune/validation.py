@@ -111,7 +111,14 @@ def check_columns(frame: pd.DataFrame, source: str | Path) -> None:
 ROW_CHECKS = (
     "text_missing", "text_empty", "text_too_short", "text_too_long", "label_missing", "label_not_in_set",
     "confidence_out_of_range", "confidence_too_low", "duplicate_text",
+    # causal_lm pairs: the prompt is checked as the text is, the response as the label, duplicates are whole pairs
+    "prompt_missing", "prompt_empty", "prompt_too_short", "prompt_too_long", "response_missing", "response_empty",
+    "duplicate_pair",
 )
+# The classifier's check -> its name for prompt/response pairs (validate_splits(pairs=True))
+PAIR_NAMES = {"text_missing": "prompt_missing", "text_empty": "prompt_empty", "text_too_short": "prompt_too_short",
+              "text_too_long": "prompt_too_long", "label_missing": "response_missing", "duplicate_text": "duplicate_pair"}
+_PAIR_KEY = "pair_stripped"  # helper column seen by GX only: prompt and response stripped, joined
 
 
 # What each row rule asks of a row, for the data docs (formatted with `rules`)
@@ -125,11 +132,27 @@ _ROW_RULES = {
     "confidence_out_of_range": "the confidence, when given, is between 0 and 1",
     "confidence_too_low": "the confidence, when given, is at least {rules.min_confidence}",
     "duplicate_text": "the stripped text appears once (the first copy, train before val before test, is kept)",
+    "prompt_missing": "the prompt is present",
+    "prompt_empty": "the prompt has a character that is not whitespace",
+    "prompt_too_short": "the stripped prompt has at least {rules.min_text_chars} characters",
+    "prompt_too_long": "the stripped prompt has at most {rules.max_text_chars} characters",
+    "response_missing": "the response is present",
+    "response_empty": "the response has a character that is not whitespace",
+    "duplicate_pair": "the (prompt, response) pair appears once (the first copy, train before val before test, is "
+                      "kept)",
 }
 
 
-def build_suite(rules: ValidationRules, labels: Sequence[str], has_confidence: bool) -> gx.ExpectationSuite:
-    """The GX suite; every expectation carries `meta={"check": name, "level": "schema" | "row" | "table"}`."""
+def build_suite(rules: ValidationRules, labels: Sequence[str], has_confidence: bool,
+                pairs: bool = False) -> gx.ExpectationSuite:
+    """The GX suite; every expectation carries `meta={"check": name, "level": "schema" | "row" | "table"}`.
+
+    `pairs`: causal_lm prompt -> response rows, passed as `text` (the prompt) and `label` (the response): the
+    text checks apply to the prompt, the response must be present and not blank, duplicates are whole pairs, and
+    there is no label set or class balance to check.
+    """
+    if pairs:
+        return _pair_suite(rules)
 
     def row(name: str, expectation: gxe.Expectation) -> gxe.Expectation:
         # A row rule quarantines the rows that break it and the run goes on, so in GX it must not read "Failed":
@@ -196,6 +219,42 @@ def build_suite(rules: ValidationRules, labels: Sequence[str], has_confidence: b
                              f"as unexpected; they may be up to {1 - rules.min_class_fraction:.0%}.")
         expectations.append(check)
     return gx.ExpectationSuite(name="validate", expectations=expectations)
+
+
+def _pair_suite(rules: ValidationRules) -> gx.ExpectationSuite:
+    def row(name: str, expectation: gxe.Expectation, column: str = "") -> gxe.Expectation:
+        expectation.meta = {"check": name, "level": "row"}
+        expectation.mostly = 0.0  # quarantine and go on (see build_suite)
+        expectation.description = (f"Row rule `{name}`: {_ROW_RULES[name].format(rules=rules)}. Rows that break it "
+                                    f"(listed as unexpected) are quarantined (data/quarantine.parquet)"
+                                    + (" and the run goes on." if name != "duplicate_pair" or rules.drop_duplicates
+                                       else "; here only counted (validate.drop_duplicates is off)."))
+        return expectation
+
+    note = f"`{_STRIPPED}`: the prompt with surrounding whitespace removed, null when nothing is left."
+    expectations = [
+        *(gxe.ExpectColumnToExist(column=column, meta={"check": f"column_exists.{column}", "level": "schema"})
+          for column in REQUIRED_COLUMNS),
+        row("prompt_missing", gxe.ExpectColumnValuesToNotBeNull(column="text")),
+        row("prompt_empty", gxe.ExpectColumnValuesToMatchRegex(column="text", regex=r"\S")),
+        row("prompt_too_short", gxe.ExpectColumnValueLengthsToBeBetween(
+            column=_STRIPPED, min_value=rules.min_text_chars, notes=note)),
+        row("prompt_too_long", gxe.ExpectColumnValueLengthsToBeBetween(
+            column=_STRIPPED, max_value=rules.max_text_chars, notes=note)),
+        row("response_missing", gxe.ExpectColumnValuesToNotBeNull(column="label")),
+        row("response_empty", gxe.ExpectColumnValuesToMatchRegex(column="label", regex=r"\S")),
+        row("duplicate_pair", gxe.ExpectColumnValuesToBeUnique(column=_PAIR_KEY, notes="Only copies after the first "
+                                                                "are quarantined.")),
+    ]
+    duplicates = gxe.ExpectColumnProportionOfUniqueValuesToBeBetween(
+        column=_PAIR_KEY, min_value=1 - rules.max_duplicate_fraction,
+        meta={"check": "duplicate_fraction", "level": "table"})
+    duplicates.notes = f"Duplicate pair fraction = 1 - this proportion, at most {rules.max_duplicate_fraction}."
+    mojibake = gxe.ExpectColumnValuesToNotMatchRegex(column="text", regex=MOJIBAKE_PATTERN,
+                                                     mostly=1 - rules.max_mojibake_fraction,
+                                                     meta={"check": "mojibake_fraction", "level": "table"})
+    mojibake.notes = f"Mojibake (UTF-8 decoded as latin-1/cp1252) in at most {rules.max_mojibake_fraction} of prompts."
+    return gx.ExpectationSuite(name="validate", expectations=[*expectations, duplicates, mojibake])
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -277,6 +336,8 @@ class ValidationOutcome:
             "duplicate_text": "first copy only" + ("" if r.drop_duplicates else
                                                   f" (not quarantined: {key_prefix}drop_duplicates=false)"),
         }
+        row_rules |= {pair: row_rules[text] for text, pair in PAIR_NAMES.items()}
+        row_rules |= {"response_empty": "not blank"}
         lines = [f"{'check':<32} {'rows':>7} {'share':>8}  {'threshold':<56} examples (split:source_row)"]
         for name, failed in self.row_failures.items():
             lines.append(f"{name:<32} {int(failed.sum()):>7} {failed.sum() / n:>8.2%}  {row_rules[name]:<56} "
@@ -345,6 +406,7 @@ def validate_splits(
     labels: Sequence[str],
     rules: ValidationRules,
     docs_dir: Path | None = None,
+    pairs: bool = False,
 ) -> ValidationOutcome:
     """Run the suite over all splits together (in the mapping's order, which decides which duplicate is first).
 
@@ -353,6 +415,7 @@ def validate_splits(
         labels: the declared label set, in class-id order.
         rules: thresholds.
         docs_dir: where GX writes the data docs site (HTML) for this run; None writes none.
+        pairs: causal_lm prompt -> response rows given as `text` (prompt) and `label` (response); see build_suite.
 
     Raises:
         DataValidationError: a required column is missing, or `(split, source_row)` is not unique.
@@ -373,10 +436,12 @@ def validate_splits(
 
     stripped = frame["text"].astype("str").str.strip()  # astype keeps nulls null
     gx_frame = frame.assign(**{_STRIPPED: stripped.where(stripped != "")})
+    if pairs:
+        gx_frame[_PAIR_KEY] = stripped + "\x1f" + frame["label"].astype("str").str.strip()
     context = _context(docs_dir)
     batch = (context.data_sources.add_pandas("frugaltune").add_dataframe_asset("splits")
              .add_batch_definition_whole_dataframe("all_splits"))
-    suite = context.suites.add(build_suite(rules, labels, has_confidence))
+    suite = context.suites.add(build_suite(rules, labels, has_confidence, pairs))
     definition = context.validation_definitions.add(gx.ValidationDefinition(name="validate", data=batch, suite=suite))
     result = definition.run(
         batch_parameters={"dataframe": gx_frame},
@@ -413,7 +478,9 @@ def validate_splits(
             row_failures[name] = failing(by_check[name])
     if "duplicate_text" in row_failures:
         row_failures["duplicate_text"] &= gx_frame[_STRIPPED].notna() & gx_frame[_STRIPPED].duplicated()
-    quarantining = [n for n in row_failures if n != "duplicate_text" or rules.drop_duplicates]
+    if "duplicate_pair" in row_failures:
+        row_failures["duplicate_pair"] &= gx_frame[_PAIR_KEY].notna() & gx_frame[_PAIR_KEY].duplicated()
+    quarantining = [n for n in row_failures if n not in ("duplicate_text", "duplicate_pair") or rules.drop_duplicates]
     reasons = pd.Series("", index=frame.index, dtype=object)
     for name in quarantining:
         reasons[row_failures[name]] += name + "; "
@@ -421,7 +488,7 @@ def validate_splits(
 
     table_checks = [_bad_fraction(frame, reasons, rules)]
     behind = {  # rows that make up each measured share, for the examples in the summary
-        "duplicate_fraction": row_failures.get("duplicate_text"),
+        "duplicate_fraction": row_failures.get("duplicate_text", row_failures.get("duplicate_pair")),
         "missing_confidence_fraction": frame[CONFIDENCE].isna() if has_confidence else None,
     }
     for name, res in by_check.items():

@@ -4,7 +4,9 @@ Reads `evaluate.*`, `common.seed`, `data/tokenized/`, `models/base/`, `models/ad
 model trained in from `reports/train.json`.
 Writes `reports/evaluate.json` ({"baseline": {...}, "finetuned": {...}, "macro_f1_gain": ...}: accuracy, macro-F1,
 per-class precision/recall/F1, confusion matrix) and `reports/plots/evaluate_confusion.csv` (actual,predicted per
-example, for `dvc plots`' confusion template). The baseline is the base model with the classification head that
+example, for `dvc plots`' confusion template). `task.type: causal_lm`: loss/perplexity of the reference responses,
+exact match and token F1 of the answers (constrained choice among candidates, or generation), the `task.scorer`
+mean, and macro-F1 when the responses are a label set (`task.prompt_template`). The baseline is the base model with the classification head that
 training started from (same seed), so the gain is what fine-tuning added.
 """
 
@@ -38,7 +40,89 @@ def trained_precision(params: Params, out: paths.RunOutputs) -> bool:
     return planner.recommend_precision(hardware, params.train.precision, measured)[0]
 
 
+def generative_metrics(model, tokenizer, data, params: Params, bf16: bool, labels: list[str], name: str) -> tuple[
+        dict, list[str]]:
+    """One model on the evaluation split: loss and perplexity of the reference responses, then its answers (the
+    most likely candidate where candidates are known and task.constrained, else greedy/sampled generation) scored
+    by exact match, token F1, the task.scorer if any, and macro-F1 over the label set when there is one."""
+    import math
+    import time
+
+    from frugaltune import generation
+    from frugaltune.training.loop import lm_loss
+
+    task, ep = params.task, params.evaluate
+    loss, tokens = lm_loss(model, data["input_ids"], data["labels"], tokenizer.pad_token_id, ep.batch_size, bf16)
+    prompts = [ids[:n] for ids, n in zip(data["input_ids"], data["prompt_length"])]
+    candidates = list(data["candidates"])
+    references = list(data["reference"])
+    constrained = task.constrained and all(candidates)
+    start = time.perf_counter()
+    if constrained:
+        chosen, _ = generation.choose(model, tokenizer, prompts, candidates, batch_size=ep.batch_size)
+        answers = [options[i] for options, i in zip(candidates, chosen)]
+    else:
+        answers = generation.generate(model, tokenizer, prompts, task.max_new_tokens, task.temperature,
+                                      batch_size=ep.batch_size, seed=params.common.seed)
+    seconds = time.perf_counter() - start
+    metrics = {
+        "loss": round(loss, 6), "perplexity": round(math.exp(min(loss, 50)), 4), "response_tokens": tokens,
+        "exact_match": round(float(np.mean([generation.exact_match(a, r) for a, r in zip(answers, references)])), 6),
+        "token_f1": round(float(np.mean([generation.token_f1(a, r) for a, r in zip(answers, references)])), 6),
+        "answered_by": "constrained choice" if constrained else "generation",
+        "answer_seconds": round(seconds, 2),
+    }
+    if task.scorer:
+        score = generation.load_scorer(task.scorer)
+        metrics["score"] = round(float(np.mean([float(score(p, a, r)) for p, a, r in zip(
+            data["prompt"], answers, references)])), 6)
+    if any(candidates):  # answers from a finite set: how often one of them, and per-class figures
+        metrics["valid_fraction"] = round(float(np.mean([generation.normalize_answer(a) in {
+            generation.normalize_answer(c) for c in options} for a, options in zip(answers, candidates)])), 6)
+    if labels:
+        index = {generation.normalize_answer(label): i for i, label in enumerate(labels)}
+        y_true = np.array([index.get(generation.normalize_answer(r), len(labels)) for r in references])
+        y_pred = np.array([index.get(generation.normalize_answer(a), len(labels)) for a in answers])  # other: wrong
+        metrics.update(classification_metrics(y_true, y_pred, labels))
+    print(f"evaluate: {name:9s} loss {metrics['loss']:.4f}  exact match {metrics['exact_match']:.4f}  token F1 "
+          f"{metrics['token_f1']:.4f}" + (f"  macro-F1 {metrics['macro_f1']:.4f}" if labels else "")
+          + f"  ({metrics['answered_by']}, {seconds:.1f} s)")
+    return metrics, answers
+
+
+def run_sft(params: Params, out: paths.RunOutputs) -> dict:
+    """causal_lm: the base model (its own LM head, untouched) and the fine-tuned one, side by side."""
+    from frugaltune.models import load_for_causal_lm
+
+    ep, seed = params.evaluate, params.common.seed
+    bf16 = trained_precision(params, out)
+    torch.set_num_threads(resolve_threads(params.train.threads))
+    labels = read_json(paths.LABELS)["labels"] if params.task.prompt_template is not None else []
+    data = load_from_disk(str(paths.TOKENIZED_DIR))[ep.split]
+    tokenizer = load_tokenizer(paths.BASE_MODEL)
+    model = load_for_causal_lm(paths.BASE_MODEL, tokenizer.pad_token_id, seed).to(device())
+    baseline, _ = generative_metrics(model, tokenizer, data, params, bf16, labels, "baseline")
+    model = load_trained(model, out.adapter_dir)
+    finetuned, answers = generative_metrics(model, tokenizer, data, params, bf16, labels, "finetuned")
+    report = {"task": "causal_lm", "baseline": baseline, "finetuned": finetuned, "rows": len(data)}
+    headline = ["exact_match", "token_f1", "loss"] + (["macro_f1", "accuracy"] if labels else []) + (
+        ["score"] if params.task.scorer else [])
+    for key in headline:
+        report[f"{key}_gain"] = round(finetuned[key] - baseline[key], 6)
+    write_json(out.evaluate_report, report)
+    if out.evaluate_metrics is not None:
+        write_metrics(out.evaluate_metrics, {**{key: finetuned[key] for key in headline},
+                                             **{f"baseline_{key}": baseline[key] for key in headline}})
+    # actual,predicted per example: dvc plots' confusion template (meaningful when the answers are a label set)
+    write_text(out.confusion_csv, pd.DataFrame({"actual": data["reference"], "predicted": answers}).to_csv(index=False))
+    print(f"evaluate: exact match gain {report['exact_match_gain']:+.4f}"
+          + (f", macro-F1 gain {report['macro_f1_gain']:+.4f}" if labels else "") + f" on {len(data)} {ep.split} pairs")
+    return report
+
+
 def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN) -> dict:
+    if params.task.type == "causal_lm":
+        return run_sft(params, out)
     ep, seed = params.evaluate, params.common.seed
     bf16 = trained_precision(params, out)
     torch.set_num_threads(resolve_threads(params.train.threads))

@@ -40,6 +40,7 @@ from frugaltune import paths
 from frugaltune.config import Params, ParamsError, load_params
 
 EVAL_DATA_TAG = "frugaltune.eval_data"  # fingerprint of the evaluation split: token ids + label ids
+TASK_TAG = "frugaltune.task"  # classification | causal_lm: versions of different tasks are never compared
 LABELS_TAG = "frugaltune.labels"  # the label names, in class-id order, as JSON
 MODEL_HASH_TAG = "frugaltune.model_hash"  # content hash of adapter + base config: finds a logged model again
 LOGGED_MODEL_NAME = "model"
@@ -81,7 +82,19 @@ def eval_data_tags(split: str) -> dict[str, str]:
     if split not in data:
         raise RegisterError(f"{paths.TOKENIZED_DIR} has no `{split}` split (evaluate.split); it has {list(data)}.")
     return {EVAL_DATA_TAG: data_fingerprint(data[split]["input_ids"], data[split]["labels"]),
-            LABELS_TAG: json.dumps(read_json(paths.LABELS)["labels"])}
+            LABELS_TAG: json.dumps(read_json(paths.LABELS)["labels"]),
+            TASK_TAG: read_json(paths.LABELS).get("task", "classification")}
+
+
+def log_model_task(adapter_dir: Path) -> dict:
+    """The task and, for a generative model, two prompts of the evaluation data as the logged input example."""
+    task = serving.read_task(adapter_dir)
+    if task != "causal_lm":
+        return {}
+    from datasets import load_from_disk
+
+    prompts = [str(p) for p in load_from_disk(str(paths.TOKENIZED_DIR))["test"]["prompt"][:2]]
+    return {"task": task, "example_texts": tuple(prompts)}
 
 
 def metric_tags(evaluation: dict) -> dict[str, str]:
@@ -200,6 +213,9 @@ def _holder(client: MlflowClient, name: str, alias: str) -> ModelVersion | None:
 
 def _not_comparable(holder: ModelVersion, version: ModelVersion) -> str | None:
     """Why two versions' metrics cannot be compared (other label set, other evaluation data), or None."""
+    held, new = (v.tags.get(TASK_TAG, "classification") for v in (holder, version))  # untagged: a classifier
+    if held != new:
+        return f"the task differs (v{holder.version}: {held}, this version: {new})"
     for tag, what in ((LABELS_TAG, "label set"), (EVAL_DATA_TAG, "evaluation data")):
         held, new = holder.tags.get(tag), version.tags.get(tag)
         if held is None:
@@ -273,7 +289,8 @@ def run(params: Params) -> dict:
     else:
         with _resumed(run_id):
             info = serving.log_model(
-                paths.BASE_MODEL, paths.ADAPTER_DIR, name=LOGGED_MODEL_NAME, tags={MODEL_HASH_TAG: content_hash}
+                paths.BASE_MODEL, paths.ADAPTER_DIR, name=LOGGED_MODEL_NAME, tags={MODEL_HASH_TAG: content_hash},
+                **log_model_task(paths.ADAPTER_DIR)
             )
         model_uri, model_id = info.model_uri, info.model_id
     tags = {**tracking.run_tags(), **metrics, **eval_data, MODEL_HASH_TAG: content_hash}

@@ -4,16 +4,23 @@ Reads `tokenize.*`, `data/validated/`, the label set and the base model's tokeni
 (a `datasets.DatasetDict` saved with `save_to_disk`: input_ids, labels, length) and `reports/tokenize.json`
 (length statistics per split). Truncates at `tokenize.max_length` and pads nothing: batches pad to their own
 longest sequence at training time, so no compute is spent on padding to a fixed length.
+
+`task.type: causal_lm`: each row becomes prompt ids (the model's chat template, frugaltune.generation) + response
+ids + EOS, with `labels` -100 over the prompt (the loss is on the response only), plus prompt_length, prompt,
+reference and candidates for evaluation. A pair longer than `tokenize.max_length` is quarantined in
+`data/tokenized/too_long.parquet` and counted in the report, never cut.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 
 import numpy as np
 import pandas as pd
 from datasets import Dataset, DatasetDict
 
+from frugaltune import generation
 from frugaltune.faults import stage_errors
 from frugaltune.io import atomic_dir, read_json, write_json
 from frugaltune.models import load_tokenizer
@@ -33,9 +40,83 @@ def length_stats(lengths: np.ndarray, max_length: int) -> dict:
     }
 
 
+def sft_rows(frame: pd.DataFrame, params: Params, labels: list[str]) -> pd.DataFrame:
+    """causal_lm rows as prompt, response, candidates (list) and chat context (`messages` JSON or None)."""
+    task = params.task
+    if task.prompt_template is not None:  # labelled rows: the label word is the response, the label set the choice
+        return pd.DataFrame({"prompt": [task.prompt_template.replace("{text}", text) for text in frame["text"]],
+                             "response": frame["label"].tolist(), "candidates": [list(labels)] * len(frame),
+                             "messages": [None] * len(frame)})
+    return pd.DataFrame({
+        "prompt": frame["prompt"].tolist(), "response": frame["response"].tolist(),
+        "candidates": [json.loads(c) for c in frame["candidates"]] if "candidates" in frame else [[]] * len(frame),
+        "messages": frame["messages"].tolist() if "messages" in frame else [None] * len(frame)})
+
+
+def tokenize_sft(frame: pd.DataFrame, tokenizer, params: Params) -> tuple[dict, pd.DataFrame]:
+    """Prompt ids (chat template when the model has one) + response ids + EOS; labels -100 over the prompt, so the
+    loss is on the response only. Pairs longer than tokenize.max_length are quarantined, never cut: a cut response
+    would teach the model to stop mid-answer. Returns the columns and the quarantined rows."""
+    task, max_length = params.task, params.tokenize.max_length
+    templated = generation.uses_chat_template(tokenizer, task.chat_template)
+    columns = {k: [] for k in ("input_ids", "labels", "length", "prompt_length", "prompt", "reference", "candidates")}
+    dropped = []
+    for row in frame.itertuples(index=False):
+        if row.messages is not None:
+            prompt = generation.messages_prompt_ids(tokenizer, json.loads(row.messages), templated)
+        else:
+            prompt = generation.prompt_ids(tokenizer, row.prompt, task.system, templated)
+        response = generation.response_ids(tokenizer, row.response)
+        if len(prompt) + len(response) > max_length:
+            dropped.append({"prompt": row.prompt, "response": row.response, "tokens": len(prompt) + len(response)})
+            continue
+        columns["input_ids"].append(prompt + response)
+        columns["labels"].append([-100] * len(prompt) + response)
+        columns["length"].append(len(prompt) + len(response))
+        columns["prompt_length"].append(len(prompt))
+        columns["prompt"].append(row.prompt)
+        columns["reference"].append(row.response)
+        columns["candidates"].append(list(row.candidates))
+    return columns, pd.DataFrame(dropped, columns=["prompt", "response", "tokens"])
+
+
+def run_sft(params: Params, labels: list[str]) -> dict:
+    max_length = params.tokenize.max_length
+    tokenizer = load_tokenizer(paths.BASE_MODEL)
+    splits, metrics, quarantined = {}, {}, []
+    for split in paths.SPLITS:
+        frame = pd.read_parquet(paths.validated_path(split))
+        columns, dropped = tokenize_sft(sft_rows(frame, params, labels), tokenizer, params)
+        if not columns["input_ids"]:
+            raise ValueError(f"{paths.validated_path(split)}: every one of the {len(frame)} {split} pairs is longer "
+                             f"than tokenize.max_length = {max_length} tokens (prompt + response; the longest has "
+                             f"{dropped['tokens'].max()}). Raise tokenize.max_length.")
+        splits[split] = Dataset.from_dict(columns)
+        lengths = np.array(columns["length"], dtype=np.int64)
+        metrics[split] = {**length_stats(lengths, max_length + 1), "quarantined_too_long": len(dropped),
+                          "response_tokens": int(sum(len(ids) - p for ids, p in zip(columns["input_ids"],
+                                                                                     columns["prompt_length"])))}
+        quarantined.append(dropped.assign(split=split))
+    with atomic_dir(paths.TOKENIZED_DIR) as out:
+        DatasetDict(splits).save_to_disk(str(out))
+        # Not cut, not silent: the pairs that do not fit, for a person to read (prompt, response, tokens)
+        pd.concat(quarantined, ignore_index=True).to_parquet(out / "too_long.parquet", index=False)
+    metrics["task"] = "causal_lm"
+    metrics["chat_template"] = generation.uses_chat_template(tokenizer, params.task.chat_template)
+    write_json(paths.report("tokenize"), metrics)
+    for split in paths.SPLITS:
+        stats = metrics[split]
+        print(f"tokenize: {split}: {stats['rows']} pairs, {stats['tokens']} tokens ({stats['response_tokens']} in "
+              f"responses), mean {stats['mean']}, max {stats['max']}, quarantined (longer than {max_length}) "
+              f"{stats['quarantined_too_long']}")
+    return metrics
+
+
 def run(params: Params) -> dict:
     max_length = params.tokenize.max_length
     labels = read_json(paths.LABELS)["labels"]
+    if params.task.type == "causal_lm":
+        return run_sft(params, labels)
     label_ids = {name: i for i, name in enumerate(labels)}
     tokenizer = load_tokenizer(paths.BASE_MODEL)
 

@@ -1,4 +1,5 @@
-"""Fine-tune the base model as a sequence classifier.  Run by DVC as:  python -m stages.train
+"""Fine-tune the base model (a sequence classifier, or its own LM head on prompt -> response pairs with
+`task.type: causal_lm`).  Run by DVC as:  python -m stages.train
 
 Reads `train.*`, `common.seed`, `data/tokenized/`, the label set, `models/base/` and `reports/plan.json` (the `plan`
 stage's resolved run: precision, micro-batch, gradient checkpointing, threads).
@@ -101,9 +102,23 @@ def build_model(params: Params, labels: list[str], pad_token_id: int, bf16: bool
     """The base model with a fresh head, prepared for `train.method`; and the body's learning rate."""
     tp = params.train
     model = prepare_model(paths.BASE_MODEL, labels, pad_token_id, params.common.seed, tp.method,
-                          getattr(tp, tp.method), bf16, gradient_checkpointing)
+                          getattr(tp, tp.method), bf16, gradient_checkpointing, task=params.task.type)
     lr = {"full": tp.full.lr, "prelayer": tp.prelayer.lr or tp.lr}.get(tp.method, tp.lr)
     return model, lr
+
+
+def adapter_manifest(params: Params, labels: list[str], tokenizer) -> dict:
+    """`labels.json` beside the adapter: what serving needs to rebuild the model and use it as it was trained."""
+    manifest = {"labels": labels, "max_length": params.tokenize.max_length, "method": params.train.method}
+    if params.task.type == "causal_lm":
+        from frugaltune import generation
+
+        task = params.task
+        manifest.update({"task": "causal_lm", "generation": {
+            "max_new_tokens": task.max_new_tokens, "temperature": task.temperature, "system": task.system,
+            "templated": generation.uses_chat_template(tokenizer, task.chat_template),
+            "prompt_template": task.prompt_template}})
+    return manifest
 
 
 def resolve_plan(params: Params, use_plan: bool) -> dict:
@@ -213,8 +228,7 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN, use_plan: bo
         with atomic_dir(out.adapter_dir) as tmp:
             save_trained(model, tp.method, tmp)
             tokenizer.save_pretrained(tmp)
-            write_json(tmp / "labels.json", {"labels": labels, "max_length": params.tokenize.max_length,
-                                             "method": tp.method})
+            write_json(tmp / "labels.json", adapter_manifest(params, labels, tokenizer))
         metrics = {
             "final_loss": round(result.final_loss, 6),
             "mean_loss": round(result.mean_loss, 6),

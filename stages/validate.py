@@ -9,6 +9,9 @@ Writes, when the data passes:
     the measured table-level shares (duplicates, missing confidence, mojibake, class shares, bad rows);
   - `reports/data_docs/`: the GX data docs (open index.html), also written when validation fails, to see why.
 
+causal_lm prompt/response pairs (labels.json `"task": "causal_lm"`) get the pair suite: prompt present, not blank
+and within the length bounds, response present and not blank, no duplicate pair (validation.build_suite).
+
 The stage fails, naming the check, the measured value, the threshold and the `validate.*` key to change, when
 more than `validate.max_bad_fraction` of the rows are quarantined or a table-level check fails. It then leaves no
 validated splits, quarantine or report behind. The checks themselves live in `frugaltune/validation.py`.
@@ -40,21 +43,35 @@ def _remove_outputs() -> None:
         path.unlink(missing_ok=True)
 
 
-def _read_labels() -> list[str]:
+def _read_labels() -> tuple[list[str], bool]:
+    """The label set, and whether the rows are causal_lm prompt/response pairs (no label set then)."""
     if not paths.LABELS.is_file():
         raise DataValidationError(f"{paths.LABELS}: not found. Run `dvc repro ingest` first.")
     content = json.loads(paths.LABELS.read_text(encoding="utf-8"))
+    if isinstance(content, dict) and content.get("task") == "causal_lm" and "prompt_template" not in content:
+        return [], True
     labels = content.get("labels") if isinstance(content, dict) else None
     if not labels or not all(isinstance(label, str) for label in labels):
         raise DataValidationError(f"{paths.LABELS}: `labels` must be a non-empty list of strings, got {labels!r}.")
-    return labels
+    return labels, False
 
 
-def _read_split(split: str) -> pd.DataFrame:
+# causal_lm pairs go through the checks as text (the prompt) and label (the response), and come out renamed back
+AS_CHECKED = {"prompt": "text", "response": "label"}
+AS_STORED = {checked: stored for stored, checked in AS_CHECKED.items()}
+
+
+def _read_split(split: str, pairs: bool = False) -> pd.DataFrame:
     path = paths.split_path(split)
     if not path.is_file():
         raise DataValidationError(f"{path}: not found. Run `dvc repro ingest` first.")
     frame = pd.read_parquet(path)
+    if pairs:
+        missing = [column for column in AS_CHECKED if column not in frame.columns]
+        if missing:
+            raise DataValidationError(f"{path}: columns {missing} are missing for task.type causal_lm. Rerun "
+                                      "`dvc repro ingest`.")
+        frame = frame.rename(columns=AS_CHECKED)
     check_columns(frame, path)  # fail before any GX work, naming the file
     if frame.empty:
         raise DataValidationError(f"{path}: the {split} split has no rows. Rerun `dvc repro ingest` (it refuses "
@@ -79,11 +96,13 @@ def _write_parquet(frame: pd.DataFrame, path: Path) -> None:
 def run(params: Params) -> dict:
     rules = ValidationRules(**params.validate_.model_dump())
     _remove_outputs()
-    labels = _read_labels()
-    splits = {split: _read_split(split) for split in paths.SPLITS}  # this order decides which duplicate is first
+    labels, pairs = _read_labels()
+    # this order decides which duplicate is first
+    splits = {split: _read_split(split, pairs) for split in paths.SPLITS}
 
     with atomic_dir(paths.DATA_DOCS) as docs:
-        outcome = validate_splits(splits, labels, rules, docs_dir=docs)
+        outcome = validate_splits(splits, labels, rules, docs_dir=docs, pairs=pairs)
+    stored = (lambda frame: frame.rename(columns=AS_STORED)) if pairs else (lambda frame: frame)
     if not outcome.passed:
         raise DataValidationError(
             f"{outcome.failure_message(key_prefix='validate.')}\n\nDetails: {paths.DATA_DOCS / 'index.html'}"
@@ -97,8 +116,8 @@ def run(params: Params) -> dict:
             f"{paths.DATA_DOCS / 'index.html'}; fix the source or loosen the validate.* rule that removed them.")
     with atomic_dir(paths.VALIDATED_DIR) as out:
         for split in paths.SPLITS:
-            _write_parquet(outcome.validated(split), out / paths.validated_path(split).name)
-    _write_parquet(outcome.quarantine(), paths.QUARANTINE)
+            _write_parquet(stored(outcome.validated(split)), out / paths.validated_path(split).name)
+    _write_parquet(stored(outcome.quarantine()), paths.QUARANTINE)
     metrics = outcome.metrics()
     write_metrics(paths.metrics("validate"), {k: metrics["total"][k] for k in ("rows", "passed", "quarantined")})
     write_json(paths.report("validate"), metrics)  # last: its presence means the stage finished

@@ -46,3 +46,24 @@ def collate(input_ids: Sequence[Sequence[int]], pad_token_id: int) -> dict[str, 
         ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
         mask[row, : len(seq)] = 1
     return {"input_ids": ids, "attention_mask": mask}
+
+
+IGNORE_INDEX = -100  # label of a token the loss skips (prompt and padding): transformers' convention
+
+
+def collate_targets(targets: Sequence[int] | Sequence[Sequence[int]], width: int) -> torch.Tensor:
+    """Class ids as they are; per-token targets (causal_lm) right-padded with IGNORE_INDEX to `width`."""
+    if not targets or not isinstance(targets[0], Sequence):
+        return torch.tensor(targets, dtype=torch.long)
+    out = torch.full((len(targets), width), IGNORE_INDEX, dtype=torch.long)
+    for row, seq in enumerate(targets):
+        out[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+    return out
+
+
+def target_counts(targets: Sequence[int] | Sequence[Sequence[int]]) -> list[int]:
+    """What each example adds to the loss's mean: 1 for a class id; for per-token targets the tokens the causal LM
+    loss counts (not IGNORE_INDEX, and not the first: the loss predicts token t from the tokens before it)."""
+    if not targets or not isinstance(targets[0], Sequence):
+        return [1] * len(targets)
+    return [sum(1 for t in seq[1:] if t != IGNORE_INDEX) for seq in targets]

@@ -51,12 +51,17 @@ def run_key(*parts: Any) -> str:
     return digest.hexdigest()[:16]
 
 
-def data_fingerprint(input_ids: list[list[int]], labels: list[int]) -> str:
+def data_fingerprint(input_ids: list[list[int]], labels: list[int] | list[list[int]]) -> str:
     digest = hashlib.sha256()
     for ids in input_ids:
         digest.update(np.asarray(ids, dtype=np.int64).tobytes())
         digest.update(b"|")
-    digest.update(np.asarray(labels, dtype=np.int64).tobytes())
+    if labels and isinstance(labels[0], list | tuple):  # causal_lm: one target per token
+        for target in labels:
+            digest.update(np.asarray(target, dtype=np.int64).tobytes())
+            digest.update(b"|")
+    else:
+        digest.update(np.asarray(labels, dtype=np.int64).tobytes())
     return digest.hexdigest()[:16]
 
 

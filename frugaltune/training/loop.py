@@ -1,4 +1,4 @@
-"""The training loop for sequence classification: length-grouped batches, bf16 autocast, grad accumulation.
+"""The training loop (sequence classification or causal LM): length-grouped batches, bf16 autocast, grad accumulation.
 
 Library code; the `train` stage (`python -m stages.train`) calls `train_classifier`, `evaluate` calls `predict`.
 A plain loop rather than HF `Trainer`: it holds no padding, no per-step Python overhead we do not need, and it is
@@ -25,7 +25,7 @@ from transformers import get_scheduler
 
 from frugaltune.telemetry import StepTimer
 from frugaltune.training import checkpoint
-from frugaltune.training.batching import collate, length_grouped_batches, sorted_batches
+from frugaltune.training.batching import collate, collate_targets, length_grouped_batches, sorted_batches, target_counts
 from frugaltune.training.distributed import World
 
 
@@ -197,6 +197,9 @@ def train_classifier(
     """
     device = next(model.parameters()).device
     lengths = [len(ids) for ids in input_ids]
+    # Each part of a batch weighs what it adds to the batch's mean loss: sequences for a classifier, response
+    # tokens for a causal LM; so that micro-batch splits and ranks add up to the one-process, whole-batch loss.
+    counts = target_counts(labels)
     total_steps = plan_steps(len(input_ids), cfg)
     optimizer = torch.optim.AdamW(_param_groups(model, cfg), weight_decay=cfg.weight_decay)
     scheduler = get_scheduler(cfg.scheduler, optimizer, num_warmup_steps=int(cfg.warmup_ratio * total_steps),
@@ -266,11 +269,13 @@ def train_classifier(
                         with phase("data"):
                             batch = collate([input_ids[i] for i in part], pad_token_id)
                             batch = {k: v.to(device) for k, v in batch.items()}
-                            target = torch.tensor([labels[i] for i in part], device=device)
+                            target = collate_targets([labels[i] for i in part],
+                                                     batch["input_ids"].shape[1]).to(device)
                         with phase("fwd_bwd"):
                             with autocast(cfg.bf16, device):
                                 loss = model(**batch, labels=target).loss
-                            weight = len(part) / len(batch_index) / cfg.grad_accum
+                            weight = (sum(counts[i] for i in part) / sum(counts[i] for i in batch_index)
+                                      / cfg.grad_accum)
                             (loss * weight).backward()
                             step_loss += loss.item() * weight
                         step_tokens += sum(lengths[i] for i in part)
@@ -389,3 +394,24 @@ def predict(model: torch.nn.Module, input_ids: list[list[int]], pad_token_id: in
             logits = model(**batch).logits
         predictions[batch_index] = logits.float().argmax(-1).cpu().numpy()
     return predictions
+
+
+@torch.no_grad()
+def lm_loss(model: torch.nn.Module, input_ids: list[list[int]], labels: list[list[int]], pad_token_id: int,
+            batch_size: int = 32, bf16: bool = False, progress: bool = True) -> tuple[float, int]:
+    """causal_lm: the mean cross-entropy per response token over all examples, and the number of those tokens.
+    Summed per batch (not a mean of batch means), so the figure does not depend on the batch size."""
+    device = next(model.parameters()).device
+    model.eval()
+    total, count = 0.0, 0
+    for batch_index in tqdm(sorted_batches([len(ids) for ids in input_ids], batch_size), desc="loss",
+                            disable=not progress, dynamic_ncols=True):
+        batch = {k: v.to(device) for k, v in collate([input_ids[i] for i in batch_index], pad_token_id).items()}
+        target = collate_targets([labels[i] for i in batch_index], batch["input_ids"].shape[1]).to(device)
+        with autocast(bf16, device):
+            logits = model(**batch).logits.float()
+        shifted = target[:, 1:]
+        total += torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), shifted.reshape(-1),
+                                                   ignore_index=-100, reduction="sum").item()
+        count += int((shifted != -100).sum())
+    return total / max(count, 1), count

@@ -1,5 +1,8 @@
 """Fine-tuning methods: wrap a classification model so that only the method's parameters train, save and reload them.
 
+For `task.type: causal_lm` the same methods wrap the base model with its own LM head (no new head): LoRA/DoRA/QLoRA
+adapt the attention projections, prelayer trains the (tied) embeddings, none evaluates the base model as it is.
+
 Library code used by the `train` and `evaluate` stages.
 
 | method     | what trains                                             | saved as                                   |
@@ -30,19 +33,21 @@ POSITION_EMBEDDINGS = ("embed_positions", "wpe", "position_embeddings")
 
 
 def apply_lora(model: torch.nn.Module, r: int, alpha: int, dropout: float, target_modules: list[str],
-               use_dora: bool = False) -> torch.nn.Module:
+               use_dora: bool = False, task: str = "classification") -> torch.nn.Module:
     names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
     missing = [m for m in target_modules if m not in names]
     if missing:
         linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
         raise ValueError(f"train.lora.target_modules: {missing} not found in the model. Its linear layers: {linear}.")
-    config = LoraConfig(task_type=TaskType.SEQ_CLS, r=r, lora_alpha=alpha, lora_dropout=dropout,
+    # SEQ_CLS also trains (and saves) the new head; CAUSAL_LM keeps the base model's own LM head frozen
+    task_type = TaskType.CAUSAL_LM if task == "causal_lm" else TaskType.SEQ_CLS
+    config = LoraConfig(task_type=task_type, r=r, lora_alpha=alpha, lora_dropout=dropout,
                         target_modules=list(target_modules), use_dora=use_dora)
     return get_peft_model(model, config)
 
 
 def prepare_qlora(model: torch.nn.Module, r: int, alpha: int, dropout: float, target_modules: list[str],
-                  gradient_checkpointing: bool = False):
+                  gradient_checkpointing: bool = False, task: str = "classification"):
     """LoRA on a model loaded in 4 bit (see `frugaltune.models.qlora_quantization`).
 
     Gradient checkpointing only when the plan says memory requires it: on short sequences it costs time.
@@ -50,7 +55,7 @@ def prepare_qlora(model: torch.nn.Module, r: int, alpha: int, dropout: float, ta
     model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing,
                                             gradient_checkpointing_kwargs={"use_reentrant": False})
     own_unquantized_tensors(model)
-    return apply_lora(model, r, alpha, dropout, target_modules)
+    return apply_lora(model, r, alpha, dropout, target_modules, task=task)
 
 
 def own_unquantized_tensors(model: torch.nn.Module) -> None:
@@ -120,18 +125,23 @@ def load_trained(model: torch.nn.Module, trained_dir: Path) -> torch.nn.Module:
 
 
 def prepare_model(model_dir: Path | str, labels: list[str], pad_token_id: int, seed: int, method: str, knobs,
-                  bf16: bool = False, gradient_checkpointing: bool = False) -> torch.nn.Module:
+                  bf16: bool = False, gradient_checkpointing: bool = False,
+                  task: str = "classification") -> torch.nn.Module:
     """The base model with a fresh head (seeded), wrapped for `method`; `knobs` = `train.<method>` (r, alpha, ...).
+    `task` causal_lm: the base model with its own LM head instead (no new head; `labels` unused).
 
     Shared by the `train` stage and the planner's calibration, so that what is measured is what trains.
     """
-    from frugaltune.models import load_for_classification, qlora_quantization
+    from frugaltune.models import load_for_causal_lm, load_for_classification, qlora_quantization
 
     quantization = None
     if method == "qlora":
         quantization = qlora_quantization(knobs.quant_type, knobs.double_quant,
                                           torch.bfloat16 if bf16 else torch.float32)
-    model = load_for_classification(model_dir, labels, pad_token_id, seed, quantization_config=quantization)
+    if task == "causal_lm":
+        model = load_for_causal_lm(model_dir, pad_token_id, seed, quantization_config=quantization)
+    else:
+        model = load_for_classification(model_dir, labels, pad_token_id, seed, quantization_config=quantization)
     if method != "qlora" and torch.cuda.is_available():
         model = model.to("cuda")
     if gradient_checkpointing:
@@ -140,8 +150,8 @@ def prepare_model(model_dir: Path | str, labels: list[str], pad_token_id: int, s
         model.config.use_cache = False
     if method == "qlora":
         return prepare_qlora(model, knobs.r, knobs.alpha, knobs.dropout, list(knobs.target_modules),
-                             gradient_checkpointing)
+                             gradient_checkpointing, task)
     if method in ("lora", "dora"):
         return apply_lora(model, knobs.r, knobs.alpha, knobs.dropout, list(knobs.target_modules),
-                          use_dora=method == "dora")
+                          use_dora=method == "dora", task=task)
     return freeze_for(method, model)
