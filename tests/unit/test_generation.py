@@ -235,3 +235,103 @@ def test_a_scorer_loads_from_the_working_directory(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="names no function"):
         load_scorer("my_gen_metrics")
     monkeypatch.delitem(sys.modules, "my_gen_metrics", raising=False)
+
+
+# ------------------------------------------------------------------------------------------------ serving
+
+
+def save_lora_adapter(base_dir: Path, out: Path, seed: int = 0) -> Path:
+    """A LoRA adapter on q/v of the tiny llama, made non-trivial (peft starts B at zero), saved as train saves it:
+    adapter + tokenizer + labels.json for the causal_lm task."""
+    from peft import LoraConfig, TaskType, get_peft_model
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    model = get_peft_model(model, LoraConfig(task_type=TaskType.CAUSAL_LM, r=4, lora_alpha=8,
+                                             target_modules=["q_proj", "v_proj"]))
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.5)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(base_dir).save_pretrained(out)
+    (out / "labels.json").write_text(json.dumps({
+        "task": "causal_lm", "labels": [], "max_length": 128, "method": "lora",
+        "generation": {"max_new_tokens": 5, "temperature": 0.0, "system": None, "templated": True},
+    }))
+    return out
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(lm_dir, tmp_path_factory) -> Path:
+    return save_lora_adapter(lm_dir, tmp_path_factory.mktemp("adapter"))
+
+
+def test_generator_formats_prompts_as_trained_and_answers_with_the_adapter(lm_dir, adapter_dir, smol_tokenizer):
+    from peft import PeftModel
+
+    from frugaltune.serving import load_generator, read_labels, read_task
+
+    generator = load_generator(lm_dir, adapter_dir)
+    assert isinstance(generator.model, PeftModel) and read_task(adapter_dir) == "causal_lm"
+    ids = [prompt_ids(smol_tokenizer, p, None, templated=True) for p in PROMPTS[:2]]
+    expected = generate(generator.model, smol_tokenizer, ids, max_new_tokens=5)
+    assert generator.predict(PROMPTS[:2]) == expected
+    base_only = generate(AutoModelForCausalLM.from_pretrained(lm_dir).eval(), smol_tokenizer, ids, max_new_tokens=5)
+    assert expected != base_only  # the adapter is applied
+    chosen = generator.predict(PROMPTS[:2], [["red", "blue"], None])
+    assert chosen[0] in ("red", "blue") and chosen[1] == expected[1]
+    assert len(load_generator(lm_dir, adapter_dir, max_new_tokens=2).predict(PROMPTS[:1])[0].split()) <= 2
+    with pytest.raises(ValueError, match="expected"):
+        read_labels(adapter_dir)  # no label names: a classification loader refuses it
+
+
+def test_logged_generative_model_loads_without_frugaltune_and_generates(lm_dir, adapter_dir, tmp_path, monkeypatch):
+    import os
+    import subprocess
+
+    import mlflow
+    import pandas as pd
+
+    from frugaltune import serving
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FRUGALTUNE_BASE_CACHE", str(tmp_path / "base-cache"))
+    monkeypatch.setenv("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_ID", raising=False)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    mlflow.set_tracking_uri(uri)
+    try:
+        mlflow.set_experiment("gen")
+        with mlflow.start_run():
+            info = serving.log_model(lm_dir, adapter_dir, task="causal_lm", example_texts=PROMPTS[:2])
+        model = mlflow.pyfunc.load_model(info.model_uri)
+        expected = serving.load_generator(lm_dir, adapter_dir).predict(PROMPTS[:3])
+        assert model.predict(pd.DataFrame({"prompt": PROMPTS[:3]})) == expected
+        chosen = model.predict(pd.DataFrame({"prompt": PROMPTS[:2], "candidates": [["red", "blue"], ["hi", "yo"]]}))
+        assert chosen[0] in ("red", "blue") and chosen[1] in ("hi", "yo")
+        short = model.predict(pd.DataFrame({"prompt": PROMPTS[:1]}), params={"max_new_tokens": 1})
+        assert short[0] == expected[0].split(" ")[0] or len(short[0].split()) <= 1
+    finally:
+        mlflow.set_tracking_uri(None)
+        mlflow.tracking.fluent._active_experiment_id = None
+        os.environ.pop("MLFLOW_EXPERIMENT_ID", None)
+
+    # A fresh process where `frugaltune` cannot be imported: from /tmp, -I (no cwd, no PYTHONPATH on sys.path).
+    script = (
+        "import sys, json, mlflow, pandas as pd\n"
+        f"mlflow.set_tracking_uri({uri!r})\n"
+        f"model = mlflow.pyfunc.load_model({info.model_uri!r})\n"
+        f"print('OUT=' + json.dumps(list(model.predict(pd.DataFrame({{'prompt': {PROMPTS[:3]!r}}})))))\n"
+        "print('FRUGALTUNE_IMPORTED=' + str(any(m.split('.')[0] == 'frugaltune' for m in sys.modules)))\n"
+        "import importlib.util; print('IMPORTABLE=' + str(importlib.util.find_spec('frugaltune') is not None))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_") and k != "PYTHONPATH"}
+    env["FRUGALTUNE_BASE_CACHE"] = str(tmp_path / "fresh-cache")  # the base comes from the store, hash-checked
+    done = subprocess.run([sys.executable, "-I", "-c", script], cwd="/tmp", env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = dict(line.split("=", 1) for line in done.stdout.splitlines() if "=" in line)
+    assert json.loads(lines["OUT"]) == expected
+    assert lines["FRUGALTUNE_IMPORTED"] == "False"
