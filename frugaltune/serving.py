@@ -11,9 +11,15 @@ downloads it from the tracking store once and checks its hash. Anyone can then p
 
 or from the shell with `frugaltune predict "some text"`.
 
-This module must import nothing from the rest of the project: `log_model` pickles it by value into the logged
-model, so a registered version loads with MLflow, torch, transformers and peft alone, and keeps working
-after this file changes.
+A prompt -> response model (train task `causal_lm`; labels.json says so) is logged as `GenerativeModel` instead:
+
+    model.predict(pd.DataFrame({"prompt": ["What is 2+2?"]}))                              # -> ["4"]
+    model.predict(pd.DataFrame({"prompt": ["2+2?"], "candidates": [["4", "5"]]}))          # the likeliest candidate
+    model.predict(df, params={"max_new_tokens": 16, "temperature": 0.7})
+
+This module must import nothing from the rest of the project but `frugaltune.generation` (which imports nothing
+from it either): `log_model` pickles both by value into the logged model, so a registered version loads with
+MLflow, torch, transformers and peft alone, and keeps working after these files change.
 """
 
 from __future__ import annotations
@@ -28,6 +34,10 @@ from typing import Any
 
 import mlflow.pyfunc
 import pandas as pd
+
+# The only project import: generation is pickled by value with this module (see log_model), so a function here
+# that calls `generation.generate` carries it along, and nothing imports `frugaltune` when the model loads.
+from frugaltune import generation
 
 LABELS_FILE = "labels.json"  # {"labels": [names in class-id order], "max_length": optional int}
 TEXT_COLUMN = "text"
@@ -45,6 +55,10 @@ HEAD_MODULES = ("score", "classifier")  # the classification head of *ForSequenc
 # What the logged model needs at load time, pinned to the versions it was logged with.
 TENSORS_FILE = "trainable.safetensors"  # frugaltune.training.methods.TENSORS_FILE (this module imports no project code)
 RUNTIME_PACKAGES = ("mlflow", "cloudpickle", "torch", "transformers", "peft", "tokenizers", "safetensors", "pandas")
+CLASSIFICATION, CAUSAL_LM = "classification", "causal_lm"  # labels.json "task"; absent means classification
+PROMPT_COLUMN, CANDIDATES_COLUMN = "prompt", "candidates"
+DEFAULT_MAX_NEW_TOKENS = 64
+DEFAULT_GENERATION_BATCH_SIZE = 8
 
 
 def read_labels(adapter_dir: str | Path) -> list[str]:
@@ -56,6 +70,17 @@ def read_labels(adapter_dir: str | Path) -> list[str]:
     if not labels or not all(isinstance(label, str) for label in labels):
         raise ValueError(f"{path}: expected {{\"labels\": [names in class-id order]}}, got labels={labels!r}.")
     return labels
+
+
+def read_task(adapter_dir: str | Path) -> str:
+    """The task the adapter was trained for, from `<adapter_dir>/labels.json`: "classification" or "causal_lm"."""
+    path = Path(adapter_dir) / LABELS_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: not found. The train stage writes it next to the adapter; rerun it.")
+    task = json.loads(path.read_text(encoding="utf-8")).get("task", CLASSIFICATION)
+    if task not in (CLASSIFICATION, CAUSAL_LM):
+        raise ValueError(f"{path}: task = {task!r}, expected {CLASSIFICATION!r} or {CAUSAL_LM!r}.")
+    return task
 
 
 def _stored_max_length(adapter_dir: Path) -> int | None:
@@ -192,6 +217,175 @@ def load_classifier(
         max_length=max_length or _stored_max_length(adapter_dir) or DEFAULT_MAX_LENGTH,
         batch_size=batch_size,
     )
+
+
+def _generation_settings(adapter_dir: Path) -> dict[str, Any]:
+    """labels.json's "generation" block (max_new_tokens, temperature, system, templated), for a causal_lm adapter."""
+    path = adapter_dir / LABELS_FILE
+    stored = json.loads(path.read_text(encoding="utf-8"))
+    if stored.get("task", CLASSIFICATION) != CAUSAL_LM:
+        raise ValueError(f"{path}: task = {stored.get('task', CLASSIFICATION)!r}, not {CAUSAL_LM!r}: this adapter "
+                         "classifies; load it with load_classifier.")
+    settings = stored.get("generation") or {}
+    if not isinstance(settings, dict):
+        raise ValueError(f"{path}: \"generation\" is {type(settings).__name__}, expected an object "
+                         "{\"max_new_tokens\": int, \"temperature\": float, \"system\": str|null, \"templated\": bool}.")
+    return settings
+
+
+class Generator:
+    """A loaded base model + adapter + tokenizer that answers prompts, freely or by choosing among candidates.
+
+    `config`: max_new_tokens, temperature, system (None: the chat template's default), templated (whether prompts
+    go through the chat template, as in training).
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, config: dict[str, Any],
+                 batch_size: int = DEFAULT_GENERATION_BATCH_SIZE):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = dict(config)
+        self.batch_size = batch_size
+
+    def prompt_ids(self, prompts: Sequence[str]) -> list[list[int]]:
+        ids = []
+        for i, prompt in enumerate(prompts):
+            if not isinstance(prompt, str):
+                raise TypeError(f"prompt #{i} is {type(prompt).__name__} ({prompt!r}), expected a string.")
+            ids.append(generation.prompt_ids(self.tokenizer, prompt, self.config.get("system"),
+                                             bool(self.config["templated"])))
+        return ids
+
+    def predict(
+        self,
+        prompts: Sequence[str],
+        candidates: Sequence[Sequence[str] | None] | None = None,
+        *,
+        max_new_tokens: int | None = None,
+        temperature: float | None = None,
+    ) -> list[str]:
+        """The response per prompt, in input order. With `candidates` (one list per prompt, None for a prompt that
+        has none), the likeliest candidate for those prompts; the others are generated."""
+        ids = self.prompt_ids(list(prompts))
+        if candidates is None:
+            candidates = [None] * len(ids)
+        if len(candidates) != len(ids):
+            raise ValueError(f"{len(ids)} prompts but {len(candidates)} candidate lists: give one per prompt.")
+        responses: list[str] = [""] * len(ids)
+        constrained = [i for i, options in enumerate(candidates) if options is not None]
+        if constrained:
+            options = [list(candidates[i]) for i in constrained]
+            best, _ = generation.choose(self.model, self.tokenizer, [ids[i] for i in constrained], options,
+                                        batch_size=2 * self.batch_size)
+            for i, choices, chosen in zip(constrained, options, best):
+                responses[i] = choices[chosen]
+        free = [i for i, options in enumerate(candidates) if options is None]
+        if free:
+            if temperature is None:
+                temperature = self.config.get("temperature") or 0.0
+            generated = generation.generate(
+                self.model,
+                self.tokenizer,
+                [ids[i] for i in free],
+                max_new_tokens=int(max_new_tokens or self.config.get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS),
+                temperature=float(temperature),
+                batch_size=self.batch_size,
+            )
+            for i, text in zip(free, generated):
+                responses[i] = text
+        return responses
+
+
+def load_causal_lm(base_dir: str | Path, adapter_dir: str | Path) -> tuple[Any, Any]:
+    """The base causal LM (float32, local files only) with the adapter applied, and the tokenizer (pad = EOS when
+    missing). The adapter is a PEFT dir (adapter_config.json) or the tensors a method trained (trainable.safetensors),
+    loaded by name. Returns the model unmerged: a `PeftModel` for PEFT adapters."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # keep `frugaltune predict` output to the predictions
+    base_dir, adapter_dir = Path(base_dir), Path(adapter_dir)
+    peft_adapter = (adapter_dir / "adapter_config.json").is_file()
+    for what, path, fix in (
+        ("base model", base_dir, "the import_model stage"),
+        ("adapter", adapter_dir / ("adapter_config.json" if peft_adapter else TENSORS_FILE), "the train stage"),
+    ):
+        if not path.exists():
+            raise FileNotFoundError(f"{path}: {what} not found. Run {fix} first.")
+    tokenizer_dir = adapter_dir if (adapter_dir / "tokenizer_config.json").is_file() else base_dir
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32, local_files_only=True)
+    if peft_adapter:
+        from peft import PeftModel
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # deprecation chatter between peft and transformers
+            model = PeftModel.from_pretrained(model, adapter_dir, local_files_only=True)
+    else:  # the tensors the method trained (frugaltune.training.methods.save_trained), by name
+        from safetensors.torch import load_file
+
+        # Tied weights (lm_head = embed_tokens) are listed under both names, whichever one the file uses.
+        params = dict(model.named_parameters(remove_duplicate=False))
+        tensors = load_file(str(adapter_dir / TENSORS_FILE))
+        unknown = sorted(set(tensors) - set(params))
+        if unknown:
+            raise ValueError(f"{adapter_dir / TENSORS_FILE}: tensors {unknown[:5]} are not parameters of "
+                             f"{type(model).__name__} from {base_dir}: it was trained on another base model.")
+        with torch.no_grad():
+            for name, tensor in tensors.items():
+                params[name].copy_(tensor)
+    model.eval()
+    return model, tokenizer
+
+
+def load_generator(
+    base_dir: str | Path,
+    adapter_dir: str | Path,
+    max_new_tokens: int | None = None,
+    temperature: float | None = None,
+) -> Generator:
+    """Load a causal_lm adapter for `Generator.predict`; the generation settings default to labels.json's."""
+    settings = _generation_settings(Path(adapter_dir))
+    model, tokenizer = load_causal_lm(base_dir, adapter_dir)
+    if settings.get("templated") is None:  # trained before the flag was stored: what training's "auto" chose
+        settings["templated"] = generation.uses_chat_template(tokenizer, "auto")
+    settings["max_new_tokens"] = int(max_new_tokens or settings.get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS)
+    settings["temperature"] = float(settings.get("temperature") or 0.0) if temperature is None else float(temperature)
+    return Generator(model, tokenizer, settings)
+
+
+def prompts_from(model_input: Any) -> tuple[list[str], list[list[str]] | None]:
+    """The prompts (and candidates, when given) in a pyfunc input: a DataFrame with `prompt` (or its only column)
+    and an optional `candidates` column (a list of strings per row), a Series, a list, a str."""
+    if isinstance(model_input, pd.DataFrame):
+        if CANDIDATES_COLUMN in model_input.columns:
+            rest = [c for c in model_input.columns if c != CANDIDATES_COLUMN]
+            prompts, _ = prompts_from(model_input[rest])
+            candidates = [_candidate_list(value, i) for i, value in enumerate(model_input[CANDIDATES_COLUMN])]
+            return prompts, (None if all(c is None for c in candidates) else candidates)
+        if PROMPT_COLUMN in model_input.columns:
+            return model_input[PROMPT_COLUMN].tolist(), None
+        if len(model_input.columns) == 1:
+            return model_input.iloc[:, 0].tolist(), None
+        raise ValueError(
+            f"Expected a DataFrame with a `{PROMPT_COLUMN}` column (and optionally `{CANDIDATES_COLUMN}`), "
+            f"got columns {list(model_input.columns)}."
+        )
+    if isinstance(model_input, dict) and PROMPT_COLUMN in model_input:
+        return prompts_from(pd.DataFrame({k: v for k, v in model_input.items()
+                                          if k in (PROMPT_COLUMN, CANDIDATES_COLUMN)}))
+    return texts_from(model_input), None
+
+
+def _candidate_list(value: Any, row: int) -> list[str] | None:
+    if value is None or (isinstance(value, float) and value != value):  # a row without candidates: NaN / None
+        return None
+    if isinstance(value, str) or not isinstance(value, Iterable):
+        raise TypeError(f"candidates of row {row} = {value!r}: expected a list of strings.")
+    return [str(option) for option in value]
 
 
 def texts_from(model_input: Any) -> list[str]:
@@ -345,6 +539,40 @@ class SequenceClassifierModel(mlflow.pyfunc.PythonModel):
         return self._classifier.predict(texts_from(model_input))
 
 
+class GenerativeModel(mlflow.pyfunc.PythonModel):
+    """MLflow pyfunc: DataFrame with a `prompt` column (and optionally `candidates`) -> list of responses.
+
+    Artifact: `adapter` (PEFT dir or trainable.safetensors + tokenizer + labels.json with its "generation"
+    settings). `model_config`: `base_model_sha256` and `base_model_uri` as for `SequenceClassifierModel`.
+    `params` may override `max_new_tokens` and `temperature` per call.
+    """
+
+    def load_context(self, context: Any) -> None:
+        config = dict(context.model_config or {})
+        self._generator = load_generator(
+            resolve_base(config["base_model_sha256"], config["base_model_uri"]), context.artifacts[ADAPTER_ARTIFACT]
+        )
+
+    def predict(self, context: Any, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> list[str]:
+        prompts, candidates = prompts_from(model_input)
+        params = params or {}
+        return self._generator.predict(prompts, candidates, max_new_tokens=params.get("max_new_tokens"),
+                                       temperature=params.get("temperature"))
+
+
+def generative_signature(max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature: float = 0.0) -> Any:
+    """`prompt` (string) and optional `candidates` (list of strings) in, the response (string) out; the params
+    `max_new_tokens` and `temperature` default to the trained settings."""
+    from mlflow.models import ModelSignature
+    from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema
+    from mlflow.types.schema import Array
+
+    inputs = Schema([ColSpec("string", PROMPT_COLUMN), ColSpec(Array("string"), CANDIDATES_COLUMN, required=False)])
+    params = ParamSchema([ParamSpec("max_new_tokens", "long", int(max_new_tokens)),
+                          ParamSpec("temperature", "double", float(temperature))])
+    return ModelSignature(inputs=inputs, outputs=Schema([ColSpec("string")]), params=params)
+
+
 def signature() -> Any:
     """`text` (string) in, label name (string) out."""
     from mlflow.models import ModelSignature
@@ -366,18 +594,23 @@ def log_model(
     example_texts: Sequence[str] = ("I love this!", "This is terrible."),
     max_length: int | None = None,
     tags: dict[str, str] | None = None,
+    task: str = CLASSIFICATION,
 ) -> Any:
     """Log the adapter as a pyfunc into the active MLflow run, the base by reference; return MLflow's `ModelInfo`.
 
-    The base model is stored once per sha256 (`log_base_model`), not per version. The model carries its own
-    copy of this module (pickled by value), so loading it never imports `frugaltune`. MLflow loads it once after
-    saving to check that the input example predicts: that load reads the local base dir.
+    `task` "classification" logs a `SequenceClassifierModel` (`text` in), "causal_lm" a `GenerativeModel`
+    (`prompt` in, `example_texts` as the example prompts). The base model is stored once per sha256
+    (`log_base_model`), not per version. The model carries its own copy of this module and of
+    `frugaltune.generation` (pickled by value), so loading it never imports `frugaltune`. MLflow loads it once
+    after saving to check that the input example predicts: that load reads the local base dir.
     """
     import os
 
     import cloudpickle
 
-    module = sys.modules[__name__]
+    if task not in (CLASSIFICATION, CAUSAL_LM):
+        raise ValueError(f"task = {task!r}: expected {CLASSIFICATION!r} or {CAUSAL_LM!r}.")
+    modules = (sys.modules[__name__], generation)
     sha256 = dir_sha256(base_dir)
     config = {"batch_size": DEFAULT_BATCH_SIZE, "base_model_sha256": sha256,
               "base_model_uri": log_base_model(base_dir, sha256)}
@@ -385,18 +618,29 @@ def log_model(
         config["max_length"] = max_length
     hint = _LOCAL_BASE_ENV + sha256[:16]
     os.environ[hint] = str(Path(base_dir).resolve())
-    cloudpickle.register_pickle_by_value(module)
+    if task == CAUSAL_LM:
+        settings = _generation_settings(Path(adapter_dir))
+        python_model: mlflow.pyfunc.PythonModel = GenerativeModel()
+        model_signature = generative_signature(settings.get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS,
+                                               settings.get("temperature") or 0.0)
+        input_example = pd.DataFrame({PROMPT_COLUMN: list(example_texts)})
+    else:
+        python_model, model_signature = SequenceClassifierModel(), signature()
+        input_example = pd.DataFrame({TEXT_COLUMN: list(example_texts)})
+    for module in modules:
+        cloudpickle.register_pickle_by_value(module)
     try:
         return mlflow.pyfunc.log_model(
             name=name,
-            python_model=SequenceClassifierModel(),
+            python_model=python_model,
             artifacts={ADAPTER_ARTIFACT: str(Path(adapter_dir).resolve())},
-            signature=signature(),
-            input_example=pd.DataFrame({TEXT_COLUMN: list(example_texts)}),
+            signature=model_signature,
+            input_example=input_example,
             pip_requirements=pip_requirements(),
             model_config=config,
             tags=tags,
         )
     finally:
-        cloudpickle.unregister_pickle_by_value(module)
+        for module in modules:
+            cloudpickle.unregister_pickle_by_value(module)
         os.environ.pop(hint, None)

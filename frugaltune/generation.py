@@ -1,0 +1,316 @@
+"""Prompt -> response models: how prompts and responses become token ids, batched generation, constrained choice
+among candidate answers, and the answer metrics (exact match, token F1, a user scorer).
+
+Library code, not run directly. Training (`causal_lm` task), evaluation and serving all call it, so a prompt is
+tokenized one way everywhere:
+
+    templated = uses_chat_template(tokenizer, "auto")
+    ids = prompt_ids(tokenizer, "What is 2+2?", system=None, templated=templated)
+    generate(model, tokenizer, [ids], max_new_tokens=32)                 # -> ["4"]
+    choose(model, tokenizer, [ids], [["4", "5"]])                        # -> ([0], [[-1.2, -7.9]])
+
+This module must import nothing from the rest of the project: `frugaltune.serving.log_model` pickles it by value
+into the logged model, like serving itself, so a registered version loads without `frugaltune` installed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import string
+import sys
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any
+
+CHAT_TEMPLATE_MODES = ("auto", "always", "never")
+ROLES = ("system", "user", "assistant", "tool")
+
+
+# ----------------------------------------------------------------------------------------------- prompts
+
+
+def uses_chat_template(tokenizer: Any, chat_template: str) -> bool:
+    """Whether prompts go through the tokenizer's chat template: "auto" (if it has one), "always", "never"."""
+    if chat_template not in CHAT_TEMPLATE_MODES:
+        raise ValueError(f"chat_template = {chat_template!r}: expected one of {', '.join(CHAT_TEMPLATE_MODES)}.")
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if chat_template == "always" and not has_template:
+        raise ValueError(
+            f"chat_template = 'always', but the tokenizer ({getattr(tokenizer, 'name_or_path', '') or 'loaded'}) "
+            "has no chat template. Use chat_template: auto (plain prompts for such tokenizers), or a base model "
+            "whose tokenizer_config.json / chat_template.jinja defines one."
+        )
+    return has_template and chat_template != "never"
+
+
+def format_prompt(tokenizer: Any, prompt: str, system: str | None, templated: bool) -> str:
+    """The text the model sees before its response. Templated: the chat template with the generation prompt
+    (no system message when `system` is None, so the template adds its own default); else the prompt as is."""
+    if not templated:
+        return prompt
+    messages = ([{"role": "system", "content": system}] if system is not None else [])
+    messages.append({"role": "user", "content": prompt})
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def _encode_prompt(tokenizer: Any, text: str, templated: bool) -> list[int]:
+    # Chat-templated text already holds the special tokens (<|im_start|> ...); adding a BOS again would put a
+    # token there that the model never saw in that place.
+    return list(tokenizer(text, add_special_tokens=not templated)["input_ids"])
+
+
+def prompt_ids(tokenizer: Any, prompt: str, system: str | None, templated: bool) -> list[int]:
+    """Token ids of the formatted prompt: the one definition training, evaluation and serving share."""
+    return _encode_prompt(tokenizer, format_prompt(tokenizer, prompt, system, templated), templated)
+
+
+def response_ids(tokenizer: Any, response: str) -> list[int]:
+    """Token ids of a response, ending with EOS: the model learns to stop, and generation stops there."""
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"the tokenizer ({getattr(tokenizer, 'name_or_path', '')}) has no eos_token; a response "
+                         "needs one to end. Set tokenizer.eos_token (in tokenizer_config.json) on the base model.")
+    return list(tokenizer(response, add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
+
+
+def split_messages(messages: Sequence[dict]) -> tuple[list[dict], str]:
+    """A chat-format row -> (the context messages, the response): the last message is the assistant's answer.
+
+    Raises ValueError saying what is wrong with a malformed row.
+    """
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or len(messages) < 2:
+        raise ValueError(
+            f"messages = {str(messages)[:200]!r}: expected a list of at least two {{'role': ..., 'content': ...}} "
+            "dicts, the last from the assistant (the response) and the ones before it the prompt."
+        )
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            raise ValueError(f"messages[{i}] = {str(message)[:200]!r}: expected a dict with 'role' and 'content'.")
+        if message["role"] not in ROLES:
+            raise ValueError(f"messages[{i}]: role {message['role']!r} is not one of {', '.join(ROLES)}.")
+        if not isinstance(message["content"], str):
+            raise ValueError(f"messages[{i}]: content is {type(message['content']).__name__}, expected a string.")
+    if messages[-1]["role"] != "assistant":
+        raise ValueError(f"messages[-1]: role is {messages[-1]['role']!r}; the last message must be the "
+                         "'assistant' response the model learns to give.")
+    if all(m["role"] == "system" for m in messages[:-1]):
+        raise ValueError("messages: no 'user' (or other non-system) message before the assistant's response.")
+    return [dict(m) for m in messages[:-1]], messages[-1]["content"]
+
+
+def format_messages_prompt(tokenizer: Any, context_messages: Sequence[dict], templated: bool) -> str:
+    """The text before the response for chat-format rows: the chat template with the generation prompt, or
+    without a template the contents joined by newlines (a newline ends it, where the response starts)."""
+    if templated:
+        return tokenizer.apply_chat_template(list(context_messages), tokenize=False, add_generation_prompt=True)
+    return "\n".join(m["content"] for m in context_messages) + "\n"
+
+
+def messages_prompt_ids(tokenizer: Any, context_messages: Sequence[dict], templated: bool) -> list[int]:
+    """Token ids of `format_messages_prompt`, special tokens as `prompt_ids` adds them."""
+    return _encode_prompt(tokenizer, format_messages_prompt(tokenizer, context_messages, templated), templated)
+
+
+# ----------------------------------------------------------------------------------------------- generation
+
+
+def _progress(iterable: Any, total: int, progress: bool, desc: str) -> Any:
+    if not progress:
+        return iterable
+    from tqdm.auto import tqdm
+
+    return tqdm(iterable, total=total, desc=desc, unit="batch")
+
+
+def _pad_id(tokenizer: Any) -> int:
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad is None:
+        raise ValueError("the tokenizer has neither a pad_token nor an eos_token; set tokenizer.pad_token.")
+    return pad
+
+
+def generate(
+    model: Any,
+    tokenizer: Any,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    batch_size: int = 8,
+    seed: int = 0,
+    progress: bool = False,
+) -> list[str]:
+    """The response to each prompt (token ids from `prompt_ids`), decoded and stripped, in input order.
+
+    Greedy when `temperature` is 0, else sampling at that temperature (whole distribution: no top-k / top-p),
+    seeded by `seed` without touching the caller's random state. Stops at EOS or after `max_new_tokens`.
+    """
+    import torch
+
+    if temperature < 0:
+        raise ValueError(f"temperature = {temperature}: must be >= 0 (0 = greedy).")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens = {max_new_tokens}: must be >= 1.")
+    pad, eos = _pad_id(tokenizer), tokenizer.eos_token_id
+    sampling = {"do_sample": True, "temperature": float(temperature), "top_k": 0, "top_p": 1.0} if temperature > 0 \
+        else {"do_sample": False}
+    # Prompts of similar length in one batch pad less; the results go back to input order.
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    outputs: list[str] = [""] * len(prompts)
+    batches = [order[start:start + batch_size] for start in range(0, len(order), batch_size)]
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode(), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            for batch in _progress(batches, len(batches), progress, "generate"):
+                width = max(len(prompts[i]) for i in batch)
+                if width == 0:
+                    raise ValueError("an empty prompt (no token ids): the model needs at least one token to continue.")
+                # LEFT padding: every row's last prompt token sits in the last column, where generation continues.
+                input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
+                attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
+                for row, i in enumerate(batch):
+                    n = len(prompts[i])
+                    if n:
+                        input_ids[row, width - n:] = torch.tensor(list(prompts[i]), dtype=torch.long)
+                        attention_mask[row, width - n:] = 1
+                generated = model.generate(input_ids=input_ids, attention_mask=attention_mask,
+                                           max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=eos,
+                                           **sampling)
+                for row, i in enumerate(batch):
+                    outputs[i] = tokenizer.decode(generated[row, width:], skip_special_tokens=True).strip()
+    finally:
+        model.train(was_training)
+    return outputs
+
+
+def choose(
+    model: Any,
+    tokenizer: Any,
+    prompts: Sequence[Sequence[int]],
+    candidates: Sequence[Sequence[str]],
+    batch_size: int = 16,
+) -> tuple[list[int], list[list[float]]]:
+    """Constrained answer: per prompt, the index of the candidate the model finds most likely, and every score.
+
+    A candidate's score is the summed log-probability of its `response_ids` (tokens + EOS, so a candidate that is
+    only the start of a likelier answer does not win) given the prompt. Each (prompt, candidate) pair is one row;
+    rows are batched regardless of which prompt they belong to, one forward per batch, no generation loop.
+    """
+    import torch
+
+    if len(prompts) != len(candidates):
+        raise ValueError(f"{len(prompts)} prompts but {len(candidates)} candidate lists: give one list per prompt.")
+    rows: list[tuple[int, list[int], list[int]]] = []  # (example, prompt ids, candidate ids)
+    for example, (prompt, options) in enumerate(zip(prompts, candidates)):
+        if isinstance(options, str) or not options:
+            raise ValueError(f"candidates[{example}] = {options!r}: expected a non-empty list of strings.")
+        if not prompt:
+            raise ValueError(f"prompts[{example}] is empty: a candidate's first token needs a token to follow.")
+        rows.extend((example, list(prompt), response_ids(tokenizer, str(option))) for option in options)
+    pad = _pad_id(tokenizer)
+    flat_scores = [0.0] * len(rows)
+    order = sorted(range(len(rows)), key=lambda r: len(rows[r][1]) + len(rows[r][2]))
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode():
+            for start in range(0, len(order), batch_size):
+                batch = order[start:start + batch_size]
+                width = max(len(rows[r][1]) + len(rows[r][2]) for r in batch)
+                # RIGHT padding: positions start at 0 in every row as in training, and pads only follow the tokens
+                # scored, which causal attention keeps them from influencing.
+                input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
+                attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
+                batch_rows, positions, targets = [], [], []
+                for row, r in enumerate(batch):
+                    _, prompt, answer = rows[r]
+                    tokens = prompt + answer
+                    input_ids[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+                    attention_mask[row, :len(tokens)] = 1
+                    # The logits at position t predict token t + 1: the answer's tokens follow the prompt's last.
+                    batch_rows += [row] * len(answer)
+                    positions += range(len(prompt) - 1, len(tokens) - 1)
+                    targets += answer
+                logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+                # Only the scored positions go through the softmax over the vocabulary.
+                picked = logits[torch.tensor(batch_rows), torch.tensor(positions)].float().log_softmax(dim=-1)
+                token_scores = picked.gather(1, torch.tensor(targets).unsqueeze(1)).squeeze(1)
+                sums = torch.zeros(len(batch), dtype=token_scores.dtype).index_add_(0, torch.tensor(batch_rows),
+                                                                                     token_scores)
+                for row, r in enumerate(batch):
+                    flat_scores[r] = float(sums[row])
+    finally:
+        model.train(was_training)
+    scores: list[list[float]] = [[] for _ in prompts]
+    for (example, _, _), score in zip(rows, flat_scores):
+        scores[example].append(score)
+    # max over indices keeps the first of equal scores: ties go to the earlier candidate.
+    best = [max(range(len(s)), key=s.__getitem__) for s in scores]
+    return best, scores
+
+
+# ----------------------------------------------------------------------------------------------- metrics
+
+_PUNCTUATION = string.punctuation + "“”‘’«»…–—"
+
+
+def normalize_answer(text: str) -> str:
+    """Casefolded, whitespace collapsed, surrounding punctuation stripped: "  The  Answer. " -> "the answer"."""
+    return " ".join(str(text).casefold().split()).strip(_PUNCTUATION + " ")
+
+
+def exact_match(prediction: str, reference: str) -> float:
+    """1.0 when the normalized strings are equal, else 0.0."""
+    return float(normalize_answer(prediction) == normalize_answer(reference))
+
+
+def token_f1(prediction: str, reference: str) -> float:
+    """SQuAD-style F1 over the whitespace tokens (a bag, counts matter) of the normalized strings.
+
+    Both empty: 1.0; one empty: 0.0.
+    """
+    pred, ref = normalize_answer(prediction).split(), normalize_answer(reference).split()
+    if not pred or not ref:
+        return float(pred == ref)
+    common = sum((Counter(pred) & Counter(ref)).values())
+    if common == 0:
+        return 0.0
+    precision, recall = common / len(pred), common / len(ref)
+    return 2 * precision * recall / (precision + recall)
+
+
+def load_scorer(dotted: str) -> Callable[[str, str, str], float]:
+    """The user's metric `score(prompt, prediction, reference) -> float`, from "package.module:function" or
+    "package.module.function". Modules in the current working directory are importable (the project's own)."""
+    import os
+
+    if not isinstance(dotted, str) or not re.fullmatch(r"[\w.]+(:[\w.]+)?", dotted or ""):
+        raise ValueError(f"scorer = {dotted!r}: expected 'package.module:function' (or 'package.module.function').")
+    if ":" in dotted:
+        module_name, attribute = dotted.split(":", 1)
+    elif "." in dotted:
+        module_name, attribute = dotted.rsplit(".", 1)
+    else:
+        raise ValueError(f"scorer = {dotted!r}: names no function; write 'module:function', e.g. 'my_metrics:score'.")
+    # Stages run from the project root; a scorer module there must import, as `python -m` would find it.
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        raise ValueError(
+            f"scorer = {dotted!r}: cannot import module {module_name!r} ({exc}). Put {module_name.replace('.', '/')}"
+            f".py in the project root ({cwd}) or install it."
+        ) from None
+    target: Any = module
+    for part in attribute.split("."):
+        if not hasattr(target, part):
+            raise ValueError(f"scorer = {dotted!r}: module {module_name!r} ({getattr(module, '__file__', '?')}) "
+                             f"has no {attribute!r}. Define `def {part}(prompt, prediction, reference) -> float`.")
+        target = getattr(target, part)
+    if not callable(target):
+        raise ValueError(f"scorer = {dotted!r}: {attribute!r} is a {type(target).__name__}, not a function "
+                         "`score(prompt, prediction, reference) -> float`.")
+    return target

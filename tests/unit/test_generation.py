@@ -1,0 +1,337 @@
+"""Prompt -> response models: prompt formatting, batched generation, constrained choice, answer metrics, the
+logged generative pyfunc and `frugaltune export --merged`.
+
+A tiny random llama with the real SmolLM2 tokenizer (conftest fixtures); a few seconds in all.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from frugaltune import generation
+from frugaltune.generation import (
+    choose,
+    exact_match,
+    format_messages_prompt,
+    format_prompt,
+    generate,
+    load_scorer,
+    normalize_answer,
+    prompt_ids,
+    response_ids,
+    split_messages,
+    token_f1,
+    uses_chat_template,
+)
+
+EOS = 2  # SmolLM2's <|im_end|>
+PROMPTS = ["What is two plus two?", "Name a colour.", "Say hi", "Write one long sentence about the sea and ships"]
+
+
+@pytest.fixture(scope="module")
+def lm_dir(tmp_path_factory, tiny_model_dir) -> Path:
+    """The tiny llama with its own random output layer: tied to the input embeddings, a random model only ever
+    repeats the prompt's last token (a newline after the chat template: empty outputs that test nothing)."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    model.config.tie_word_embeddings = False
+    torch.manual_seed(1)
+    model.lm_head.weight = torch.nn.Parameter(torch.randn_like(model.lm_head.weight) * 0.5)
+    out = tmp_path_factory.mktemp("tiny_lm")
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_lm(lm_dir):
+    return AutoModelForCausalLM.from_pretrained(lm_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def ids(smol_tokenizer):
+    return [prompt_ids(smol_tokenizer, p, None, templated=True) for p in PROMPTS]
+
+
+# ------------------------------------------------------------------------------------------------ prompts
+
+
+def test_the_chat_template_is_used_when_the_tokenizer_has_one(smol_tokenizer):
+    assert uses_chat_template(smol_tokenizer, "auto") and uses_chat_template(smol_tokenizer, "always")
+    assert not uses_chat_template(smol_tokenizer, "never")
+    with pytest.raises(ValueError, match="expected one of auto, always, never"):
+        uses_chat_template(smol_tokenizer, "yes")
+
+
+def test_always_without_a_template_says_what_to_do(smol_tokenizer, monkeypatch):
+    monkeypatch.setattr(smol_tokenizer, "chat_template", None)
+    assert not uses_chat_template(smol_tokenizer, "auto")
+    with pytest.raises(ValueError, match="has no chat template. Use chat_template: auto"):
+        uses_chat_template(smol_tokenizer, "always")
+
+
+def test_templated_prompt_ends_with_the_assistant_turn_and_keeps_the_default_system(smol_tokenizer):
+    text = format_prompt(smol_tokenizer, "Hi there", None, templated=True)
+    assert text.endswith("<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n")
+    assert text.startswith("<|im_start|>system\n")  # the template's own default system prompt
+    custom = format_prompt(smol_tokenizer, "Hi there", "Be brief.", templated=True)
+    assert custom.startswith("<|im_start|>system\nBe brief.<|im_end|>")
+    assert format_prompt(smol_tokenizer, "Hi there", "ignored", templated=False) == "Hi there"
+
+
+def test_prompt_ids_hold_the_special_tokens_once_and_responses_end_with_eos(smol_tokenizer):
+    ids = prompt_ids(smol_tokenizer, "Hi there", None, templated=True)
+    text = format_prompt(smol_tokenizer, "Hi there", None, templated=True)
+    assert ids == smol_tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert ids.count(smol_tokenizer.convert_tokens_to_ids("<|im_start|>")) == 3
+    plain = prompt_ids(smol_tokenizer, "Hi there", None, templated=False)
+    assert plain == smol_tokenizer("Hi there", add_special_tokens=True)["input_ids"]
+    answer = response_ids(smol_tokenizer, "Four.")
+    assert answer[-1] == smol_tokenizer.eos_token_id == 2
+    assert smol_tokenizer.decode(answer[:-1]) == "Four."
+
+
+def test_chat_rows_split_into_context_and_response(smol_tokenizer):
+    row = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+           {"role": "assistant", "content": "4"}]
+    context, response = split_messages(row)
+    assert context == row[:2] and response == "4"
+    templated = format_messages_prompt(smol_tokenizer, context, templated=True)
+    assert templated == format_prompt(smol_tokenizer, "2+2?", "Be brief.", templated=True)
+    assert format_messages_prompt(smol_tokenizer, context, templated=False) == "Be brief.\n2+2?\n"
+
+
+@pytest.mark.parametrize(("row", "message"), [
+    ([{"role": "user", "content": "hi"}, {"role": "user", "content": "again"}], "must be the 'assistant'"),
+    ([{"role": "assistant", "content": "4"}], "at least two"),
+    ("user: hi", "at least two"),
+    ([{"role": "user", "content": "hi"}, {"content": "4"}], r"messages\[1\].*'role' and 'content'"),
+    ([{"role": "human", "content": "hi"}, {"role": "assistant", "content": "4"}], "role 'human' is not one of"),
+    ([{"role": "user", "content": ["hi"]}, {"role": "assistant", "content": "4"}], "content is list"),
+    ([{"role": "system", "content": "s"}, {"role": "assistant", "content": "4"}], "no 'user'"),
+])
+def test_malformed_chat_rows_are_refused_saying_what_is_wrong(row, message):
+    with pytest.raises(ValueError, match=message):
+        split_messages(row)
+
+
+# ------------------------------------------------------------------------------------------------ generation
+
+
+def test_greedy_generation_is_deterministic_and_left_padding_changes_nothing(tiny_lm, smol_tokenizer, ids):
+    batched = generate(tiny_lm, smol_tokenizer, ids, max_new_tokens=6, batch_size=4)
+    assert batched == generate(tiny_lm, smol_tokenizer, ids, max_new_tokens=6, batch_size=4)
+    one_by_one = [generate(tiny_lm, smol_tokenizer, [p], max_new_tokens=6)[0] for p in ids]
+    assert batched == one_by_one
+    assert len(batched) == len(PROMPTS) and all(isinstance(text, str) for text in batched)
+    assert any(batched)  # a random model still emits something within 6 tokens
+
+
+def test_sampling_is_seeded_and_leaves_the_global_random_state_alone(tiny_lm, smol_tokenizer, ids):
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    first = generate(tiny_lm, smol_tokenizer, ids, max_new_tokens=6, temperature=1.5, seed=7)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert first == generate(tiny_lm, smol_tokenizer, ids, max_new_tokens=6, temperature=1.5, seed=7)
+    greedy = generate(tiny_lm, smol_tokenizer, ids, max_new_tokens=6)
+    others = {tuple(generate(tiny_lm, smol_tokenizer, ids, max_new_tokens=6, temperature=1.5, seed=s))
+              for s in range(3)}
+    assert len(others | {tuple(greedy)}) > 1  # sampling does sample
+
+
+def _brute_force_score(model, tokenizer, prompt, candidate):
+    answer = response_ids(tokenizer, candidate)
+    tokens = torch.tensor([prompt + answer])
+    with torch.no_grad():
+        logprobs = model(input_ids=tokens).logits[0].log_softmax(-1)
+    return sum(float(logprobs[len(prompt) - 1 + k, token]) for k, token in enumerate(answer))
+
+
+def test_choose_scores_each_candidate_by_its_summed_log_probability(tiny_lm, smol_tokenizer, ids):
+    candidates = [["four", "4", "five apples and a pear"], ["red"], ["hi", "hello", "hey you", "no"],
+                  ["The sea is wide.", "Ships"]]
+    best, scores = choose(tiny_lm, smol_tokenizer, ids, candidates, batch_size=3)
+    assert [len(s) for s in scores] == [len(c) for c in candidates]
+    for prompt, options, row, chosen in zip(ids, candidates, scores, best):
+        expected = [_brute_force_score(tiny_lm, smol_tokenizer, prompt, option) for option in options]
+        torch.testing.assert_close(torch.tensor(row), torch.tensor(expected), atol=1e-4, rtol=0)
+        assert chosen == max(range(len(expected)), key=expected.__getitem__)
+    assert best[1] == 0
+
+
+@contextmanager
+def eos_bias(model, bias: float):
+    """Add `bias` to the EOS logit: a random model then ends its answers within a few tokens, as a trained one does."""
+    def hook(module, inputs, logits):
+        return logits + bias * (torch.arange(logits.shape[-1]) == EOS)
+
+    handle = model.lm_head.register_forward_hook(hook)
+    try:
+        yield model
+    finally:
+        handle.remove()
+
+
+def test_choose_agrees_with_greedy_generation_when_its_output_is_a_candidate(tiny_lm, smol_tokenizer, ids):
+    prompt = ids[0]
+    with eos_bias(tiny_lm, 9.0):
+        tokens = tiny_lm.generate(input_ids=torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
+                                  pad_token_id=EOS, eos_token_id=EOS)[0, len(prompt):].tolist()
+        assert tokens[-1] == EOS and len(tokens) > 2, tokens  # the case: greedy ends by itself, after some words
+        greedy = smol_tokenizer.decode(tokens[:-1])  # unstripped: it starts with a space, as the model wrote it
+        assert generate(tiny_lm, smol_tokenizer, [prompt], max_new_tokens=8) == [greedy.strip()]
+        assert response_ids(smol_tokenizer, greedy) == tokens  # the text round-trips to the same tokens
+        others = ["Paris", greedy.rsplit(" ", 1)[0], greedy + " again", greedy.strip()]
+        for candidates in ([greedy, *others], [*others, greedy]):
+            best, _ = choose(tiny_lm, smol_tokenizer, [prompt], [candidates])
+            assert candidates[best[0]] == greedy
+
+
+def test_choose_refuses_mismatched_or_empty_candidate_lists(tiny_lm, smol_tokenizer, ids):
+    with pytest.raises(ValueError, match="one list per prompt"):
+        choose(tiny_lm, smol_tokenizer, ids, [["a"]])
+    with pytest.raises(ValueError, match=r"candidates\[0\]"):
+        choose(tiny_lm, smol_tokenizer, ids[:1], [[]])
+
+
+# ------------------------------------------------------------------------------------------------ metrics
+
+
+def test_answers_are_compared_normalized():
+    assert normalize_answer("  The   Answer. ") == "the answer"
+    assert normalize_answer("«Paris»!") == "paris"
+    assert exact_match("Paris.", "paris") == 1.0 and exact_match("Paris, France", "Paris") == 0.0
+
+
+def test_token_f1_is_squad_style():
+    assert token_f1("the cat sat", "the cat sat") == 1.0
+    assert token_f1("cat", "the cat") == pytest.approx(2 * 1.0 * 0.5 / 1.5)  # precision 1, recall 1/2
+    assert token_f1("a a b", "a c") == pytest.approx(0.4)  # 1 common token: p = 1/3, r = 1/2
+    assert token_f1("", "") == 1.0 and token_f1("", "x") == 0.0 and token_f1("dog", "cat") == 0.0
+
+
+def test_a_scorer_loads_from_the_working_directory(tmp_path, monkeypatch):
+    (tmp_path / "my_gen_metrics.py").write_text(
+        "def score(prompt, prediction, reference):\n    return float(len(prediction) == len(reference))\n"
+        "THRESHOLD = 3\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "my_gen_metrics", raising=False)
+    for dotted in ("my_gen_metrics:score", "my_gen_metrics.score"):
+        assert load_scorer(dotted)("q", "abc", "xyz") == 1.0
+    with pytest.raises(ValueError, match="has no 'missing'. Define `def missing"):
+        load_scorer("my_gen_metrics:missing")
+    with pytest.raises(ValueError, match="'THRESHOLD' is a int, not a function"):
+        load_scorer("my_gen_metrics:THRESHOLD")
+    with pytest.raises(ValueError, match="cannot import module 'no_such_metrics_module'"):
+        load_scorer("no_such_metrics_module:score")
+    with pytest.raises(ValueError, match="names no function"):
+        load_scorer("my_gen_metrics")
+    monkeypatch.delitem(sys.modules, "my_gen_metrics", raising=False)
+
+
+# ------------------------------------------------------------------------------------------------ serving
+
+
+def save_lora_adapter(base_dir: Path, out: Path, seed: int = 0) -> Path:
+    """A LoRA adapter on q/v of the tiny llama, made non-trivial (peft starts B at zero), saved as train saves it:
+    adapter + tokenizer + labels.json for the causal_lm task."""
+    from peft import LoraConfig, TaskType, get_peft_model
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    model = get_peft_model(model, LoraConfig(task_type=TaskType.CAUSAL_LM, r=4, lora_alpha=8,
+                                             target_modules=["q_proj", "v_proj"]))
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.5)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(base_dir).save_pretrained(out)
+    (out / "labels.json").write_text(json.dumps({
+        "task": "causal_lm", "labels": [], "max_length": 128, "method": "lora",
+        "generation": {"max_new_tokens": 5, "temperature": 0.0, "system": None, "templated": True},
+    }))
+    return out
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(lm_dir, tmp_path_factory) -> Path:
+    return save_lora_adapter(lm_dir, tmp_path_factory.mktemp("adapter"))
+
+
+def test_generator_formats_prompts_as_trained_and_answers_with_the_adapter(lm_dir, adapter_dir, smol_tokenizer):
+    from peft import PeftModel
+
+    from frugaltune.serving import load_generator, read_labels, read_task
+
+    generator = load_generator(lm_dir, adapter_dir)
+    assert isinstance(generator.model, PeftModel) and read_task(adapter_dir) == "causal_lm"
+    ids = [prompt_ids(smol_tokenizer, p, None, templated=True) for p in PROMPTS[:2]]
+    expected = generate(generator.model, smol_tokenizer, ids, max_new_tokens=5)
+    assert generator.predict(PROMPTS[:2]) == expected
+    base_only = generate(AutoModelForCausalLM.from_pretrained(lm_dir).eval(), smol_tokenizer, ids, max_new_tokens=5)
+    assert expected != base_only  # the adapter is applied
+    chosen = generator.predict(PROMPTS[:2], [["red", "blue"], None])
+    assert chosen[0] in ("red", "blue") and chosen[1] == expected[1]
+    assert len(load_generator(lm_dir, adapter_dir, max_new_tokens=2).predict(PROMPTS[:1])[0].split()) <= 2
+    with pytest.raises(ValueError, match="expected"):
+        read_labels(adapter_dir)  # no label names: a classification loader refuses it
+
+
+def test_logged_generative_model_loads_without_frugaltune_and_generates(lm_dir, adapter_dir, tmp_path, monkeypatch):
+    import os
+    import subprocess
+
+    import mlflow
+    import pandas as pd
+
+    from frugaltune import serving
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FRUGALTUNE_BASE_CACHE", str(tmp_path / "base-cache"))
+    monkeypatch.setenv("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_ID", raising=False)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    mlflow.set_tracking_uri(uri)
+    try:
+        mlflow.set_experiment("gen")
+        with mlflow.start_run():
+            info = serving.log_model(lm_dir, adapter_dir, task="causal_lm", example_texts=PROMPTS[:2])
+        model = mlflow.pyfunc.load_model(info.model_uri)
+        expected = serving.load_generator(lm_dir, adapter_dir).predict(PROMPTS[:3])
+        assert model.predict(pd.DataFrame({"prompt": PROMPTS[:3]})) == expected
+        chosen = model.predict(pd.DataFrame({"prompt": PROMPTS[:2], "candidates": [["red", "blue"], ["hi", "yo"]]}))
+        assert chosen[0] in ("red", "blue") and chosen[1] in ("hi", "yo")
+        short = model.predict(pd.DataFrame({"prompt": PROMPTS[:1]}), params={"max_new_tokens": 1})
+        assert short[0] == expected[0].split(" ")[0] or len(short[0].split()) <= 1
+    finally:
+        mlflow.set_tracking_uri(None)
+        mlflow.tracking.fluent._active_experiment_id = None
+        os.environ.pop("MLFLOW_EXPERIMENT_ID", None)
+
+    # A fresh process where `frugaltune` cannot be imported: from /tmp, -I (no cwd, no PYTHONPATH on sys.path).
+    script = (
+        "import sys, json, mlflow, pandas as pd\n"
+        f"mlflow.set_tracking_uri({uri!r})\n"
+        f"model = mlflow.pyfunc.load_model({info.model_uri!r})\n"
+        f"print('OUT=' + json.dumps(list(model.predict(pd.DataFrame({{'prompt': {PROMPTS[:3]!r}}})))))\n"
+        "print('FRUGALTUNE_IMPORTED=' + str(any(m.split('.')[0] == 'frugaltune' for m in sys.modules)))\n"
+        "import importlib.util; print('IMPORTABLE=' + str(importlib.util.find_spec('frugaltune') is not None))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_") and k != "PYTHONPATH"}
+    env["FRUGALTUNE_BASE_CACHE"] = str(tmp_path / "fresh-cache")  # the base comes from the store, hash-checked
+    done = subprocess.run([sys.executable, "-I", "-c", script], cwd="/tmp", env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = dict(line.split("=", 1) for line in done.stdout.splitlines() if "=" in line)
+    assert json.loads(lines["OUT"]) == expected
+    assert lines["FRUGALTUNE_IMPORTED"] == "False"
