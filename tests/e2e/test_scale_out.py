@@ -83,7 +83,7 @@ def server(tmp_path_factory) -> Iterator[Server]:
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory, tiny_model_dir) -> Path:
-    repo = tiny_project.build(tmp_path_factory.mktemp("project"), tiny_model_dir)
+    repo = tiny_project.build(tmp_path_factory.mktemp("project"), tiny_model_dir, calibrate=False)  # not its subject
     for name in (".gitignore", ".dvcignore"):  # the project's: a clone lacks exactly what a real clone lacks
         shutil.copy(ROOT / name, repo / name)
     tiny_project.run(["git", "add", "-A"], repo)
