@@ -3,6 +3,8 @@
     frugaltune predict "I love it" "worst day ever"        # label per text, from models:/<name>@champion
     echo "I love it" | frugaltune predict                   # one text per input line
     frugaltune predict --model-uri models:/frugaltune-sentiment/3 --json "I love it"
+    frugaltune predict --max-new-tokens 32 "What is 2+2?"          # a causal_lm model: prints its response
+    frugaltune export --merged exported/                    # base + adapter as one plain Hugging Face model
     frugaltune plan                                         # will train.method fit here, and how long will it take?
     frugaltune plan --memory-limit-gb 4 --no-calibrate --json
 
@@ -74,9 +76,58 @@ def _predict(args: argparse.Namespace) -> int:
             f"cannot load {model_uri} from {mlflow.get_tracking_uri()}: {exc.message}\n"
             "Register a model first (`dvc repro register`), or pass --model-uri / set MLFLOW_TRACKING_URI."
         ) from None
+    # The signature says which kind of model this is: a classifier reads `text`, a generative model `prompt`.
+    schema = model.metadata.get_input_schema()
+    if schema is not None and "prompt" in schema.input_names():
+        params = {key: value for key, value in (("max_new_tokens", args.max_new_tokens),
+                                                ("temperature", args.temperature)) if value is not None}
+        responses = list(model.predict(pd.DataFrame({"prompt": texts}), params=params or None))
+        for prompt, response in zip(texts, responses):
+            print(json.dumps({"prompt": prompt, "response": response}, ensure_ascii=False) if args.json else response)
+        return 0
+    if args.max_new_tokens is not None or args.temperature is not None:
+        raise CommandError(f"{model_uri} is a classifier: --max-new-tokens and --temperature apply to generative "
+                           "(causal_lm) models only.")
     labels = list(model.predict(pd.DataFrame({"text": texts})))
     for text, label in zip(texts, labels):
         print(json.dumps({"text": text, "label": label}, ensure_ascii=False) if args.json else label)
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from frugaltune import paths
+    from frugaltune.io import atomic_dir
+
+    out = Path(args.merged)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CommandError(f"{out} exists and is not an empty directory; choose a new path or remove it first.")
+    adapter = Path(args.adapter or paths.ADAPTER_DIR)
+    base = Path(args.base or paths.BASE_MODEL)
+    from peft import PeftModel
+
+    from frugaltune import serving
+
+    try:
+        task = serving.read_task(adapter)
+        if task == serving.CAUSAL_LM:
+            model, tokenizer = serving.load_causal_lm(base, adapter)
+        else:
+            classifier = serving.load_classifier(base, adapter)
+            model, tokenizer = classifier.model, classifier.tokenizer
+    except (FileNotFoundError, ValueError) as exc:
+        raise CommandError(str(exc)) from None
+    # Folding the adapter into the weights gives a plain transformers model: no peft needed to load it, and no
+    # adapter matmuls at inference.
+    if isinstance(model, PeftModel):
+        model = model.merge_and_unload()
+    # A temp dir beside DIR renamed into place: an interrupted export leaves no half-written model behind.
+    with atomic_dir(out) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    written = sorted(p.name for p in out.iterdir())
+    kind = "text-generation" if task == serving.CAUSAL_LM else "text-classification"
+    print(f"wrote {out}/ ({', '.join(written)}): {type(model).__name__}, base {base} + adapter {adapter} merged. "
+          f'Load it with transformers.pipeline("{kind}", model="{out}").')
     return 0
 
 
@@ -135,8 +186,26 @@ def build_parser() -> argparse.ArgumentParser:
         "default: models:/<register.model_name>@<register.alias> from --params",
     )
     predict.add_argument("--params", help=f"params file naming the model (default: {DEFAULT_PARAMS})")
-    predict.add_argument("--json", action="store_true", help='print {"text": ..., "label": ...} per line')
+    predict.add_argument("--json", action="store_true", help='print {"text": ..., "label": ...} per line '
+                         '({"prompt": ..., "response": ...} for a generative model)')
+    predict.add_argument("--max-new-tokens", type=int, help="generative models: response length limit "
+                         "(default: the trained setting)")
+    predict.add_argument("--temperature", type=float, help="generative models: 0 = greedy (default: the trained "
+                         "setting)")
     predict.set_defaults(handler=_predict)
+
+    export = commands.add_parser(
+        "export",
+        help="write base model + adapter as one merged Hugging Face model",
+        description="Merge the trained adapter into the base model and save the result (weights + tokenizer) as a "
+        "plain Hugging Face directory: transformers.pipeline('text-generation' or 'text-classification', model=DIR) "
+        "loads it without peft or frugaltune.",
+    )
+    export.add_argument("--merged", required=True, metavar="DIR", help="where to write it (must not exist, or be "
+                        "empty)")
+    export.add_argument("--adapter", help="the adapter dir (default: models/adapter)")
+    export.add_argument("--base", help="the base model dir (default: models/base)")
+    export.set_defaults(handler=_export)
 
     plan = commands.add_parser(
         "plan",

@@ -228,8 +228,8 @@ def _generation_settings(adapter_dir: Path) -> dict[str, Any]:
                          "classifies; load it with load_classifier.")
     settings = stored.get("generation") or {}
     if not isinstance(settings, dict):
-        raise ValueError(f"{path}: \"generation\" is {type(settings).__name__}, expected an object "
-                         "{\"max_new_tokens\": int, \"temperature\": float, \"system\": str|null, \"templated\": bool}.")
+        raise ValueError(f"{path}: \"generation\" is {type(settings).__name__}, expected an object with "
+                         "max_new_tokens (int), temperature (float), system (str or null), templated (bool).")
     return settings
 
 

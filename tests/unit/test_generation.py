@@ -15,7 +15,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from frugaltune import generation
 from frugaltune.generation import (
     choose,
     exact_match,
@@ -286,7 +285,8 @@ def test_generator_formats_prompts_as_trained_and_answers_with_the_adapter(lm_di
         read_labels(adapter_dir)  # no label names: a classification loader refuses it
 
 
-def test_logged_generative_model_loads_without_frugaltune_and_generates(lm_dir, adapter_dir, tmp_path, monkeypatch):
+def test_logged_generative_model_loads_without_frugaltune_and_generates(lm_dir, adapter_dir, tmp_path, monkeypatch,
+                                                                         capsys):
     import os
     import subprocess
 
@@ -313,6 +313,12 @@ def test_logged_generative_model_loads_without_frugaltune_and_generates(lm_dir, 
         assert chosen[0] in ("red", "blue") and chosen[1] in ("hi", "yo")
         short = model.predict(pd.DataFrame({"prompt": PROMPTS[:1]}), params={"max_new_tokens": 1})
         assert short[0] == expected[0].split(" ")[0] or len(short[0].split()) <= 1
+
+        from frugaltune import cli
+
+        assert cli.main(["predict", "--model-uri", info.model_uri, "--json", *PROMPTS[:2]]) == 0
+        rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        assert rows == [{"prompt": p, "response": r} for p, r in zip(PROMPTS[:2], expected[:2])]
     finally:
         mlflow.set_tracking_uri(None)
         mlflow.tracking.fluent._active_experiment_id = None
@@ -335,3 +341,57 @@ def test_logged_generative_model_loads_without_frugaltune_and_generates(lm_dir, 
     lines = dict(line.split("=", 1) for line in done.stdout.splitlines() if "=" in line)
     assert json.loads(lines["OUT"]) == expected
     assert lines["FRUGALTUNE_IMPORTED"] == "False"
+
+
+# ------------------------------------------------------------------------------------------------ export
+
+
+def test_export_merged_writes_a_plain_model_with_the_adapters_logits(lm_dir, adapter_dir, tmp_path, capsys):
+    from transformers import pipeline
+
+    from frugaltune import cli
+    from frugaltune.serving import load_causal_lm
+
+    out = tmp_path / "merged"
+    assert cli.main(["export", "--merged", str(out), "--adapter", str(adapter_dir), "--base", str(lm_dir)]) == 0
+    assert "text-generation" in capsys.readouterr().out
+    assert not (out / "adapter_config.json").exists() and (out / "model.safetensors").is_file()
+    peft_model, tokenizer = load_causal_lm(lm_dir, adapter_dir)
+    merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    tokens = torch.tensor([prompt_ids(tokenizer, PROMPTS[0], None, templated=True)])
+    # In float64 the comparison sees the merge (weights rounded once to float32 when saved), not float32's
+    # different summation orders for W x + B A x and (W + B A) x, which reach 2e-5 on logits of size ~10.
+    with torch.no_grad():
+        torch.testing.assert_close(merged.double()(input_ids=tokens).logits,
+                                   peft_model.double()(input_ids=tokens).logits, atol=1e-5, rtol=0)
+    assert pipeline("text-generation", model=str(out), device="cpu").model.__class__.__name__ == "LlamaForCausalLM"
+
+    assert cli.main(["export", "--merged", str(out), "--adapter", str(adapter_dir), "--base", str(lm_dir)]) == 1
+    assert "exists and is not an empty directory" in capsys.readouterr().err
+
+
+def test_export_merged_of_a_classifier_keeps_its_labels(tiny_model_dir, tmp_path, capsys):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForSequenceClassification
+
+    from frugaltune import cli
+    from frugaltune.models import load_for_classification
+    from frugaltune.serving import load_classifier
+
+    labels = ["negative", "positive"]
+    model = load_for_classification(tiny_model_dir, labels, pad_token_id=2, seed=0)
+    lora = LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                      modules_to_save=["score"])
+    adapter = tmp_path / "adapter"
+    get_peft_model(model, lora).save_pretrained(adapter)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(adapter)
+    (adapter / "labels.json").write_text(json.dumps({"labels": labels}))
+    out = tmp_path / "merged"
+    assert cli.main(["export", "--merged", str(out), "--adapter", str(adapter), "--base", str(tiny_model_dir)]) == 0
+    merged = AutoModelForSequenceClassification.from_pretrained(out).eval()
+    assert merged.config.id2label == {0: "negative", 1: "positive"}
+    tokens = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=tokens).logits,
+                                   load_classifier(tiny_model_dir, adapter).model(input_ids=tokens).logits,
+                                   atol=1e-5, rtol=0)
