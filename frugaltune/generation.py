@@ -190,66 +190,73 @@ def choose(
     prompts: Sequence[Sequence[int]],
     candidates: Sequence[Sequence[str]],
     batch_size: int = 16,
+    rows_per_pass: int = 256,
 ) -> tuple[list[int], list[list[float]]]:
     """Constrained answer: per prompt, the index of the candidate the model finds most likely, and every score.
 
     A candidate's score is the summed log-probability of its `response_ids` (tokens + EOS, so a candidate that is
-    only the start of a likelier answer does not win) given the prompt. Each (prompt, candidate) pair is one row;
-    rows are batched regardless of which prompt they belong to, one forward per batch, no generation loop.
+    only the start of a likelier answer does not win) given the prompt. Each prompt is read once, `batch_size`
+    prompts per forward (left padded, positions counted from each prompt's first token); its last position scores
+    every candidate's first token, and its KV cache, shared by all its candidates, feeds one more forward over the
+    candidates' remaining tokens (`rows_per_pass` candidate rows at a time). No generation loop, and the prompt,
+    which is most of the tokens, is not recomputed per candidate.
     """
+    import copy
+
     import torch
 
     if len(prompts) != len(candidates):
         raise ValueError(f"{len(prompts)} prompts but {len(candidates)} candidate lists: give one list per prompt.")
-    rows: list[tuple[int, list[int], list[int]]] = []  # (example, prompt ids, candidate ids)
+    answers: list[list[list[int]]] = []
     for example, (prompt, options) in enumerate(zip(prompts, candidates)):
         if isinstance(options, str) or not options:
             raise ValueError(f"candidates[{example}] = {options!r}: expected a non-empty list of strings.")
         if not prompt:
             raise ValueError(f"prompts[{example}] is empty: a candidate's first token needs a token to follow.")
-        rows.extend((example, list(prompt), response_ids(tokenizer, str(option))) for option in options)
+        answers.append([response_ids(tokenizer, str(option)) for option in options])
     pad = _pad_id(tokenizer)
-    flat_scores = [0.0] * len(rows)
-    order = sorted(range(len(rows)), key=lambda r: len(rows[r][1]) + len(rows[r][2]))
+    scores: list[list[float]] = [[0.0] * len(options) for options in answers]
+    order = sorted(range(len(prompts)), key=lambda e: len(prompts[e]))
     was_training = model.training
     model.eval()
     try:
         with torch.inference_mode():
             for start in range(0, len(order), batch_size):
-                batch = order[start:start + batch_size]
-                width = max(len(rows[r][1]) + len(rows[r][2]) for r in batch)
-                # RIGHT padding: positions start at 0 in every row as in training, and pads only follow the tokens
-                # scored, which causal attention keeps them from influencing.
-                input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
-                attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
-                batch_rows, positions, targets = [], [], []
-                for row, r in enumerate(batch):
-                    _, prompt, answer = rows[r]
-                    tokens = prompt + answer
-                    input_ids[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-                    attention_mask[row, :len(tokens)] = 1
-                    # The logits at position t predict token t + 1: the answer's tokens follow the prompt's last.
-                    batch_rows += [row] * len(answer)
-                    positions += range(len(prompt) - 1, len(tokens) - 1)
-                    targets += answer
-                # Only the scored positions go through the output layer: full logits would be rows x width x vocab
-                # floats (1.6 GB for 16 rows of 512 tokens with a 49k vocabulary), nearly all of them prompt.
-                kept = sorted(set(positions))
-                column = {position: k for k, position in enumerate(kept)}
-                logits = model(input_ids=input_ids, attention_mask=attention_mask,
-                               logits_to_keep=torch.tensor(kept)).logits
-                picked = logits[torch.tensor(batch_rows), torch.tensor([column[p] for p in positions])]
-                picked = picked.float().log_softmax(dim=-1)
-                token_scores = picked.gather(1, torch.tensor(targets).unsqueeze(1)).squeeze(1)
-                sums = torch.zeros(len(batch), dtype=token_scores.dtype).index_add_(0, torch.tensor(batch_rows),
-                                                                                     token_scores)
-                for row, r in enumerate(batch):
-                    flat_scores[r] = float(sums[row])
+                group = order[start:start + batch_size]
+                width = max(len(prompts[e]) for e in group)
+                input_ids = torch.full((len(group), width), pad, dtype=torch.long)
+                mask = torch.zeros((len(group), width), dtype=torch.long)
+                for row, e in enumerate(group):  # LEFT padding: every prompt ends at the last column
+                    input_ids[row, width - len(prompts[e]):] = torch.tensor(list(prompts[e]), dtype=torch.long)
+                    mask[row, width - len(prompts[e]):] = 1
+                positions = (mask.cumsum(-1) - 1).clamp(min=0)  # as in training: 0 at each prompt's first token
+                out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                            logits_to_keep=1)
+                first = out.logits[:, -1].float().log_softmax(dim=-1)  # the first answer token, for every candidate
+                rows = [(row, e, k) for row, e in enumerate(group) for k in range(len(answers[e]))]
+                for row, e, k in rows:
+                    scores[e][k] = float(first[row, answers[e][k][0]])
+                rest = [(row, e, k) for row, e, k in rows if len(answers[e][k]) > 1]
+                for chunk_start in range(0, len(rest), rows_per_pass):
+                    chunk = rest[chunk_start:chunk_start + rows_per_pass]
+                    tail = max(len(answers[e][k]) - 1 for _, e, k in chunk)
+                    ids = torch.full((len(chunk), tail), pad, dtype=torch.long)
+                    tail_mask = torch.zeros((len(chunk), tail), dtype=torch.long)
+                    for r, (_, e, k) in enumerate(chunk):  # the answer's tokens but the last, which nothing follows
+                        ids[r, :len(answers[e][k]) - 1] = torch.tensor(answers[e][k][:-1], dtype=torch.long)
+                        tail_mask[r, :len(answers[e][k]) - 1] = 1
+                    which = torch.tensor([row for row, _, _ in chunk])
+                    cache = copy.deepcopy(out.past_key_values) if len(rest) > rows_per_pass else out.past_key_values
+                    cache.batch_select_indices(which)  # each candidate row continues its own prompt's cache
+                    lengths = mask[which].sum(-1, keepdim=True)
+                    logits = model(input_ids=ids, attention_mask=torch.cat([mask[which], tail_mask], dim=1),
+                                   position_ids=lengths + torch.arange(tail).unsqueeze(0), past_key_values=cache,
+                                   use_cache=True).logits.float().log_softmax(dim=-1)
+                    for r, (_, e, k) in enumerate(chunk):
+                        targets = answers[e][k][1:]
+                        scores[e][k] += float(logits[r, torch.arange(len(targets)), torch.tensor(targets)].sum())
     finally:
         model.train(was_training)
-    scores: list[list[float]] = [[] for _ in prompts]
-    for (example, _, _), score in zip(rows, flat_scores):
-        scores[example].append(score)
     # max over indices keeps the first of equal scores: ties go to the earlier candidate.
     best = [max(range(len(s)), key=s.__getitem__) for s in scores]
     return best, scores

@@ -162,6 +162,10 @@ def test_choose_scores_each_candidate_by_its_summed_log_probability(tiny_lm, smo
         torch.testing.assert_close(torch.tensor(row), torch.tensor(expected), atol=1e-4, rtol=0)
         assert chosen == max(range(len(expected)), key=expected.__getitem__)
     assert best[1] == 0
+    # Candidate rows continued in several passes over copies of the prompts' cache: the same scores
+    _, chunked = choose(tiny_lm, smol_tokenizer, ids, candidates, batch_size=3, rows_per_pass=2)
+    for row, again in zip(scores, chunked):
+        torch.testing.assert_close(torch.tensor(again), torch.tensor(row), atol=1e-5, rtol=0)
 
 
 @contextmanager
