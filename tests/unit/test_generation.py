@@ -289,6 +289,7 @@ def test_generator_formats_prompts_as_trained_and_answers_with_the_adapter(lm_di
         read_labels(adapter_dir)  # no label names: a classification loader refuses it
 
 
+@pytest.mark.slow  # MLflow logging + a fresh interpreter: ~25 s
 def test_logged_generative_model_loads_without_frugaltune_and_generates(lm_dir, adapter_dir, tmp_path, monkeypatch,
                                                                          capsys):
     import os
