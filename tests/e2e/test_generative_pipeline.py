@@ -1,6 +1,6 @@
 """End to end: `task.type: causal_lm` through `dvc repro`, on a tiny random llama and 300 synthetic pairs.
 
-Run with `make test` (or `pytest -m slow tests/e2e/test_sft.py`). The README's "Generative fine-tuning" example
+Run with `make test` (or `pytest -m slow tests/e2e/test_generative_pipeline.py`). The README's "Generative fine-tuning" example
 in a temp git+DVC project: `python -m frugaltune.sft_data arithmetic` writes prompt/response/candidates JSONL,
 every stage runs (pair validation, prompt masking, the planner calibrating the LM head's cost, LoRA on the LM,
 generative evaluation with the base model beside it, a generative pyfunc registered), the registered model
