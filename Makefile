@@ -37,7 +37,7 @@ compare: pipeline
 # The tweets as prompt -> label word (README "Generative fine-tuning"): an experiment beside the classifier
 sft: install
 	dvc exp run -n sft-tweets -S task.type=causal_lm -S task.max_new_tokens=4 -S tokenize.max_length=200 \
-		-S 'task.prompt_template=Is the sentiment of this tweet negative, neutral or positive? Answer with one word. Tweet: {text}' \
+		-S "task.prompt_template='Is the sentiment of this tweet negative, neutral or positive? Answer with one word. Tweet: {text}'" \
 		-S register.model_name=frugaltune-sentiment-sft
 
 test: install

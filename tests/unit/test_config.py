@@ -90,3 +90,23 @@ def test_a_key_given_twice_at_any_depth_is_an_error_naming_both_lines(tmp_path, 
     path.write_text(text)
     with pytest.raises(ParamsError, match=rf"`{key}` is given twice \(lines {lines[0]} and {lines[1]}\)"):
         load_params(path)
+
+
+def test_make_sft_overrides_parse_into_a_causal_lm_run(tmp_path):
+    """`make sft` passes its params through `dvc exp run -S` (Hydra's override grammar, where an unquoted `{` or
+    `: ` breaks the value): apply them as DVC does and check the result is the generative run it names."""
+    import shlex
+    import shutil
+    import subprocess
+
+    from dvc.utils.hydra import apply_overrides
+
+    recipe = subprocess.run(["make", "-n", "-o", "install", "sft"], cwd=ROOT, capture_output=True, text=True,
+                            check=True).stdout.replace("\\\n", " ")
+    args = shlex.split(recipe.strip().splitlines()[-1])
+    overrides = [args[i + 1] for i, arg in enumerate(args) if arg == "-S"]
+    params_file = shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    apply_overrides(str(params_file), overrides)
+    params = load_params(params_file)
+    assert params.task.type == "causal_lm" and params.task.prompt_template.endswith("Tweet: {text}")
+    assert params.data.max_rows == 4000 and params.register_.model_name == "frugaltune-sentiment-sft"
