@@ -3,22 +3,8 @@
 The library behind the DVC stages (`stages/`) and the Prefect flow (`flows/`); it knows nothing of either.
 """
 
-import logging
+from frugaltune.generation import quiet_bitsandbytes_hub_notice
 
-
-class _NoHubKernelNotice(logging.Filter):
-    """Drops bitsandbytes' "Failed to load CPU gemm_4bit_forward from kernels-community" warning.
-
-    On CPUs with avx512_bf16, importing bitsandbytes tries to fetch a kernel from the Hugging Face hub and warns
-    when it cannot, in every process that loads QLoRA. frugaltune never downloads at run time (offline by design),
-    so the fallback it warns about is the intended path and the warning is noise; any other bitsandbytes message
-    passes.
-    """
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "kernels-community" not in str(record.msg)
-
-
-logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_NoHubKernelNotice())
+quiet_bitsandbytes_hub_notice()  # bitsandbytes' offline notice on avx512_bf16 CPUs: see generation.py
 
 __version__ = "0.1.0"

@@ -16,6 +16,7 @@ into the logged model, like serving itself, so a registered version loads withou
 from __future__ import annotations
 
 import importlib
+import logging
 import re
 import string
 import sys
@@ -24,6 +25,32 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 CHAT_TEMPLATE_MODES = ("auto", "always", "never")
+
+_BNB_CPU_LOGGER = "bitsandbytes.backends.cpu.ops"
+
+
+class _NoHubKernelNotice(logging.Filter):
+    """Drops bitsandbytes' "Failed to load CPU gemm_4bit_forward from kernels-community" warning.
+
+    On CPUs with avx512_bf16, importing bitsandbytes (peft imports it whenever it is installed) tries to fetch a
+    kernel from the Hugging Face hub and warns when it cannot. frugaltune never downloads at run time (offline by
+    design), so the fallback it warns about is the intended path and the warning is noise; any other bitsandbytes
+    message passes. It lives here, not in `frugaltune/__init__`, because a registered model loads this module by
+    value without importing the package.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "kernels-community" not in str(record.msg)
+
+
+def quiet_bitsandbytes_hub_notice() -> None:
+    """Install the filter on bitsandbytes' CPU logger, once per process (loggers outlive the modules that add to
+    them, and this runs both from `import frugaltune` and from a loaded model)."""
+    logger = logging.getLogger(_BNB_CPU_LOGGER)
+    # by name: a by-value copy of this module (a loaded model) has its own class object
+    if not any(type(f).__name__ == _NoHubKernelNotice.__name__ for f in logger.filters):
+        logger.addFilter(_NoHubKernelNotice())
+
 ROLES = ("system", "user", "assistant", "tool")
 
 

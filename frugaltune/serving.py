@@ -159,6 +159,9 @@ def load_classifier(
     The tokenizer comes from the adapter dir (train saves it there), else from the base dir. `max_length`
     defaults to the one stored in labels.json, else 128. Everything is read from local files only.
     """
+    # bitsandbytes' offline notice (peft imports it): a loaded model runs these functions, pickled by value,
+    # and never imports `frugaltune`, whose __init__ installs the filter elsewhere
+    generation.quiet_bitsandbytes_hub_notice()
     import torch
     from peft import PeftModel
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -300,6 +303,9 @@ def load_causal_lm(base_dir: str | Path, adapter_dir: str | Path) -> tuple[Any, 
     """The base causal LM (float32, local files only) with the adapter applied, and the tokenizer (pad = EOS when
     missing). The adapter is a PEFT dir (adapter_config.json) or the tensors a method trained (trainable.safetensors),
     loaded by name. Returns the model unmerged: a `PeftModel` for PEFT adapters."""
+    # bitsandbytes' offline notice (peft imports it): a loaded model runs these functions, pickled by value,
+    # and never imports `frugaltune`, whose __init__ installs the filter elsewhere
+    generation.quiet_bitsandbytes_hub_notice()
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging

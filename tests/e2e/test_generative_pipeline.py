@@ -86,9 +86,12 @@ def test_causal_lm_repro_trains_evaluates_registers_and_serves_then_is_a_no_op(p
         "free = m.predict(pd.DataFrame({'prompt': ['What is 2 + 3?']}))\n"
         "chosen = m.predict(pd.DataFrame({'prompt': ['What is 2 + 3?'], 'candidates': [['5', '6']]}))\n"
         "print(json.dumps({'free': list(free), 'chosen': list(chosen)}))")], project)
-    answers = json.loads(served.strip().splitlines()[-1])
+    # the output is stdout + stderr: find the printed line rather than trusting it to come last
+    answers = json.loads(next(line for line in served.splitlines() if line.startswith('{"free"')))
     assert len(answers["free"]) == 1 and isinstance(answers["free"][0], str)
     assert answers["chosen"][0] in ("5", "6")
+    # bitsandbytes' offline notice (avx512_bf16 CPUs) is silenced in a process that never imports frugaltune too
+    assert "kernels-community" not in served, served[-2000:]
 
     second = tiny_project.run([sys.executable, "-m", "dvc", "repro"], project)
     assert ran_stages(second) == ["probe"], second
