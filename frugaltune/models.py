@@ -217,11 +217,15 @@ def load_for_causal_lm(model_dir: Path | str, pad_token_id: int, seed: int, dtyp
 
 
 def build_tiny_model(out_dir: Path, tokenizer: PreTrainedTokenizerBase, seed: int = 0, **overrides) -> Path:
-    """A random tiny llama (2 layers, hidden 32) with `tokenizer`, saved as an HF dir: for tests and benchmarks."""
+    """A random tiny llama (2 layers, hidden 64) with `tokenizer`, saved as an HF dir: for tests and benchmarks.
+
+    No dimension below 64 and the k/v projections 32 wide: on avx512_bf16 CPUs bitsandbytes repacks a 4-bit weight
+    for inference in blocks of 32 outputs by 64 inputs, and QLoRA evaluation fails on a narrower model.
+    """
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
+        hidden_size=64,
+        intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,

@@ -95,6 +95,28 @@ def autocast(bf16: bool, device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
 
 
+def model_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], target: torch.Tensor,
+               reduction: str = "mean") -> torch.Tensor:
+    """The training loss of one batch. Class ids (1-D target): the model's own (mean) loss. Per-token targets
+    (causal_lm): cross-entropy over the tokens that count (`reduction` "mean" or "sum"), computing the LM head only
+    where one is predicted.
+
+    transformers' `labels=` runs the LM head (hidden x vocab, 576 x 49,152 for SmolLM2) at every position and keeps
+    a float logits tensor of tokens x vocab, although the loss reads only the response: for prompt -> label-word
+    SFT that is 2-3 positions of ~90. `logits_to_keep` takes the positions whose next token is a target (their union
+    over the batch: length-grouped rows end close together), so the head's matmul, its backward and the logits
+    shrink by that ratio; the value is the same mean (or sum) over counted tokens as `labels=` gives.
+    """
+    if target.dim() == 1:
+        return model(**batch, labels=target).loss
+    following = target[:, 1:]  # the logit at position t predicts token t + 1
+    positions = (following != -100).any(dim=0).nonzero().squeeze(1)
+    logits = model(**batch, logits_to_keep=positions).logits
+    return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                             following[:, positions].reshape(-1), ignore_index=-100,
+                                             reduction=reduction)
+
+
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
     """(trainable, total) as peft counts them: a 4-bit weight packs two values per byte and counts as both."""
     if hasattr(model, "get_nb_trainable_parameters"):  # a PeftModel
@@ -173,6 +195,29 @@ def _stop_on_signals(flag: dict):
             signal.signal(sig, old)
 
 
+def _unpack_4bit_inference_layout(model: torch.nn.Module) -> int:
+    """Give 4-bit weights back their trainable layout; returns how many were repacked.
+
+    On CPUs with avx512_bf16, bitsandbytes repacks a 4-bit weight in place the first time its layer runs in eval
+    mode without gradients (an evaluation), into a layout only its inference kernel reads, and keeps it. A QLoRA
+    model evaluated before training (a federated client scoring the global adapter, a test's loss before) then
+    trained through that kernel: its loss did not fall. bitsandbytes undoes the packing itself only when saving or
+    moving the weight to a GPU; this is the same conversion, before the first step.
+    """
+    repacked = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        state = getattr(weight, "quant_state", None)
+        if state is not None and getattr(state, "packing_format_for_cpu", False):
+            from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
+
+            weight.data, weight.quant_state = _convert_weight_packed_for_cpu_inverse(weight.data, state)
+            if hasattr(module, "quant_state"):  # the module's copy, which bitsandbytes falls back on
+                module.quant_state = weight.quant_state
+            repacked += 1
+    return repacked
+
+
 def train_classifier(
     model: torch.nn.Module,
     input_ids: list[list[int]],
@@ -196,6 +241,7 @@ def train_classifier(
     shows progress and writes checkpoints; counts and losses are global on every rank.
     """
     device = next(model.parameters()).device
+    _unpack_4bit_inference_layout(model)
     lengths = [len(ids) for ids in input_ids]
     # Each part of a batch weighs what it adds to the batch's mean loss: sequences for a classifier, response
     # tokens for a causal LM; so that micro-batch splits and ranks add up to the one-process, whole-batch loss.
@@ -273,7 +319,7 @@ def train_classifier(
                                                      batch["input_ids"].shape[1]).to(device)
                         with phase("fwd_bwd"):
                             with autocast(cfg.bf16, device):
-                                loss = model(**batch, labels=target).loss
+                                loss = model_loss(model, batch, target)
                             weight = (sum(counts[i] for i in part) / sum(counts[i] for i in batch_index)
                                       / cfg.grad_accum)
                             (loss * weight).backward()
@@ -409,9 +455,6 @@ def lm_loss(model: torch.nn.Module, input_ids: list[list[int]], labels: list[lis
         batch = {k: v.to(device) for k, v in collate([input_ids[i] for i in batch_index], pad_token_id).items()}
         target = collate_targets([labels[i] for i in batch_index], batch["input_ids"].shape[1]).to(device)
         with autocast(bf16, device):
-            logits = model(**batch).logits.float()
-        shifted = target[:, 1:]
-        total += torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), shifted.reshape(-1),
-                                                   ignore_index=-100, reduction="sum").item()
-        count += int((shifted != -100).sum())
+            total += model_loss(model, batch, target, reduction="sum").item()
+        count += int((target[:, 1:] != -100).sum())
     return total / max(count, 1), count

@@ -19,7 +19,8 @@ from frugaltune.data import DataSourceError, normalize_pairs, random_split
 from frugaltune.models import load_for_causal_lm
 from frugaltune.sft_data import arithmetic_rows, chat_rows
 from frugaltune.training.batching import IGNORE_INDEX, collate_targets, target_counts
-from frugaltune.training.loop import LoopConfig, lm_loss, train_classifier
+from frugaltune.training.batching import collate
+from frugaltune.training.loop import LoopConfig, lm_loss, model_loss, train_classifier
 from frugaltune.training.methods import METHODS, prepare_model, save_trained, load_trained
 from frugaltune.validation import ValidationRules, validate_splits
 
@@ -124,6 +125,35 @@ def test_every_method_trains_the_lm_and_reloads_to_the_same_loss(method, tiny_mo
     # QLoRA's adapter is served on the full-precision base it was trained to approximate: close, not equal
     tolerance = 5e-3 if method == "qlora" else 1e-5
     assert lm_loss(reloaded, ids, labels, pad, progress=False)[0] == pytest.approx(after, abs=tolerance)
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_the_loss_runs_the_lm_head_only_where_a_target_is_and_equals_transformers_loss(method, tiny_model_dir,
+                                                                                        smol_tokenizer):
+    """Same value and same gradients as `labels=` (which runs the head at every position), with logits for the
+    response positions only."""
+    ids, labels = sft_examples(smol_tokenizer, n=6)
+    batch = collate(ids, smol_tokenizer.pad_token_id)
+    target = collate_targets(labels, batch["input_ids"].shape[1])
+    knobs = getattr(parse_params({}).train, method)
+    model = prepare_model(tiny_model_dir, [], smol_tokenizer.pad_token_id, 0, method, knobs, task="causal_lm")
+    model.eval()  # dropout off: the two forwards must see the same function (eval packs nothing: no 4-bit here)
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    reference = model(**batch, labels=target).loss
+    expected = torch.autograd.grad(reference, params)
+    heads = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda module, args, out: heads.append(out.shape))
+    ours = model_loss(model, batch, target)
+    hook.remove()
+    torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-6)
+    for got, want in zip(torch.autograd.grad(ours, params), expected):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    counted = (target[:, 1:] != IGNORE_INDEX).any(dim=0).sum().item()
+    assert heads == [torch.Size([len(ids), counted, model.config.vocab_size])]
+    assert counted < batch["input_ids"].shape[1] // 2  # the prompts are most of the positions
+    summed = model_loss(model, batch, target, reduction="sum")
+    torch.testing.assert_close(summed, reference * sum(target_counts(labels)), rtol=1e-5, atol=1e-5)
 
 
 def test_planner_shapes_the_lm_head_over_the_vocabulary(tiny_model_dir):
