@@ -235,7 +235,7 @@ def _calibration_point(spec: dict) -> dict:
 
     import torch
 
-    from frugaltune.training.loop import autocast
+    from frugaltune.training.loop import autocast, model_loss
     from frugaltune.training.methods import prepare_model
 
     torch.set_num_threads(spec["threads"])
@@ -254,11 +254,14 @@ def _calibration_point(spec: dict) -> dict:
     def timed_step(rows: int, length: int) -> float:
         """One training step (forward, backward, clipping, AdamW) on a random batch of this shape; its seconds."""
         ids = torch.randint(3, spec["vocab_size"], (rows, length), generator=generator).to(device)
-        labels = ids.clone() if causal else torch.randint(0, len(spec["labels"]), (rows,), generator=generator).to(
-            device)  # causal_lm: every token a target, the LM head's full cost
+        if causal:  # the run's targets: each row's last `response_tokens` (its response), the rest masked
+            labels = ids.clone()
+            labels[:, :max(0, length - (spec.get("response_tokens") or length))] = -100
+        else:
+            labels = torch.randint(0, len(spec["labels"]), (rows,), generator=generator).to(device)
         start = time.perf_counter()
         with autocast(spec["bf16"], device):
-            loss = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels).loss
+            loss = model_loss(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, labels)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
@@ -327,13 +330,15 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
               shape: ModelShape, *, bf16: bool, gradient_checkpointing: bool, micro_batches: tuple[int, int],
               seq_len: int, threads: int, seed: int = 0, steps: int = 2, timeout_s: float = 900,
               batches: list[tuple[int, int]] | None = None, time_samples: int = 6,
-              allocator: str = "auto", task: str = "classification") -> tuple[Constants, dict]:
+              allocator: str = "auto", task: str = "classification",
+              response_tokens: int | None = None) -> tuple[Constants, dict]:
     """Measure real training steps of `method` on this machine and fit its memory and time constants.
 
     Memory: `steps` steps (after one warm-up) at two micro-batch sizes of length `seq_len`, each in a fresh process;
     the peak RSS after them includes what the allocator keeps across steps. Time: `time_samples` of the run's own
     micro-batch shapes (`batches`, from `planned_batches`), each once, fitted by least squares. The steps run on
-    `allocator` (`train.allocator`), the malloc the training process will have.
+    `allocator` (`train.allocator`), the malloc the training process will have. causal_lm: the last
+    `response_tokens` tokens of each row are the targets, as the run's responses are (None: every token).
     """
     from transformers import AutoConfig
 
@@ -341,7 +346,7 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
     spec = {"model_dir": str(model_dir), "labels": labels, "pad_token_id": pad_token_id, "seed": seed,
             "method": method, "knobs": asdict(knobs), "bf16": bf16, "gradient_checkpointing": gradient_checkpointing,
             "seq_len": seq_len, "threads": threads, "steps": steps, "vocab_size": vocab, "allocator": allocator,
-            "task": task}
+            "task": task, "response_tokens": response_tokens}
     small, large = sorted(set(micro_batches))[:2] if len(set(micro_batches)) > 1 else (micro_batches[0],
                                                                                      micro_batches[0] + 1)
     shapes_to_time = _time_shapes(batches or [(large, seq_len), (small, seq_len)], time_samples)
@@ -664,8 +669,12 @@ def build_plan(params: "Params", hardware: dict[str, Any], measured_precision: d
         if not needed.exists():
             raise FileNotFoundError(f"{needed} is missing: run `dvc repro {stage}` first (the plan needs it).")
     labels = json.loads(paths.LABELS.read_text())["labels"]
-    lengths = [len(ids) for ids in load_from_disk(str(paths.TOKENIZED_DIR))["train"]["input_ids"]]
+    train_split = load_from_disk(str(paths.TOKENIZED_DIR))["train"]
+    lengths = [len(ids) for ids in train_split["input_ids"]]
     spec = run_spec(params, lengths)
+    # causal_lm: the loss (and so the LM head) runs on the response tokens only; the calibration steps do the same
+    response_tokens = (math.ceil(sum(sum(1 for t in row if t != -100) for row in train_split["labels"])
+                                 / max(len(lengths), 1)) if params.task.type == "causal_lm" else None)
     knobs = spec.knobs
     methods = methods or ("none", *TRAINED_METHODS)
     task = params.task.type
@@ -692,7 +701,8 @@ def build_plan(params: "Params", hardware: dict[str, Any], measured_precision: d
         gradient_checkpointing=entry["gradient_checkpointing"],
         micro_batches=(max(1, large // 2), large) if large > 1 else (1, 2),
         seq_len=entry["largest_batch"]["length"], threads=draft["threads"], seed=params.common.seed,
-        steps=params.probe.calibration_steps, allocator=params.train.allocator, task=task, batches=[
+        steps=params.probe.calibration_steps, allocator=params.train.allocator, task=task,
+        response_tokens=response_tokens, batches=[
             (math.ceil(rows / split), length) for rows, length in planned_batches(
                 lengths, spec.batch_size, spec.grad_accum, spec.epochs, spec.max_steps, spec.seed,
                 spec.group_by_length)[1]])
