@@ -193,6 +193,7 @@ class Simulator:
         self._completions: list[tuple[float, float, int, int]] = []  # (actual end, submit, job id, id(job)): heap
         self.head: Job | None = None                   # the committed choice, waiting for processors
         self.next_arrival = 0
+        self.arrival_limit = len(arrivals)             # jobs arrivals[arrival_limit:] never arrive (see clone)
         self.decisions = 0
         self.backfilled = 0
         self._queue_times: list[float] = []
@@ -201,10 +202,16 @@ class Simulator:
         self._pending: SchedulerState | None = None    # the decision asked for and not yet committed
         self.done = False
 
-    def clone(self) -> "Simulator":
-        """An independent copy at this point (a pending decision included); the jobs themselves are shared."""
+    def clone(self, future_arrivals: int | None = None) -> "Simulator":
+        """An independent copy at this point (a pending decision included); the jobs themselves are shared.
+
+        `future_arrivals`: the copy admits only that many more jobs (a bounded lookahead: a rollout that must
+        schedule the rest of a long trace would cost more than it tells about this decision).
+        """
         other = object.__new__(Simulator)
         other.__dict__.update(self.__dict__)
+        if future_arrivals is not None:
+            other.arrival_limit = min(self.arrival_limit, self.next_arrival + max(future_arrivals, 0))
         other.start = self.start.copy()
         other.waiting = list(self.waiting)
         other.running = dict(self.running)
@@ -232,7 +239,7 @@ class Simulator:
             if self._at_events:
                 while self._completions and self._completions[0][0] <= self.clock:
                     self.free += self.running.pop(heapq.heappop(self._completions)[3]).job.requested_procs
-                while (self.next_arrival < len(self.arrivals)
+                while (self.next_arrival < self.arrival_limit
                        and self.arrivals[self.next_arrival].submit_time <= self.clock):
                     self.waiting.append(self.arrivals[self.next_arrival])
                     self.next_arrival += 1
@@ -257,7 +264,7 @@ class Simulator:
             next_times = []
             if self._completions:
                 next_times.append(self._completions[0][0])
-            if self.next_arrival < len(self.arrivals):
+            if self.next_arrival < self.arrival_limit:
                 next_times.append(self.arrivals[self.next_arrival].submit_time)
             if not next_times:
                 self.done = True
