@@ -9,7 +9,7 @@ whole minutes (a 7-digit second count costs 7 tokens and tells the model nothing
 visible waiting jobs get letters A, B, C... in queue order (one token each), and the answer is a letter:
 
     Pick the job to run next. Answer with its letter.
-    machine 256 procs, 64 free, 37 waiting, clock 1234 min
+    machine 256 procs, 64 free, 37 waiting, time of day 20:34
     running (ends in min x procs): 3x32 40x64 120x8 +5 more
     waiting (letter: procs, requested min, waited min):
     A: 16, 60, 2
@@ -59,9 +59,10 @@ def _minutes_up(seconds: float) -> int:
     return int(math.ceil(max(seconds, 0.0) / 60.0))
 
 
-def encode_state(state: SchedulerState, origin: float = 0.0, max_running: int = 8) -> str:
-    """The prompt for one decision (see the module docstring). `origin`: the clock's zero (the episode's first
-    submit), so the clock reads as minutes into the episode rather than into the trace."""
+def encode_state(state: SchedulerState, max_running: int = 8) -> str:
+    """The prompt for one decision (see the module docstring). The clock is written as the time of day (the
+    trace's clock modulo 24 h): what a real trace's daily cycle depends on, the same however a sequence was cut,
+    and 5 characters instead of a growing second count."""
     running = state.running
     shown = " ".join(f"{_minutes_up(r.expected_end - state.clock)}x{r.job.requested_procs}"
                      for r in running[:max_running])
@@ -70,7 +71,7 @@ def encode_state(state: SchedulerState, origin: float = 0.0, max_running: int = 
     lines = [
         INSTRUCTION,
         f"machine {state.total_procs} procs, {state.free_procs} free, {state.queue_length} waiting, "
-        f"clock {int((state.clock - origin) // 60)} min",
+        f"time of day {int(state.clock % 86400 // 3600):02d}:{int(state.clock % 3600 // 60):02d}",
         f"running (ends in min x procs): {shown or 'none'}",
         "waiting (letter: procs, requested min, waited min):",
     ]
@@ -134,14 +135,13 @@ def teacher_episode(jobs: Sequence[Job], total_procs: int, teacher: LookaheadTea
     {prompt, response, candidates}. One-candidate decisions are not rows: the LLM policy answers them without
     the model."""
     sim = Simulator(jobs, total_procs, backfill=backfill, window=window)
-    origin = sim.arrivals[0].submit_time
     rows = []
     while (state := sim.next_decision()) is not None:
         choice = teacher.choose(sim, state)
         if len(state.queue) > 1:
             labels = job_labels(len(state.queue))
             position = next(i for i, job in enumerate(state.queue) if job is choice)
-            rows.append({"prompt": encode_state(state, origin, max_running), "response": labels[position],
+            rows.append({"prompt": encode_state(state, max_running), "response": labels[position],
                          "candidates": labels})
         sim.commit(choice, teacher.name)
     return sim.result(teacher.name), rows

@@ -339,3 +339,24 @@ def simulate(jobs: Sequence[Job], total_procs: int, policy: Policy, *, backfill:
     sim = Simulator(jobs, total_procs, backfill=backfill, window=window)
     sim.run_to_end(policy)
     return sim.result(policy.name)
+
+
+def simulate_batch(job_lists: Sequence[Sequence[Job]], total_procs: int, policy: Policy, *, backfill: bool = False,
+                   window: int = DEFAULT_WINDOW) -> list[SimulationResult]:
+    """`simulate` for several independent job sequences, in lockstep: each round collects the pending decision of
+    every unfinished sequence and, when the policy has `choose_many(states) -> jobs`, answers them in one call.
+
+    Each schedule is the one `simulate` gives (the sequences never interact); an LLM policy batches its forwards
+    across sequences, which is where its time goes. Results are in the order of `job_lists`.
+    """
+    sims = [Simulator(jobs, total_procs, backfill=backfill, window=window) for jobs in job_lists]
+    choose_many = getattr(policy, "choose_many", None)
+    while True:
+        pending = [(sim, state) for sim in sims if (state := sim.next_decision()) is not None]
+        if not pending:
+            break
+        states = [state for _, state in pending]
+        chosen = choose_many(states) if choose_many is not None else [policy.choose(s) for s in states]
+        for (sim, _), job in zip(pending, chosen):
+            sim.commit(job, policy.name)
+    return [sim.result(policy.name) for sim in sims]

@@ -34,10 +34,10 @@ def test_a_decision_is_encoded_in_minutes_with_lettered_jobs():
     sim.commit(state.queue[0])             # job 2 (8 procs) committed: waits for job 1
     state = sim.next_decision()            # t=3000: job 1 ended, job 2 starts... then 3 and 4 wait
     assert state.clock == 3000 and [j.job_id for j in state.queue] == [3, 4] and state.queue_length == 2
-    text = encode_state(state, origin=0.0)
+    text = encode_state(state)
     assert text.splitlines() == [
         "Pick the job to run next. Answer with its letter.",
-        "machine 8 procs, 0 free, 2 waiting, clock 50 min",
+        "machine 8 procs, 0 free, 2 waiting, time of day 00:50",
         "running (ends in min x procs): 2x8",      # job 2: expected end 3000 + 120 s -> 2 min from now
         "waiting (letter: procs, requested min, waited min):",
         "A: 2, 2, 48",                               # 61 s requested rounds up to 2 min; waited 2880 s = 48 min
