@@ -4,6 +4,7 @@ Library code, used by the scheduling pipeline's `evaluate_policy` stage (`python
 
     policy = load_llm_policy("models/base", "models/adapter", fallback="F1")   # fine-tuned
     policy = load_llm_policy("models/base", None)                              # the untuned base model
+    policy = load_registered_llm_policy("models:/frugaltune-scheduler@champion")  # from the MLflow registry
     results = simulate_batch(sequences, total_procs, policy, window=8)          # one forward per round
     policy.stats()   # decisions, model calls, decisions/s
 
@@ -123,10 +124,33 @@ def load_llm_policy(base_dir: str | Path, adapter_dir: str | Path | None, *, nam
             return LLMPolicy(model, tokenizer, templated=uses_chat_template(tokenizer, "auto"), name=name, **options)
         from frugaltune.serving import load_generator
 
-        generator = load_generator(base_dir, adapter_dir)
-        return LLMPolicy(generator.model, generator.tokenizer, templated=bool(generator.config["templated"]),
-                         system=generator.config.get("system"), name=name, **options)
+        return policy_from_generator(load_generator(base_dir, adapter_dir), name, **options)
     except (OSError, ValueError) as exc:
+        if fallback is None:
+            raise
+        return fallback_policy(fallback, f"{type(exc).__name__}: {exc}")
+
+
+def policy_from_generator(generator: Any, name: str = "llm", **options: Any) -> LLMPolicy:
+    """An `LLMPolicy` on a `serving.Generator`'s model, with the templating and system message it was trained with."""
+    return LLMPolicy(generator.model, generator.tokenizer, templated=bool(generator.config["templated"]),
+                     system=generator.config.get("system"), name=name, **options)
+
+
+def load_registered_llm_policy(model_uri: str, *, name: str = "llm", fallback: str | None = None,
+                               **options: Any) -> LLMPolicy | ScorePolicy:
+    """The policy of a registered generative model (`models:/frugaltune-scheduler@champion`, a `runs:/` URI):
+    the logged pyfunc is loaded by MLflow and its generator reused. `fallback` as for `load_llm_policy`."""
+    import mlflow.pyfunc
+    from mlflow.exceptions import MlflowException
+
+    try:
+        generator = getattr(mlflow.pyfunc.load_model(model_uri).unwrap_python_model(), "_generator", None)
+        if generator is None:
+            raise ValueError(f"{model_uri} is not a generative (causal_lm) model: it has no generator to schedule "
+                             "with. Register the scheduling pipeline's model (make schedule).")
+        return policy_from_generator(generator, name, **options)
+    except (OSError, ValueError, MlflowException) as exc:
         if fallback is None:
             raise
         return fallback_policy(fallback, f"{type(exc).__name__}: {exc}")

@@ -29,7 +29,9 @@ STAGES = ["ingest_trace", "validate_trace", "simulate_baselines", "build_sft", "
 def project(tmp_path_factory, tiny_model_dir) -> Path:
     repo = tiny_project.build(tmp_path_factory.mktemp("sched"), tiny_model_dir, calibrate=False)
     shutil.copytree(tiny_project.ROOT / "scheduling", repo / "scheduling",
-                    ignore=shutil.ignore_patterns("data", "models", "reports", "*.db", "mlartifacts", "checkpoints"))
+                    # not what a local `make schedule` left there
+                    ignore=shutil.ignore_patterns("data", "models", "reports", "*.db", "mlartifacts", "checkpoints",
+                                                  "dvc.lock", ".gitignore"))
     # Busy enough that windows hold several jobs: 16 processors, a job every ~25 s.
     write_swf(synthetic_workload(400, max_procs=16, seed=0, mean_interarrival=25.0), repo / "traces/synthetic.swf")
     path = repo / "scheduling/params.yaml"
@@ -81,6 +83,16 @@ def test_scheduling_repro_builds_sft_trains_judges_registers_then_is_a_no_op(pro
         assert (out / "reports/figures" / figure).stat().st_size > 1000
     assert reports["register"]["metric"] == "avg_bsld" and reports["register"]["version"] == 1
     assert reports["register"]["metric_value"] == pytest.approx(evaluation["finetuned"]["avg_bsld"])
+
+    # The registered champion schedules, loaded from the registry in a fresh process
+    served = tiny_project.run([sys.executable, "-c", (
+        "from frugaltune.scheduling import simulate, synthetic_workload\n"
+        "from frugaltune.scheduling.llm_policy import load_registered_llm_policy\n"
+        "p = load_registered_llm_policy('models:/frugaltune-scheduler@champion', name='champion')\n"
+        "r = simulate(synthetic_workload(20, 16, seed=5, mean_interarrival=5.0).jobs, 16, p, window=4)\n"
+        "print(p.name, r.decisions, p.stats()['model_calls'])")], out, PYTHONPATH="..")
+    name, decisions, calls = served.strip().splitlines()[-1].split()
+    assert name == "champion" and int(decisions) == 20 and int(calls) > 0
 
     second = tiny_project.run([sys.executable, "-m", "dvc", "repro", "scheduling/dvc.yaml"], project)
     assert ran_stages(second) == [], second
