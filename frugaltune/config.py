@@ -346,7 +346,8 @@ class SchedulingSftParams(Section):
         "lowest summed bsld over them counts); ties keep the first one's own choice.")
     horizon: int = Field(128, ge=0, description="Arrivals each rollout admits after the decision: longer sees "
                          "further and costs more (32 was worse than F1 alone on lublin_256, 128 beat it).")
-    max_running: int = Field(8, ge=0, description="Running jobs listed in a prompt (soonest expected end first).")
+    max_running: int = Field(4, ge=0, description="Running jobs listed in a prompt (soonest expected end first; "
+                             "the rest counted): each costs ~5 tokens.")
 
 
 class SchedulingLlmParams(Section):

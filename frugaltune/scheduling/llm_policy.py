@@ -51,7 +51,7 @@ class LLMPolicy:
     """
 
     def __init__(self, model: Any, tokenizer: Any, *, templated: bool, system: str | None = None,
-                 name: str = "llm", max_running: int = 8, batch_size: int = 16):
+                 name: str = "llm", max_running: int = 4, batch_size: int = 16):
         self.model = model
         self.tokenizer = tokenizer
         self.templated = templated

@@ -4,16 +4,18 @@ Library code: `build_sft(workload, SftConfig())` -> (rows, report); the `build_s
 (`python -m stages.build_sft`, run by `dvc repro scheduling/dvc.yaml`) writes the rows as JSONL with
 prompt/response/candidates columns, which the causal_lm task trains on like any pairs file.
 
-The encoding (`encode_state`): one short text per decision, about 150 SmolLM2 tokens at window 8. Times are in
-whole minutes (a 7-digit second count costs 7 tokens and tells the model nothing a minute count does not), the
-visible waiting jobs get letters A, B, C... in queue order (one token each), and the answer is a letter:
+The encoding (`encode_state`): one short text per decision, about 160 SmolLM2 tokens at window 8 (plus the chat
+template's ~25). Times are in whole minutes (a 7-digit second count costs 7 tokens and tells the model nothing a
+minute count does not; SmolLM2 spends a token per digit), the visible waiting jobs get letters A, B, C... in queue
+order (one token each), their fields are separated by spaces only (", " costs two tokens a field), and the answer
+is a letter:
 
     Pick the job to run next. Answer with its letter.
-    machine 256 procs, 64 free, 37 waiting, time of day 20:34
-    running (ends in min x procs): 3x32 40x64 120x8 +5 more
-    waiting (letter: procs, requested min, waited min):
-    A: 16, 60, 2
-    B: 1, 1, 0
+    machine 256 procs, 64 free, 37 waiting, time 20:34
+    running (min left x procs): 3x32 40x64 120x8 200x16 +5 more
+    waiting (letter procs requested_min waited_min):
+    A 16 60 2
+    B 1 1 0
 
 The teacher (`LookaheadTeacher`): at each decision it tries every visible job as the choice, rolls the simulation
 forward with each rollout heuristic (admitting only the next `horizon` arrivals, so every rollout schedules the
@@ -59,10 +61,11 @@ def _minutes_up(seconds: float) -> int:
     return int(math.ceil(max(seconds, 0.0) / 60.0))
 
 
-def encode_state(state: SchedulerState, max_running: int = 8) -> str:
-    """The prompt for one decision (see the module docstring). The clock is written as the time of day (the
-    trace's clock modulo 24 h): what a real trace's daily cycle depends on, the same however a sequence was cut,
-    and 5 characters instead of a growing second count."""
+def encode_state(state: SchedulerState, max_running: int = 4) -> str:
+    """The prompt for one decision (see the module docstring). At most `max_running` running jobs are listed,
+    soonest expected end first (the rest counted), so a full machine does not double the prompt. The clock is the
+    time of day (the trace's clock modulo 24 h): what a real trace's daily cycle depends on, the same however a
+    sequence was cut, and 5 characters instead of a growing second count."""
     running = state.running
     shown = " ".join(f"{_minutes_up(r.expected_end - state.clock)}x{r.job.requested_procs}"
                      for r in running[:max_running])
@@ -71,12 +74,12 @@ def encode_state(state: SchedulerState, max_running: int = 8) -> str:
     lines = [
         INSTRUCTION,
         f"machine {state.total_procs} procs, {state.free_procs} free, {state.queue_length} waiting, "
-        f"time of day {int(state.clock % 86400 // 3600):02d}:{int(state.clock % 3600 // 60):02d}",
-        f"running (ends in min x procs): {shown or 'none'}",
-        "waiting (letter: procs, requested min, waited min):",
+        f"time {int(state.clock % 86400 // 3600):02d}:{int(state.clock % 3600 // 60):02d}",
+        f"running (min left x procs): {shown or 'none'}",
+        "waiting (letter procs requested_min waited_min):",
     ]
     for label, job in zip(job_labels(len(state.queue)), state.queue):
-        lines.append(f"{label}: {job.requested_procs}, {_minutes_up(job.requested_time)}, "
+        lines.append(f"{label} {job.requested_procs} {_minutes_up(job.requested_time)} "
                      f"{int(state.wait_time(job) // 60)}")
     return "\n".join(lines)
 
@@ -130,7 +133,7 @@ class LookaheadTeacher:
 
 
 def teacher_episode(jobs: Sequence[Job], total_procs: int, teacher: LookaheadTeacher, window: int,
-                    backfill: bool = False, max_running: int = 8) -> tuple[SimulationResult, list[dict]]:
+                    backfill: bool = False, max_running: int = 4) -> tuple[SimulationResult, list[dict]]:
     """Simulate `jobs` with the teacher choosing; every decision with two or more visible jobs becomes a row
     {prompt, response, candidates}. One-candidate decisions are not rows: the LLM policy answers them without
     the model."""
@@ -163,7 +166,7 @@ class SftConfig:
     worse than F1 itself (a short rollout ends on an emptying queue and underprices delaying wide jobs)."""
     horizon: int = 128
     backfill: bool = False
-    max_running: int = 8
+    max_running: int = 4
 
 
 def episode_starts(workload: Workload, cfg: SftConfig) -> np.ndarray:

@@ -37,11 +37,11 @@ def test_a_decision_is_encoded_in_minutes_with_lettered_jobs():
     text = encode_state(state)
     assert text.splitlines() == [
         "Pick the job to run next. Answer with its letter.",
-        "machine 8 procs, 0 free, 2 waiting, time of day 00:50",
-        "running (ends in min x procs): 2x8",      # job 2: expected end 3000 + 120 s -> 2 min from now
-        "waiting (letter: procs, requested min, waited min):",
-        "A: 2, 2, 48",                               # 61 s requested rounds up to 2 min; waited 2880 s = 48 min
-        "B: 1, 1, 47",
+        "machine 8 procs, 0 free, 2 waiting, time 00:50",
+        "running (min left x procs): 2x8",         # job 2: expected end 3000 + 120 s -> 2 min from now
+        "waiting (letter procs requested_min waited_min):",
+        "A 2 2 48",                                  # 61 s requested rounds up to 2 min; waited 2880 s = 48 min
+        "B 1 1 47",
     ]
 
 
@@ -53,7 +53,7 @@ def test_running_jobs_beyond_the_limit_are_summarised():
         if state.clock >= 1:
             break
         sim.commit(state.queue[0])
-    assert "running (ends in min x procs): 17x1 17x1 +3 more" in encode_state(state, max_running=2)
+    assert "running (min left x procs): 17x1 17x1 +3 more" in encode_state(state, max_running=2)
 
 
 def test_labels_are_letters_and_a_window_beyond_z_is_refused():
