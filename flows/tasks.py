@@ -149,7 +149,8 @@ def _outcome(stage: str, lines: list[str]) -> str:
 
 def stage_timeout(stage: str, schedule: ScheduleParams) -> tuple[int, str]:
     """(seconds, the params key that sets them) a stage may run in a flow run."""
-    key = "train_timeout_s" if stage == "train" else "stage_timeout_s"
+    # `scheduling/dvc.yaml:train` (a stage of another pipeline file) is a training stage too
+    key = "train_timeout_s" if stage.rsplit(":", 1)[-1] == "train" else "stage_timeout_s"
     return getattr(schedule, key), f"schedule.{key}"
 
 
@@ -181,14 +182,15 @@ def stage_task(stage: str, schedule: ScheduleParams):
     The timeout is enforced by `run_stage` itself rather than by Prefect's `timeout_seconds`: it stops the
     stage's whole process tree and names the params key to raise.
     """
-    retries = schedule.register_retries if stage == "register" else 0
+    retries = schedule.register_retries if stage.rsplit(":", 1)[-1] == "register" else 0
     return run_stage.with_options(name=stage, task_run_name=stage, retries=retries,
                                   retry_delay_seconds=schedule.retry_delay_s)
 
 
-def pipeline_stages() -> list[str]:
-    """The stages of the root `dvc.yaml`, upstream first (ties keep the file's order): what plain `dvc repro`
-    runs. Pipelines in other dvc.yaml files (e.g. `compare/dvc.yaml`) are left to their own `dvc repro <file>`."""
+def pipeline_stages(pipeline: Path = PIPELINE) -> list[str]:
+    """The stages of the root `dvc.yaml` (or of `pipeline`, e.g. scheduling/dvc.yaml), upstream first (ties keep
+    the file's order): what plain `dvc repro [pipeline]` runs. Stages of another file are addressed as DVC
+    prints them (`scheduling/dvc.yaml:train`)."""
     import networkx as nx
     from dvc.repo import Repo
 
@@ -196,7 +198,7 @@ def pipeline_stages() -> list[str]:
         order = {stage: i for i, stage in enumerate(repo.index.stages)}
         # DVC's graph points from a stage to the stages it depends on; reversed, upstream comes first.
         ordered = nx.lexicographical_topological_sort(repo.index.graph.reverse(), key=lambda s: order[s])
-        return [stage.addressing for stage in ordered if Path(stage.dvcfile.relpath) == PIPELINE]
+        return [stage.addressing for stage in ordered if Path(stage.dvcfile.relpath) == pipeline]
 
 
 def source_sha256(params: Params) -> str | None:
@@ -212,21 +214,21 @@ def source_sha256(params: Params) -> str | None:
 ALWAYS_CHANGED = "always changed"  # how `dvc status --json` reports a stage marked `always_changed`
 
 
-def _dvc_status() -> dict[str, list]:
-    code, lines = dvc("status", "--json", str(PIPELINE), log=False)  # without a target it covers every dvc.yaml
+def _dvc_status(pipeline: Path = PIPELINE) -> dict[str, list]:
+    code, lines = dvc("status", "--json", str(pipeline), log=False)  # without a target it covers every dvc.yaml
     if code != 0:
         raise StageFailed("dvc status failed:\n" + "\n".join(lines[-15:]))
     return json.loads(next((line for line in reversed(lines) if line.startswith("{")), "{}"))
 
 
 @task(name="find-changes", cache_policy=NO_CACHE, persist_result=False)
-def find_changes(params: Params, check_source: bool = True) -> dict[str, Any]:
+def find_changes(params: Params, check_source: bool = True, pipeline: Path = PIPELINE) -> dict[str, Any]:
     """What a run has to do: {"stages": DVC's changed stages and why, "source_changed": bool, "reason": str}.
 
     `dvc status` covers code, params and every file DVC tracks; the data source's hash (when `check_source`:
     the pipeline has an ingest stage) covers the file that `data.source` points at, which DVC does not track.
     """
-    status = _dvc_status()
+    status = _dvc_status(pipeline)
     # `always_changed` stages (probe: this machine's facts) are always "changed" by definition: run them first,
     # cheaply, and ask again; what matters is whether their outputs changed what depends on them.
     always = [name for name, changes in status.items() if changes and all(c == ALWAYS_CHANGED for c in changes)]
@@ -235,7 +237,7 @@ def find_changes(params: Params, check_source: bool = True) -> dict[str, Any]:
         if code != 0:
             raise StageFailed(failure_message(name, lines))
     if always:
-        status = {name: changes for name, changes in _dvc_status().items()
+        status = {name: changes for name, changes in _dvc_status(pipeline).items()
                   if not (changes and all(c == ALWAYS_CHANGED for c in changes))}
     stages = {name: [key for change in changes if isinstance(change, dict) for key in change]
               for name, changes in status.items()}

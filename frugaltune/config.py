@@ -324,6 +324,62 @@ class RegisterParams(Section):
     )
 
 
+# ----- the scheduling pipeline (scheduling/dvc.yaml; docs/SCHEDULING.md), read from scheduling/params.yaml ------
+
+
+class SchedulingEvaluationParams(Section):
+    sequence_length: int = Field(256, ge=1, description="Jobs per test sequence (RLScheduler's JOB_SEQUENCE_SIZE).")
+    n_sequences: int = Field(20, ge=1, description="Test sequences, drawn at seeded points of the held-out part.")
+    held_out_fraction: float = Field(
+        0.3, gt=0, le=1, description="The last share of the trace (submit order) that only evaluation uses; SFT "
+        "episodes come from the rest.")
+    seed: int = Field(0, description="Seed of the test sequences' start points.")
+
+
+class SchedulingSftParams(Section):
+    episodes: int = Field(16, ge=1, description="Teacher episodes on the training part; each gives one SFT row "
+                          "per decision with two or more visible jobs.")
+    episode_length: int = Field(256, ge=2, description="Jobs per episode.")
+    seed: int = Field(0, description="Seed of the episodes' start points.")
+    rollout_policies: list[Literal["FCFS", "SJF", "WFP3", "UNICEF", "F1"]] = Field(
+        ["F1"], min_length=1, description="Heuristics the lookahead teacher rolls each candidate out with (the "
+        "lowest summed bsld over them counts); ties keep the first one's own choice.")
+    horizon: int = Field(128, ge=0, description="Arrivals each rollout admits after the decision: longer sees "
+                         "further and costs more (32 was worse than F1 alone on lublin_256, 128 beat it).")
+    max_running: int = Field(4, ge=0, description="Running jobs listed in a prompt (soonest expected end first; "
+                             "the rest counted): each costs ~5 tokens.")
+
+
+class SchedulingLlmParams(Section):
+    fallback: Literal["FCFS", "SJF", "WFP3", "UNICEF", "F1"] = Field(
+        "F1", description="Heuristic used, under a name that says so, when the fine-tuned model cannot be loaded.")
+    batch_size: int = Field(20, ge=1, description="Prompts per forward: one per test sequence run in lockstep.")
+    threads: int | None = Field(None, ge=1, description="torch threads for evaluation; null = torch's default.")
+    evaluate_base: bool = Field(True, description="Also run the untuned base model (the study's comparison).")
+
+
+class SchedulingValidateParams(Section):
+    min_jobs: int = Field(1000, ge=1, description="Table-level: fewer parsed jobs than this fail the stage.")
+    max_overshoot_fraction: float = Field(
+        0.5, ge=0, le=1, description="Table-level: share of jobs running longer than they requested, at most.")
+
+
+class SchedulingParams(Section):
+    trace: str = Field("../../shared/data/swf/lublin_256.swf", description="SWF trace, relative to the scheduling "
+                       "pipeline's directory (scheduling/); as published by the Parallel Workloads Archive.")
+    max_procs: int | None = Field(None, ge=1, description="Machine size; null = the trace's MaxProcs or MaxNodes.")
+    window: int = Field(8, ge=1, le=26, description="Waiting jobs every policy sees (oldest first), lettered A..Z "
+                        "in prompts; the heuristics are judged at the same window.")
+    backfill: bool = Field(False, description="EASY backfilling in the LLM's evaluation and the SFT episodes "
+                           "(the baselines stage reports both modes).")
+    evaluation: SchedulingEvaluationParams = Field(default_factory=SchedulingEvaluationParams)
+    sft: SchedulingSftParams = Field(default_factory=SchedulingSftParams)
+    llm: SchedulingLlmParams = Field(default_factory=SchedulingLlmParams)
+    validate_: SchedulingValidateParams = Field(default_factory=SchedulingValidateParams, alias="validate")
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
 class ScheduleParams(Section):
     """Read only by the Prefect flow (flows/), never by a DVC stage: changing it reruns nothing."""
 
@@ -382,6 +438,7 @@ class Params(Section):
     compare: CompareParams = Field(default_factory=CompareParams)
     register_: RegisterParams = Field(default_factory=RegisterParams, alias="register")
     schedule: ScheduleParams = Field(default_factory=ScheduleParams)
+    scheduling: SchedulingParams = Field(default_factory=SchedulingParams)
 
     # `validate` and `register` shadow BaseModel attributes, hence the trailing underscore in code; the YAML keys
     # are the plain names.

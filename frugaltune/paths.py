@@ -105,3 +105,12 @@ MLFLOW_DB = Path("mlflow.db")
 MLFLOW_ARTIFACTS = Path("mlartifacts")
 # `make ui SERVER=1` / `make mlflow-server`: the tracking server's own sqlite store and proxied artifacts
 MLFLOW_SERVER_DIR = Path("mlflow-server")
+
+# The scheduling pipeline (scheduling/dvc.yaml). Its stages run with scheduling/ as the working directory, so the
+# paths above (models/base, data/tokenized, reports/...) name that directory's own copies, and the reused stages
+# (import_model, ingest, validate, tokenize, train, register) work there unchanged. The paths below are its own.
+SCHEDULING_DIR = Path("scheduling")  # from the repository root (flows, tests, the Makefile)
+TRACE_COPY = Path("data/trace.swf")  # the trace as read, byte for byte (a DVC output: later stages read this)
+TRACE_TABLE = Path("data/trace.parquet")  # one row per job, one column per SWF field: what validate_trace checks
+SFT_DATA = Path("data/sft.jsonl")  # prompt/response/candidates rows: data.source of the reused ingest stage
+FIGURES = REPORTS / "figures"

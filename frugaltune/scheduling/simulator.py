@@ -152,6 +152,179 @@ def _shadow(head: Job, free: int, running: dict[int, RunningJob], clock: float) 
     raise RuntimeError(f"job {head.job_id} needs {head.requested_procs} processors, more than the machine has")
 
 
+class Simulator:
+    """The simulation as an object that stops at each decision, so a caller can look ahead before committing.
+
+    `simulate()` is the plain loop over it. A lookahead teacher (`frugaltune.scheduling.sft`) or a batched LLM
+    evaluation drives it directly:
+
+        sim = Simulator(jobs, total_procs, backfill=False, window=8)
+        while (state := sim.next_decision()) is not None:
+            trial = sim.clone()           # an independent copy: same clock, queue, running jobs, schedule so far
+            ...
+            sim.commit(chosen_job)        # one of state.queue
+        result = sim.result("my policy")
+
+    Stopping at a decision changes nothing in the model: time stands still during a decision in `simulate` too,
+    so a schedule driven step by step is the one `simulate` gives for the same choices.
+    """
+
+    def __init__(self, jobs: Sequence[Job], total_procs: int, *, backfill: bool = False,
+                 window: int = DEFAULT_WINDOW):
+        if window < 1:
+            raise ValueError(f"window={window}: the policy must see at least one waiting job; use window >= 1.")
+        if not jobs:
+            raise ValueError("no jobs to simulate; give at least one job.")
+        arrivals = sorted(jobs, key=lambda j: (j.submit_time, j.job_id))
+        for job in arrivals:
+            if not 0 < job.requested_procs <= total_procs:
+                raise ValueError(f"job {job.job_id} asks for {job.requested_procs} processors; the machine has "
+                                 f"{total_procs}. Filter the jobs or simulate a bigger machine.")
+        self.total_procs = total_procs
+        self.backfill = backfill
+        self.window = window
+        self.arrivals = arrivals                       # shared by clones: never modified
+        self._index = {id(job): i for i, job in enumerate(arrivals)}  # shared too
+        self.start = np.full(len(arrivals), np.nan)
+        self.clock = arrivals[0].submit_time
+        self.free = total_procs
+        self.waiting: list[Job] = []                   # arrival order, so the visible window is waiting[:window]
+        self.running: dict[int, RunningJob] = {}       # keyed by id(job): job ids are not unique in every trace
+        self._completions: list[tuple[float, float, int, int]] = []  # (actual end, submit, job id, id(job)): heap
+        self.head: Job | None = None                   # the committed choice, waiting for processors
+        self.next_arrival = 0
+        self.arrival_limit = len(arrivals)             # jobs arrivals[arrival_limit:] never arrive (see clone)
+        self.decisions = 0
+        self.backfilled = 0
+        self._queue_times: list[float] = []
+        self._queue_lengths: list[int] = []
+        self._at_events = True                         # False: the events at `clock` are processed already
+        self._pending: SchedulerState | None = None    # the decision asked for and not yet committed
+        self.done = False
+
+    def clone(self, future_arrivals: int | None = None) -> "Simulator":
+        """An independent copy at this point (a pending decision included); the jobs themselves are shared.
+
+        `future_arrivals`: the copy admits only that many more jobs (a bounded lookahead: a rollout that must
+        schedule the rest of a long trace would cost more than it tells about this decision).
+        """
+        other = object.__new__(Simulator)
+        other.__dict__.update(self.__dict__)
+        if future_arrivals is not None:
+            other.arrival_limit = min(self.arrival_limit, self.next_arrival + max(future_arrivals, 0))
+        other.start = self.start.copy()
+        other.waiting = list(self.waiting)
+        other.running = dict(self.running)
+        other._completions = list(self._completions)  # a copied heap is still a heap
+        other._queue_times = list(self._queue_times)
+        other._queue_lengths = list(self._queue_lengths)
+        if self._pending is not None:
+            other._pending = SchedulerState(self.clock, self.total_procs, self.free, other.waiting[:self.window],
+                                            len(other.waiting), other.running)
+        return other
+
+    def _start_job(self, job: Job) -> None:
+        self.free -= job.requested_procs
+        self.start[self._index[id(job)]] = self.clock
+        self.running[id(job)] = RunningJob(job, self.clock, self.clock + job.requested_time)
+        heapq.heappush(self._completions, (self.clock + job.run_time, job.submit_time, job.job_id, id(job)))
+        self.waiting.remove(job)  # identity comparison (Job has eq=False), and the job is near the front
+
+    def next_decision(self) -> SchedulerState | None:
+        """Advance until the policy must pick a job; that decision's state, or None once every job has started
+        and ended. Calling it again before `commit` returns the same pending decision."""
+        if self._pending is not None:
+            return self._pending
+        while not self.done:
+            if self._at_events:
+                while self._completions and self._completions[0][0] <= self.clock:
+                    self.free += self.running.pop(heapq.heappop(self._completions)[3]).job.requested_procs
+                while (self.next_arrival < self.arrival_limit
+                       and self.arrivals[self.next_arrival].submit_time <= self.clock):
+                    self.waiting.append(self.arrivals[self.next_arrival])
+                    self.next_arrival += 1
+                self._at_events = False
+
+            while self.waiting:
+                if self.head is None:
+                    self._pending = SchedulerState(self.clock, self.total_procs, self.free,
+                                                   self.waiting[:self.window], len(self.waiting), self.running)
+                    return self._pending
+                if self.head.requested_procs <= self.free:
+                    self._start_job(self.head)
+                    self.head = None
+                    continue
+                if self.backfill and self.free > 0:
+                    self._backfill()
+                break  # the head waits for the next event
+
+            if not self._queue_lengths or self._queue_lengths[-1] != len(self.waiting):
+                self._queue_times.append(self.clock)
+                self._queue_lengths.append(len(self.waiting))
+            next_times = []
+            if self._completions:
+                next_times.append(self._completions[0][0])
+            if self.next_arrival < self.arrival_limit:
+                next_times.append(self.arrivals[self.next_arrival].submit_time)
+            if not next_times:
+                self.done = True
+                break
+            self.clock = min(next_times)
+            self._at_events = True
+        return None
+
+    def _backfill(self) -> None:
+        shadow, extra = _shadow(self.head, self.free, self.running, self.clock)
+        for job in list(self.waiting):
+            if job is self.head or job.requested_procs > self.free:
+                continue
+            if self.clock + job.requested_time <= shadow:
+                self._start_job(job)
+            elif job.requested_procs <= extra:
+                extra -= job.requested_procs  # it will still hold these at the shadow time
+                self._start_job(job)
+            else:
+                continue
+            self.backfilled += 1
+            if self.free == 0:
+                break
+
+    def commit(self, job: Job, policy_name: str = "policy") -> None:
+        """Answer the pending decision with `job`, which must be one of its `state.queue`."""
+        state = self._pending
+        if state is None:
+            raise RuntimeError("commit() without a pending decision: call next_decision() first.")
+        if not any(j is job for j in state.queue):
+            raise ValueError(f"policy {policy_name!r} chose {job!r}, which is not in the visible queue; "
+                             f"choose() must return one of state.queue.")
+        self.head = job
+        self.decisions += 1
+        self._pending = None
+
+    def started(self, job: Job) -> bool:
+        return not np.isnan(self.start[self._index[id(job)]])
+
+    def run_to_end(self, policy: Policy) -> None:
+        """Let `policy` make every remaining decision."""
+        while (state := self.next_decision()) is not None:
+            self.commit(policy.choose(state), policy.name)
+
+    def result(self, policy_name: str) -> SimulationResult:
+        """The finished schedule (call after `next_decision()` returned None)."""
+        if not self.done:
+            raise RuntimeError("result() before the simulation ended: drive next_decision() until it returns None.")
+        arrivals = self.arrivals
+        submit = np.array([j.submit_time for j in arrivals], dtype=float)
+        run = np.array([j.run_time for j in arrivals], dtype=float)
+        return SimulationResult(
+            policy=policy_name, backfill=self.backfill, total_procs=self.total_procs,
+            job_ids=np.array([j.job_id for j in arrivals]), submit=submit, start=self.start.copy(),
+            end=self.start + run, run=run, procs=np.array([j.requested_procs for j in arrivals]),
+            queue_times=np.array(self._queue_times, dtype=float), queue_lengths=np.array(self._queue_lengths),
+            decisions=self.decisions, backfilled=self.backfilled,
+        )
+
+
 def simulate(jobs: Sequence[Job], total_procs: int, policy: Policy, *, backfill: bool = False,
              window: int = DEFAULT_WINDOW) -> SimulationResult:
     """Run `jobs` on a machine of `total_procs` processors under `policy` (see the module docstring for the model).
@@ -163,92 +336,27 @@ def simulate(jobs: Sequence[Job], total_procs: int, policy: Policy, *, backfill:
         backfill: EASY backfilling on or off.
         window: how many waiting jobs (oldest first) the policy sees; >= 1.
     """
-    if window < 1:
-        raise ValueError(f"window={window}: the policy must see at least one waiting job; use window >= 1.")
-    if not jobs:
-        raise ValueError("no jobs to simulate; give at least one job.")
-    arrivals = sorted(jobs, key=lambda j: (j.submit_time, j.job_id))
-    for job in arrivals:
-        if not 0 < job.requested_procs <= total_procs:
-            raise ValueError(f"job {job.job_id} asks for {job.requested_procs} processors; the machine has "
-                             f"{total_procs}. Filter the jobs or simulate a bigger machine.")
-    index = {id(job): i for i, job in enumerate(arrivals)}
-    start = np.full(len(arrivals), np.nan)
+    sim = Simulator(jobs, total_procs, backfill=backfill, window=window)
+    sim.run_to_end(policy)
+    return sim.result(policy.name)
 
-    clock = arrivals[0].submit_time
-    free = total_procs
-    waiting: list[Job] = []              # arrival order, so the visible window is waiting[:window]
-    running: dict[int, RunningJob] = {}  # keyed by id(job): job ids are not unique in every trace
-    completions: list[tuple[float, float, int, int]] = []  # (actual end, submit, job id, id(job)): a min-heap
-    head: Job | None = None              # the committed choice, waiting for processors
-    next_arrival = 0
-    decisions = backfilled = 0
-    queue_times: list[float] = []
-    queue_lengths: list[int] = []
 
-    def start_job(job: Job) -> None:
-        nonlocal free
-        free -= job.requested_procs
-        start[index[id(job)]] = clock
-        running[id(job)] = RunningJob(job, clock, clock + job.requested_time)
-        heapq.heappush(completions, (clock + job.run_time, job.submit_time, job.job_id, id(job)))
-        waiting.remove(job)  # identity comparison (Job has eq=False), and the job is near the front
+def simulate_batch(job_lists: Sequence[Sequence[Job]], total_procs: int, policy: Policy, *, backfill: bool = False,
+                   window: int = DEFAULT_WINDOW) -> list[SimulationResult]:
+    """`simulate` for several independent job sequences, in lockstep: each round collects the pending decision of
+    every unfinished sequence and, when the policy has `choose_many(states) -> jobs`, answers them in one call.
 
+    Each schedule is the one `simulate` gives (the sequences never interact); an LLM policy batches its forwards
+    across sequences, which is where its time goes. Results are in the order of `job_lists`.
+    """
+    sims = [Simulator(jobs, total_procs, backfill=backfill, window=window) for jobs in job_lists]
+    choose_many = getattr(policy, "choose_many", None)
     while True:
-        while completions and completions[0][0] <= clock:
-            free += running.pop(heapq.heappop(completions)[3]).job.requested_procs
-        while next_arrival < len(arrivals) and arrivals[next_arrival].submit_time <= clock:
-            waiting.append(arrivals[next_arrival])
-            next_arrival += 1
-
-        while waiting:
-            if head is None:
-                state = SchedulerState(clock, total_procs, free, waiting[:window], len(waiting), running)
-                head = policy.choose(state)
-                decisions += 1
-                if not any(job is head for job in state.queue):
-                    raise ValueError(f"policy {policy.name!r} chose {head!r}, which is not in the visible queue; "
-                                     f"choose() must return one of state.queue.")
-            if head.requested_procs <= free:
-                start_job(head)
-                head = None
-                continue
-            if backfill and free > 0:
-                shadow, extra = _shadow(head, free, running, clock)
-                for job in list(waiting):
-                    if job is head or job.requested_procs > free:
-                        continue
-                    if clock + job.requested_time <= shadow:
-                        start_job(job)
-                    elif job.requested_procs <= extra:
-                        extra -= job.requested_procs  # it will still hold these at the shadow time
-                        start_job(job)
-                    else:
-                        continue
-                    backfilled += 1
-                    if free == 0:
-                        break
-            break  # the head waits for the next event
-
-        if not queue_lengths or queue_lengths[-1] != len(waiting):
-            queue_times.append(clock)
-            queue_lengths.append(len(waiting))
-
-        next_times = []
-        if completions:
-            next_times.append(completions[0][0])
-        if next_arrival < len(arrivals):
-            next_times.append(arrivals[next_arrival].submit_time)
-        if not next_times:
+        pending = [(sim, state) for sim in sims if (state := sim.next_decision()) is not None]
+        if not pending:
             break
-        clock = min(next_times)
-
-    submit = np.array([j.submit_time for j in arrivals], dtype=float)
-    run = np.array([j.run_time for j in arrivals], dtype=float)
-    return SimulationResult(
-        policy=policy.name, backfill=backfill, total_procs=total_procs,
-        job_ids=np.array([j.job_id for j in arrivals]), submit=submit, start=start, end=start + run, run=run,
-        procs=np.array([j.requested_procs for j in arrivals]),
-        queue_times=np.array(queue_times, dtype=float), queue_lengths=np.array(queue_lengths),
-        decisions=decisions, backfilled=backfilled,
-    )
+        states = [state for _, state in pending]
+        chosen = choose_many(states) if choose_many is not None else [policy.choose(s) for s in states]
+        for (sim, _), job in zip(pending, chosen):
+            sim.commit(job, policy.name)
+    return [sim.result(policy.name) for sim in sims]

@@ -1,10 +1,18 @@
 """A small seeded synthetic workload for tests: Poisson arrivals, log-uniform run times, power-of-two widths.
 
-Library code: `synthetic_workload(200, max_procs=64, seed=0)`. Not run on its own. It is a toy, not a workload
-model: for realistic synthetic traces use the Lublin-Feitelson model's output (../shared/data/swf/lublin_256.swf).
+Library code: `synthetic_workload(200, max_procs=64, seed=0)`; as an SWF file (the scheduling pipeline's end-to-end
+test feeds it to `dvc repro`):
+
+    python -m frugaltune.scheduling.synthetic trace.swf --jobs 600 --procs 32 --seed 0
+
+It is a toy, not a workload model: for realistic synthetic traces use the Lublin-Feitelson model's output
+(../shared/data/swf/lublin_256.swf).
 """
 
 from __future__ import annotations
+
+import argparse
+from pathlib import Path
 
 import numpy as np
 
@@ -38,3 +46,32 @@ def synthetic_workload(n_jobs: int, max_procs: int = 64, seed: int = 0, mean_int
     rows = [(i + 1, int(s), int(r), int(p), int(q)) for i, (s, r, p, q) in enumerate(zip(submit, run, procs,
                                                                                             requested))]
     return workload_from_rows(rows, max_procs=max_procs, source=f"<synthetic n={n_jobs} seed={seed}>")
+
+
+def write_swf(workload: Workload, path: str | Path) -> Path:
+    """`workload` as a Standard Workload Format file (MaxProcs header, 18 fields a line, -1 where unknown) that
+    `read_swf` reads back to the same jobs."""
+    from frugaltune.io import write_text
+    from frugaltune.scheduling.swf import SWF_FIELDS
+
+    lines = [f"; Note: {workload.source}", f"; MaxProcs: {workload.max_procs}"]
+    for job in workload.jobs:
+        lines.append(" ".join(str(int(getattr(job, name))) for name in SWF_FIELDS))
+    write_text(path, "\n".join(lines) + "\n")
+    return Path(path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Write a seeded synthetic workload as an SWF file.")
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--jobs", type=int, default=1000)
+    parser.add_argument("--procs", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--interarrival", type=float, default=60.0, help="mean seconds between submits")
+    args = parser.parse_args(argv)
+    write_swf(synthetic_workload(args.jobs, args.procs, args.seed, args.interarrival), args.out)
+    print(f"wrote {args.out}: {args.jobs} jobs on {args.procs} processors (seed {args.seed})")
+
+
+if __name__ == "__main__":
+    main()

@@ -327,3 +327,39 @@ def test_protocol_draws_seeded_sequences_inside_the_held_out_part():
     assert list(table.columns) == ["avg_bsld mean", "avg_bsld std", "avg_bsld mean +EASY", "avg_bsld std +EASY"]
     with pytest.raises(ValueError, match="fewer than sequence_length=500"):
         sequence_starts(workload, Protocol(sequence_length=500, held_out_fraction=0.3))
+
+
+# ---------------------------------------------------------------------------------------------- stepping, cloning
+
+def test_stepping_the_simulator_with_clones_gives_the_schedule_simulate_gives():
+    # A clone taken at every decision and run to the end under the same policy must reproduce the original's
+    # schedule exactly, and must not disturb the original (the lookahead teacher relies on both).
+    from frugaltune.scheduling.simulator import Simulator
+
+    workload = synthetic_workload(120, max_procs=32, seed=3, mean_interarrival=30.0)
+    for backfill in (False, True):
+        expected = simulate(workload.jobs, 32, SJF, backfill=backfill, window=8)
+        sim = Simulator(workload.jobs, 32, backfill=backfill, window=8)
+        checked = 0
+        while (state := sim.next_decision()) is not None:
+            if checked < 5 and len(state.queue) > 2:
+                trial = sim.clone()
+                trial.run_to_end(SJF)
+                assert trial.result("SJF").schedule() == expected.schedule()
+                checked += 1
+            sim.commit(SJF.choose(state))
+        got = sim.result("SJF")
+        assert checked == 5
+        assert got.schedule() == expected.schedule() and got.decisions == expected.decisions
+        assert np.array_equal(got.queue_lengths, expected.queue_lengths)
+
+
+def test_commit_rejects_a_job_outside_the_visible_window():
+    from frugaltune.scheduling.simulator import Simulator
+
+    jobs = workload_from_rows([(1, 0, 100, 4, 100), (2, 0, 10, 4, 10), (3, 0, 10, 4, 10)], max_procs=4).jobs
+    sim = Simulator(jobs, 4, window=2)
+    state = sim.next_decision()
+    assert [j.job_id for j in state.queue] == [1, 2]
+    with pytest.raises(ValueError, match="not in the visible queue"):
+        sim.commit(jobs[2])

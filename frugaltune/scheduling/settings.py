@@ -1,0 +1,32 @@
+"""From `scheduling.*` params to the library's objects: the trace, the evaluation protocol, the SFT config.
+
+Library code, imported by the scheduling pipeline's stages (`python -m stages.<name>` in scheduling/) so that each
+fact (which window, which sequences) is turned into objects in one place.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from frugaltune.config import SchedulingParams
+from frugaltune.scheduling.evaluation import Protocol
+from frugaltune.scheduling.sft import SftConfig
+from frugaltune.scheduling.swf import Workload, read_swf
+
+
+def load_workload(path: str | Path, sp: SchedulingParams) -> Workload:
+    """The trace at `path`, machine size from `scheduling.max_procs` when set."""
+    return read_swf(path, max_procs=sp.max_procs) if sp.max_procs else read_swf(path)
+
+
+def protocol(sp: SchedulingParams) -> Protocol:
+    ev = sp.evaluation
+    return Protocol(sequence_length=ev.sequence_length, n_sequences=ev.n_sequences,
+                    held_out_fraction=ev.held_out_fraction, seed=ev.seed, window=sp.window)
+
+
+def sft_config(sp: SchedulingParams) -> SftConfig:
+    s = sp.sft
+    return SftConfig(protocol=protocol(sp), episodes=s.episodes, episode_length=s.episode_length, seed=s.seed,
+                     rollout_policies=tuple(s.rollout_policies), horizon=s.horizon, backfill=sp.backfill,
+                     max_running=s.max_running)

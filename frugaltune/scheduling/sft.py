@@ -1,0 +1,221 @@
+"""Scheduling decisions as prompt -> response pairs: the text encoding, a lookahead teacher, the SFT data builder.
+
+Library code: `build_sft(workload, SftConfig())` -> (rows, report); the `build_sft` stage of the scheduling pipeline
+(`python -m stages.build_sft`, run by `dvc repro scheduling/dvc.yaml`) writes the rows as JSONL with
+prompt/response/candidates columns, which the causal_lm task trains on like any pairs file.
+
+The encoding (`encode_state`): one short text per decision, about 160 SmolLM2 tokens at window 8 (plus the chat
+template's ~25). Times are in whole minutes (a 7-digit second count costs 7 tokens and tells the model nothing a
+minute count does not; SmolLM2 spends a token per digit), the visible waiting jobs get letters A, B, C... in queue
+order (one token each), their fields are separated by spaces only (", " costs two tokens a field), and the answer
+is a letter:
+
+    Pick the job to run next. Answer with its letter.
+    machine 256 procs, 64 free, 37 waiting, time 20:34
+    running (min left x procs): 3x32 40x64 120x8 200x16 +5 more
+    waiting (letter procs requested_min waited_min):
+    A 16 60 2
+    B 1 1 0
+
+The teacher (`LookaheadTeacher`): at each decision it tries every visible job as the choice, rolls the simulation
+forward with each rollout heuristic (admitting only the next `horizon` arrivals, so every rollout schedules the
+same jobs), and keeps the job whose best rollout has the lowest summed bounded slowdown. Rollouts run jobs for
+their actual run times: the teacher is clairvoyant about the near future, which the student, who sees only the
+requested times, is not; that gap is the point of a teacher. Ties keep the first rollout heuristic's own choice,
+so the teacher never differs from that heuristic without a measured reason.
+
+Episodes come only from the training part of the trace (before `evaluation.held_out_start`), so the held-out
+sequences the policies are judged on are never seen in training.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from frugaltune.scheduling.evaluation import Protocol, held_out_start
+from frugaltune.scheduling.metrics import BSLD_TAU, sequence_metrics
+from frugaltune.scheduling.policies import HEURISTICS, ScorePolicy
+from frugaltune.scheduling.simulator import SchedulerState, SimulationResult, Simulator, simulate
+from frugaltune.scheduling.swf import Job, Workload
+
+LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+MAX_WINDOW = len(LETTERS)
+"""The most visible jobs a prompt can letter (A..Z)."""
+
+INSTRUCTION = "Pick the job to run next. Answer with its letter."
+
+
+def job_labels(n: int) -> list[str]:
+    """The answers for a window of `n` visible jobs: "A", "B", ... in queue order."""
+    if not 1 <= n <= MAX_WINDOW:
+        raise ValueError(f"a window of {n} jobs: prompts letter at most {MAX_WINDOW} (A..Z); use 1 <= window <= "
+                         f"{MAX_WINDOW}.")
+    return list(LETTERS[:n])
+
+
+def _minutes_up(seconds: float) -> int:
+    return int(math.ceil(max(seconds, 0.0) / 60.0))
+
+
+def encode_state(state: SchedulerState, max_running: int = 4) -> str:
+    """The prompt for one decision (see the module docstring). At most `max_running` running jobs are listed,
+    soonest expected end first (the rest counted), so a full machine does not double the prompt. The clock is the
+    time of day (the trace's clock modulo 24 h): what a real trace's daily cycle depends on, the same however a
+    sequence was cut, and 5 characters instead of a growing second count."""
+    running = state.running
+    shown = " ".join(f"{_minutes_up(r.expected_end - state.clock)}x{r.job.requested_procs}"
+                     for r in running[:max_running])
+    if len(running) > max_running:
+        shown += f" +{len(running) - max_running} more"
+    lines = [
+        INSTRUCTION,
+        f"machine {state.total_procs} procs, {state.free_procs} free, {state.queue_length} waiting, "
+        f"time {int(state.clock % 86400 // 3600):02d}:{int(state.clock % 3600 // 60):02d}",
+        f"running (min left x procs): {shown or 'none'}",
+        "waiting (letter procs requested_min waited_min):",
+    ]
+    for label, job in zip(job_labels(len(state.queue)), state.queue):
+        lines.append(f"{label} {job.requested_procs} {_minutes_up(job.requested_time)} "
+                     f"{int(state.wait_time(job) // 60)}")
+    return "\n".join(lines)
+
+
+def rollout_cost(sim: Simulator, first: Job, policy: ScorePolicy, horizon: int, tau: float = BSLD_TAU) -> float:
+    """Summed bounded slowdown of the jobs a rollout schedules: `first` committed now, then `policy`, admitting
+    `horizon` more arrivals. Jobs that started before the decision add the same amount to every candidate."""
+    trial = sim.clone(future_arrivals=horizon)
+    trial.commit(first, "rollout")
+    trial.run_to_end(policy)
+    n = trial.arrival_limit
+    start = trial.start[:n]
+    submit = np.fromiter((j.submit_time for j in trial.arrivals[:n]), float, n)
+    run = np.fromiter((j.run_time for j in trial.arrivals[:n]), float, n)
+    return float(np.maximum((start - submit + run) / np.maximum(run, tau), 1.0).sum())
+
+
+@dataclass
+class LookaheadTeacher:
+    """Chooses by rolling every visible job forward with each rollout heuristic (see the module docstring)."""
+
+    rollout_policies: Sequence[ScorePolicy]
+    horizon: int = 128
+    """Arrivals admitted after the decision in each rollout."""
+    rollouts: int = field(default=0, init=False)
+    """Rollouts run so far (for the cost report)."""
+
+    def __post_init__(self) -> None:
+        if not self.rollout_policies:
+            raise ValueError("LookaheadTeacher needs at least one rollout heuristic (e.g. SJF).")
+        if self.horizon < 0:
+            raise ValueError(f"horizon={self.horizon}: give a number of future arrivals >= 0.")
+
+    @property
+    def name(self) -> str:
+        return f"lookahead({'/'.join(p.name for p in self.rollout_policies)}, h={self.horizon})"
+
+    def choose(self, sim: Simulator, state: SchedulerState) -> Job:
+        default = self.rollout_policies[0].choose(state)
+        if len(state.queue) == 1:
+            return default
+        # The default first: a candidate replaces it only when strictly better, then in queue order.
+        order = [default] + [job for job in state.queue if job is not default]
+        best, best_cost = default, math.inf
+        for job in order:
+            cost = min(rollout_cost(sim, job, policy, self.horizon) for policy in self.rollout_policies)
+            self.rollouts += len(self.rollout_policies)
+            if cost < best_cost:
+                best, best_cost = job, cost
+        return best
+
+
+def teacher_episode(jobs: Sequence[Job], total_procs: int, teacher: LookaheadTeacher, window: int,
+                    backfill: bool = False, max_running: int = 4) -> tuple[SimulationResult, list[dict]]:
+    """Simulate `jobs` with the teacher choosing; every decision with two or more visible jobs becomes a row
+    {prompt, response, candidates}. One-candidate decisions are not rows: the LLM policy answers them without
+    the model."""
+    sim = Simulator(jobs, total_procs, backfill=backfill, window=window)
+    rows = []
+    while (state := sim.next_decision()) is not None:
+        choice = teacher.choose(sim, state)
+        if len(state.queue) > 1:
+            labels = job_labels(len(state.queue))
+            position = next(i for i, job in enumerate(state.queue) if job is choice)
+            rows.append({"prompt": encode_state(state, max_running), "response": labels[position],
+                         "candidates": labels})
+        sim.commit(choice, teacher.name)
+    return sim.result(teacher.name), rows
+
+
+@dataclass(frozen=True)
+class SftConfig:
+    """What `build_sft` builds; the scheduling pipeline fills it from `scheduling.sft` in params.yaml."""
+
+    protocol: Protocol = Protocol(window=8)
+    """The evaluation protocol: its held-out part is excluded, its window is the prompts' window (8 keeps a
+    prompt near 150 SmolLM2 tokens; the heuristics are judged at the same window)."""
+    episodes: int = 16
+    episode_length: int = 256
+    seed: int = 0
+    rollout_policies: tuple[str, ...] = ("F1",)
+    """Measured on lublin_256 (window 8, 6 training episodes): F1 rollouts at horizon 128 gave avg bsld 254 vs
+    F1's 280, not worse on any episode; adding SJF rollouts changed nothing at twice the cost; horizon 32 was
+    worse than F1 itself (a short rollout ends on an emptying queue and underprices delaying wide jobs)."""
+    horizon: int = 128
+    backfill: bool = False
+    max_running: int = 4
+
+
+def episode_starts(workload: Workload, cfg: SftConfig) -> np.ndarray:
+    """Seeded start indices of the training episodes, each `episode_length` jobs inside the training part."""
+    room = held_out_start(workload, cfg.protocol) - cfg.episode_length
+    if room < 0:
+        raise ValueError(f"{workload.source}: the training part has {held_out_start(workload, cfg.protocol)} jobs, "
+                         f"fewer than scheduling.sft.episode_length={cfg.episode_length}. Shorten the episodes or "
+                         f"lower scheduling.evaluation.held_out_fraction.")
+    return np.random.default_rng(cfg.seed).integers(0, room + 1, size=cfg.episodes)
+
+
+def build_sft(workload: Workload, cfg: SftConfig) -> tuple[list[dict], dict]:
+    """Teacher episodes on the training part -> (SFT rows, report). The report compares the teacher's average
+    bounded slowdown with every heuristic's on the very same episodes: a student can only beat the heuristics if
+    its teacher does."""
+    unknown = [name for name in cfg.rollout_policies if name not in HEURISTICS]
+    if unknown:
+        raise ValueError(f"scheduling.sft.rollout_policies: {unknown} are not heuristics; choose from "
+                         f"{', '.join(HEURISTICS)}.")
+    if not 1 <= cfg.protocol.window <= MAX_WINDOW:
+        raise ValueError(f"scheduling.window = {cfg.protocol.window}: prompts letter the visible jobs A..Z, so "
+                         f"the window must be 1..{MAX_WINDOW}.")
+    teacher = LookaheadTeacher([HEURISTICS[n] for n in cfg.rollout_policies], cfg.horizon)
+    rows: list[dict] = []
+    bsld: dict[str, list[float]] = {"teacher": [], **{name: [] for name in HEURISTICS}}
+    decisions = 0
+    for number, start in enumerate(episode_starts(workload, cfg)):
+        jobs = workload.jobs[start:start + cfg.episode_length]
+        result, episode_rows = teacher_episode(jobs, workload.max_procs, teacher, cfg.protocol.window,
+                                               cfg.backfill, cfg.max_running)
+        for row in episode_rows:
+            row["episode"] = number
+        rows.extend(episode_rows)
+        decisions += result.decisions
+        bsld["teacher"].append(sequence_metrics(result).avg_bsld)
+        for name, policy in HEURISTICS.items():
+            heuristic = simulate(jobs, workload.max_procs, policy, backfill=cfg.backfill, window=cfg.protocol.window)
+            bsld[name].append(sequence_metrics(heuristic).avg_bsld)
+    mean = {name: float(np.mean(values)) for name, values in bsld.items()}
+    wins = {name: int(sum(t <= h for t, h in zip(bsld["teacher"], bsld[name]))) for name in HEURISTICS}
+    report = {
+        "teacher": teacher.name,
+        "episodes": cfg.episodes,
+        "decisions": decisions,
+        "rows": len(rows),
+        "rollouts": teacher.rollouts,
+        "avg_bsld": mean,
+        "teacher_not_worse_episodes": wins,
+        "teacher_beats_best_heuristic": bool(mean["teacher"] < min(mean[n] for n in HEURISTICS)),
+    }
+    return rows, report

@@ -1,0 +1,98 @@
+"""End to end: the scheduling pipeline (scheduling/dvc.yaml) through `dvc repro` on a tiny random llama and a small
+synthetic trace, in a temp git+DVC project; then a second `dvc repro` runs nothing.
+
+Run with `make test` (or `pytest -m slow tests/e2e/test_scheduling_pipeline.py`); about a minute and a half on
+2 cores: a synthetic 400-job trace, window 4, 2 teacher episodes, 4 training steps, 2 test sequences of 32 jobs.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from frugaltune.scheduling.synthetic import synthetic_workload, write_swf
+from tests import tiny_project
+from tests.e2e.test_pipeline import ran_stages
+
+pytestmark = pytest.mark.slow
+STAGES = ["ingest_trace", "validate_trace", "simulate_baselines", "build_sft", "import_model", "ingest", "validate",
+          "tokenize", "train", "evaluate_policy", "register"]
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory, tiny_model_dir) -> Path:
+    repo = tiny_project.build(tmp_path_factory.mktemp("sched"), tiny_model_dir, calibrate=False)
+    shutil.copytree(tiny_project.ROOT / "scheduling", repo / "scheduling",
+                    # not what a local `make schedule` left there
+                    ignore=shutil.ignore_patterns("data", "models", "reports", "*.db", "mlartifacts", "checkpoints",
+                                                  "dvc.lock", ".gitignore"))
+    # Busy enough that windows hold several jobs: 16 processors, a job every ~25 s.
+    write_swf(synthetic_workload(400, max_procs=16, seed=0, mean_interarrival=25.0), repo / "traces/synthetic.swf")
+    path = repo / "scheduling/params.yaml"
+    params = yaml.safe_load(path.read_text())
+    params["model"]["source"] = str(tiny_model_dir)
+    params["train"].update({"max_steps": 4, "batch_size": 4, "log_every": 1, "threads": 1})
+    params["tokenize"]["max_length"] = 256
+    params["scheduling"].update({
+        "trace": "../traces/synthetic.swf", "window": 4,
+        "evaluation": {"sequence_length": 32, "n_sequences": 2, "held_out_fraction": 0.3, "seed": 0},
+        "sft": {**params["scheduling"]["sft"], "episodes": 2, "episode_length": 60, "horizon": 16},
+        "llm": {**params["scheduling"]["llm"], "threads": 1},
+        "validate": {"min_jobs": 100, "max_overshoot_fraction": 0.5},
+    })
+    path.write_text(yaml.safe_dump(params, sort_keys=False))
+    tiny_project.run(["git", "add", "-A"], repo)
+    tiny_project.run(["git", "commit", "-qm", "scheduling"], repo)
+    return repo
+
+
+def test_scheduling_repro_builds_sft_trains_judges_registers_then_is_a_no_op(project: Path):
+    first = tiny_project.run([sys.executable, "-m", "dvc", "repro", "scheduling/dvc.yaml"], project,
+                             OMP_NUM_THREADS="1")
+    assert sorted(ran_stages(first)) == sorted(STAGES), first
+    out = project / "scheduling"
+    reports = {name: json.loads((out / f"reports/{name}.json").read_text())
+               for name in ("ingest_trace", "validate_trace", "simulate_baselines", "build_sft", "train",
+                            "evaluate", "register")}
+    assert reports["ingest_trace"]["jobs"] == 400 and reports["ingest_trace"]["max_procs"] == 16
+    assert reports["validate_trace"]["failures"] == [] and len(reports["validate_trace"]["checks"]) == 7
+    assert set(reports["simulate_baselines"]["policies"]) == {"FCFS", "SJF", "WFP3", "UNICEF", "F1"}
+    assert reports["simulate_baselines"]["jobs_per_s"] > 0
+
+    rows = pd.read_json(out / "data/sft.jsonl", lines=True)
+    assert len(rows) == reports["build_sft"]["rows"] > 10
+    assert all(r in c and 2 <= len(c) <= 4 for r, c in zip(rows["response"], rows["candidates"]))
+    assert reports["train"]["steps"] == 4
+
+    evaluation = reports["evaluate"]
+    assert evaluation["finetuned_policy"] == "finetuned"  # the adapter loaded: no fallback
+    for name in ("finetuned", "baseline"):
+        assert len(evaluation[name]["per_sequence_avg_bsld"]) == 2 and evaluation[name]["avg_bsld"] >= 1
+        assert 0 < evaluation[name]["model_calls"] <= evaluation[name]["decisions"] == 64  # one per job
+        assert evaluation[name]["decisions_per_s"] > 0
+    cdf = pd.read_csv(out / "reports/plots/evaluate_policy_queue_cdf.csv")
+    assert list(cdf.columns) == ["queue_length", "FCFS", "SJF", "WFP3", "UNICEF", "F1", "finetuned", "base"]
+    assert (cdf.iloc[-1, 1:] == 1.0).all()
+    for figure in ("queue_length_cdf.png", "policy_bsld.png", "baselines_bsld.png"):
+        assert (out / "reports/figures" / figure).stat().st_size > 1000
+    assert reports["register"]["metric"] == "avg_bsld" and reports["register"]["version"] == 1
+    assert reports["register"]["metric_value"] == pytest.approx(evaluation["finetuned"]["avg_bsld"])
+
+    # The registered champion schedules, loaded from the registry in a fresh process
+    served = tiny_project.run([sys.executable, "-c", (
+        "from frugaltune.scheduling import simulate, synthetic_workload\n"
+        "from frugaltune.scheduling.llm_policy import load_registered_llm_policy\n"
+        "p = load_registered_llm_policy('models:/frugaltune-scheduler@champion', name='champion')\n"
+        "r = simulate(synthetic_workload(20, 16, seed=5, mean_interarrival=5.0).jobs, 16, p, window=4)\n"
+        "print(p.name, r.decisions, p.stats()['model_calls'])")], out, PYTHONPATH="..")
+    name, decisions, calls = served.strip().splitlines()[-1].split()
+    assert name == "champion" and int(decisions) == 20 and int(calls) > 0
+
+    second = tiny_project.run([sys.executable, "-m", "dvc", "repro", "scheduling/dvc.yaml"], project)
+    assert ran_stages(second) == [], second

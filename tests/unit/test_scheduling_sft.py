@@ -1,0 +1,105 @@
+"""Scheduling decisions as SFT pairs (frugaltune/scheduling/sft.py): prompt encoding, lookahead teacher, builder.
+
+Run with `pytest tests/unit/test_scheduling_sft.py` (a few seconds). Expected schedules are worked out by hand in
+the comments next to them.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from frugaltune.scheduling import FCFS, SJF, simulate, synthetic_workload
+from frugaltune.scheduling.evaluation import Protocol, held_out_start
+from frugaltune.scheduling.sft import (
+    LookaheadTeacher,
+    SftConfig,
+    build_sft,
+    encode_state,
+    episode_starts,
+    job_labels,
+    teacher_episode,
+)
+from frugaltune.scheduling.simulator import Simulator
+from frugaltune.scheduling.swf import workload_from_rows
+
+
+def test_a_decision_is_encoded_in_minutes_with_lettered_jobs():
+    # 8 processors. t=0: job 1 (4 procs, 1 h requested) starts, job 2 (8 procs) is committed and waits for it;
+    # jobs 3 and 4 arrive at t=120 and 130. At t=3000 job 1 ends, job 2 starts, and 3 and 4 are the decision.
+    rows = [(1, 0, 3000, 4, 3600), (2, 0, 100, 8, 120), (3, 120, 50, 2, 61), (4, 130, 10, 1, 60)]
+    sim = Simulator(workload_from_rows(rows, max_procs=8).jobs, 8, window=2)
+    state = sim.next_decision()            # t=0: jobs 1 and 2 visible
+    sim.commit(state.queue[0])             # job 1 starts; 4 procs left
+    state = sim.next_decision()            # t=0: job 2 alone
+    sim.commit(state.queue[0])             # job 2 (8 procs) committed: waits for job 1
+    state = sim.next_decision()            # t=3000: job 1 ended, job 2 starts... then 3 and 4 wait
+    assert state.clock == 3000 and [j.job_id for j in state.queue] == [3, 4] and state.queue_length == 2
+    text = encode_state(state)
+    assert text.splitlines() == [
+        "Pick the job to run next. Answer with its letter.",
+        "machine 8 procs, 0 free, 2 waiting, time 00:50",
+        "running (min left x procs): 2x8",         # job 2: expected end 3000 + 120 s -> 2 min from now
+        "waiting (letter procs requested_min waited_min):",
+        "A 2 2 48",                                  # 61 s requested rounds up to 2 min; waited 2880 s = 48 min
+        "B 1 1 47",
+    ]
+
+
+def test_running_jobs_beyond_the_limit_are_summarised():
+    rows = [(i, 0, 1000 + i, 1, 1000 + i) for i in range(1, 6)] + [(6, 1, 10, 5, 10), (7, 1, 10, 5, 10)]
+    sim = Simulator(workload_from_rows(rows, max_procs=5).jobs, 5, window=8)
+    while True:
+        state = sim.next_decision()
+        if state.clock >= 1:
+            break
+        sim.commit(state.queue[0])
+    assert "running (min left x procs): 17x1 17x1 +3 more" in encode_state(state, max_running=2)
+
+
+def test_labels_are_letters_and_a_window_beyond_z_is_refused():
+    assert job_labels(3) == ["A", "B", "C"]
+    with pytest.raises(ValueError, match="at most 26"):
+        job_labels(27)
+
+
+def test_lookahead_beats_fcfs_where_a_short_job_waits_behind_a_long_one():
+    # 4 processors, both jobs at t=0: job 1 is 1000 s on all 4, job 2 is 10 s on 1.
+    # FCFS: job 1 at 0, job 2 at 1000 -> bsld (1 + 1010/10) / 2 = 51.
+    # Lookahead (FCFS rollouts): job 2 first -> job 2 at 0, job 1 at 10 -> bsld (1010/1000 + 1) / 2 = 1.005.
+    jobs = workload_from_rows([(1, 0, 1000, 4, 1000), (2, 0, 10, 1, 10)], max_procs=4).jobs
+    assert simulate(jobs, 4, FCFS).schedule() == {1: 0.0, 2: 1000.0}
+    result, rows = teacher_episode(jobs, 4, LookaheadTeacher([FCFS], horizon=8), window=4)
+    assert result.schedule() == {1: 10.0, 2: 0.0}
+    assert [(r["response"], r["candidates"]) for r in rows] == [("B", ["A", "B"])]  # one-job decisions: no row
+
+
+def test_ties_keep_the_rollout_heuristics_own_choice():
+    # Two identical jobs: every candidate costs the same, so the teacher answers what SJF answers (job 1).
+    jobs = workload_from_rows([(1, 0, 100, 2, 100), (2, 0, 100, 2, 100)], max_procs=2).jobs
+    result, rows = teacher_episode(jobs, 2, LookaheadTeacher([SJF], horizon=4), window=2)
+    assert result.schedule() == {1: 0.0, 2: 100.0} and rows[0]["response"] == "A"
+
+
+def test_the_builder_is_deterministic_uses_only_the_training_part_and_answers_within_the_candidates():
+    workload = synthetic_workload(600, max_procs=32, seed=1, mean_interarrival=20.0)
+    cfg = SftConfig(protocol=Protocol(window=6, held_out_fraction=0.3), episodes=3, episode_length=64, horizon=16)
+    rows, report = build_sft(workload, cfg)
+    again, report_again = build_sft(workload, cfg)
+    assert rows == again and report == report_again
+    assert rows and report["rows"] == len(rows) and report["episodes"] == 3
+    for start in episode_starts(workload, cfg):
+        assert start + cfg.episode_length <= held_out_start(workload, cfg.protocol)
+    for row in rows:
+        assert row["response"] in row["candidates"] and 2 <= len(row["candidates"]) <= 6
+        assert row["prompt"].startswith("Pick the job to run next.")
+    assert set(report["avg_bsld"]) == {"teacher", "FCFS", "SJF", "WFP3", "UNICEF", "F1"}
+
+
+def test_the_builder_names_the_fix_when_the_training_part_is_too_short():
+    workload = synthetic_workload(100, max_procs=8, seed=0)
+    with pytest.raises(ValueError, match="episode_length=256"):
+        build_sft(workload, SftConfig(episodes=1, episode_length=256))
+    with pytest.raises(ValueError, match="scheduling.window = 27"):
+        build_sft(workload, SftConfig(protocol=Protocol(window=27), episodes=1, episode_length=16))
+    with pytest.raises(ValueError, match="rollout_policies"):
+        build_sft(workload, SftConfig(episodes=1, episode_length=16, rollout_policies=("LIFO",)))
