@@ -74,6 +74,8 @@ class LocalFederation:
         # fresh env from the package index at every run; here the apps run in the Flower venv as installed.
         self._spawn("superlink", [str(self.flower_bin / "flower-superlink"), "--insecure",
                                   "--disable-runtime-dependency-installation",
+                                  # state on disk: a restarted SuperLink still knows its SuperNodes and runs
+                                  "--database", str(self.workdir / "superlink.db"),
                                   "--fleet-api-address", f"127.0.0.1:{self.ports['fleet']}",
                                   "--control-api-address", f"127.0.0.1:{self.ports['control']}",
                                   "--serverappio-api-address", f"127.0.0.1:{self.ports['serverappio']}"])
