@@ -89,3 +89,51 @@ def test_client_alpha_keeps_the_scale():
 def test_no_update_at_all_is_an_error():
     with pytest.raises(ValueError, match="every sampled client failed"):
         agg.aggregate(adapter(4, 0), [], "fedavg")
+
+
+# --- per-client plans from hardware profiles (the project's planner on each client's hardware)
+from transformers import LlamaConfig  # noqa: E402
+
+from frugaltune import planner  # noqa: E402
+from frugaltune.federated import profiles  # noqa: E402
+
+SMALL_LLAMA = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                          num_attention_heads=9, num_key_value_heads=3)  # SmolLM2-135M's shape
+
+
+def client_plan(profile, local_steps=8, budget=None, constants=planner.Constants()):
+    run = planner.RunSpec(method="lora", batch_size=16, grad_accum=1, epochs=1.0, max_steps=local_steps, seq_len=128,
+                          lengths=tuple([128] * 256), seed=0)
+    return profiles.plan_client(profiles.resolve(profile), run, SMALL_LLAMA, 3, planner.MethodKnobs(r=8),
+                                constants, local_steps, budget, calibrated_cores=2)
+
+
+def test_each_preset_gets_a_plan_that_fits_its_own_memory():
+    plans = {name: client_plan(name) for name in profiles.PRESETS}
+    assert all(plan["fits"] for plan in plans.values()), plans
+    assert plans["small_cpu_box"]["lora_rank"] == 4 and plans["gpu_server"]["lora_rank"] == 8  # capped at global r
+    assert plans["small_cpu_box"]["threads"] == 2
+    for name, plan in plans.items():
+        limit = profiles.PRESETS[name].gpu_memory_gb or profiles.PRESETS[name].ram_gb
+        assert plan["predicted_peak_mb"] < limit * 1024
+
+
+def test_less_memory_means_a_smaller_micro_batch_and_too_little_excludes_the_client():
+    roomy = client_plan(profiles.HardwareProfile(ram_gb=16, cores=2))
+    tight = client_plan(profiles.HardwareProfile(ram_gb=2.0, cores=2))
+    assert roomy["fits"] and tight["fits"]
+    assert tight["micro_batch_size"] < roomy["micro_batch_size"] and tight["predicted_peak_mb"] < 2 * 1024
+    out = client_plan(profiles.HardwareProfile(ram_gb=0.7, cores=2))
+    assert not out["fits"] and "GiB" in out["reason"] and "qlora" in out["reason"]
+
+
+def test_the_round_budget_caps_local_steps_by_the_calibrated_speed():
+    measured = planner.Constants(step_overhead_s=0.1, seconds_per_token=1e-3)  # 16 x 128 tokens: ~2.2 s a step
+    slow = client_plan(profiles.HardwareProfile(ram_gb=16, cores=1), local_steps=8, budget=10, constants=measured)
+    fast = client_plan(profiles.HardwareProfile(ram_gb=16, cores=8), local_steps=8, budget=10, constants=measured)
+    assert 1 <= slow["local_steps"] < fast["local_steps"] <= 8
+
+
+def test_an_unknown_preset_names_the_presets():
+    with pytest.raises(ValueError, match="laptop"):
+        profiles.resolve("phone")
