@@ -49,6 +49,10 @@ class LocalFederation:
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
     ports: dict[str, int] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        # the processes run in project_root; a relative workdir (the stage's cwd) must not move with them
+        self.workdir, self.flower_bin = Path(self.workdir).resolve(), Path(self.flower_bin).resolve()
+
     def env(self) -> dict[str, str]:
         return {**os.environ, "PATH": f"{self.flower_bin}{os.pathsep}{os.environ['PATH']}",
                 "PYTHONPATH": str(self.project_root), "FLWR_HOME": str(self.workdir / "flwr_home"),
