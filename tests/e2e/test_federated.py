@@ -176,3 +176,33 @@ def test_a_killed_supernode_does_not_stop_the_round_and_a_killed_server_resumes(
         report = round_report(out, number)
         assert report["completed"] == 2 and "product_error" not in report
         assert all(c["bytes-up"] < c["bytes-down"] for c in report["clients"])  # B + head up, A + B + head down
+
+
+def test_partitions_are_deterministic_for_a_seed_and_skewed_by_dirichlet(world: Path, tmp_path: Path):
+    """flwr-datasets' partitioners on our own rows (no download), through the module the stage runs."""
+    import subprocess
+
+    train = tmp_path / "train.parquet"
+    pq.write_table(pa.concat_tables([rows(100, seed) for seed in range(3)]), train)
+
+    def partition(out: str, *args: str) -> dict:
+        cmd = [str(FLOWER_BIN / "python"), "-m", "frugaltune.federated.partition", "--train", str(train),
+               "--out", str(tmp_path / out), "--num-clients", "4", *args]
+        subprocess.run(cmd, cwd=ROOT, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+                       check=True, capture_output=True)
+        return json.loads((tmp_path / out / "partitions.json").read_text())
+
+    one = partition("a", "--scheme", "dirichlet", "--alpha", "0.3", "--seed", "7")
+    two = partition("b", "--scheme", "dirichlet", "--alpha", "0.3", "--seed", "7")
+    other = partition("c", "--scheme", "dirichlet", "--alpha", "0.3", "--seed", "8")
+    iid = partition("d", "--scheme", "iid", "--seed", "7")
+    assert one == two and one["clients"] != other["clients"]
+    for client in range(4):
+        assert (tmp_path / f"a/client_{client}.parquet").read_bytes() == (tmp_path / f"b/client_{client}.parquet").read_bytes()
+    for summary in (one, iid):
+        assert sum(c["examples"] for c in summary["clients"]) == 300
+    assert [c["examples"] for c in iid["clients"]] == [75] * 4
+
+    def skew(summary: dict) -> float:  # the largest share one label takes of a client's rows, averaged
+        return sum(max(c["label_histogram"].values()) / c["examples"] for c in summary["clients"]) / 4
+    assert skew(one) > skew(iid) + 0.1
