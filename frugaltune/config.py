@@ -368,6 +368,15 @@ class ScheduleParams(Section):
         return value
 
 
+class FederatedDpParams(Section):
+    """Client-side differential privacy of each round's update (frugaltune/federated/privacy.py)."""
+    enabled: bool = Field(False, description="Clip each client's update to `clipping_norm` and add Gaussian noise.")
+    clipping_norm: float = Field(1.0, gt=0, description="L2 bound of one client's update (adapter + head).")
+    epsilon: float = Field(10.0, gt=0, description="Per-round privacy budget: smaller = more noise. Not accounted "
+                           "across rounds: a client in k rounds spends about k times this.")
+    delta: float = Field(1e-5, gt=0, lt=1, description="Failure probability of the Gaussian mechanism.")
+
+
 class FederatedParams(Section):
     """`federated.*`: federated fine-tuning on Flower (stages/federated.py; README "Federated fine-tuning")."""
     num_clients: int = Field(10, ge=2, description="Clients the training split is partitioned into (one SuperNode "
@@ -399,6 +408,7 @@ class FederatedParams(Section):
         "clients in turn (frugaltune/federated/profiles.py): each is planned for its own memory and cores.")
     threads: int = Field(1, ge=1, description="Threads of each client process on this machine (simulation: all "
                          "clients share this host).")
+    dp: FederatedDpParams = Field(default_factory=FederatedDpParams, description="Differential privacy switch.")
 
 
 class Params(Section):

@@ -108,7 +108,9 @@ def federate(params: Params, scheme: str, method: str, plans: list[dict], parts:
               "round-timeout": float(fp.round_timeout_s), "method": method, "lora-r": fp.lora.r,
               "lora-alpha": fp.lora.alpha, "lora-dropout": fp.lora.dropout,
               "lora-target-modules": json.dumps(list(fp.lora.target_modules)), "local-steps": fp.local_steps,
-              "lr": fp.lr, "batch-size": fp.batch_size, "seed": params.common.seed, "threads": fp.threads}
+              "lr": fp.lr, "batch-size": fp.batch_size, "seed": params.common.seed, "threads": fp.threads,
+              "dp-epsilon": fp.dp.epsilon if fp.dp.enabled else 0.0, "dp-delta": fp.dp.delta,
+              "dp-clip": fp.dp.clipping_norm}
     with LocalFederation(FLOWER_BIN, workdir, nodes, ROOT, threads=fp.threads) as fed:
         result = fed.submit(APP, config, timeout=None)
     if not (out / "done.json").exists():  # `flwr run` exits 0 even when the ServerApp raised

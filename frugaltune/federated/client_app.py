@@ -12,7 +12,8 @@ they never leave it), optionally `model-dir` (its copy of the base model; defaul
 Each train message carries the global adapter (ArrayRecord "arrays") and the round's settings (ConfigRecord
 "config"). The reply carries the trained tensors and MetricRecord "metrics": num-examples (the FedAvg weight),
 train-loss, bytes-down / bytes-up (the serialized Array payloads, exactly what the record carries), seconds,
-peak RSS.
+peak RSS; with `dp-epsilon` > 0 the update is clipped and noised first (frugaltune/federated/privacy.py) and
+dp-update-norm / dp-noise-std say how.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordD
 from flwr.clientapp import ClientApp
 
 from frugaltune.federated import aggregation, local
+from frugaltune.federated.privacy import privatize
 from frugaltune.training.loop import peak_rss_mb
 
 app = ClientApp()
@@ -73,8 +75,13 @@ def train(msg: Message, context: Context) -> Message:
         model, input_ids, targets, pad_token_id, steps=int(config["local-steps"]), lr=float(config["lr"]),
         batch_size=int(config["batch-size"]), micro_batch_size=int(node["micro-batch"]) if "micro-batch" in node
         else None, seed=int(config["seed"]) * 1000 + int(config["round"]))
-    outgoing = to_record(local.trainable_tensors(model))
-    metrics = MetricRecord({
+    trained, privacy = local.trainable_tensors(model), {}
+    if float(config.get("dp-epsilon", 0)) > 0:  # federated.dp: clip + noise the update before it leaves
+        received = aggregation.slice_to_rank(from_record(incoming), rank)
+        trained, privacy = privatize(trained, received, float(config["dp-clip"]), float(config["dp-epsilon"]),
+                                     float(config["dp-delta"]))
+    outgoing = to_record(trained)
+    metrics = MetricRecord({**privacy,
         "num-examples": len(targets), "train-loss": float(result.final_loss), "steps": result.steps,
         "bytes-down": bytes_down, "bytes-up": record_bytes(outgoing), "lora-rank": rank,
         "seconds": round(time.perf_counter() - started, 3), "peak-rss-mb": round(peak_rss_mb(), 1)})

@@ -39,7 +39,8 @@ app = ServerApp()
 
 # Settings a round's result depends on: a resume continues only a run with the same ones.
 RESULT_KEYS = ("model-dir", "labels", "test-data", "method", "lora-r", "lora-alpha", "lora-dropout",
-               "lora-target-modules", "local-steps", "lr", "batch-size", "seed", "fraction", "pad-token-id")
+               "lora-target-modules", "local-steps", "lr", "batch-size", "seed", "fraction", "pad-token-id",
+               "dp-epsilon", "dp-delta", "dp-clip")
 
 
 class CompletionFloorError(RuntimeError):
@@ -89,7 +90,7 @@ def wait_for_nodes(grid: Grid, count: int, timeout: float) -> list[int]:
 
 def client_config(config: dict, round_number: int) -> ConfigRecord:
     keys = ("method", "lora-r", "lora-alpha", "lora-dropout", "lora-target-modules", "local-steps", "lr",
-            "batch-size", "seed", "labels", "pad-token-id", "model-dir")
+            "batch-size", "seed", "labels", "pad-token-id", "model-dir", "dp-epsilon", "dp-delta", "dp-clip")
     return ConfigRecord({**{key: config[key] for key in keys}, "round": round_number})
 
 

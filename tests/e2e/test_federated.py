@@ -206,3 +206,25 @@ def test_partitions_are_deterministic_for_a_seed_and_skewed_by_dirichlet(world: 
     def skew(summary: dict) -> float:  # the largest share one label takes of a client's rows, averaged
         return sum(max(c["label_histogram"].values()) / c["examples"] for c in summary["clients"]) / 4
     assert skew(one) > skew(iid) + 0.1
+
+
+def test_client_dp_clips_the_update_to_its_norm_then_adds_noise(tmp_path: Path):
+    """frugaltune/federated/privacy.py with Flower's DP primitives (in the Flower venv)."""
+    import subprocess
+
+    script = (
+        "import torch, json\n"
+        "from frugaltune.federated.privacy import privatize\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "received = {'b': torch.randn(8, 4, generator=g), 'head': torch.randn(3, 8, generator=g)}\n"
+        "trained = {k: v + torch.randn(v.shape, generator=g) for k, v in received.items()}\n"
+        "def norm(t): return float(sum(((t[k] - received[k]) ** 2).sum() for k in t) ** 0.5)\n"
+        "almost, info = privatize(trained, received, 0.5, 1e9, 1e-5)\n"  # ε huge: noise ~0, clipping alone
+        "noisy, _ = privatize(trained, received, 0.5, 1.0, 1e-5)\n"
+        "print(json.dumps({'before': norm(trained), 'clipped': norm(almost), 'noisy': norm(noisy), **info}))\n")
+    out = subprocess.run([str(FLOWER_BIN / "python"), "-c", script], cwd=ROOT, check=True, capture_output=True,
+                         text=True, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["before"] > 1 and result["dp-update-norm"] == pytest.approx(result["before"], rel=1e-5)
+    assert result["clipped"] == pytest.approx(0.5, rel=1e-4)  # clipped to the norm, direction kept
+    assert result["noisy"] > 2 * result["clipped"]  # σ = 0.5·sqrt(2 ln(1.25e5)) ≈ 2.4 per value at ε = 1
