@@ -36,7 +36,7 @@ flower-env: install
 	@if $(FLOWER_VENV)/bin/python -c "import flwr, flwr_datasets" 2>/dev/null && [ "$$(cat $(FLOWER_VENV)/.pins 2>/dev/null)" = "$(FLOWER_PINS)" ]; then \
 		echo "flower-env: $(FLOWER_VENV) is up to date"; \
 	else \
-		set -e; test -x $(FLOWER_VENV)/bin/python || $(BIN)/python -c "import sys; print(sys._base_executable)" | xargs -I{} {} -m venv $(FLOWER_VENV); \
+		set -e; test -x $(FLOWER_VENV)/bin/python || "$$($(BIN)/python -c 'import sys; print(sys._base_executable)')" -m venv $(FLOWER_VENV); \
 		$(BIN)/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > $$($(FLOWER_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/zz_frugaltune_venv.pth; \
 		$(FLOWER_VENV)/bin/python -m pip install -q $(FLOWER_PINS); \
 		echo "$(FLOWER_PINS)" > $(FLOWER_VENV)/.pins; \
