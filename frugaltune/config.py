@@ -424,6 +424,49 @@ class ScheduleParams(Section):
         return value
 
 
+class FederatedDpParams(Section):
+    """Client-side differential privacy of each round's update (frugaltune/federated/privacy.py)."""
+    enabled: bool = Field(False, description="Clip each client's update to `clipping_norm` and add Gaussian noise.")
+    clipping_norm: float = Field(1.0, gt=0, description="L2 bound of one client's update (adapter + head).")
+    epsilon: float = Field(10.0, gt=0, description="Per-round privacy budget: smaller = more noise. Not accounted "
+                           "across rounds: a client in k rounds spends about k times this.")
+    delta: float = Field(1e-5, gt=0, lt=1, description="Failure probability of the Gaussian mechanism.")
+
+
+class FederatedParams(Section):
+    """`federated.*`: federated fine-tuning on Flower (stages/federated.py; README "Federated fine-tuning")."""
+    num_clients: int = Field(10, ge=2, description="Clients the training split is partitioned into (one SuperNode "
+                             "each). With partition `column`: one per distinct value instead.")
+    partition: Literal["iid", "dirichlet", "column"] = Field(
+        "dirichlet", description="iid: random equal shares; dirichlet: label skew Dir(alpha) per client; column: "
+        "one client per value of `partition_by` (a natural owner id).")
+    alpha: float = Field(0.5, gt=0, description="Dirichlet concentration: smaller = each client sees fewer labels.")
+    partition_by: str | None = Field(None, description="The column naming each row's owner (partition `column`).")
+    methods: list[Literal["fedavg", "ffa"]] = Field(
+        ["fedavg", "ffa"], min_length=1, description="Aggregations compared on the same partitions: fedavg averages "
+        "A, B and the head (inexact for LoRA); ffa freezes A at the shared seeded init and averages B (exact).")
+    iid_control: bool = Field(True, description="Also run the first method on an IID partition, as a control.")
+    num_rounds: int = Field(3, ge=1, description="Federated rounds.")
+    fraction: float = Field(0.5, gt=0, le=1, description="Share of the connected clients sampled each round.")
+    min_completed: int = Field(2, ge=1, description="Completion floor: a round counts when at least this many "
+                               "sampled clients reply; failed or late clients are left out of its average.")
+    round_timeout_s: float = Field(900, gt=0, description="Seconds a round waits for replies before it closes.")
+    local_steps: int = Field(8, ge=1, description="Optimizer steps per client per round (the planner may lower it "
+                             "to fit `round_budget_s`).")
+    round_budget_s: float | None = Field(None, gt=0, description="Seconds a client may spend training in a round; "
+                                         "null = no time cap (plans without calibration cannot estimate time).")
+    lr: float = Field(5e-4, gt=0, description="Clients' learning rate (constant within a round).")
+    batch_size: int = Field(8, ge=1, description="Clients' batch size (the plan may split it into micro-batches).")
+    lora: LoraParams = Field(default_factory=LoraParams, description="The global adapter: clients use rank <= r, "
+                             "alpha scaled to keep alpha/r.")
+    profiles: list[Literal["laptop", "small_cpu_box", "gpu_server"]] = Field(
+        ["laptop", "small_cpu_box", "gpu_server"], min_length=1, description="Hardware presets assigned to the "
+        "clients in turn (frugaltune/federated/profiles.py): each is planned for its own memory and cores.")
+    threads: int = Field(1, ge=1, description="Threads of each client process on this machine (simulation: all "
+                         "clients share this host).")
+    dp: FederatedDpParams = Field(default_factory=FederatedDpParams, description="Differential privacy switch.")
+
+
 class Params(Section):
     common: CommonParams = Field(default_factory=CommonParams)
     model: ModelParams = Field(default_factory=ModelParams)
@@ -439,6 +482,7 @@ class Params(Section):
     register_: RegisterParams = Field(default_factory=RegisterParams, alias="register")
     schedule: ScheduleParams = Field(default_factory=ScheduleParams)
     scheduling: SchedulingParams = Field(default_factory=SchedulingParams)
+    federated: FederatedParams = Field(default_factory=FederatedParams)
 
     # `validate` and `register` shadow BaseModel attributes, hence the trailing underscore in code; the YAML keys
     # are the plain names.

@@ -1,0 +1,88 @@
+"""The Flower ClientApp: one federated client trains the LoRA adapter + head on its own partition and sends back
+only the trainable tensors.
+
+Run by a SuperNode (the Flower venv), never directly:
+    .venv-flower/bin/flower-supernode --insecure --superlink HOST:9092 --clientappio-api-address 127.0.0.1:9094 \
+        --node-config "data='data/federated/partitions/client_0.parquet' lora-rank=4 threads=1"
+with PYTHONPATH at the project root, after the ServerApp is started by `flwr run` (see README "Federated
+fine-tuning"). The node config is what this machine owns: `data` (its tokenized rows, parquet: input_ids, labels;
+they never leave it), optionally `model-dir` (its copy of the base model; default: the server's path),
+`lora-rank` (<= the global rank; default the global rank), `micro-batch` and `threads` (its plan).
+
+Each train message carries the global adapter (ArrayRecord "arrays") and the round's settings (ConfigRecord
+"config"). The reply carries the trained tensors and MetricRecord "metrics": num-examples (the FedAvg weight),
+train-loss, bytes-down / bytes-up (the serialized Array payloads, exactly what the record carries), seconds,
+peak RSS; with `dp-epsilon` > 0 the update is clipped and noised first (frugaltune/federated/privacy.py) and
+dp-update-norm / dp-noise-std say how.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from frugaltune.federated import aggregation, local
+from frugaltune.federated.privacy import privatize
+from frugaltune.training.loop import peak_rss_mb
+
+app = ClientApp()
+
+
+def record_bytes(record: ArrayRecord) -> int:
+    """Bytes of the serialized tensors in `record` (each Array's payload: the .npy bytes Flower sends)."""
+    return sum(len(array.data) for array in record.values())
+
+
+def to_record(tensors: dict[str, torch.Tensor]) -> ArrayRecord:
+    return ArrayRecord({name: Array(tensor.detach().cpu().numpy()) for name, tensor in tensors.items()})
+
+
+def from_record(record: ArrayRecord) -> dict[str, torch.Tensor]:
+    return {name: torch.from_numpy(array.numpy().copy()) for name, array in record.items()}
+
+
+def lora_spec(config) -> local.LoraSpec:
+    return local.LoraSpec(int(config["lora-r"]), int(config["lora-alpha"]), float(config["lora-dropout"]),
+                          tuple(json.loads(str(config["lora-target-modules"]))))
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    started = time.perf_counter()
+    config, node = msg.content["config"], context.node_config
+    torch.set_num_threads(int(node.get("threads", 1)))
+    spec = lora_spec(config)
+    rank = int(node.get("lora-rank", spec.r))
+    labels = json.loads(str(config["labels"]))
+    pad_token_id = int(config["pad-token-id"])
+    if "data" not in node:
+        raise ValueError("this SuperNode has no `data` in its --node-config: start it with "
+                         "--node-config \"data='path/to/client.parquet'\"")
+    input_ids, targets = local.read_examples(str(node["data"]))
+
+    incoming = msg.content["arrays"]
+    bytes_down = record_bytes(incoming)
+    model = local.build_model(str(node.get("model-dir", config["model-dir"])), labels, pad_token_id,
+                              int(config["seed"]), spec, rank)
+    local.load_tensors(model, aggregation.slice_to_rank(from_record(incoming), rank))
+    if str(config["method"]) == "ffa":
+        local.freeze_lora_a(model)
+    result = local.train_locally(
+        model, input_ids, targets, pad_token_id, steps=int(config["local-steps"]), lr=float(config["lr"]),
+        batch_size=int(config["batch-size"]), micro_batch_size=int(node["micro-batch"]) if "micro-batch" in node
+        else None, seed=int(config["seed"]) * 1000 + int(config["round"]))
+    trained, privacy = local.trainable_tensors(model), {}
+    if float(config.get("dp-epsilon", 0)) > 0:  # federated.dp: clip + noise the update before it leaves
+        received = aggregation.slice_to_rank(from_record(incoming), rank)
+        trained, privacy = privatize(trained, received, float(config["dp-clip"]), float(config["dp-epsilon"]),
+                                     float(config["dp-delta"]))
+    outgoing = to_record(trained)
+    metrics = MetricRecord({**privacy,
+        "num-examples": len(targets), "train-loss": float(result.final_loss), "steps": result.steps,
+        "bytes-down": bytes_down, "bytes-up": record_bytes(outgoing), "lora-rank": rank,
+        "seconds": round(time.perf_counter() - started, 3), "peak-rss-mb": round(peak_rss_mb(), 1)})
+    return Message(RecordDict({"arrays": outgoing, "metrics": metrics}), reply_to=msg)

@@ -1,0 +1,108 @@
+"""What a federated client and the server do with the model, without Flower: build the LoRA model for a rank, move
+the trainable tensors in and out, train locally with the project's trainer, evaluate centrally.
+
+Library code, called by `frugaltune.federated.client_app` and `server_app` (and unit-tested without Flower). The
+training itself is `frugaltune.training.loop.train_classifier`, the same loop the `train` stage runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+
+from frugaltune.federated import aggregation
+from frugaltune.metrics import classification_metrics
+from frugaltune.training.batching import collate, sorted_batches
+from frugaltune.training.loop import LoopConfig, TrainResult, train_classifier
+from frugaltune.training.methods import prepare_model
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """The global adapter's shape: every client uses these target modules and alpha/r; its own rank <= r."""
+    r: int
+    alpha: int
+    dropout: float
+    target_modules: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class _Knobs:  # what prepare_model reads from `train.lora`
+    r: int
+    alpha: int
+    dropout: float
+    target_modules: tuple[str, ...]
+
+
+def build_model(model_dir: Path | str, labels: list[str], pad_token_id: int, seed: int, lora: LoraSpec,
+                rank: int | None = None) -> torch.nn.Module:
+    """The base model with the seeded head and LoRA of `rank` (default: the global rank), alpha scaled to keep
+    alpha/r (see aggregation.client_alpha)."""
+    rank = rank or lora.r
+    knobs = _Knobs(rank, aggregation.client_alpha(lora.alpha, lora.r, rank), lora.dropout, lora.target_modules)
+    return prepare_model(model_dir, labels, pad_token_id, seed, "lora", knobs)
+
+
+def trainable_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Exactly the tensors that train (LoRA A/B, head): the only ones that travel."""
+    return {name: param.detach().cpu().clone() for name, param in model.named_parameters() if param.requires_grad}
+
+
+def load_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy `tensors` (already cut to this model's rank) into the model's parameters of the same names."""
+    params = dict(model.named_parameters())
+    missing = [name for name in tensors if name not in params]
+    if missing:
+        raise KeyError(f"federated: the global adapter has {missing[0]} (and {len(missing) - 1} more) that this "
+                       "client's model lacks: do server and client use the same base model and target_modules?")
+    with torch.no_grad():
+        for name, tensor in tensors.items():
+            if params[name].shape != tensor.shape:
+                raise ValueError(f"{name}: global tensor {tuple(tensor.shape)} vs this model's "
+                                 f"{tuple(params[name].shape)}")
+            params[name].copy_(tensor.to(params[name].dtype))
+
+
+def freeze_lora_a(model: torch.nn.Module) -> None:
+    """FFA-LoRA: A stays at the server's seeded initialisation on every client, so B alone trains and travels."""
+    for name, param in model.named_parameters():
+        if aggregation.is_lora_a(name):
+            param.requires_grad_(False)
+
+
+def read_examples(path: Path | str) -> tuple[list[list[int]], list[int]]:
+    """input_ids and labels of a tokenized split or partition (parquet)."""
+    table = pq.read_table(str(path), columns=["input_ids", "labels"])
+    return table.column("input_ids").to_pylist(), [int(v) for v in table.column("labels").to_pylist()]
+
+
+def train_locally(model: torch.nn.Module, input_ids: list[list[int]], labels: list[int], pad_token_id: int, *,
+                  steps: int, lr: float, batch_size: int, micro_batch_size: int | None, seed: int) -> TrainResult:
+    """`steps` optimizer steps of the project's loop on this client's examples (no checkpoints: a round is short and
+    the server keeps every completed round)."""
+    cfg = LoopConfig(lr=lr, max_steps=steps, batch_size=batch_size, micro_batch_size=micro_batch_size, seed=seed,
+                     warmup_ratio=0.0, scheduler="constant", log_every=max(1, steps), checkpoint_dir=None)
+    return train_classifier(model, input_ids, labels, cfg, pad_token_id, progress=False)
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, input_ids: list[list[int]], labels: list[int], label_names: list[str],
+             pad_token_id: int, batch_size: int = 32) -> dict:
+    """Accuracy, macro-F1 (frugaltune.metrics, as the evaluate stage) and the mean cross-entropy on a split."""
+    model.eval()
+    device = next(model.parameters()).device
+    predictions = np.zeros(len(input_ids), dtype=np.int64)
+    loss_sum = 0.0
+    for batch in sorted_batches([len(ids) for ids in input_ids], batch_size):
+        inputs = {k: v.to(device) for k, v in collate([input_ids[i] for i in batch], pad_token_id).items()}
+        logits = model(**inputs).logits.float()
+        target = torch.tensor([labels[i] for i in batch], device=device)
+        loss_sum += float(torch.nn.functional.cross_entropy(logits, target, reduction="sum"))
+        predictions[batch] = logits.argmax(-1).cpu().numpy()
+    metrics = classification_metrics(np.asarray(labels), predictions, label_names)
+    return {"accuracy": metrics["accuracy"], "macro_f1": metrics["macro_f1"],
+            "loss": round(loss_sum / max(1, len(labels)), 6)}

@@ -1,0 +1,79 @@
+"""Per-client plans: each federated client declares its hardware (RAM, cores, optional GPU memory) and the project's
+planner (frugaltune.planner) picks its method (LoRA, else QLoRA), micro-batch, gradient checkpointing and local
+steps so that it fits and finishes a round in the time budget; a client that cannot fit anything is left out, with
+the planner's reason.
+
+Library code, used by the `federated` stage when it assigns clients; unit-tested in tests/unit/test_federated.py.
+Presets describe typical owners: `laptop`, `small_cpu_box`, `gpu_server` (numbers below); `federated.clients` in
+params.yaml may use a preset or give its own numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+
+from frugaltune import planner
+
+GiB = 1024 ** 3
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    ram_gb: float
+    cores: int
+    gpu_memory_gb: float | None = None
+    lora_rank: int | None = None  # None: the global rank; a smaller one makes a smaller, faster adapter
+
+
+PRESETS = {
+    "laptop": HardwareProfile(ram_gb=16, cores=4, lora_rank=8),
+    "small_cpu_box": HardwareProfile(ram_gb=4, cores=2, lora_rank=4),
+    "gpu_server": HardwareProfile(ram_gb=64, cores=16, gpu_memory_gb=24, lora_rank=16),
+}
+
+
+def resolve(profile: str | HardwareProfile) -> HardwareProfile:
+    if isinstance(profile, HardwareProfile):
+        return profile
+    if profile not in PRESETS:
+        raise ValueError(f"federated.clients: unknown hardware profile {profile!r}; presets: {', '.join(PRESETS)}, "
+                         "or give ram_gb / cores / gpu_memory_gb.")
+    return PRESETS[profile]
+
+
+def plan_client(profile: HardwareProfile, run: planner.RunSpec, model_config, num_labels: int,
+                knobs: planner.MethodKnobs, constants: planner.Constants, local_steps: int,
+                round_budget_s: float | None, calibrated_cores: int | None = None) -> dict:
+    """The client's plan: {"fits": True, method, rank, micro_batch_size, gradient_checkpointing, local_steps, ...}
+    or {"fits": False, "reason": ...}. `run` is the configured run (batch size, lengths of the client's rows);
+    `constants` the calibration of the machine that measured it (`calibrated_cores` cores): a client's time is
+    scaled by cores, a rough model stated in the plan."""
+    rank = min(profile.lora_rank or knobs.r, knobs.r)
+    knobs = replace(knobs, r=rank)
+    on_gpu = profile.gpu_memory_gb is not None
+    devices = [{"kind": "cuda" if on_gpu else "cpu"}]
+    limit = int((profile.gpu_memory_gb if on_gpu else profile.ram_gb) * GiB)
+    reasons = []
+    for method in ("lora", "qlora"):
+        if method == "qlora" and not on_gpu:
+            reasons.append("qlora: 4-bit training needs a CUDA GPU here")
+            continue
+        shape = planner.model_shape(model_config, num_labels, method, knobs)
+        spec = replace(run, method=method, max_steps=local_steps, knobs={method: knobs})
+        plan = planner.plan_method(method, spec, {}, shape, constants, limit, bf16=on_gpu, devices=devices)
+        if not plan["fits"]:
+            reasons.append(plan["why"])
+            continue
+        steps, note = local_steps, "configured local steps (no calibration: no time estimate)"
+        if plan["eta_seconds"] is not None and round_budget_s:
+            per_step = plan["eta_seconds"] / max(1, plan["steps"])
+            if calibrated_cores and not on_gpu:
+                per_step *= calibrated_cores / profile.cores  # time scales ~1/cores on CPU (assumed, not measured)
+            steps = max(1, min(local_steps, math.floor(round_budget_s / per_step)))
+            note = f"{per_step:.2f} s/step estimated: {steps} step(s) fit the {round_budget_s:g} s round budget"
+        return {"fits": True, "method": method, "lora_rank": rank, "micro_batch_size": plan["micro_batch_size"],
+                "gradient_checkpointing": plan["gradient_checkpointing"], "local_steps": steps,
+                "threads": profile.cores, "predicted_peak_mb": plan["predicted_peak_mb"], "why": plan["why"],
+                "time_note": note, "profile": asdict(profile)}
+    return {"fits": False, "reason": "; ".join(reasons), "profile": asdict(profile)}

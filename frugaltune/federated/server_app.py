@@ -1,0 +1,174 @@
+"""The Flower ServerApp: rounds of sample -> train on the clients -> aggregate (FedAvg or FFA-LoRA) -> evaluate the
+global adapter on the server's test split; every completed round kept on disk, so a killed federation resumes.
+
+Run by a SuperLink (the Flower venv) when the app is submitted, never directly:
+    .venv-flower/bin/flwr run frugaltune/federated/flower_app <connection> --stream \
+        --run-config "out-dir='checkpoints/federated/run' model-dir='models/base' ..."
+with PYTHONPATH at the project root (the `federated` stage and tests/e2e/test_federated.py do this; README
+"Federated fine-tuning" shows it by hand). The keys are those of frugaltune/federated/flower_app/pyproject.toml.
+
+On disk, in `out-dir`: `config.json` (what the rounds were computed with), `rounds/round_NNN.safetensors` (the
+global adapter + head after round NNN; 000 = the seeded start) and `rounds/round_NNN.json` (its evaluation and
+per-client report), the JSON written last: a round exists when its JSON does. Starting again with the same
+config continues after the last round on disk; a different config is refused (delete `out-dir` to start over).
+
+A round needs `min-completed` replies: the clients that fail or do not answer within `round-timeout` seconds are
+reported and left out of that round's average (the strategy's completion floor); below the floor the run stops
+with the reason, and a rerun resumes at that round.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import random
+import time
+from pathlib import Path
+
+import torch
+from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.serverapp import Grid, ServerApp
+from safetensors.torch import load_file, save_file
+
+from frugaltune.federated import aggregation, local
+from frugaltune.federated.client_app import from_record, lora_spec, record_bytes, to_record
+
+app = ServerApp()
+
+# Settings a round's result depends on: a resume continues only a run with the same ones.
+RESULT_KEYS = ("model-dir", "labels", "test-data", "method", "lora-r", "lora-alpha", "lora-dropout",
+               "lora-target-modules", "local-steps", "lr", "batch-size", "seed", "fraction", "pad-token-id",
+               "dp-epsilon", "dp-delta", "dp-clip")
+
+
+class CompletionFloorError(RuntimeError):
+    """Fewer clients than the completion floor finished a round."""
+
+
+def round_path(out: Path, number: int, suffix: str) -> Path:
+    return out / "rounds" / f"round_{number:03d}.{suffix}"
+
+
+def last_completed_round(out: Path) -> int | None:
+    done = sorted(out.glob("rounds/round_*.json"))
+    return int(done[-1].stem.split("_")[1]) if done else None
+
+
+def atomic_write(path: Path, write) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def check_config(out: Path, config: dict) -> None:
+    identity = {key: config[key] for key in RESULT_KEYS}
+    stored = out / "config.json"
+    if stored.exists():
+        previous = json.loads(stored.read_text())
+        changed = sorted(k for k in identity if previous.get(k) != identity[k])
+        if changed:
+            raise ValueError(f"{out}: its rounds were computed with other settings ({', '.join(changed)}); delete "
+                             f"{out} to start a new federation, or restore those settings to resume it.")
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write(stored, lambda p: p.write_text(json.dumps(identity, indent=2, sort_keys=True)))
+
+
+def wait_for_nodes(grid: Grid, count: int, timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while True:
+        nodes = sorted(grid.get_node_ids())
+        if len(nodes) >= count or time.monotonic() > deadline:
+            if len(nodes) < count:
+                raise CompletionFloorError(f"only {len(nodes)} SuperNodes connected within {timeout:.0f}s; "
+                                           f"federated.min_clients is {count}. Start more SuperNodes.")
+            return nodes
+        time.sleep(1.0)
+
+
+def client_config(config: dict, round_number: int) -> ConfigRecord:
+    keys = ("method", "lora-r", "lora-alpha", "lora-dropout", "lora-target-modules", "local-steps", "lr",
+            "batch-size", "seed", "labels", "pad-token-id", "model-dir", "dp-epsilon", "dp-delta", "dp-clip")
+    return ConfigRecord({**{key: config[key] for key in keys}, "round": round_number})
+
+
+def evaluate_global(model, tensors, test, labels, config) -> dict:
+    local.load_tensors(model, tensors)
+    return local.evaluate(model, test[0], test[1], labels, int(config["pad-token-id"]),
+                          int(config.get("eval-batch-size", 32)))
+
+
+def run_round(grid: Grid, config: dict, number: int, tensors: dict[str, torch.Tensor]) -> tuple[dict, dict]:
+    """One round: the next global tensors and the round's client report."""
+    nodes = wait_for_nodes(grid, int(config["min-clients"]), float(config["node-timeout"]))
+    wanted = max(int(config["min-completed"]), math.ceil(float(config["fraction"]) * len(nodes)))
+    sampled = random.Random(int(config["seed"]) * 1000 + number).sample(nodes, min(wanted, len(nodes)))
+    down = to_record(tensors)
+    messages = [Message(RecordDict({"arrays": down, "config": client_config(config, number)}), node,
+                        MessageType.TRAIN, group_id=str(number)) for node in sampled]
+    started = time.perf_counter()
+    replies = list(grid.send_and_receive(messages, timeout=float(config["round-timeout"])))
+    updates, clients, failures = [], [], []
+    answered = set()
+    for reply in replies:
+        node = reply.metadata.src_node_id
+        answered.add(node)
+        if reply.has_error():
+            failures.append({"node": node, "reason": f"error {reply.error.code}: {reply.error.reason}"})
+            continue
+        metrics = dict(reply.content["metrics"])
+        updates.append((from_record(reply.content["arrays"]), int(metrics["num-examples"])))
+        clients.append({"node": node, **metrics})
+    failures += [{"node": node, "reason": f"no reply within {config['round-timeout']}s"}
+                 for node in sampled if node not in answered]
+    floor = int(config["min-completed"])
+    if len(updates) < floor:
+        raise CompletionFloorError(
+            f"round {number}: {len(updates)} of {len(sampled)} clients completed, below federated.min_completed "
+            f"{floor} ({'; '.join(f['reason'] for f in failures)}). The last completed round is kept: rerun to "
+            "resume from it.")
+    new = aggregation.aggregate(tensors, updates, str(config["method"]))
+    report = {"round": number, "sampled": len(sampled), "completed": len(updates), "failures": failures,
+              "clients": clients, "bytes_down_per_client": record_bytes(down),
+              "round_seconds": round(time.perf_counter() - started, 3)}
+    if str(config["method"]) == "fedavg":  # how far the averaged factors are from the averaged products
+        report["product_error"] = round(aggregation.product_error(new, updates), 6)
+    return new, report
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    config = dict(context.run_config)
+    out = Path(str(config["out-dir"]))
+    check_config(out, config)
+    torch.set_num_threads(int(config.get("threads", 1)))
+    labels = json.loads(str(config["labels"]))
+    model = local.build_model(str(config["model-dir"]), labels, int(config["pad-token-id"]), int(config["seed"]),
+                              lora_spec(config))
+    test = local.read_examples(str(config["test-data"]))
+    (out / "rounds").mkdir(parents=True, exist_ok=True)
+
+    last = last_completed_round(out)
+    if last is None:  # round 0: the seeded start, evaluated (the untrained baseline)
+        tensors = local.trainable_tensors(model)
+        atomic_write(round_path(out, 0, "safetensors"), lambda p: save_file(tensors, str(p)))
+        report = {"round": 0, "evaluation": evaluate_global(model, tensors, test, labels, config)}
+        atomic_write(round_path(out, 0, "json"), lambda p: p.write_text(json.dumps(report, indent=2)))
+        last = 0
+    else:
+        tensors = load_file(str(round_path(out, last, "safetensors")))
+        print(f"federated: resuming after round {last} from {round_path(out, last, 'safetensors')}", flush=True)
+    for number in range(last + 1, int(config["num-rounds"]) + 1):
+        tensors, report = run_round(grid, config, number, tensors)
+        report["evaluation"] = evaluate_global(model, tensors, test, labels, config)
+        atomic_write(round_path(out, number, "safetensors"), lambda p: save_file(tensors, str(p)))
+        atomic_write(round_path(out, number, "json"), lambda p: p.write_text(json.dumps(report, indent=2)))
+        evaluation = report["evaluation"]
+        print(f"federated: round {number}: {report['completed']}/{report['sampled']} clients, test accuracy "
+              f"{evaluation['accuracy']:.4f} macro-F1 {evaluation['macro_f1']:.4f} loss {evaluation['loss']:.4f}",
+              flush=True)
+    digest = hashlib.sha256(json.dumps({k: config[k] for k in RESULT_KEYS}, sort_keys=True).encode()).hexdigest()
+    atomic_write(out / "done.json", lambda p: p.write_text(json.dumps(
+        {"rounds": int(config["num-rounds"]), "config_sha256": digest}, indent=2)))

@@ -1,0 +1,212 @@
+"""Federated fine-tuning: the training split partitioned across clients that keep their rows, each planned for its
+own hardware, LoRA adapters + head trained where the data is and averaged by a Flower ServerApp.
+Run by DVC as:  python -m stages.federated   (make federated = dvc repro federated/dvc.yaml; not in `make pipeline`)
+
+Reads `federated.*`, `common.seed`, `data/tokenized/` (train = what the clients own, test = the server's held-out
+split), the label set and `models/base/`. Needs the Flower venv (`make flower-env`).
+
+For every method in `federated.methods` (and, with `iid_control`, the first method on an IID partition) it starts a
+real Flower deployment on this machine, a SuperLink and one SuperNode per included client on 127.0.0.1
+(frugaltune/federated/launch.py), and runs the app (frugaltune/federated/{server,client}_app.py). Rounds are kept in
+`checkpoints/federated/<run>/` (outside the outs, which dvc deletes): a killed stage resumes from the last round.
+
+Writes `data/federated/` (the partitions), `reports/federated.json` (per method: the final global test accuracy,
+macro-F1 and loss, bytes per client per round up and down, adapter vs full-model size; the partition's label
+histograms; each client's plan or why it was left out), `reports/plots/federated_rounds.csv` (metric vs round vs
+cumulative bytes, per run) and `reports/plots/federated_labels.csv` (per-client label counts); one MLflow run with
+the per-round metrics.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import mlflow
+import pyarrow as pa
+import pyarrow.parquet as pq
+from datasets import load_from_disk
+from safetensors.torch import load_file
+
+from frugaltune import paths, planner, tracking
+from frugaltune.config import Params, load_params
+from frugaltune.federated import profiles
+from frugaltune.federated.launch import LocalFederation
+from frugaltune.io import read_json, write_json, write_text
+
+ROOT = Path(__file__).resolve().parents[1]
+FLOWER_BIN = ROOT / ".venv-flower" / "bin"
+APP = ROOT / "frugaltune" / "federated" / "flower_app"
+DATA = Path("data/federated")
+REPORT = paths.report("federated")
+ROUNDS_CSV = paths.PLOTS / "federated_rounds.csv"
+LABELS_CSV = paths.PLOTS / "federated_labels.csv"
+
+
+def write_split(split, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    table = pa.table({"input_ids": split["input_ids"], "labels": split["labels"]})
+    pq.write_table(table, out)
+
+
+def partition(fp, seed: int, scheme: str, out: Path) -> dict:
+    """flwr-datasets' partitioners run in the Flower venv (frugaltune/federated/partition.py)."""
+    cmd = [str(FLOWER_BIN / "python"), "-m", "frugaltune.federated.partition", "--train",
+           str((DATA / "train.parquet").resolve()), "--out", str(out.resolve()), "--scheme", scheme, "--num-clients", str(fp.num_clients), "--alpha", str(fp.alpha),
+           "--seed", str(seed)] + (["--by", fp.partition_by] if fp.partition_by else [])
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"partition failed ({proc.returncode}): {proc.stderr[-3000:]}")
+    print(proc.stdout.strip())
+    return json.loads((out / "partitions.json").read_text())
+
+
+def plan_clients(fp, summary: dict, model_dir: Path, num_labels: int, max_length: int, seed: int) -> list[dict]:
+    knobs = planner.MethodKnobs(r=fp.lora.r, alpha=fp.lora.alpha, dropout=fp.lora.dropout,
+                                target_modules=tuple(fp.lora.target_modules))
+    plans = []
+    for entry in summary["clients"]:
+        preset = fp.profiles[entry["client"] % len(fp.profiles)]
+        run = planner.RunSpec(method="lora", batch_size=fp.batch_size, grad_accum=1, epochs=1.0,
+                              max_steps=fp.local_steps, seq_len=max_length,
+                              lengths=tuple([max_length] * max(entry["examples"], 1)), seed=seed)
+        plan = profiles.plan_client(profiles.resolve(preset), run, str(model_dir), num_labels, knobs,
+                                    planner.Constants(), fp.local_steps, fp.round_budget_s)
+        plans.append({"client": entry["client"], "preset": preset, "examples": entry["examples"], **plan})
+    return plans
+
+
+def run_key(params: Params, scheme: str, method: str) -> str:
+    fp = params.federated
+    blob = json.dumps({"federated": fp.model_dump(), "seed": params.common.seed, "scheme": scheme, "method": method,
+                       "model": read_json(paths.report("import_model")).get("weights_sha256")
+                       if paths.report("import_model").exists() else None}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def federate(params: Params, scheme: str, method: str, plans: list[dict], parts: Path, labels: list[str],
+             pad_token_id: int, workdir: Path) -> Path:
+    fp = params.federated
+    included = [p for p in plans if p["fits"]]
+    if len(included) < fp.min_completed:
+        raise RuntimeError(f"federated: {len(included)} clients fit their hardware, fewer than federated."
+                           f"min_completed {fp.min_completed}: " + "; ".join(
+                               f"client {p['client']} ({p['preset']}): {p['reason']}" for p in plans if not p["fits"]))
+    nodes = [{"data": str((parts / f"client_{p['client']}.parquet").resolve()), "lora-rank": p["lora_rank"],
+              "micro-batch": p["micro_batch_size"], "threads": fp.threads} for p in included]
+    out = (paths.CHECKPOINTS_DIR / "federated" / run_key(params, scheme, method)).resolve()
+    config = {"out-dir": str(out), "model-dir": str(paths.BASE_MODEL.resolve()),
+              "test-data": str((DATA / "test.parquet").resolve()), "labels": json.dumps(labels),
+              "pad-token-id": pad_token_id, "num-rounds": fp.num_rounds, "fraction": fp.fraction,
+              "min-clients": min(len(included), max(fp.min_completed, 2)), "min-completed": fp.min_completed,
+              "round-timeout": float(fp.round_timeout_s), "method": method, "lora-r": fp.lora.r,
+              "lora-alpha": fp.lora.alpha, "lora-dropout": fp.lora.dropout,
+              "lora-target-modules": json.dumps(list(fp.lora.target_modules)), "local-steps": fp.local_steps,
+              "lr": fp.lr, "batch-size": fp.batch_size, "seed": params.common.seed, "threads": fp.threads,
+              "dp-epsilon": fp.dp.epsilon if fp.dp.enabled else 0.0, "dp-delta": fp.dp.delta,
+              "dp-clip": fp.dp.clipping_norm}
+    with LocalFederation(FLOWER_BIN, workdir, nodes, ROOT, threads=fp.threads) as fed:
+        result = fed.submit(APP, config, timeout=None)
+    if not (out / "done.json").exists():  # `flwr run` exits 0 even when the ServerApp raised
+        raise RuntimeError(f"federated {scheme}/{method}: the ServerApp did not finish:\n{result.stdout[-4000:]}")
+    return out
+
+
+def summarize(out: Path, model_dir: Path) -> tuple[dict, list[dict]]:
+    rounds = sorted(out.glob("rounds/round_*.json"))
+    reports = [json.loads(p.read_text()) for p in rounds]
+    adapter_bytes = sum(t.numel() * t.element_size() for t in load_file(str(rounds[-1].with_suffix(".safetensors"))).values())
+    full_bytes = sum(t.numel() * t.element_size() for f in model_dir.glob("*.safetensors")
+                     for t in load_file(str(f)).values())
+    rows, sent = [], 0
+    for report in reports:
+        clients = report.get("clients", [])
+        sent += sum(c["bytes-up"] + c["bytes-down"] for c in clients)
+        rows.append({"round": report["round"], **report["evaluation"], "bytes_total": sent,
+                     "clients_completed": report.get("completed", 0)})
+    ups = [c["bytes-up"] for r in reports for c in r.get("clients", [])]
+    downs = [c["bytes-down"] for r in reports for c in r.get("clients", [])]
+    summary = {"final": reports[-1]["evaluation"], "baseline": reports[0]["evaluation"],
+               "rounds": len(reports) - 1, "bytes_up_per_client_round_max": max(ups, default=0),
+               "bytes_down_per_client_round": max(downs, default=0), "bytes_total": sent,
+               "adapter_bytes": adapter_bytes, "full_model_bytes": full_bytes,
+               "full_model_over_adapter": round(full_bytes / adapter_bytes, 1),
+               "failures": sum(len(r.get("failures", [])) for r in reports)}
+    return summary, rows
+
+
+def csv_text(rows: list[dict], fields: list[str]) -> str:
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=fields, lineterminator="\n", extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(rows)
+    return buffer.getvalue()
+
+
+def run(params: Params) -> dict:
+    fp, seed = params.federated, params.common.seed
+    if not (FLOWER_BIN / "flower-superlink").exists():
+        raise RuntimeError(f"{FLOWER_BIN}: no Flower. Run `make flower-env` first (make federated does).")
+    labels = read_json(paths.LABELS)["labels"]
+    tokenized = load_from_disk(str(paths.TOKENIZED_DIR))
+    write_split(tokenized["train"], DATA / "train.parquet")
+    write_split(tokenized["test"], DATA / "test.parquet")
+    pad_token_id = json.loads((paths.BASE_MODEL / "config.json").read_text()).get("pad_token_id")
+    if pad_token_id is None:  # as the train stage: the tokenizer's pad id
+        from frugaltune.models import load_tokenizer
+
+        pad_token_id = load_tokenizer(paths.BASE_MODEL).pad_token_id
+    max_length = params.tokenize.max_length
+
+    runs = [(fp.partition, method) for method in fp.methods]
+    if fp.iid_control and fp.partition != "iid":
+        runs.append(("iid", fp.methods[0]))
+    report = {"runs": {}, "partitions": {}, "clients": {}}
+    round_rows, label_rows = [], []
+    tracking.setup("federated")
+    with mlflow.start_run(run_name="federated", tags=tracking.run_tags()):
+        mlflow.log_params({f"federated.{k}": json.dumps(v) if isinstance(v, (list, dict)) else v
+                           for k, v in fp.model_dump().items()})
+        for scheme in dict.fromkeys(s for s, _ in runs):
+            parts = DATA / f"partitions_{scheme}"
+            summary = partition(fp, seed, scheme, parts)
+            report["partitions"][scheme] = summary["clients"]
+            label_rows += [{"partition": scheme, "client": c["client"], "label": labels[int(k)], "count": n}
+                           for c in summary["clients"] for k, n in c["label_histogram"].items()]
+            report["clients"][scheme] = plan_clients(fp, summary, paths.BASE_MODEL, len(labels), max_length, seed)
+        for scheme, method in runs:
+            name = f"{method}_{scheme}"
+            print(f"federated: {name}: {fp.num_rounds} rounds over {fp.num_clients} clients", flush=True)
+            out = federate(params, scheme, method, report["clients"][scheme], DATA / f"partitions_{scheme}", labels,
+                           pad_token_id, paths.CHECKPOINTS_DIR / "federated" / "work" / name)
+            summary, rows = summarize(out, paths.BASE_MODEL)
+            report["runs"][name] = summary
+            for row in rows:
+                round_rows.append({"run": name, **row})
+                mlflow.log_metrics({f"{name}.{k}": row[k] for k in ("accuracy", "macro_f1", "loss", "bytes_total")},
+                                   step=row["round"])
+        write_json(REPORT, report)
+        write_text(ROUNDS_CSV, csv_text(round_rows, ["run", "round", "accuracy", "macro_f1", "loss", "bytes_total",
+                                                     "clients_completed"]))
+        write_text(LABELS_CSV, csv_text(label_rows, ["partition", "client", "label", "count"]))
+        mlflow.log_artifact(str(REPORT))
+    for name, summary in report["runs"].items():
+        final = summary["final"]
+        print(f"federated: {name}: test macro-F1 {final['macro_f1']:.4f} accuracy {final['accuracy']:.4f} "
+              f"(base {summary['baseline']['macro_f1']:.4f}); {summary['bytes_up_per_client_round_max']:,} bytes up "
+              f"per client per round, full model / adapter {summary['full_model_over_adapter']}x")
+    return report
+
+
+def main() -> None:
+    run(load_params())
+
+
+if __name__ == "__main__":
+    main()

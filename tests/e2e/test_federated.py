@@ -1,0 +1,241 @@
+"""A real Flower deployment on loopback: a SuperLink and 3 SuperNodes as separate processes on 127.0.0.1 train a
+tiny random llama's LoRA adapters for 2 rounds through the `federated` stage; a SuperNode killed mid-round does not stop the round; a SuperLink
+killed after a round resumes from it. Run with `make test` (or `pytest -m slow tests/e2e/test_federated.py`);
+needs the Flower venv (`make flower-env`, which `make test` runs). About 2 minutes on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import shutil
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from frugaltune.federated.launch import LocalFederation
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+FLOWER_BIN = ROOT / ".venv-flower" / "bin"
+APP = ROOT / "frugaltune" / "federated" / "flower_app"
+RANKS = (2, 4, 4)  # heterogeneous clients; the global rank is 4
+NPY_HEADER = 128  # np.save's header for these small arrays: what an Array carries besides the raw values
+
+
+def rows(n: int, seed: int) -> pa.Table:
+    """Learnable toy task: token 1 + label appears somewhere in each sequence of random tokens."""
+    rng = random.Random(seed)
+    ids, labels = [], []
+    for _ in range(n):
+        label = rng.randrange(3)
+        seq = [rng.randrange(5, 60) for _ in range(rng.randrange(4, 10))]
+        seq[rng.randrange(len(seq))] = 1 + label
+        ids.append(seq)
+        labels.append(label)
+    return pa.table({"input_ids": ids, "labels": labels})
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> Path:
+    if not (FLOWER_BIN / "flower-superlink").exists():
+        pytest.fail(f"{FLOWER_BIN} has no Flower: run `make flower-env` (make test does)")
+    root = tmp_path_factory.mktemp("federated")
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                 pad_token_id=0)).save_pretrained(root / "model")
+    for client in range(3):
+        pq.write_table(rows(40, client), root / f"client_{client}.parquet")
+    pq.write_table(rows(60, 99), root / "test.parquet")
+    return root
+
+
+def federation(world: Path, name: str, **extra_env: str) -> LocalFederation:
+    nodes = [{"data": str(world / f"client_{i}.parquet"), "lora-rank": rank} for i, rank in enumerate(RANKS)]
+    return LocalFederation(FLOWER_BIN, world / name, nodes, ROOT, extra_env=extra_env)
+
+
+def run_config(world: Path, out: Path, **overrides) -> dict:
+    return {"out-dir": str(out), "model-dir": str(world / "model"), "test-data": str(world / "test.parquet"),
+            "labels": json.dumps(["a", "b", "c"]), "pad-token-id": 0, "num-rounds": 2, "fraction": 1.0,
+            "min-clients": 3, "min-completed": 3, "round-timeout": 120.0, "lora-r": 4, "lora-alpha": 8,
+            "local-steps": 2, "batch-size": 8, "method": "fedavg", **overrides}
+
+
+def round_report(out: Path, number: int) -> dict:
+    return json.loads((out / "rounds" / f"round_{number:03d}.json").read_text())
+
+
+def wait_for(predicate, timeout: float, what: str, fed: LocalFederation) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}:\n{fed.log('superlink')[-4000:]}")
+        time.sleep(0.5)
+
+
+def test_the_stage_runs_three_supernodes_for_two_rounds_sending_only_the_adapter(world: Path, monkeypatch):
+    """`stages.federated.run` in a project dir: partitions, per-client plans, a SuperLink + 3 SuperNodes, reports."""
+    import datasets
+
+    from frugaltune.config import parse_params
+    from stages import federated as stage
+
+    project = world / "project"
+    (project / "models").mkdir(parents=True)
+    shutil.copytree(world / "model", project / "models/base")
+    tables = {name: pq.read_table(world / f"{name}.parquet") for name in ("client_0", "client_1", "client_2", "test")}
+    train = pa.concat_tables([tables["client_0"], tables["client_1"], tables["client_2"]])
+    datasets.DatasetDict({"train": datasets.Dataset(train), "test": datasets.Dataset(tables["test"])}).save_to_disk(
+        str(project / "data/tokenized"))
+    (project / "data/splits").mkdir(parents=True)
+    (project / "data/splits/labels.json").write_text(json.dumps({"labels": ["a", "b", "c"]}))
+    monkeypatch.chdir(project)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{project / 'mlflow.db'}")
+    # global rank 8: the presets give the laptop and the GPU server rank 8, the small CPU box rank 4
+    params = parse_params({"common": {"seed": 0}, "tokenize": {"max_length": 16}, "federated": {
+        "num_clients": 3, "partition": "iid", "methods": ["fedavg"], "iid_control": False, "num_rounds": 2,
+        "fraction": 1.0, "min_completed": 3, "round_timeout_s": 120, "local_steps": 2, "batch_size": 8,
+        "lora": {"r": 8, "alpha": 16}}})
+    report = stage.run(params)
+
+    run = report["runs"]["fedavg_iid"]
+    assert run["rounds"] == 2 and run["failures"] == 0
+    assert set(run["final"]) == {"accuracy", "macro_f1", "loss"}
+    assert [c["examples"] for c in report["partitions"]["iid"]] == [40, 40, 40]
+    assert sorted(c["lora_rank"] for c in report["clients"]["iid"]) == [4, 8, 8]
+    assert json.loads((project / "reports/federated.json").read_text())["runs"]["fedavg_iid"] == run
+    rows = (project / "reports/plots/federated_rounds.csv").read_text().splitlines()
+    assert rows[0].startswith("run,round,accuracy,macro_f1,loss,bytes_total") and len(rows) == 4  # rounds 0, 1, 2
+    assert (project / "reports/plots/federated_labels.csv").read_text().count("\n") > 3
+
+    out = next((project / "checkpoints/federated").glob("*/done.json")).parent
+    start, final = load_file(str(out / "rounds/round_000.safetensors")), load_file(str(out / "rounds/round_002.safetensors"))
+    assert {k: v.shape for k, v in final.items()} == {k: v.shape for k, v in start.items()}  # global rank 8
+    assert any(not torch.equal(start[k], final[k]) for k in start)
+    head = [k for k in final if "score" in k]
+    assert head and all(".lora_A." in k or ".lora_B." in k or k in head for k in final)
+
+    global_bytes = sum(t.numel() * 4 + NPY_HEADER for t in start.values())
+    for number in (1, 2):
+        report_round = round_report(out, number)
+        assert report_round["completed"] == 3 and report_round["failures"] == []
+        assert report_round["product_error"] > 0  # FedAvg of A and B separately is not the average of products
+        for client in report_round["clients"]:
+            rank = client["lora-rank"]
+            # up: exactly this client's trainable tensors (A cut to its rank, B, head), serialized
+            up = sum((t[:rank] if ".lora_A." in k else t[:, :rank] if ".lora_B." in k else t).numel() * 4
+                     + NPY_HEADER for k, t in start.items())
+            assert client["bytes-up"] == up and client["bytes-down"] == global_bytes
+            assert client["num-examples"] == 40 and client["steps"] == 2
+    # only the adapter + head travel: ~5x less than this toy model (a 64-token vocabulary); SmolLM2-135M: far more
+    assert run["adapter_bytes"] * 5 < run["full_model_bytes"]
+
+
+def test_a_killed_supernode_does_not_stop_the_round_and_a_killed_server_resumes(world: Path):
+    out = world / "ffa_out"
+    # round-timeout: a killed SuperNode never answers, and the SuperLink notices it only after 2 missed heartbeats
+    # (>= 20 s), so the round ends at the timeout; 40 s leaves the live clients room on a busy 2-core machine.
+    # with client-side DP on: each update clipped to norm 0.5, noise for ε = 50 per round
+    # min-clients 3: round 1 waits for all three SuperNodes (supernode_2 must be sampled, to be killed mid-round)
+    config = run_config(world, out, method="ffa", **{"min-completed": 2, "min-clients": 3, "round-timeout": 40.0,
+                                                     "dp-epsilon": 50.0, "dp-clip": 0.5})
+    # each local step sleeps 1 s: a window in which to kill a SuperNode during its training
+    fed = federation(world, "ffa", FRUGALTUNE_TEST_STEP_DELAY_S="1")
+    try:
+        fed.start()
+        fed.submit_async(APP, config)
+        wait_for(lambda: "Start `flwr-clientapp`" in fed.log("supernode_2"), 300, "supernode_2 to start training", fed)
+        fed.kill("supernode_2")  # kill -9 mid-round, its ClientApp with it
+        wait_for(lambda: (out / "rounds/round_001.json").exists(), 300, "round 1 to complete without it", fed)
+        first = round_report(out, 1)
+        assert first["completed"] == 2 and len(first["failures"]) == 1, first
+        round_1 = (out / "rounds/round_001.safetensors").read_bytes()
+
+        fed.kill("superlink")  # the server dies (with its ServerApp) before round 2 is kept
+        fed.kill("flwr_run")
+        assert not (out / "rounds/round_002.json").exists()
+        fed.start_superlink()  # same ports: the SuperNodes reconnect (with back-off: up to ~20 s)
+        # the resumed run waits longer: reconnecting and starting the ClientApps is slow on a busy machine, and
+        # the timeout is not one of the settings a round's result depends on
+        # and the two SuperNodes left are enough to start a round
+        result = fed.submit(APP, {**config, "round-timeout": 150.0, "min-clients": 2}, timeout=300)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    finally:
+        fed.stop()
+    assert "resuming after round 1" in result.stdout, result.stdout[-3000:]
+    assert (out / "rounds/round_001.safetensors").read_bytes() == round_1  # kept, not recomputed
+    assert (out / "done.json").exists(), result.stdout[-4000:]
+    assert json.loads((out / "done.json").read_text())["rounds"] == 2
+    start, final = load_file(str(out / "rounds/round_000.safetensors")), load_file(str(out / "rounds/round_002.safetensors"))
+    for name in start:  # FFA-LoRA: A never moves from the server's seeded initialisation; B and the head train
+        if ".lora_A." in name:
+            assert torch.equal(start[name], final[name]), name
+    assert any(not torch.equal(start[k], final[k]) for k in start if ".lora_B." in k)
+    for number in (1, 2):
+        report = round_report(out, number)
+        assert report["completed"] == 2 and "product_error" not in report
+        assert all(c["bytes-up"] < c["bytes-down"] for c in report["clients"])  # B + head up, A + B + head down
+        for client in report["clients"]:  # DP on: the update was clipped and noised with the mechanism's σ
+            assert client["dp-noise-std"] == pytest.approx(0.5 * math.sqrt(2 * math.log(1.25 / 1e-5)) / 50, rel=1e-4)
+            assert client["dp-update-norm"] > 0
+
+
+def test_partitions_are_deterministic_for_a_seed_and_skewed_by_dirichlet(world: Path, tmp_path: Path):
+    """flwr-datasets' partitioners on our own rows (no download), through the module the stage runs."""
+    import subprocess
+
+    train = tmp_path / "train.parquet"
+    pq.write_table(pa.concat_tables([rows(100, seed) for seed in range(3)]), train)
+
+    def partition(out: str, *args: str) -> dict:
+        cmd = [str(FLOWER_BIN / "python"), "-m", "frugaltune.federated.partition", "--train", str(train),
+               "--out", str(tmp_path / out), "--num-clients", "4", *args]
+        subprocess.run(cmd, cwd=ROOT, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+                       check=True, capture_output=True)
+        return json.loads((tmp_path / out / "partitions.json").read_text())
+
+    one = partition("a", "--scheme", "dirichlet", "--alpha", "0.3", "--seed", "7")
+    two = partition("b", "--scheme", "dirichlet", "--alpha", "0.3", "--seed", "7")
+    other = partition("c", "--scheme", "dirichlet", "--alpha", "0.3", "--seed", "8")
+    iid = partition("d", "--scheme", "iid", "--seed", "7")
+    assert one == two and one["clients"] != other["clients"]
+    for client in range(4):
+        assert (tmp_path / f"a/client_{client}.parquet").read_bytes() == (tmp_path / f"b/client_{client}.parquet").read_bytes()
+    for summary in (one, iid):
+        assert sum(c["examples"] for c in summary["clients"]) == 300
+    assert [c["examples"] for c in iid["clients"]] == [75] * 4
+
+    def skew(summary: dict) -> float:  # the largest share one label takes of a client's rows, averaged
+        return sum(max(c["label_histogram"].values()) / c["examples"] for c in summary["clients"]) / 4
+    assert skew(one) > skew(iid) + 0.1
+
+
+def test_client_dp_clips_the_update_to_its_norm_then_adds_noise(tmp_path: Path):
+    """frugaltune/federated/privacy.py with Flower's DP primitives (in the Flower venv)."""
+    import subprocess
+
+    script = (
+        "import torch, json\n"
+        "from frugaltune.federated.privacy import privatize\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "received = {'b': torch.randn(8, 4, generator=g), 'head': torch.randn(3, 8, generator=g)}\n"
+        "trained = {k: v + torch.randn(v.shape, generator=g) for k, v in received.items()}\n"
+        "def norm(t): return float(sum(((t[k] - received[k]) ** 2).sum() for k in t) ** 0.5)\n"
+        "almost, info = privatize(trained, received, 0.5, 1e9, 1e-5)\n"  # ε huge: noise ~0, clipping alone
+        "noisy, _ = privatize(trained, received, 0.5, 1.0, 1e-5)\n"
+        "print(json.dumps({'before': norm(trained), 'clipped': norm(almost), 'noisy': norm(noisy), **info}))\n")
+    out = subprocess.run([str(FLOWER_BIN / "python"), "-c", script], cwd=ROOT, check=True, capture_output=True,
+                         text=True, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["before"] > 1 and result["dp-update-norm"] == pytest.approx(result["before"], rel=1e-5)
+    assert result["clipped"] == pytest.approx(0.5, rel=1e-4)  # clipped to the norm, direction kept
+    assert result["noisy"] > 2 * result["clipped"]  # σ = 0.5·sqrt(2 ln(1.25e5)) ≈ 2.4 per value at ε = 1

@@ -1,0 +1,139 @@
+"""Aggregation of federated LoRA adapters: FedAvg is the example-weighted mean, FFA-LoRA is exact, clients of
+different ranks aggregate to the global shapes. Run with `pytest tests/unit/test_federated.py` (no Flower needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from frugaltune.federated import aggregation as agg
+
+A = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight"
+B = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.default.weight"
+HEAD = "base_model.model.score.modules_to_save.default.weight"
+IN, OUT, LABELS = 6, 5, 3
+
+
+def adapter(rank: int, seed: int, with_a: bool = True) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    tensors = {B: torch.randn(OUT, rank, generator=g), HEAD: torch.randn(LABELS, OUT, generator=g)}
+    if with_a:
+        tensors[A] = torch.randn(rank, IN, generator=g)
+    return tensors
+
+
+def test_fedavg_is_the_example_weighted_mean():
+    glob = adapter(4, 0)
+    one, two = adapter(4, 1), adapter(4, 2)
+    out = agg.aggregate(glob, [(one, 10), (two, 30)], "fedavg")
+    for name in glob:
+        torch.testing.assert_close(out[name], 0.25 * one[name] + 0.75 * two[name])
+
+
+def test_fedavg_of_lora_factors_is_not_the_mean_of_products_but_ffa_is():
+    glob = adapter(4, 0)
+    clients = [(adapter(4, seed), n) for seed, n in ((1, 5), (2, 7), (3, 11))]
+    fedavg = agg.aggregate(glob, clients, "fedavg")
+    assert agg.product_error(fedavg, clients) > 0.05  # averaging A and B separately is off by a lot
+
+    # FFA: every client trained B on the server's A; they send B + head only
+    ffa_clients = [({k: v for k, v in t.items() if k != A}, n) for t, n in clients]
+    ffa = agg.aggregate(glob, ffa_clients, "ffa")
+    torch.testing.assert_close(ffa[A], glob[A])
+    exact = sum(t[B] @ glob[A] * n for t, n in ffa_clients) / sum(n for _, n in ffa_clients)
+    torch.testing.assert_close(ffa[B] @ ffa[A], exact)
+    with_a = [({**t, A: glob[A]}, n) for t, n in ffa_clients]
+    assert agg.product_error(ffa, with_a) < 1e-6
+
+
+def test_ffa_refuses_a_client_that_sends_lora_a():
+    glob = adapter(4, 0)
+    with pytest.raises(ValueError, match="lora_A"):
+        agg.aggregate(glob, [(adapter(4, 1), 3)], "ffa")
+
+
+def test_heterogeneous_ranks_aggregate_to_the_global_shapes():
+    glob = adapter(8, 0)
+    small = agg.slice_to_rank(glob, 2)
+    assert small[A].shape == (2, IN) and small[B].shape == (OUT, 2) and small[HEAD].shape == (LABELS, OUT)
+    clients = [(adapter(2, 1), 4), (adapter(4, 2), 4), (adapter(8, 3), 4)]
+    out = agg.aggregate(glob, clients, "fedavg")
+    assert out[A].shape == (8, IN) and out[B].shape == (OUT, 8)
+    # rows 4..7 of A come from the rank-8 client only (the others are zero-padded there)
+    torch.testing.assert_close(out[A][4:], clients[2][0][A][4:] / 3)
+
+
+def test_ffa_with_heterogeneous_ranks_is_the_mean_of_the_clients_deltas():
+    glob = adapter(8, 0)
+    clients = []
+    for seed, rank, n in ((1, 2, 3), (2, 4, 5), (3, 8, 9)):
+        clients.append(({B: torch.randn(OUT, rank, generator=torch.Generator().manual_seed(seed)),
+                         HEAD: torch.randn(LABELS, OUT)}, n))
+    out = agg.aggregate(glob, clients, "ffa")
+    # each client's delta uses its own first `rank` rows of the shared A (same alpha/r, see client_alpha)
+    exact = sum(t[B] @ glob[A][: t[B].shape[1]] * n for t, n in clients) / 17
+    torch.testing.assert_close(out[B] @ out[A], exact)
+
+
+def test_a_client_of_too_large_rank_is_an_error_that_names_the_fix():
+    with pytest.raises(ValueError, match="federated.lora.r"):
+        agg.aggregate(adapter(2, 0), [(adapter(4, 1), 1)], "fedavg")
+
+
+def test_client_alpha_keeps_the_scale():
+    assert agg.client_alpha(16, 8, 4) == 8
+    with pytest.raises(ValueError, match="multiple of the rank"):
+        agg.client_alpha(10, 8, 3)
+
+
+def test_no_update_at_all_is_an_error():
+    with pytest.raises(ValueError, match="every sampled client failed"):
+        agg.aggregate(adapter(4, 0), [], "fedavg")
+
+
+# --- per-client plans from hardware profiles (the project's planner on each client's hardware)
+from transformers import LlamaConfig  # noqa: E402
+
+from frugaltune import planner  # noqa: E402
+from frugaltune.federated import profiles  # noqa: E402
+
+SMALL_LLAMA = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                          num_attention_heads=9, num_key_value_heads=3)  # SmolLM2-135M's shape
+
+
+def client_plan(profile, local_steps=8, budget=None, constants=planner.Constants()):
+    run = planner.RunSpec(method="lora", batch_size=16, grad_accum=1, epochs=1.0, max_steps=local_steps, seq_len=128,
+                          lengths=tuple([128] * 256), seed=0)
+    return profiles.plan_client(profiles.resolve(profile), run, SMALL_LLAMA, 3, planner.MethodKnobs(r=8),
+                                constants, local_steps, budget, calibrated_cores=2)
+
+
+def test_each_preset_gets_a_plan_that_fits_its_own_memory():
+    plans = {name: client_plan(name) for name in profiles.PRESETS}
+    assert all(plan["fits"] for plan in plans.values()), plans
+    assert plans["small_cpu_box"]["lora_rank"] == 4 and plans["gpu_server"]["lora_rank"] == 8  # capped at global r
+    assert plans["small_cpu_box"]["threads"] == 2
+    for name, plan in plans.items():
+        limit = profiles.PRESETS[name].gpu_memory_gb or profiles.PRESETS[name].ram_gb
+        assert plan["predicted_peak_mb"] < limit * 1024
+
+
+def test_less_memory_means_a_smaller_micro_batch_and_too_little_excludes_the_client():
+    roomy = client_plan(profiles.HardwareProfile(ram_gb=16, cores=2))
+    tight = client_plan(profiles.HardwareProfile(ram_gb=2.0, cores=2))
+    assert roomy["fits"] and tight["fits"]
+    assert tight["micro_batch_size"] < roomy["micro_batch_size"] and tight["predicted_peak_mb"] < 2 * 1024
+    out = client_plan(profiles.HardwareProfile(ram_gb=0.7, cores=2))
+    assert not out["fits"] and "GiB" in out["reason"] and "qlora" in out["reason"]
+
+
+def test_the_round_budget_caps_local_steps_by_the_calibrated_speed():
+    measured = planner.Constants(step_overhead_s=0.1, seconds_per_token=1e-3)  # 16 x 128 tokens: ~2.2 s a step
+    slow = client_plan(profiles.HardwareProfile(ram_gb=16, cores=1), local_steps=8, budget=10, constants=measured)
+    fast = client_plan(profiles.HardwareProfile(ram_gb=16, cores=8), local_steps=8, budget=10, constants=measured)
+    assert 1 <= slow["local_steps"] < fast["local_steps"] <= 8
+
+
+def test_an_unknown_preset_names_the_presets():
+    with pytest.raises(ValueError, match="laptop"):
+        profiles.resolve("phone")
