@@ -1,7 +1,7 @@
 """Start a real Flower deployment on this machine: one SuperLink and N SuperNodes as separate processes on
 127.0.0.1 (random free ports, insecure: loopback only), submit the app with `flwr run`, stop everything after.
 
-Library code used by the `federated` stage and tests/e2e/test_federated.py; it imports no Flower (it runs the
+Library code used by the `federated` stage and tests/e2e/test_federated_pipeline.py; it imports no Flower (it runs the
 Flower venv's commands, `make flower-env`). This is the same deployment as across machines (README "Federated
 fine-tuning"), with every process on one host: it stands in for Flower's Simulation Engine, whose Ray extra is not
 installed here.

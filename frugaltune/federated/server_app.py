@@ -4,7 +4,7 @@ global adapter on the server's test split; every completed round kept on disk, s
 Run by a SuperLink (the Flower venv) when the app is submitted, never directly:
     .venv-flower/bin/flwr run frugaltune/federated/flower_app <connection> --stream \
         --run-config "out-dir='checkpoints/federated/run' model-dir='models/base' ..."
-with PYTHONPATH at the project root (the `federated` stage and tests/e2e/test_federated.py do this; README
+with PYTHONPATH at the project root (the `federated` stage and tests/e2e/test_federated_pipeline.py do this; README
 "Federated fine-tuning" shows it by hand). The keys are those of frugaltune/federated/flower_app/pyproject.toml.
 
 On disk, in `out-dir`: `config.json` (what the rounds were computed with), `rounds/round_NNN.safetensors` (the

@@ -238,15 +238,15 @@ README_NOT_RUN_HERE = {
     "git clone <repo-url> frugaltune2 && cd frugaltune2": "a placeholder: tests/e2e/test_scale_out.py clones anew",
     "make install && dvc pull dvc.yaml": "tests/e2e/test_scale_out.py: what install writes (the plots template), "
                                          "then this pull",
-    "make federated": "tests/e2e/test_federated.py runs the federated stage (3 SuperNodes, 2 rounds) on a tiny model",
+    "make federated": "tests/e2e/test_federated_pipeline.py runs the federated stage (3 SuperNodes, 2 rounds) on a tiny model",
     ".venv-flower/bin/flower-superlink --ssl-ca-certfile ca.crt --ssl-certfile server.pem --ssl-keyfile server.key "
     "--database superlink.db --disable-runtime-dependency-installation":
-        "needs certificates and other hosts; tests/e2e/test_federated.py starts a SuperLink on 127.0.0.1 (insecure)",
+        "needs certificates and other hosts; tests/e2e/test_federated_pipeline.py starts a SuperLink on 127.0.0.1 (insecure)",
     "PYTHONPATH=. .venv-flower/bin/flower-supernode --root-certificates ca.crt --superlink SERVER:9092 "
     "--clientappio-api-address 127.0.0.1:9094 --node-config \"data='data/my_rows.parquet' lora-rank=8 micro-batch=4 "
-    "threads=4\"": "needs a SuperLink host; tests/e2e/test_federated.py starts 3 SuperNodes on 127.0.0.1",
+    "threads=4\"": "needs a SuperLink host; tests/e2e/test_federated_pipeline.py starts 3 SuperNodes on 127.0.0.1",
     "PYTHONPATH=. .venv-flower/bin/flwr run frugaltune/federated/flower_app prod --stream --run-config "
-    "federation.toml": "needs that federation; tests/e2e/test_federated.py submits the app with `flwr run` on loopback",
+    "federation.toml": "needs that federation; tests/e2e/test_federated_pipeline.py submits the app with `flwr run` on loopback",
     "pip install 'dvc[s3]' && dvc remote add -d storage s3://my-bucket/frugaltune": "needs a bucket and network",
     "pip install 'dvc[gs]' && dvc remote add -d storage gs://my-bucket/frugaltune": "needs a bucket and network",
     "pip install 'dvc[ssh]' && dvc remote add -d storage ssh://user@dvc-host/srv/dvc/frugaltune":

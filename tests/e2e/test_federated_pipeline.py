@@ -1,6 +1,6 @@
 """A real Flower deployment on loopback: a SuperLink and 3 SuperNodes as separate processes on 127.0.0.1 train a
 tiny random llama's LoRA adapters for 2 rounds through the `federated` stage; a SuperNode killed mid-round does not stop the round; a SuperLink
-killed after a round resumes from it. Run with `make test` (or `pytest -m slow tests/e2e/test_federated.py`);
+killed after a round resumes from it. Run with `make test` (or `pytest -m slow tests/e2e/test_federated_pipeline.py`);
 needs the Flower venv (`make flower-env`, which `make test` runs). About 2 minutes on 2 CPU cores.
 """
 
