@@ -101,9 +101,11 @@ def test_make_sft_overrides_parse_into_a_causal_lm_run(tmp_path):
 
     from dvc.utils.hydra import apply_overrides
 
-    recipe = subprocess.run(["make", "-n", "-o", "install", "sft"], cwd=ROOT, capture_output=True, text=True,
-                            check=True).stdout.replace("\\\n", " ")
-    args = shlex.split(recipe.strip().splitlines()[-1])
+    # Under `make test` this make is nested: it would print "make[1]: Leaving directory" last, hence the flag and
+    # picking the recipe's own line
+    recipe = subprocess.run(["make", "--no-print-directory", "-n", "-o", "install", "sft"], cwd=ROOT,
+                            capture_output=True, text=True, check=True).stdout.replace("\\\n", " ")
+    args = shlex.split(next(line for line in recipe.splitlines() if line.strip().startswith("dvc exp run")))
     overrides = [args[i + 1] for i, arg in enumerate(args) if arg == "-S"]
     params_file = shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
     apply_overrides(str(params_file), overrides)
