@@ -235,6 +235,7 @@ def _calibration_point(spec: dict) -> dict:
 
     import torch
 
+    from frugaltune.training.batching import IGNORE_INDEX
     from frugaltune.training.loop import autocast, model_loss
     from frugaltune.training.methods import prepare_model
 
@@ -256,7 +257,7 @@ def _calibration_point(spec: dict) -> dict:
         ids = torch.randint(3, spec["vocab_size"], (rows, length), generator=generator).to(device)
         if causal:  # the run's targets: each row's last `response_tokens` (its response), the rest masked
             labels = ids.clone()
-            labels[:, :max(0, length - (spec.get("response_tokens") or length))] = -100
+            labels[:, :max(0, length - (spec.get("response_tokens") or length))] = IGNORE_INDEX
         else:
             labels = torch.randint(0, len(spec["labels"]), (rows,), generator=generator).to(device)
         start = time.perf_counter()
@@ -663,6 +664,7 @@ def build_plan(params: "Params", hardware: dict[str, Any], measured_precision: d
     from datasets import load_from_disk
 
     from frugaltune import paths
+    from frugaltune.training.batching import target_counts
 
     for needed, stage in ((paths.BASE_MODEL, "import_model"), (paths.TOKENIZED_DIR, "tokenize"),
                           (paths.LABELS, "ingest")):
@@ -673,8 +675,8 @@ def build_plan(params: "Params", hardware: dict[str, Any], measured_precision: d
     lengths = [len(ids) for ids in train_split["input_ids"]]
     spec = run_spec(params, lengths)
     # causal_lm: the loss (and so the LM head) runs on the response tokens only; the calibration steps do the same
-    response_tokens = (math.ceil(sum(sum(1 for t in row if t != -100) for row in train_split["labels"])
-                                 / max(len(lengths), 1)) if params.task.type == "causal_lm" else None)
+    response_tokens = (math.ceil(sum(target_counts(train_split["labels"])) / max(len(lengths), 1))
+                       if params.task.type == "causal_lm" else None)
     knobs = spec.knobs
     methods = methods or ("none", *TRAINED_METHODS)
     task = params.task.type

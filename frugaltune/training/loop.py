@@ -25,7 +25,8 @@ from transformers import get_scheduler
 
 from frugaltune.telemetry import StepTimer
 from frugaltune.training import checkpoint
-from frugaltune.training.batching import collate, collate_targets, length_grouped_batches, sorted_batches, target_counts
+from frugaltune.training.batching import (IGNORE_INDEX, collate, collate_targets, length_grouped_batches, sorted_batches,
+                                          target_counts)
 from frugaltune.training.distributed import World
 
 
@@ -110,10 +111,10 @@ def model_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], target: t
     if target.dim() == 1:
         return model(**batch, labels=target).loss
     following = target[:, 1:]  # the logit at position t predicts token t + 1
-    positions = (following != -100).any(dim=0).nonzero().squeeze(1)
+    positions = (following != IGNORE_INDEX).any(dim=0).nonzero().squeeze(1)
     logits = model(**batch, logits_to_keep=positions).logits
     return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
-                                             following[:, positions].reshape(-1), ignore_index=-100,
+                                             following[:, positions].reshape(-1), ignore_index=IGNORE_INDEX,
                                              reduction=reduction)
 
 
@@ -195,8 +196,8 @@ def _stop_on_signals(flag: dict):
             signal.signal(sig, old)
 
 
-def _unpack_4bit_inference_layout(model: torch.nn.Module) -> int:
-    """Give 4-bit weights back their trainable layout; returns how many were repacked.
+def _unpack_4bit_inference_layout(model: torch.nn.Module) -> None:
+    """Give 4-bit weights back their trainable layout.
 
     On CPUs with avx512_bf16, bitsandbytes repacks a 4-bit weight in place the first time its layer runs in eval
     mode without gradients (an evaluation), into a layout only its inference kernel reads, and keeps it. A QLoRA
@@ -204,7 +205,6 @@ def _unpack_4bit_inference_layout(model: torch.nn.Module) -> int:
     trained through that kernel: its loss did not fall. bitsandbytes undoes the packing itself only when saving or
     moving the weight to a GPU; this is the same conversion, before the first step.
     """
-    repacked = 0
     for module in model.modules():
         weight = getattr(module, "weight", None)
         state = getattr(weight, "quant_state", None)
@@ -214,8 +214,6 @@ def _unpack_4bit_inference_layout(model: torch.nn.Module) -> int:
             weight.data, weight.quant_state = _convert_weight_packed_for_cpu_inverse(weight.data, state)
             if hasattr(module, "quant_state"):  # the module's copy, which bitsandbytes falls back on
                 module.quant_state = weight.quant_state
-            repacked += 1
-    return repacked
 
 
 def train_classifier(
@@ -456,5 +454,5 @@ def lm_loss(model: torch.nn.Module, input_ids: list[list[int]], labels: list[lis
         target = collate_targets([labels[i] for i in batch_index], batch["input_ids"].shape[1]).to(device)
         with autocast(bf16, device):
             total += model_loss(model, batch, target, reduction="sum").item()
-        count += int((target[:, 1:] != -100).sum())
+        count += int((target[:, 1:] != IGNORE_INDEX).sum())
     return total / max(count, 1), count
