@@ -271,6 +271,10 @@ def _calibration_point(spec: dict) -> dict:
             torch.cuda.synchronize()
         return time.perf_counter() - start
 
+    from frugaltune.training.fast import use_short_sequence_attention
+
+    # the attention the run will use (measured crossover), so that what is timed is what trains
+    use_short_sequence_attention(model, spec.get("eager_attention_max_len", 0))
     batch, length = spec["micro_batch"], spec["seq_len"]
     first = timed_step(batch, length)  # warm-up: page faults for the peak memory, kernel selection
     times = sorted(timed_step(batch, length) for _ in range(spec["steps"]))
@@ -332,7 +336,7 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
               seq_len: int, threads: int, seed: int = 0, steps: int = 2, timeout_s: float = 900,
               batches: list[tuple[int, int]] | None = None, time_samples: int = 6,
               allocator: str = "auto", task: str = "classification",
-              response_tokens: int | None = None) -> tuple[Constants, dict]:
+              response_tokens: int | None = None, eager_attention_max_len: int = 0) -> tuple[Constants, dict]:
     """Measure real training steps of `method` on this machine and fit its memory and time constants.
 
     Memory: `steps` steps (after one warm-up) at two micro-batch sizes of length `seq_len`, each in a fresh process;
@@ -347,7 +351,7 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
     spec = {"model_dir": str(model_dir), "labels": labels, "pad_token_id": pad_token_id, "seed": seed,
             "method": method, "knobs": asdict(knobs), "bf16": bf16, "gradient_checkpointing": gradient_checkpointing,
             "seq_len": seq_len, "threads": threads, "steps": steps, "vocab_size": vocab, "allocator": allocator,
-            "task": task, "response_tokens": response_tokens}
+            "task": task, "response_tokens": response_tokens, "eager_attention_max_len": eager_attention_max_len}
     small, large = sorted(set(micro_batches))[:2] if len(set(micro_batches)) > 1 else (micro_batches[0],
                                                                                      micro_batches[0] + 1)
     shapes_to_time = _time_shapes(batches or [(large, seq_len), (small, seq_len)], time_samples)
@@ -434,6 +438,18 @@ def recommend_precision(hardware: dict, requested: str, measured: dict | None = 
         return preferred == "bf16", f"{preferred}, measured on this machine by the kernels stage: {measured['reason']}"
     return False, ("fp32: bf16 was not measured on this machine (reports/kernels.json has no `cpu` section; "
                    "`dvc repro kernels` measures it)")
+
+
+def eager_attention_max_len(measured: dict | None, bf16: bool, gpu: bool = False) -> int:
+    """Batches padded to at most this many tokens train with eager attention, longer ones with SDPA (0: SDPA only).
+
+    From the kernels stage's timing of attention forward + backward on this CPU in the chosen precision
+    (`training_attention`); nothing measured, or a GPU (its SDPA kernels are another matter): 0.
+    """
+    if gpu:
+        return 0
+    timed = (measured or {}).get("training_attention", {}).get("eager_max_len", {})
+    return int(timed.get("bf16" if bf16 else "fp32", 0))
 
 
 def memory_limit(hardware: dict, limit_gb: float | None) -> tuple[int, str]:
@@ -586,7 +602,8 @@ def make_plan(run: RunSpec, hardware: dict, shapes: dict[str, ModelShape], const
         # What the configured run resolves to: the train and evaluate stages depend on these keys alone.
         "run": {"method": run.method, "precision": "bf16" if bf16 else "fp32",
                 "micro_batch_size": configured["micro_batch_size"] if configured else run.batch_size,
-                "gradient_checkpointing": bool(configured["gradient_checkpointing"]) if configured else False},
+                "gradient_checkpointing": bool(configured["gradient_checkpointing"]) if configured else False,
+                "eager_attention_max_len": eager_attention_max_len(measured_precision, bf16, bool(gpus))},
         "device": devices[0],
         "memory_limit_bytes": limit,
         "memory_limit_source": limit_source,
@@ -704,7 +721,7 @@ def build_plan(params: "Params", hardware: dict[str, Any], measured_precision: d
         micro_batches=(max(1, large // 2), large) if large > 1 else (1, 2),
         seq_len=entry["largest_batch"]["length"], threads=draft["threads"], seed=params.common.seed,
         steps=params.probe.calibration_steps, allocator=params.train.allocator, task=task,
-        response_tokens=response_tokens, batches=[
+        response_tokens=response_tokens, eager_attention_max_len=draft["run"]["eager_attention_max_len"], batches=[
             (math.ceil(rows / split), length) for rows, length in planned_batches(
                 lengths, spec.batch_size, spec.grad_accum, spec.epochs, spec.max_steps, spec.seed,
                 spec.group_by_length)[1]])

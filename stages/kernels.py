@@ -191,6 +191,8 @@ def cpu_precision(kp: KernelsParams, hw: dict[str, Any], seed: int) -> dict[str,
         "threads": torch.get_num_threads(),
         "native_bf16": bool(flags.get("avx512_bf16") or flags.get("amx_bf16")),
         "ops": ops,
+        # fwd + bwd of training attention, SDPA vs eager per sequence length: the plan's eager_attention_max_len
+        "training_attention": cpu.measure_training_attention(shapes, min_speedup=kp.bf16_min_speedup, seed=seed),
     }
 
 

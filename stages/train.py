@@ -133,13 +133,16 @@ def resolve_plan(params: Params, use_plan: bool) -> dict:
     entry = planner.check_fits(plan, tp.method) if plan else {}
     if plan and plan.get("run", {}).get("method") == tp.method:
         bf16 = plan["run"]["precision"] == "bf16"  # decided once, by the plan stage, from this machine's measurement
+        eager_max = int(plan["run"].get("eager_attention_max_len", 0))
     else:
         hardware, measured = measured_precision_inputs()
         bf16, _ = planner.recommend_precision(hardware, tp.precision, measured)
+        eager_max = planner.eager_attention_max_len(measured, bf16, bool(hardware.get("gpus")))
     micro = tp.micro_batch_size if tp.micro_batch_size != "auto" else entry.get("micro_batch_size", tp.batch_size)
     ckpt = (tp.gradient_checkpointing if tp.gradient_checkpointing != "auto"
             else entry.get("gradient_checkpointing", False))
     return {"bf16": bool(bf16), "micro_batch_size": int(micro), "gradient_checkpointing": bool(ckpt),
+            "eager_attention_max_len": eager_max,
             "threads": tp.threads or (plan or {}).get("threads") or resolve_threads(None),
             "predicted_peak_mb": entry.get("predicted_peak_mb"), "eta_seconds": entry.get("eta_seconds")}
 
@@ -184,6 +187,7 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN, use_plan: bo
         warmup_ratio=tp.warmup_ratio, epochs=tp.epochs, max_steps=tp.max_steps, batch_size=tp.batch_size,
         grad_accum=tp.grad_accum, max_grad_norm=tp.max_grad_norm, bf16=bf16, group_by_length=tp.group_by_length,
         log_every=tp.log_every, seed=seed, micro_batch_size=resolved["micro_batch_size"],
+        eager_attention_max_len=resolved["eager_attention_max_len"],
     )
     if not world.is_main:  # the other ranks train their shares; rank 0 logs and writes everything
         try:

@@ -211,3 +211,56 @@ def choose_precision(ops: dict[str, Any], min_speedup: float, counts: dict[str, 
         "fp32_verified": fp32_ok,
         "bf16_verified": bf16_ok,
     }
+
+
+# Sequence lengths at which training attention is timed both ways; tokens per batch fixed, as length grouping does.
+ATTENTION_LENGTHS = (16, 32, 64, 128, 256, 512)
+
+
+def _eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """transformers' eager path: QK^T + additive mask, softmax in fp32, times V."""
+    weights = torch.matmul(q, k.transpose(2, 3)) * q.shape[-1] ** -0.5 + mask
+    return torch.matmul(torch.softmax(weights, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+def measure_training_attention(shapes: ModelShapes, tokens: int = 512, repeats: int = 5, warmup: int = 2,
+                               min_speedup: float = 1.1, seed: int = 0) -> dict[str, Any]:
+    """Forward + backward of causal attention, SDPA (PyTorch's CPU flash kernel) against eager, per length and precision.
+
+    Training batches are length-grouped, so each has one padded length: `frugaltune.training.fast` runs eager up to
+    `eager_max_len` and SDPA above. `eager_max_len[precision]` is the longest timed length up to which eager won
+    at every length by `min_speedup` (0: never). Both paths are checked against each other before timing.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    h, d = shapes.heads, shapes.head_dim
+    record: dict[str, Any] = {"tokens_per_batch": tokens, "heads": h, "head_dim": d, "min_speedup": min_speedup,
+                              "ms": {}, "eager_max_len": {}}
+    for precision, dtype in DTYPES.items():
+        per_length: dict[str, dict[str, float]] = {}
+        max_len, winning = 0, True
+        for n in ATTENTION_LENGTHS:
+            b = max(1, tokens // n)
+            q, k, v = (torch.randn(b, h, n, d, generator=generator).to(dtype).requires_grad_() for _ in range(3))
+            mask = torch.full((n, n), float("-inf")).triu(1)
+            paths: dict[str, Callable[[], torch.Tensor]] = {
+                "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                "eager": lambda: _eager_attention(q, k, v, mask),
+            }
+            with torch.no_grad():
+                diff = (paths["sdpa"]().float() - paths["eager"]().float()).abs().max().item()
+            if diff > (1e-4 if precision == "fp32" else 5e-2):
+                raise RuntimeError(f"attention: eager and SDPA differ by {diff} at length {n} in {precision}")
+            times: dict[str, list[float]] = {name: [] for name in paths}
+            for i in range(warmup + repeats):
+                for name, fn in paths.items():  # alternate, so load from elsewhere hits both alike
+                    elapsed = _time_ms(lambda: fn().float().sum().backward())
+                    if i >= warmup:
+                        times[name].append(elapsed)
+            ms = {name: round(statistics.median(t), 3) for name, t in times.items()}
+            per_length[str(n)] = ms
+            winning = winning and ms["sdpa"] >= min_speedup * ms["eager"]
+            if winning:
+                max_len = n
+        record["ms"][precision] = per_length
+        record["eager_max_len"][precision] = max_len
+    return record

@@ -28,6 +28,7 @@ from frugaltune.training import checkpoint
 from frugaltune.training.batching import (IGNORE_INDEX, collate, collate_targets, length_grouped_batches, sorted_batches,
                                           target_counts)
 from frugaltune.training.distributed import World
+from frugaltune.training.fast import short_sequence_attention
 
 
 class DivergenceError(RuntimeError):
@@ -64,6 +65,9 @@ class LoopConfig:
     keep_checkpoints: int = 2
     resume: bool = True
     micro_batch_size: int | None = None  # None = batch_size; smaller: each batch runs in parts (same gradient)
+    # Batches padded to at most this many tokens use eager attention, longer ones SDPA (0: SDPA always); the
+    # crossover is measured by the kernels stage and resolved by the plan (frugaltune.training.fast)
+    eager_attention_max_len: int = 0
 
 
 @dataclass
@@ -293,7 +297,7 @@ def train_classifier(
     stop: dict = {}
     bar = tqdm(total=total_steps, initial=first_step - 1, desc="train", unit="step", disable=not progress,
                dynamic_ncols=True)
-    with _stop_on_signals(stop):
+    with _stop_on_signals(stop), short_sequence_attention(model, cfg.eager_attention_max_len):
         step = first_step
         while step <= total_steps:
             out_of_memory: BaseException | None = None

@@ -24,6 +24,7 @@ from peft import LoraConfig, PeftModel, TaskType, get_peft_model, prepare_model_
 from safetensors.torch import load_file, save_file
 
 from frugaltune.training.checkpoint import copy_named_tensors
+from frugaltune.training.fast import fast_lora_dropout
 
 METHODS = ("none", "full", "lora", "qlora", "prelayer", "dora")
 PEFT_METHODS = ("lora", "qlora", "dora")
@@ -149,9 +150,12 @@ def prepare_model(model_dir: Path | str, labels: list[str], pad_token_id: int, s
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     if method == "qlora":
-        return prepare_qlora(model, knobs.r, knobs.alpha, knobs.dropout, list(knobs.target_modules),
-                             gradient_checkpointing, task)
-    if method in ("lora", "dora"):
-        return apply_lora(model, knobs.r, knobs.alpha, knobs.dropout, list(knobs.target_modules),
-                          use_dora=method == "dora", task=task)
-    return freeze_for(method, model)
+        model = prepare_qlora(model, knobs.r, knobs.alpha, knobs.dropout, list(knobs.target_modules),
+                              gradient_checkpointing, task)
+    elif method in ("lora", "dora"):
+        model = apply_lora(model, knobs.r, knobs.alpha, knobs.dropout, list(knobs.target_modules),
+                           use_dora=method == "dora", task=task)
+    else:
+        return freeze_for(method, model)
+    fast_lora_dropout(model)  # 4x fewer random draws, one dropout per input shared by q/k/v (training/fast.py)
+    return model

@@ -1,0 +1,93 @@
+"""The CPU speed switches of frugaltune/training/fast.py change speed, not results.
+
+    pytest tests/unit/test_fast_training.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from frugaltune.planner import MethodKnobs
+from frugaltune.training.fast import SharedDropout, fast_lora_dropout, short_sequence_attention
+from frugaltune.training.methods import prepare_model
+
+
+def test_shared_dropout_drops_at_its_rate_keeps_the_expectation_and_reuses_one_mask_per_input():
+    torch.manual_seed(0)
+    shared: dict = {}
+    first, second = SharedDropout(0.05, shared), SharedDropout(0.05, shared)
+    x = torch.ones(400, 1000)
+    out = first(x)
+    dropped = (out == 0).float().mean().item()
+    assert abs(dropped - 0.05) < 0.002, dropped
+    assert abs(out.mean().item() - 1.0) < 0.003  # kept values scaled by 1 / (1 - p)
+    assert second(x) is out  # the sibling projection reads the same tensor: same dropout, computed once
+    other = first(x.clone())
+    assert not torch.equal(other, out)  # another input draws a fresh mask
+    first.eval()
+    assert first(x) is x
+
+
+def test_shared_dropout_gradient_is_the_mask():
+    torch.manual_seed(1)
+    x = torch.randn(64, 32, requires_grad=True)
+    out = SharedDropout(0.5, {})(x)
+    out.sum().backward()
+    kept = out.detach() != 0
+    assert torch.allclose(x.grad[kept], torch.full_like(x.grad[kept], 2.0))
+    assert torch.all(x.grad[~kept] == 0)
+
+
+@pytest.fixture()
+def lora_model(tiny_model_dir, smol_tokenizer):
+    return prepare_model(tiny_model_dir, ["a", "b", "c"], smol_tokenizer.pad_token_id, 0, "lora",
+                         MethodKnobs(r=4, alpha=8, dropout=0.1), bf16=False)
+
+
+def test_lora_layers_get_the_shared_dropout_q_k_v_of_one_layer_share_a_cache(lora_model):
+    dropouts = {name: m.lora_dropout["default"] for name, m in lora_model.named_modules()
+                if isinstance(getattr(m, "lora_dropout", None), torch.nn.ModuleDict)}
+    assert dropouts and all(isinstance(d, SharedDropout) for d in dropouts.values())
+    q, k, v, o = (next(d for n, d in dropouts.items() if n.endswith(f"layers.0.self_attn.{p}"))
+                  for p in ("q_proj", "k_proj", "v_proj", "o_proj"))
+    assert q.shared is k.shared is v.shared is o.shared  # one parent module (self_attn): one cache
+    other_layer = next(d for n, d in dropouts.items() if n.endswith("layers.1.self_attn.q_proj"))
+    assert other_layer.shared is not q.shared
+    assert fast_lora_dropout(lora_model) == 0  # already replaced: nothing left to replace
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_short_sequence_attention_gives_sdpa_results_and_restores_the_model(lora_model, padded):
+    torch.manual_seed(2)
+    ids = torch.randint(5, 500, (3, 12))
+    mask = torch.ones_like(ids)
+    if padded:  # right padding, as collate pads: the eager mask must hide it like SDPA's
+        mask[0, 8:] = 0
+        mask[2, 5:] = 0
+    lora_model.eval()
+
+    def run():
+        lora_model.zero_grad()
+        logits = lora_model(input_ids=ids, attention_mask=mask).logits
+        logits.sum().backward()
+        grads = [p.grad.clone() for p in lora_model.parameters() if p.requires_grad]
+        return logits.detach(), grads
+
+    reference, reference_grads = run()
+    assert lora_model.config._attn_implementation == "sdpa"
+    with short_sequence_attention(lora_model, 64):
+        assert lora_model.config._attn_implementation.startswith("frugaltune_short")
+        eager, eager_grads = run()
+    with short_sequence_attention(lora_model, 8):  # 12 tokens > 8: SDPA through our dispatcher
+        dispatched, _ = run()
+    assert lora_model.config._attn_implementation == "sdpa"
+    torch.testing.assert_close(eager, reference, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dispatched, reference, atol=1e-5, rtol=1e-5)
+    for a, b in zip(eager_grads, reference_grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_short_sequence_attention_off_leaves_the_model_alone(lora_model):
+    with short_sequence_attention(lora_model, 0):
+        assert lora_model.config._attn_implementation == "sdpa"
