@@ -1,26 +1,34 @@
-"""Training throughput: frugaltune's LoRA training against two Hugging Face `Trainer` recipes, in one run.
+"""Training throughput: frugaltune's LoRA training against two Hugging Face `Trainer` recipes, and each of its speed
+switches against the previous default, in one run.
 
     python benchmarks/train_throughput.py                  # default model + data of the pipeline, 20 steps each
+    python benchmarks/train_throughput.py --methods lora,qlora,dora --rounds 2
     python benchmarks/train_throughput.py --steps 10 --batch-size 8
 
 Needs `models/base` and `data/tokenized` (run `make pipeline`, or `dvc repro tokenize`). Every recipe trains the
-same LoRA (peft, r=8 on q/k/v/o, the seeded classification head) on the same sequences (the first
+same adapter (peft, r=8 on q/k/v/o, dropout 0.05, the seeded classification head) on the same sequences (the first
 steps x batch-size examples of the training split, one pass), with AdamW at the same rate, on the same threads:
 
-- frugaltune: `frugaltune.training.loop.train_classifier` (length-grouped batches, dynamic padding, fp32 or bf16
-  as the kernels stage chose) — what `dvc repro train` runs;
+- frugaltune: `frugaltune.training.loop.train_classifier` as `dvc repro train` runs it: length-grouped batches,
+  dynamic padding, the precision the kernels stage chose, and the speed switches of `frugaltune.training.fast`
+  (LoRA dropout from fewer random words, shared by q/k/v; eager attention up to the measured crossover length);
+- frugaltune, switches off: the same loop with peft's `nn.Dropout` and SDPA attention (the default before them);
 - (a) the common recipe: HF `Trainer` + peft, `padding="max_length", max_length=128`, fp32;
 - (b) a tuned HF `Trainer`: `train_sampling_strategy="group_by_length"`, dynamic padding (`DataCollatorWithPadding`),
   bf16 autocast.
+`--methods` adds QLoRA and DoRA (frugaltune with and without the switches; the Trainer recipes are LoRA's).
 
-Each recipe runs in its own subprocess, so its peak RSS is its own. Reported per recipe: useful (non-pad)
-tokens/s over the training loop (model loading excluded; the first step included for all alike), the padding
-share, peak RSS, and MFU = useful-token FLOPs/s / CPU peak, where
+Each recipe runs in its own subprocess, so its peak RSS is its own; with `--rounds N` the recipes run round-robin N
+times and each reports its median, so a slow spell of a shared machine does not land on one recipe. Reported per
+recipe: useful (non-pad) tokens/s over the training loop (model loading excluded; the first step included for all
+alike), the padding share, peak RSS, and MFU = useful-token FLOPs/s / peak, where
 
     FLOPs per useful token = 4 N + 12 L s h   (N: matmul parameters; LoRA trains no base weight, so backward is
                                                one input-gradient pass, 2N, on top of the 2N forward; attention:
                                                4 L s h forward for QK^T and AV, x3 with backward; s: mean length)
-    CPU peak = cores x clock x fp32 FLOPs/cycle (frugaltune.hardware.cpu_peak_flops: AVX-512 = 64 on Intel)
+    measured peak = the best of torch.matmul at the model's shapes (tokens x hidden x {hidden, intermediate} and
+                    back) in the recipe's precision, on the same threads, measured in this run;
+    nominal peak  = cores x clock x fp32 FLOPs/cycle (frugaltune.hardware.cpu_peak_flops), printed beside it.
 
 Padded tokens are computed but not useful: MFU over useful tokens charges padding to the recipe that adds it.
 """
@@ -37,7 +45,7 @@ import tempfile
 import time
 from pathlib import Path
 
-RECIPES = ("frugaltune", "hf_max_length_fp32", "hf_group_by_length_bf16")
+HF_RECIPES = ("hf_max_length_fp32", "hf_group_by_length_bf16")
 LABELS_FILE = Path("data/splits/labels.json")
 BASE = Path("models/base")
 TOKENIZED = Path("data/tokenized")
@@ -50,32 +58,45 @@ def _examples(count: int) -> tuple[list[list[int]], list[int]]:
     return [list(ids) for ids in train["input_ids"]], list(train["labels"])
 
 
-def _model(bf16: bool):
+def _model(bf16: bool, method: str = "lora", switches: bool = True):
+    import torch
+
     from frugaltune.models import load_tokenizer
     from frugaltune.planner import MethodKnobs
     from frugaltune.training.methods import prepare_model
 
     labels = json.loads(LABELS_FILE.read_text())["labels"]
     tokenizer = load_tokenizer(BASE)
-    return prepare_model(BASE, labels, tokenizer.pad_token_id, 42, "lora", MethodKnobs(), bf16), tokenizer
+    model = prepare_model(BASE, labels, tokenizer.pad_token_id, 42, method, MethodKnobs(), bf16)
+    if not switches:  # peft's own dropout modules back, as before frugaltune.training.fast
+        for module in model.modules():
+            dropouts = getattr(module, "lora_dropout", None)
+            if isinstance(dropouts, torch.nn.ModuleDict):
+                for name, d in list(dropouts.items()):
+                    if hasattr(d, "shared"):
+                        dropouts[name] = torch.nn.Dropout(MethodKnobs().dropout)
+    return model, tokenizer
 
 
-def run_recipe(recipe: str, steps: int, batch_size: int, lr: float, threads: int, bf16_ours: bool) -> dict:
+def run_recipe(recipe: str, steps: int, batch_size: int, lr: float, threads: int, bf16_ours: bool,
+               eager_max: int) -> dict:
     import torch
 
     torch.set_num_threads(threads)
     ids, labels = _examples(steps * batch_size)
     useful = sum(len(x) for x in ids)
-    if recipe == "frugaltune":
+    if recipe.startswith("frugaltune"):  # frugaltune[-off]:<method>
         from frugaltune.training.loop import LoopConfig, train_classifier
 
-        model, tokenizer = _model(bf16_ours)
+        kind, method = recipe.split(":")
+        switches = kind == "frugaltune"
+        model, tokenizer = _model(bf16_ours, method, switches)
         cfg = LoopConfig(lr=lr, head_lr=2 * lr, batch_size=batch_size, epochs=1, seed=42, bf16=bf16_ours,
-                         log_every=steps)
+                         log_every=steps, eager_attention_max_len=eager_max if switches else 0)
         result = train_classifier(model, ids, labels, cfg, tokenizer.pad_token_id, progress=False)
         return {"seconds": result.wall_seconds, "useful_tokens": result.tokens, "padded_tokens": result.padded_tokens,
                 "steps": result.steps, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                "bf16": bf16_ours}
+                "bf16": bf16_ours, "final_loss": result.final_loss}
 
     from datasets import Dataset
     from transformers import DataCollatorWithPadding, Trainer, TrainerCallback, TrainingArguments
@@ -123,6 +144,33 @@ def run_recipe(recipe: str, steps: int, batch_size: int, lr: float, threads: int
             "bf16": bf16}
 
 
+def measured_peaks(threads: int, tokens: int = 2048, repeats: int = 5) -> dict[str, float]:
+    """FLOP/s of torch.matmul at the model's layer shapes, per precision: the best of `repeats` over all shapes.
+
+    The peak a training run could reach on these threads if it did nothing but its matmuls.
+    """
+    import time as _time
+
+    import torch
+    from transformers import AutoConfig
+
+    torch.set_num_threads(threads)
+    config = AutoConfig.from_pretrained(str(BASE))
+    h, i = config.hidden_size, config.intermediate_size
+    peaks = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        best = 0.0
+        for k, n in ((h, h), (h, i), (i, h)):
+            a, b = torch.randn(tokens, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+            torch.matmul(a, b)
+            for _ in range(repeats):
+                start = _time.perf_counter()
+                torch.matmul(a, b)
+                best = max(best, 2 * tokens * k * n / (_time.perf_counter() - start))
+        peaks[name] = best
+    return peaks
+
+
 def flops_per_token(mean_length: float) -> float:
     from transformers import AutoConfig
 
@@ -135,13 +183,18 @@ def flops_per_token(mean_length: float) -> float:
 
 
 def main() -> None:
+    import statistics
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--threads", type=int, default=None, help="default: physical cores")
-    parser.add_argument("--recipe", choices=RECIPES, help=argparse.SUPPRESS)  # a child process: one recipe
+    parser.add_argument("--methods", default="lora", help="comma-separated: lora, qlora, dora")
+    parser.add_argument("--rounds", type=int, default=1, help="run every recipe this many times, round-robin")
+    parser.add_argument("--recipe", help=argparse.SUPPRESS)  # a child process: one recipe
     parser.add_argument("--bf16-ours", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--eager-max", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     from frugaltune.hardware import cpu_peak_flops, probe
@@ -149,7 +202,8 @@ def main() -> None:
     hw = probe(use_nvml=False)
     threads = args.threads or hw["cpu"]["physical_cores"] or os.cpu_count()
     if args.recipe:
-        print(json.dumps(run_recipe(args.recipe, args.steps, args.batch_size, args.lr, threads, args.bf16_ours)))
+        print(json.dumps(run_recipe(args.recipe, args.steps, args.batch_size, args.lr, threads, args.bf16_ours,
+                                    args.eager_max)))
         return
     for needed in (BASE, TOKENIZED, LABELS_FILE):
         if not needed.exists():
@@ -157,42 +211,69 @@ def main() -> None:
     kernels = Path("reports/kernels.json")
     from frugaltune import planner
 
-    bf16_ours, _ = planner.recommend_precision(
-        hw, "auto", planner.measured_on(hw, json.loads(kernels.read_text()) if kernels.exists() else None))
-    peak, formula = cpu_peak_flops(hw, threads)
+    measured = planner.measured_on(hw, json.loads(kernels.read_text()) if kernels.exists() else None)
+    bf16_ours, why = planner.recommend_precision(hw, "auto", measured)
+    eager_max = planner.eager_attention_max_len(measured, bf16_ours)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    recipes = [f"{kind}:{m}" for m in methods for kind in ("frugaltune", "frugaltune-off")] + list(HF_RECIPES)
+    nominal, formula = cpu_peak_flops(hw, threads)
+    peaks = measured_peaks(threads)
+    runs: dict[str, list[dict]] = {r: [] for r in recipes}
+    for round_ in range(args.rounds):
+        for recipe in recipes:
+            cmd = [sys.executable, __file__, "--recipe", recipe, "--steps", str(args.steps), "--batch-size",
+                   str(args.batch_size), "--lr", str(args.lr), "--threads", str(threads),
+                   "--eager-max", str(eager_max)] + (["--bf16-ours"] if bf16_ours else [])
+            print(f"round {round_ + 1}/{args.rounds}: {recipe} ...", flush=True)
+            proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TQDM_DISABLE": "1"})
+            if proc.returncode != 0:
+                sys.exit(f"{recipe} failed:\n{proc.stderr[-3000:]}")
+            runs[recipe].append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    after = measured_peaks(threads)
+    peaks = {k: max(v, after[k]) for k, v in peaks.items()}  # the best of before and after the recipes
     results = {}
-    for recipe in RECIPES:
-        cmd = [sys.executable, __file__, "--recipe", recipe, "--steps", str(args.steps), "--batch-size",
-               str(args.batch_size), "--lr", str(args.lr), "--threads", str(threads)] + (
-            ["--bf16-ours"] if bf16_ours else [])
-        print(f"running {recipe} ...", flush=True)
-        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TQDM_DISABLE": "1"})
-        if proc.returncode != 0:
-            sys.exit(f"{recipe} failed:\n{proc.stderr[-3000:]}")
-        results[recipe] = json.loads(proc.stdout.strip().splitlines()[-1])
+    for recipe, rs in runs.items():
+        rates = [r["useful_tokens"] / r["seconds"] for r in rs]
+        median = sorted(rs, key=lambda r: r["useful_tokens"] / r["seconds"])[len(rs) // 2]
+        results[recipe] = {**median, "rates": [round(x, 1) for x in rates], "rate": statistics.median(rates)}
 
     ids, _ = _examples(args.steps * args.batch_size)
     per_token = flops_per_token(sum(len(x) for x in ids) / len(ids))
-    print(f"\nLoRA r=8 on {BASE}, {args.steps * args.batch_size} training sequences (one pass, batch "
-          f"{args.batch_size}), {threads} threads. CPU peak: {formula}.")
-    print(f"FLOPs per useful token: 4N + 12 L s h = {per_token / 1e6:.0f} MFLOP\n")
-    print(f"{'recipe':28s} {'steps':>5s} {'seconds':>8s} {'useful tok/s':>12s} {'padding':>8s} {'peak RSS MB':>11s} "
-          f"{'MFU':>6s} {'frugaltune x':>12s}")
-    ours = results["frugaltune"]["useful_tokens"] / results["frugaltune"]["seconds"]
+    print(f"\nr=8 adapters on {BASE}, {args.steps * args.batch_size} training sequences (one pass, batch "
+          f"{args.batch_size}), {threads} threads, {args.rounds} round(s) (median), CPU {hw['cpu'].get('model')}.")
+    print(f"frugaltune precision: {'bf16' if bf16_ours else 'fp32'} ({why}); eager attention up to {eager_max} "
+          f"tokens (kernels stage)")
+    print(f"Measured matmul peak on {threads} threads: fp32 {peaks['fp32'] / 1e9:.0f} GFLOP/s, bf16 "
+          f"{peaks['bf16'] / 1e9:.0f} GFLOP/s. Nominal: {formula}.")
+    print(f"FLOPs per useful token: 4N + 12 L s h = {per_token / 1e6:.0f} MFLOP (LoRA; DoRA and QLoRA do more "
+          "per token: their MFU is counted on the same FLOPs)\n")
+    print(f"{'recipe':34s} {'steps':>5s} {'seconds':>8s} {'useful tok/s':>12s} {'padding':>8s} {'peak RSS MB':>11s} "
+          f"{'MFU meas.':>9s} {'MFU nom.':>8s} {'frugaltune x':>12s}")
+    ours = results[f"frugaltune:{methods[0]}"]["rate"]
     for recipe, r in results.items():
-        rate = r["useful_tokens"] / r["seconds"]
+        rate = r["rate"]
+        peak = peaks["bf16" if r["bf16"] else "fp32"]
+        reference = results.get(f"frugaltune:{recipe.split(':')[1]}", {}).get("rate", ours) if ":" in recipe else ours
         r.update(useful_tokens_per_s=round(rate, 1), padding=round(1 - r["useful_tokens"] / r["padded_tokens"], 4),
-                 mfu=round(rate * per_token / peak, 4), frugaltune_speedup=round(ours / rate, 2))
+                 mfu_measured_peak=round(rate * per_token / peak, 4), mfu_nominal=round(rate * per_token / nominal, 4),
+                 frugaltune_speedup=round(reference / rate, 2))
         label = f"{recipe}{' (bf16)' if r['bf16'] else ' (fp32)'}"
-        print(f"{label:28s} {r['steps']:5d} {r['seconds']:8.1f} {rate:12.1f} {r['padding']:8.1%} "
-              f"{r['peak_rss_mb']:11.0f} {r['mfu']:6.1%} {r['frugaltune_speedup']:11.2f}x")
+        print(f"{label:34s} {r['steps']:5d} {r['seconds']:8.1f} {rate:12.1f} {r['padding']:8.1%} "
+              f"{r['peak_rss_mb']:11.0f} {r['mfu_measured_peak']:9.1%} {r['mfu_nominal']:8.1%} "
+              f"{r['frugaltune_speedup']:11.2f}x")
     a, b = results["hf_max_length_fp32"], results["hf_group_by_length_bf16"]
     print(f"\nfrugaltune vs (a) HF Trainer, max_length=128, fp32:        {a['frugaltune_speedup']:.2f}x useful tokens/s")
     print(f"frugaltune vs (b) HF Trainer, group_by_length, dynamic, bf16: {b['frugaltune_speedup']:.2f}x useful tokens/s")
+    for m in methods:
+        on, off = results[f"frugaltune:{m}"]["rate"], results[f"frugaltune-off:{m}"]["rate"]
+        print(f"{m}: speed switches on vs off: {on / off:.2f}x useful tokens/s")
     out = Path("reports/benchmarks/train_throughput.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"cpu_peak": formula, "flops_per_token": per_token, "threads": threads,
-                               "steps": args.steps, "batch_size": args.batch_size, "results": results}, indent=2))
+    out.write_text(json.dumps({"cpu": hw["cpu"].get("model"), "nominal_peak": formula, "nominal_peak_flops": nominal,
+                               "measured_peak_flops": peaks, "flops_per_token": per_token, "threads": threads,
+                               "steps": args.steps, "batch_size": args.batch_size, "rounds": args.rounds,
+                               "precision": "bf16" if bf16_ours else "fp32", "eager_attention_max_len": eager_max,
+                               "results": results}, indent=2))
     print(f"wrote {out}")
 
 
