@@ -465,6 +465,9 @@ class FederatedParams(Section):
     threads: int = Field(1, ge=1, description="Threads of each client process on this machine (simulation: all "
                          "clients share this host).")
     dp: FederatedDpParams = Field(default_factory=FederatedDpParams, description="Differential privacy switch.")
+    proximal_mu: float = Field(0.0, ge=0, description="FedProx: each client adds mu/2 * ||w - w_global||^2 over its "
+                               "trainable tensors to its loss, pulling its update toward the global adapter (helps "
+                               "with skewed data and many local steps; typical 0.001-1). 0 = off (plain FedAvg/FFA).")
 
 
 class Params(Section):

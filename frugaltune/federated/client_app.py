@@ -74,7 +74,8 @@ def train(msg: Message, context: Context) -> Message:
     result = local.train_locally(
         model, input_ids, targets, pad_token_id, steps=int(config["local-steps"]), lr=float(config["lr"]),
         batch_size=int(config["batch-size"]), micro_batch_size=int(node["micro-batch"]) if "micro-batch" in node
-        else None, seed=int(config["seed"]) * 1000 + int(config["round"]))
+        else None, seed=int(config["seed"]) * 1000 + int(config["round"]),
+        proximal_mu=float(config.get("proximal-mu", 0.0)))
     trained, privacy = local.trainable_tensors(model), {}
     if float(config.get("dp-epsilon", 0)) > 0:  # federated.dp: clip + noise the update before it leaves
         received = aggregation.slice_to_rank(from_record(incoming), rank)

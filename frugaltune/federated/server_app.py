@@ -40,7 +40,7 @@ app = ServerApp()
 # Settings a round's result depends on: a resume continues only a run with the same ones.
 RESULT_KEYS = ("model-dir", "labels", "test-data", "method", "lora-r", "lora-alpha", "lora-dropout",
                "lora-target-modules", "local-steps", "lr", "batch-size", "seed", "fraction", "pad-token-id",
-               "dp-epsilon", "dp-delta", "dp-clip")
+               "dp-epsilon", "dp-delta", "dp-clip", "proximal-mu")
 
 
 class CompletionFloorError(RuntimeError):
@@ -90,7 +90,8 @@ def wait_for_nodes(grid: Grid, count: int, timeout: float) -> list[int]:
 
 def client_config(config: dict, round_number: int) -> ConfigRecord:
     keys = ("method", "lora-r", "lora-alpha", "lora-dropout", "lora-target-modules", "local-steps", "lr",
-            "batch-size", "seed", "labels", "pad-token-id", "model-dir", "dp-epsilon", "dp-delta", "dp-clip")
+            "batch-size", "seed", "labels", "pad-token-id", "model-dir", "dp-epsilon", "dp-delta", "dp-clip",
+            "proximal-mu")
     return ConfigRecord({**{key: config[key] for key in keys}, "round": round_number})
 
 
