@@ -11,7 +11,8 @@ they never leave it), optionally `model-dir` (its copy of the base model; defaul
 
 Each train message carries the global adapter (ArrayRecord "arrays") and the round's settings (ConfigRecord
 "config"). The reply carries the trained tensors and MetricRecord "metrics": num-examples (the FedAvg weight),
-train-loss, bytes-down / bytes-up (the serialized Array payloads, exactly what the record carries), seconds,
+train-loss, bytes-down / bytes-up (the serialized Array payloads, exactly what the record carries; halved with
+`transmit-dtype` bf16, both ways), seconds,
 peak RSS; with `dp-epsilon` > 0 the update is clipped and noised first (frugaltune/federated/privacy.py) and
 dp-update-norm / dp-noise-std say how.
 """
@@ -25,7 +26,7 @@ import torch
 from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from frugaltune.federated import aggregation, local
+from frugaltune.federated import aggregation, local, wire
 from frugaltune.federated.privacy import privatize
 from frugaltune.training.loop import peak_rss_mb
 
@@ -37,12 +38,13 @@ def record_bytes(record: ArrayRecord) -> int:
     return sum(len(array.data) for array in record.values())
 
 
-def to_record(tensors: dict[str, torch.Tensor]) -> ArrayRecord:
-    return ArrayRecord({name: Array(tensor.detach().cpu().numpy()) for name, tensor in tensors.items()})
+def to_record(tensors: dict[str, torch.Tensor], dtype: wire.TransmitDtype = "fp32") -> ArrayRecord:
+    """The tensors as Flower Arrays, fp32 or as bf16 bit patterns (frugaltune/federated/wire.py)."""
+    return ArrayRecord({name: Array(wire.encode(tensor, dtype)) for name, tensor in tensors.items()})
 
 
 def from_record(record: ArrayRecord) -> dict[str, torch.Tensor]:
-    return {name: torch.from_numpy(array.numpy().copy()) for name, array in record.items()}
+    return {name: wire.decode(array.numpy()) for name, array in record.items()}
 
 
 def lora_spec(config) -> local.LoraSpec:
@@ -81,7 +83,7 @@ def train(msg: Message, context: Context) -> Message:
         received = aggregation.slice_to_rank(from_record(incoming), rank)
         trained, privacy = privatize(trained, received, float(config["dp-clip"]), float(config["dp-epsilon"]),
                                      float(config["dp-delta"]))
-    outgoing = to_record(trained)
+    outgoing = to_record(trained, str(config.get("transmit-dtype", "fp32")))
     metrics = MetricRecord({**privacy,
         "num-examples": len(targets), "train-loss": float(result.final_loss), "steps": result.steps,
         "bytes-down": bytes_down, "bytes-up": record_bytes(outgoing), "lora-rank": rank,

@@ -32,7 +32,7 @@ from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.serverapp import Grid, ServerApp
 from safetensors.torch import load_file, save_file
 
-from frugaltune.federated import aggregation, local
+from frugaltune.federated import aggregation, local, wire
 from frugaltune.federated.client_app import from_record, lora_spec, record_bytes, to_record
 
 app = ServerApp()
@@ -40,7 +40,7 @@ app = ServerApp()
 # Settings a round's result depends on: a resume continues only a run with the same ones.
 RESULT_KEYS = ("model-dir", "labels", "test-data", "method", "lora-r", "lora-alpha", "lora-dropout",
                "lora-target-modules", "local-steps", "lr", "batch-size", "seed", "fraction", "pad-token-id",
-               "dp-epsilon", "dp-delta", "dp-clip", "proximal-mu")
+               "dp-epsilon", "dp-delta", "dp-clip", "proximal-mu", "transmit-dtype")
 
 
 class CompletionFloorError(RuntimeError):
@@ -91,7 +91,7 @@ def wait_for_nodes(grid: Grid, count: int, timeout: float) -> list[int]:
 def client_config(config: dict, round_number: int) -> ConfigRecord:
     keys = ("method", "lora-r", "lora-alpha", "lora-dropout", "lora-target-modules", "local-steps", "lr",
             "batch-size", "seed", "labels", "pad-token-id", "model-dir", "dp-epsilon", "dp-delta", "dp-clip",
-            "proximal-mu")
+            "proximal-mu", "transmit-dtype")
     return ConfigRecord({**{key: config[key] for key in keys}, "round": round_number})
 
 
@@ -106,7 +106,10 @@ def run_round(grid: Grid, config: dict, number: int, tensors: dict[str, torch.Te
     nodes = wait_for_nodes(grid, int(config["min-clients"]), float(config["node-timeout"]))
     wanted = max(int(config["min-completed"]), math.ceil(float(config["fraction"]) * len(nodes)))
     sampled = random.Random(int(config["seed"]) * 1000 + number).sample(nodes, min(wanted, len(nodes)))
-    down = to_record(tensors)
+    dtype = str(config.get("transmit-dtype", "fp32"))
+    # bf16 on the wire: the server's global becomes what the clients receive, so FFA's shared A is exactly theirs
+    tensors = wire.round_trip(tensors, dtype) if dtype != "fp32" else tensors
+    down = to_record(tensors, dtype)
     messages = [Message(RecordDict({"arrays": down, "config": client_config(config, number)}), node,
                         MessageType.TRAIN, group_id=str(number)) for node in sampled]
     started = time.perf_counter()
@@ -153,7 +156,8 @@ def main(grid: Grid, context: Context) -> None:
 
     last = last_completed_round(out)
     if last is None:  # round 0: the seeded start, evaluated (the untrained baseline)
-        tensors = local.trainable_tensors(model)
+        # with bf16 on the wire the start is its bf16 value too: FFA's A then never changes from round 0 on
+        tensors = wire.round_trip(local.trainable_tensors(model), str(config.get("transmit-dtype", "fp32")))
         atomic_write(round_path(out, 0, "safetensors"), lambda p: save_file(tensors, str(p)))
         report = {"round": 0, "evaluation": evaluate_global(model, tensors, test, labels, config)}
         atomic_write(round_path(out, 0, "json"), lambda p: p.write_text(json.dumps(report, indent=2)))

@@ -1,6 +1,6 @@
 """A real Flower deployment on loopback: a SuperLink and 3 SuperNodes as separate processes on 127.0.0.1 train a
 tiny random llama's LoRA adapters for 2 rounds through the `federated` stage; a SuperNode killed mid-round does not stop the round; a SuperLink
-killed after a round resumes from it. Run with `make test` (or `pytest -m slow tests/e2e/test_federated_pipeline.py`);
+killed after a round resumes from it (that federation with DP, FedProx and bf16 on the wire). Run with `make test` (or `pytest -m slow tests/e2e/test_federated_pipeline.py`);
 needs the Flower venv (`make flower-env`, which `make test` runs). About 2 minutes on 2 CPU cores.
 """
 
@@ -146,8 +146,10 @@ def test_a_killed_supernode_does_not_stop_the_round_and_a_killed_server_resumes(
     # (>= 20 s), so the round ends at the timeout; 40 s leaves the live clients room on a busy 2-core machine.
     # with client-side DP on: each update clipped to norm 0.5, noise for ε = 50 per round
     # min-clients 3: round 1 waits for all three SuperNodes (supernode_2 must be sampled, to be killed mid-round)
+    # and bf16 on the wire, FedProx on: both only change what the clients compute and send
     config = run_config(world, out, method="ffa", **{"min-completed": 2, "min-clients": 3, "round-timeout": 40.0,
-                                                     "dp-epsilon": 50.0, "dp-clip": 0.5})
+                                                     "dp-epsilon": 50.0, "dp-clip": 0.5, "transmit-dtype": "bf16",
+                                                     "proximal-mu": 0.1})
     # each local step sleeps 1 s: a window in which to kill a SuperNode during its training
     fed = federation(world, "ffa", FRUGALTUNE_TEST_STEP_DELAY_S="1")
     try:
@@ -184,6 +186,14 @@ def test_a_killed_supernode_does_not_stop_the_round_and_a_killed_server_resumes(
         report = round_report(out, number)
         assert report["completed"] == 2 and "product_error" not in report
         assert all(c["bytes-up"] < c["bytes-down"] for c in report["clients"])  # B + head up, A + B + head down
+        # bf16: 2 bytes a value each way (the .npy header aside), exactly
+        down_bf16 = sum(t.numel() * 2 + NPY_HEADER for t in start.values())
+        assert report["bytes_down_per_client"] == down_bf16
+        for client in report["clients"]:
+            rank = client["lora-rank"]
+            up = sum((t[:, :rank] if ".lora_B." in k else t).numel() * 2 + NPY_HEADER
+                     for k, t in start.items() if ".lora_A." not in k)
+            assert client["bytes-down"] == down_bf16 and client["bytes-up"] == up
         for client in report["clients"]:  # DP on: the update was clipped and noised with the mechanism's σ
             assert client["dp-noise-std"] == pytest.approx(0.5 * math.sqrt(2 * math.log(1.25 / 1e-5)) / 50, rel=1e-4)
             assert client["dp-update-norm"] > 0
