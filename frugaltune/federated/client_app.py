@@ -87,5 +87,7 @@ def train(msg: Message, context: Context) -> Message:
     metrics = MetricRecord({**privacy,
         "num-examples": len(targets), "train-loss": float(result.final_loss), "steps": result.steps,
         "bytes-down": bytes_down, "bytes-up": record_bytes(outgoing), "lora-rank": rank,
-        "seconds": round(time.perf_counter() - started, 3), "peak-rss-mb": round(peak_rss_mb(), 1)})
+        "seconds": round(time.perf_counter() - started, 3), "peak-rss-mb": round(peak_rss_mb(), 1),
+        # which client of the stage's plan this is (node ids are Flower's own), for the plan-vs-measured report
+        **({"client-id": int(node["client-id"])} if "client-id" in node else {})})
     return Message(RecordDict({"arrays": outgoing, "metrics": metrics}), reply_to=msg)

@@ -82,16 +82,19 @@ def wait_for(predicate, timeout: float, what: str, fed: LocalFederation) -> None
         time.sleep(0.5)
 
 
-def test_the_stage_runs_three_supernodes_for_two_rounds_sending_only_the_adapter(world: Path, monkeypatch):
-    """`stages.federated.run` in a project dir: partitions, per-client plans, a SuperLink + 3 SuperNodes, reports."""
+def test_the_stage_runs_three_supernodes_for_two_rounds_sending_only_the_adapter(world: Path, monkeypatch,
+                                                                                   smol_tokenizer):
+    """`stages.federated.run` in a project dir: partitions, per-client plans, a SuperLink + 3 SuperNodes, reports,
+    figures; then `stages.federated_register.run` registers the global adapter as the centralized one would be."""
     import datasets
 
     from frugaltune.config import parse_params
+    from frugaltune.models import build_tiny_model
     from stages import federated as stage
 
     project = world / "project"
-    (project / "models").mkdir(parents=True)
-    shutil.copytree(world / "model", project / "models/base")
+    # a base with a real tokenizer: the registered model is served (and MLflow checks an input example) on text
+    build_tiny_model(project / "models/base", smol_tokenizer)
     tables = {name: pq.read_table(world / f"{name}.parquet") for name in ("client_0", "client_1", "client_2", "test")}
     train = pa.concat_tables([tables["client_0"], tables["client_1"], tables["client_2"]])
     datasets.DatasetDict({"train": datasets.Dataset(train), "test": datasets.Dataset(tables["test"])}).save_to_disk(
@@ -116,6 +119,19 @@ def test_the_stage_runs_three_supernodes_for_two_rounds_sending_only_the_adapter
     rows = (project / "reports/plots/federated_rounds.csv").read_text().splitlines()
     assert rows[0].startswith("run,round,accuracy,macro_f1,loss,bytes_total") and len(rows) == 4  # rounds 0, 1, 2
     assert (project / "reports/plots/federated_labels.csv").read_text().count("\n") > 3
+    # each client's measured time and memory beside its plan, and the PNGs
+    clients = (project / "reports/plots/federated_clients.csv").read_text().splitlines()
+    assert clients[0].startswith("run,client,preset,rounds,peak_rss_mb,predicted_peak_mb") and len(clients) == 4
+    for figure in ("federated_rounds.png", "federated_clients.png"):
+        assert (project / "reports/figures" / figure).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # the final global adapter is registered like the centralized one: a version with its test metrics, @champion
+    from stages import federated_register
+    assert (project / "models/federated/fedavg_iid/adapter_config.json").is_file()
+    registered = federated_register.run(params)
+    assert registered["federated_run"] == "fedavg_iid" and registered["version"] == 1 and registered["promoted"] == 1
+    assert registered["metric_value"] == pytest.approx(run["final"]["macro_f1"])
+    assert json.loads((project / "reports/federated_register.json").read_text()) == registered
 
     out = next((project / "checkpoints/federated").glob("*/done.json")).parent
     start, final = load_file(str(out / "rounds/round_000.safetensors")), load_file(str(out / "rounds/round_002.safetensors"))
@@ -136,7 +152,7 @@ def test_the_stage_runs_three_supernodes_for_two_rounds_sending_only_the_adapter
                      + NPY_HEADER for k, t in start.items())
             assert client["bytes-up"] == up and client["bytes-down"] == global_bytes
             assert client["num-examples"] == 40 and client["steps"] == 2
-    # only the adapter + head travel: ~5x less than this toy model (a 64-token vocabulary); SmolLM2-135M: far more
+    # only the adapter + head travel: far less than even this toy model; SmolLM2-135M: far more
     assert run["adapter_bytes"] * 5 < run["full_model_bytes"]
 
 
