@@ -471,6 +471,10 @@ class FederatedParams(Section):
     transmit_dtype: Literal["fp32", "bf16"] = Field(
         "fp32", description="Precision of the tensors on the wire, both ways: bf16 halves the bytes (each value "
         "rounded to 8 significant bits); each round starts from the bf16-rounded global the clients receive.")
+    secure_aggregation: bool = Field(
+        False, description="SecAgg+ (Flower's protocol): clients mask their updates so that the server learns only "
+        "their example-weighted mean, never one client's tensors. Four exchanges per round instead of one; needs >= 2 "
+        "clients per round; values are quantized (small error). Uploads travel fp32 whatever transmit_dtype says.")
 
 
 class Params(Section):

@@ -119,7 +119,9 @@ def federate(params: Params, scheme: str, method: str, plans: list[dict], parts:
               "lr": fp.lr, "batch-size": fp.batch_size, "seed": params.common.seed, "threads": fp.threads,
               "dp-epsilon": fp.dp.epsilon if fp.dp.enabled else 0.0, "dp-delta": fp.dp.delta,
               "dp-clip": fp.dp.clipping_norm, "proximal-mu": fp.proximal_mu,
-              "transmit-dtype": fp.transmit_dtype}
+              "transmit-dtype": fp.transmit_dtype, "secure-aggregation": fp.secure_aggregation,
+              # SecAgg+ quantizes each update weighted by num_examples / this: the largest client's share
+              "secure-max-weight": float(max(p["examples"] for p in included))}
     with LocalFederation(FLOWER_BIN, workdir, nodes, ROOT, threads=fp.threads) as fed:
         result = fed.submit(APP, config, timeout=None)
     if not (out / "done.json").exists():  # `flwr run` exits 0 even when the ServerApp raised

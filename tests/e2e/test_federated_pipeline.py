@@ -265,3 +265,65 @@ def test_client_dp_clips_the_update_to_its_norm_then_adds_noise(tmp_path: Path):
     assert result["before"] > 1 and result["dp-update-norm"] == pytest.approx(result["before"], rel=1e-5)
     assert result["clipped"] == pytest.approx(0.5, rel=1e-4)  # clipped to the norm, direction kept
     assert result["noisy"] > 2 * result["clipped"]  # σ = 0.5·sqrt(2 ln(1.25e5)) ≈ 2.4 per value at ε = 1
+
+
+SECAGG_SCRIPT = """
+import copy, json, sys, tomllib
+from pathlib import Path
+from flwr.app import Context, Message, RecordDict
+from frugaltune.federated import client_app, local, server_app
+world, app_toml, method = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+RANKS = {11: 2, 12: 4, 13: 4}
+
+
+class Loopback:  # Flower's Grid with a function call for the network; messages copied as serialization would
+    run = type("Run", (), {"run_id": 1})()
+
+    def __init__(self):
+        self.contexts = {n: Context(run_id=1, node_id=n, state=RecordDict(), run_config={}, node_config={
+            "data": str(world / f"client_{i}.parquet"), "lora-rank": r}) for i, (n, r) in enumerate(RANKS.items())}
+
+    def get_node_ids(self):
+        return list(self.contexts)
+
+    def send_and_receive(self, messages, timeout=None):
+        return [client_app.app(Message(copy.deepcopy(m.content), dst_node_id=m.metadata.dst_node_id,
+                                       message_type=m.metadata.message_type, group_id=m.metadata.group_id),
+                               self.contexts[m.metadata.dst_node_id]) for m in messages]
+
+
+config = {**tomllib.loads(app_toml.read_text())["tool"]["flwr"]["app"]["config"], "model-dir": str(world / "model"),
+          "labels": json.dumps(["a", "b", "c"]), "pad-token-id": 0, "fraction": 1.0, "min-clients": 3,
+          "min-completed": 3, "lora-r": 4, "lora-alpha": 8, "local-steps": 2, "method": method,
+          "secure-max-weight": 40.0}
+start = local.trainable_tensors(local.build_model(config["model-dir"], ["a", "b", "c"], 0, int(config["seed"]),
+                                                  client_app.lora_spec(config)))
+plain, _ = server_app.run_round(Loopback(), config, 1, start)
+server = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={})
+secure, report = server_app.run_round(Loopback(), {**config, "secure-aggregation": True}, 1, start, server)
+print(json.dumps({"max_diff": max(float((plain[k] - secure[k]).abs().max()) for k in start),
+                  "moved": max(float((plain[k] - start[k]).abs().max()) for k in start),
+                  "shapes": all(plain[k].shape == secure[k].shape for k in start),
+                  "completed": report["completed"], "secure": report["secure_aggregation"],
+                  "product_error": "product_error" in report,
+                  "clients_secure": all(c["secure-aggregation"] == 1 for c in report["clients"])}))
+"""
+
+
+@pytest.mark.parametrize("method", ["fedavg", "ffa"])
+def test_secagg_plus_gives_the_plain_mean_without_showing_the_server_an_update(world: Path, method: str):
+    """Flower's SecAggPlusWorkflow and secaggplus_mod run our ServerApp round and ClientApp unchanged, with an
+    in-process Grid for the network (the protocol's four exchanges, no SuperLink): the same clients, trained the same
+    way, give the same global adapter as the plain round up to SecAgg+'s quantization, for FedAvg and FFA with mixed
+    ranks, and the report carries no per-client product error (the server never holds one client's update)."""
+    import subprocess
+
+    out = subprocess.run([str(FLOWER_BIN / "python"), "-c", SECAGG_SCRIPT, str(world),
+                          str(APP / "pyproject.toml"), method], cwd=ROOT, check=True, capture_output=True, text=True,
+                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+                              "HF_HUB_OFFLINE": "1"})
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["completed"] == 3 and result["secure"] and result["clients_secure"] and result["shapes"]
+    assert not result["product_error"]
+    # quantization: 2^22 levels over +-8 after weighting by 40/40 -> a few 1e-6; the update itself is far larger
+    assert result["max_diff"] < 2e-5 and result["moved"] > 10 * result["max_diff"]
