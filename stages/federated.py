@@ -125,8 +125,22 @@ def federate(params: Params, scheme: str, method: str, plans: list[dict], parts:
     with LocalFederation(FLOWER_BIN, workdir, nodes, ROOT, threads=fp.threads) as fed:
         result = fed.submit(APP, config, timeout=None)
     if not (out / "done.json").exists():  # `flwr run` exits 0 even when the ServerApp raised
-        raise RuntimeError(f"federated {scheme}/{method}: the ServerApp did not finish:\n{result.stdout[-4000:]}")
+        raise RuntimeError(f"federated {scheme}/{method}: the ServerApp did not finish{serverapp_status(workdir)}:"
+                           f"\n{result.stdout[-4000:]}")
     return out
+
+
+def serverapp_status(workdir: Path) -> str:
+    """Why the SuperLink ended the ServerApp, from its database (e.g. "No heartbeat received from the task": a
+    ServerApp starved of CPU for 60 s is failed without a traceback in the stream); "" when it says nothing."""
+    import sqlite3
+
+    try:
+        with sqlite3.connect(f"file:{workdir / 'superlink.db'}?mode=ro", uri=True) as db:
+            rows = db.execute("SELECT sub_status, details FROM task WHERE type = 'flwr-serverapp'").fetchall()
+    except sqlite3.Error:
+        return ""
+    return "".join(f" (SuperLink: {status}: {details})" for status, details in rows[-1:] if status or details)
 
 
 def summarize(out: Path, model_dir: Path) -> tuple[dict, list[dict]]:
