@@ -465,6 +465,16 @@ class FederatedParams(Section):
     threads: int = Field(1, ge=1, description="Threads of each client process on this machine (simulation: all "
                          "clients share this host).")
     dp: FederatedDpParams = Field(default_factory=FederatedDpParams, description="Differential privacy switch.")
+    proximal_mu: float = Field(0.0, ge=0, description="FedProx: each client adds mu/2 * ||w - w_global||^2 over its "
+                               "trainable tensors to its loss, pulling its update toward the global adapter (helps "
+                               "with skewed data and many local steps; typical 0.001-1). 0 = off (plain FedAvg/FFA).")
+    transmit_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="Precision of the tensors on the wire, both ways: bf16 halves the bytes (each value "
+        "rounded to 8 significant bits); each round starts from the bf16-rounded global the clients receive.")
+    secure_aggregation: bool = Field(
+        False, description="SecAgg+ (Flower's protocol): clients mask their updates so that the server learns only "
+        "their example-weighted mean, never one client's tensors. Four exchanges per round instead of one; needs >= 2 "
+        "clients per round; values are quantized (small error). Uploads travel fp32 whatever transmit_dtype says.")
 
 
 class Params(Section):

@@ -1,6 +1,6 @@
 """Atomic file writes: a crash never leaves a half-written artifact that looks valid.
 
-Library code, used by every stage: `write_json(path, obj)`, `write_text`, `atomic_dir(path)`.
+Library code, used by every stage: `write_json(path, obj)`, `write_text`, `atomic_dir(path)`, `save_figure`.
 """
 
 from __future__ import annotations
@@ -50,6 +50,18 @@ def write_metrics(path: Path | str, metrics: dict[str, Any]) -> None:
             raise TypeError(f"{path}: metric {key!r} is {type(value).__name__} {value!r}; a metrics file holds "
                             "numbers only (put text, ids and nested reports in the stage's report instead)")
     write_json(path, metrics)
+
+
+def save_figure(fig, path: Path | str, dpi: int = 110) -> None:
+    """A matplotlib figure as a PNG, written under a temp name and renamed; the figure is closed."""
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=dpi)
+    plt.close(fig)
+    os.replace(tmp, path)
 
 
 def read_json(path: Path | str) -> Any:

@@ -10,11 +10,14 @@ real Flower deployment on this machine, a SuperLink and one SuperNode per includ
 (frugaltune/federated/launch.py), and runs the app (frugaltune/federated/{server,client}_app.py). Rounds are kept in
 `checkpoints/federated/<run>/` (outside the outs, which dvc deletes): a killed stage resumes from the last round.
 
-Writes `data/federated/` (the partitions), `reports/federated.json` (per method: the final global test accuracy,
-macro-F1 and loss, bytes per client per round up and down, adapter vs full-model size; the partition's label
-histograms; each client's plan or why it was left out), `reports/plots/federated_rounds.csv` (metric vs round vs
-cumulative bytes, per run) and `reports/plots/federated_labels.csv` (per-client label counts); one MLflow run with
-the per-round metrics.
+Writes `data/federated/` (the partitions), `models/federated/<run>/` (each run's final global adapter + head, a PEFT
+dir served like models/adapter/; `python -m stages.federated_register` registers the best), `reports/federated.json`
+(per run: the final global test accuracy, macro-F1 and loss, bytes per client per round up and down, adapter vs
+full-model size; the partition's label histograms; each client's plan or why it was left out; the MLflow run id),
+`reports/plots/federated_rounds.csv` (metric vs round vs cumulative bytes, per run), `reports/plots/
+federated_labels.csv` (per-client label counts), `reports/plots/federated_clients.csv` and the PNGs
+`reports/figures/federated_rounds.png` (metric vs round and vs bytes) and `reports/figures/federated_clients.png`
+(each client's measured time and memory against its plan); one MLflow run with the per-round metrics.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from safetensors.torch import load_file
 
 from frugaltune import paths, planner, tracking
 from frugaltune.config import Params, load_params
-from frugaltune.federated import profiles
+from frugaltune.federated import local, plots, profiles
 from frugaltune.federated.launch import LocalFederation
 from frugaltune.io import read_json, write_json, write_text
 
@@ -46,6 +49,10 @@ DATA = Path("data/federated")
 REPORT = paths.report("federated")
 ROUNDS_CSV = paths.PLOTS / "federated_rounds.csv"
 LABELS_CSV = paths.PLOTS / "federated_labels.csv"
+CLIENTS_CSV = paths.PLOTS / "federated_clients.csv"
+ROUNDS_PNG = paths.FIGURES / "federated_rounds.png"
+CLIENTS_PNG = paths.FIGURES / "federated_clients.png"
+ADAPTERS = paths.MODELS / "federated"  # one served adapter dir per run: models/federated/<method>_<partition>/
 
 
 def write_split(split, out: Path) -> None:
@@ -99,7 +106,8 @@ def federate(params: Params, scheme: str, method: str, plans: list[dict], parts:
                            f"min_completed {fp.min_completed}: " + "; ".join(
                                f"client {p['client']} ({p['preset']}): {p['reason']}" for p in plans if not p["fits"]))
     nodes = [{"data": str((parts / f"client_{p['client']}.parquet").resolve()), "lora-rank": p["lora_rank"],
-              "micro-batch": p["micro_batch_size"], "threads": fp.threads} for p in included]
+              "micro-batch": p["micro_batch_size"], "threads": fp.threads, "client-id": p["client"]}
+             for p in included]
     out = (paths.CHECKPOINTS_DIR / "federated" / run_key(params, scheme, method)).resolve()
     config = {"out-dir": str(out), "model-dir": str(paths.BASE_MODEL.resolve()),
               "test-data": str((DATA / "test.parquet").resolve()), "labels": json.dumps(labels),
@@ -110,12 +118,29 @@ def federate(params: Params, scheme: str, method: str, plans: list[dict], parts:
               "lora-target-modules": json.dumps(list(fp.lora.target_modules)), "local-steps": fp.local_steps,
               "lr": fp.lr, "batch-size": fp.batch_size, "seed": params.common.seed, "threads": fp.threads,
               "dp-epsilon": fp.dp.epsilon if fp.dp.enabled else 0.0, "dp-delta": fp.dp.delta,
-              "dp-clip": fp.dp.clipping_norm}
+              "dp-clip": fp.dp.clipping_norm, "proximal-mu": fp.proximal_mu,
+              "transmit-dtype": fp.transmit_dtype, "secure-aggregation": fp.secure_aggregation,
+              # SecAgg+ quantizes each update weighted by num_examples / this: the largest client's share
+              "secure-max-weight": float(max(p["examples"] for p in included))}
     with LocalFederation(FLOWER_BIN, workdir, nodes, ROOT, threads=fp.threads) as fed:
         result = fed.submit(APP, config, timeout=None)
     if not (out / "done.json").exists():  # `flwr run` exits 0 even when the ServerApp raised
-        raise RuntimeError(f"federated {scheme}/{method}: the ServerApp did not finish:\n{result.stdout[-4000:]}")
+        raise RuntimeError(f"federated {scheme}/{method}: the ServerApp did not finish{serverapp_status(workdir)}:"
+                           f"\n{result.stdout[-4000:]}")
     return out
+
+
+def serverapp_status(workdir: Path) -> str:
+    """Why the SuperLink ended the ServerApp, from its database (e.g. "No heartbeat received from the task": a
+    ServerApp starved of CPU for 60 s is failed without a traceback in the stream); "" when it says nothing."""
+    import sqlite3
+
+    try:
+        with sqlite3.connect(f"file:{workdir / 'superlink.db'}?mode=ro", uri=True) as db:
+            rows = db.execute("SELECT sub_status, details FROM task WHERE type = 'flwr-serverapp'").fetchall()
+    except sqlite3.Error:
+        return ""
+    return "".join(f" (SuperLink: {status}: {details})" for status, details in rows[-1:] if status or details)
 
 
 def summarize(out: Path, model_dir: Path) -> tuple[dict, list[dict]]:
@@ -139,6 +164,47 @@ def summarize(out: Path, model_dir: Path) -> tuple[dict, list[dict]]:
                "full_model_over_adapter": round(full_bytes / adapter_bytes, 1),
                "failures": sum(len(r.get("failures", [])) for r in reports)}
     return summary, rows
+
+
+def client_rows(name: str, out: Path, plans: list[dict]) -> list[dict]:
+    """Per client of run `name`: its plan's predicted peak memory and time beside what it measured, over the rounds
+    it completed (peak RSS: the largest; seconds: the mean)."""
+    done: dict[int, list[dict]] = {}
+    for path in sorted(out.glob("rounds/round_*.json")):
+        for client in json.loads(path.read_text()).get("clients", []):
+            if "client-id" in client:
+                done.setdefault(int(client["client-id"]), []).append(client)
+    rows = []
+    for plan in plans:
+        mine = done.get(plan["client"], [])
+        if not plan["fits"] or not mine:
+            continue
+        rows.append({"run": name, "client": plan["client"], "preset": plan["preset"], "rounds": len(mine),
+                     "peak_rss_mb": max(c["peak-rss-mb"] for c in mine),
+                     "predicted_peak_mb": plan.get("predicted_peak_mb"),
+                     "seconds": round(sum(c["seconds"] for c in mine) / len(mine), 3),
+                     "predicted_seconds": plan.get("predicted_seconds")})
+    return rows
+
+
+def export_adapter(out: Path, params: Params, labels: list[str], pad_token_id: int, dest: Path) -> None:
+    """The run's last global adapter + head as a PEFT dir with the tokenizer and labels.json: what serving loads
+    (frugaltune/serving.py), the same layout the train stage writes to models/adapter/."""
+    from frugaltune.io import atomic_dir
+    from frugaltune.models import load_tokenizer
+    from frugaltune.training.methods import save_trained
+
+    fp = params.federated
+    last = max(out.glob("rounds/round_*.safetensors"))
+    spec = local.LoraSpec(fp.lora.r, fp.lora.alpha, fp.lora.dropout, tuple(fp.lora.target_modules))
+    model = local.build_model(paths.BASE_MODEL, labels, pad_token_id, params.common.seed, spec)
+    local.load_tensors(model, load_file(str(last)))
+    with atomic_dir(dest) as tmp:
+        save_trained(model, "lora", tmp)
+        load_tokenizer(paths.BASE_MODEL).save_pretrained(tmp)
+        write_json(tmp / "labels.json", {"labels": labels, "max_length": params.tokenize.max_length,
+                                         "method": "lora", "federated": {"run": dest.name, "round": int(
+                                             last.stem.split("_")[1])}})
 
 
 def csv_text(rows: list[dict], fields: list[str]) -> str:
@@ -168,9 +234,10 @@ def run(params: Params) -> dict:
     if fp.iid_control and fp.partition != "iid":
         runs.append(("iid", fp.methods[0]))
     report = {"runs": {}, "partitions": {}, "clients": {}}
-    round_rows, label_rows = [], []
+    round_rows, label_rows, clients = [], [], []
     tracking.setup("federated")
-    with mlflow.start_run(run_name="federated", tags=tracking.run_tags()):
+    with mlflow.start_run(run_name="federated", tags=tracking.run_tags()) as mlrun:
+        report["mlflow_run_id"] = mlrun.info.run_id  # stages/federated_register.py registers into this run
         mlflow.log_params({f"federated.{k}": json.dumps(v) if isinstance(v, (list, dict)) else v
                            for k, v in fp.model_dump().items()})
         for scheme in dict.fromkeys(s for s, _ in runs):
@@ -186,7 +253,11 @@ def run(params: Params) -> dict:
             out = federate(params, scheme, method, report["clients"][scheme], DATA / f"partitions_{scheme}", labels,
                            pad_token_id, paths.CHECKPOINTS_DIR / "federated" / "work" / name)
             summary, rows = summarize(out, paths.BASE_MODEL)
+            export_adapter(out, params, labels, pad_token_id, ADAPTERS / name)
+            summary["adapter_dir"] = str(ADAPTERS / name)
+            summary["partition"], summary["method"] = scheme, method
             report["runs"][name] = summary
+            clients += client_rows(name, out, report["clients"][scheme])
             for row in rows:
                 round_rows.append({"run": name, **row})
                 mlflow.log_metrics({f"{name}.{k}": row[k] for k in ("accuracy", "macro_f1", "loss", "bytes_total")},
@@ -195,6 +266,12 @@ def run(params: Params) -> dict:
         write_text(ROUNDS_CSV, csv_text(round_rows, ["run", "round", "accuracy", "macro_f1", "loss", "bytes_total",
                                                      "clients_completed"]))
         write_text(LABELS_CSV, csv_text(label_rows, ["partition", "client", "label", "count"]))
+        write_text(CLIENTS_CSV, csv_text(clients, ["run", "client", "preset", "rounds", "peak_rss_mb",
+                                                   "predicted_peak_mb", "seconds", "predicted_seconds"]))
+        plots.plot_rounds(round_rows, ROUNDS_PNG)
+        plots.plot_clients(clients, CLIENTS_PNG)
+        for figure in (ROUNDS_PNG, CLIENTS_PNG):
+            mlflow.log_artifact(str(figure))
         mlflow.log_artifact(str(REPORT))
     for name, summary in report["runs"].items():
         final = summary["final"]

@@ -37,7 +37,7 @@ from frugaltune.faults import stage_errors
 from frugaltune import serving, tracking
 from frugaltune.io import read_json, write_json
 from frugaltune import paths
-from frugaltune.config import Params, ParamsError, load_params
+from frugaltune.config import Params, ParamsError, RegisterParams, load_params
 
 EVAL_DATA_TAG = "frugaltune.eval_data"  # fingerprint of the evaluation split: token ids + label ids
 TASK_TAG = "frugaltune.task"  # classification | causal_lm: versions of different tasks are never compared
@@ -252,45 +252,28 @@ def update_alias(
     return client.get_model_version(name, version.version), reason
 
 
-def run(params: Params) -> dict:
-    reg = params.register_
-    train_report = _read_report("train")
-    evaluation = _read_report("evaluate")
+def register_adapter(client: MlflowClient, reg: RegisterParams, run_id: str, base_dir: Path, adapter_dir: Path,
+                     metrics: dict[str, str], eval_data: dict[str, str], content_hash: str) -> dict:
+    """Log `adapter_dir` (on `base_dir`) into `run_id` as the serving pyfunc, register it as a version of
+    `reg.model_name` tagged with `metrics` (`finetuned.<name>`) and `eval_data`, and move `reg.alias` when it wins;
+    return the report. Idempotent (see the module docstring). The federated pipeline registers its global adapter
+    through this too (stages/federated_register.py): same serving, same champion rules."""
     metric_tag = f"finetuned.{reg.metric}"
-    metrics = metric_tags(evaluation)
-    if metric_tag not in metrics or not math.isfinite(float(metrics[metric_tag])):
-        known = sorted(k.removeprefix("finetuned.") for k in metrics if k.startswith("finetuned."))
-        raise RegisterError(
-            f"register.metric = {reg.metric!r}: {paths.report('evaluate')} has no finite `{metric_tag}`. "
-            f"Choose one of: {', '.join(known) or '(none: rerun evaluate)'}."
-        )
-    for path, stage in ((paths.BASE_MODEL, "import_model"), (paths.ADAPTER_DIR, "train")):
-        if not path.is_dir():
-            raise RegisterError(f"{path}: not found. Run the {stage} stage first (`dvc repro {stage}`).")
-
-    eval_data = eval_data_tags(params.evaluate.split)
-    experiment_id = tracking.setup(params.train.experiment)
-    client = MlflowClient()
-    content_hash = model_hash(paths.BASE_MODEL, paths.ADAPTER_DIR)
-    run_id, fallback = resolve_run(client, train_report.get("mlflow_run_id"), experiment_id, content_hash)
-    if fallback:
-        print(f"register: {fallback}", file=sys.stderr)
-
     log_eval_metrics(client, run_id, metrics)
     version = find_version(client, reg.model_name, run_id)
     if version is not None:
         print(f"register: run {run_id} already has {reg.model_name} v{version.version}; reusing it")
         if version.tags.get(MODEL_HASH_TAG, content_hash) != content_hash:
             print(f"register: warning: v{version.version} was logged from other adapter files than "
-                  f"{paths.ADAPTER_DIR} holds now", file=sys.stderr)
+                  f"{adapter_dir} holds now", file=sys.stderr)
         model_uri, model_id = version.source, version.model_id
     elif (logged := find_logged_model(client, run_id, content_hash)) is not None:
         model_uri, model_id = logged.model_uri, logged.model_id
     else:
         with _resumed(run_id):
             info = serving.log_model(
-                paths.BASE_MODEL, paths.ADAPTER_DIR, name=LOGGED_MODEL_NAME, tags={MODEL_HASH_TAG: content_hash},
-                **log_model_task(paths.ADAPTER_DIR)
+                base_dir, adapter_dir, name=LOGGED_MODEL_NAME, tags={MODEL_HASH_TAG: content_hash},
+                **log_model_task(adapter_dir)
             )
         model_uri, model_id = info.model_uri, info.model_id
     tags = {**tracking.run_tags(), **metrics, **eval_data, MODEL_HASH_TAG: content_hash}
@@ -315,9 +298,38 @@ def run(params: Params) -> dict:
         "champion_version": int(champion.version),
         "champion_metric_value": float(champion.tags[metric_tag]),
     }
-    write_json(paths.report("register"), report)
     print(f"register: {reg.model_name} v{version.version} ({metric_tag}={report['metric_value']:.4f}); "
           f"@{reg.alias} -> v{champion.version} ({reason})")
+    return report
+
+
+def run(params: Params) -> dict:
+    reg = params.register_
+    train_report = _read_report("train")
+    evaluation = _read_report("evaluate")
+    metric_tag = f"finetuned.{reg.metric}"
+    metrics = metric_tags(evaluation)
+    if metric_tag not in metrics or not math.isfinite(float(metrics[metric_tag])):
+        known = sorted(k.removeprefix("finetuned.") for k in metrics if k.startswith("finetuned."))
+        raise RegisterError(
+            f"register.metric = {reg.metric!r}: {paths.report('evaluate')} has no finite `{metric_tag}`. "
+            f"Choose one of: {', '.join(known) or '(none: rerun evaluate)'}."
+        )
+    for path, stage in ((paths.BASE_MODEL, "import_model"), (paths.ADAPTER_DIR, "train")):
+        if not path.is_dir():
+            raise RegisterError(f"{path}: not found. Run the {stage} stage first (`dvc repro {stage}`).")
+
+    eval_data = eval_data_tags(params.evaluate.split)
+    experiment_id = tracking.setup(params.train.experiment)
+    client = MlflowClient()
+    content_hash = model_hash(paths.BASE_MODEL, paths.ADAPTER_DIR)
+    run_id, fallback = resolve_run(client, train_report.get("mlflow_run_id"), experiment_id, content_hash)
+    if fallback:
+        print(f"register: {fallback}", file=sys.stderr)
+
+    report = register_adapter(client, reg, run_id, paths.BASE_MODEL, paths.ADAPTER_DIR, metrics, eval_data,
+                              content_hash)
+    write_json(paths.report("register"), report)
     return report
 
 

@@ -11,9 +11,11 @@ they never leave it), optionally `model-dir` (its copy of the base model; defaul
 
 Each train message carries the global adapter (ArrayRecord "arrays") and the round's settings (ConfigRecord
 "config"). The reply carries the trained tensors and MetricRecord "metrics": num-examples (the FedAvg weight),
-train-loss, bytes-down / bytes-up (the serialized Array payloads, exactly what the record carries), seconds,
+train-loss, bytes-down / bytes-up (the serialized Array payloads, exactly what the record carries; halved with
+`transmit-dtype` bf16, both ways), seconds,
 peak RSS; with `dp-epsilon` > 0 the update is clipped and noised first (frugaltune/federated/privacy.py) and
-dp-update-norm / dp-noise-std say how.
+dp-update-norm / dp-noise-std say how. With the run's `secure-aggregation` on, the round arrives as Flower's SecAgg+
+protocol messages (frugaltune/federated/secure.py): the same training, the reply masked by secaggplus_mod.
 """
 
 from __future__ import annotations
@@ -25,11 +27,12 @@ import torch
 from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from frugaltune.federated import aggregation, local
+from frugaltune.federated import aggregation, local, secure, wire
 from frugaltune.federated.privacy import privatize
 from frugaltune.training.loop import peak_rss_mb
 
-app = ClientApp()
+# SecAgg+'s protocol messages go through Flower's secaggplus_mod; the others straight to `train`
+app = ClientApp(mods=[secure.secure_when_asked])
 
 
 def record_bytes(record: ArrayRecord) -> int:
@@ -37,12 +40,13 @@ def record_bytes(record: ArrayRecord) -> int:
     return sum(len(array.data) for array in record.values())
 
 
-def to_record(tensors: dict[str, torch.Tensor]) -> ArrayRecord:
-    return ArrayRecord({name: Array(tensor.detach().cpu().numpy()) for name, tensor in tensors.items()})
+def to_record(tensors: dict[str, torch.Tensor], dtype: wire.TransmitDtype = "fp32") -> ArrayRecord:
+    """The tensors as Flower Arrays, fp32 or as bf16 bit patterns (frugaltune/federated/wire.py)."""
+    return ArrayRecord({name: Array(wire.encode(tensor, dtype)) for name, tensor in tensors.items()})
 
 
 def from_record(record: ArrayRecord) -> dict[str, torch.Tensor]:
-    return {name: torch.from_numpy(array.numpy().copy()) for name, array in record.items()}
+    return {name: wire.decode(array.numpy()) for name, array in record.items()}
 
 
 def lora_spec(config) -> local.LoraSpec:
@@ -53,7 +57,13 @@ def lora_spec(config) -> local.LoraSpec:
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     started = time.perf_counter()
-    config, node = msg.content["config"], context.node_config
+    node = context.node_config
+    legacy = secure.is_fitins(msg)  # SecAgg+: the global and config arrive as a FitIns, the reply is a FitRes
+    if legacy:
+        received, config, bytes_down = secure.read_fitins(msg)
+    else:
+        config, incoming = msg.content["config"], msg.content["arrays"]
+        received, bytes_down = from_record(incoming), record_bytes(incoming)
     torch.set_num_threads(int(node.get("threads", 1)))
     spec = lora_spec(config)
     rank = int(node.get("lora-rank", spec.r))
@@ -64,25 +74,28 @@ def train(msg: Message, context: Context) -> Message:
                          "--node-config \"data='path/to/client.parquet'\"")
     input_ids, targets = local.read_examples(str(node["data"]))
 
-    incoming = msg.content["arrays"]
-    bytes_down = record_bytes(incoming)
     model = local.build_model(str(node.get("model-dir", config["model-dir"])), labels, pad_token_id,
                               int(config["seed"]), spec, rank)
-    local.load_tensors(model, aggregation.slice_to_rank(from_record(incoming), rank))
+    local.load_tensors(model, aggregation.slice_to_rank(received, rank))
     if str(config["method"]) == "ffa":
         local.freeze_lora_a(model)
     result = local.train_locally(
         model, input_ids, targets, pad_token_id, steps=int(config["local-steps"]), lr=float(config["lr"]),
         batch_size=int(config["batch-size"]), micro_batch_size=int(node["micro-batch"]) if "micro-batch" in node
-        else None, seed=int(config["seed"]) * 1000 + int(config["round"]))
+        else None, seed=int(config["seed"]) * 1000 + int(config["round"]),
+        proximal_mu=float(config.get("proximal-mu", 0.0)))
     trained, privacy = local.trainable_tensors(model), {}
     if float(config.get("dp-epsilon", 0)) > 0:  # federated.dp: clip + noise the update before it leaves
-        received = aggregation.slice_to_rank(from_record(incoming), rank)
-        trained, privacy = privatize(trained, received, float(config["dp-clip"]), float(config["dp-epsilon"]),
-                                     float(config["dp-delta"]))
-    outgoing = to_record(trained)
-    metrics = MetricRecord({**privacy,
+        trained, privacy = privatize(trained, aggregation.slice_to_rank(received, rank), float(config["dp-clip"]),
+                                     float(config["dp-epsilon"]), float(config["dp-delta"]))
+    metrics = {**privacy,
         "num-examples": len(targets), "train-loss": float(result.final_loss), "steps": result.steps,
-        "bytes-down": bytes_down, "bytes-up": record_bytes(outgoing), "lora-rank": rank,
-        "seconds": round(time.perf_counter() - started, 3), "peak-rss-mb": round(peak_rss_mb(), 1)})
-    return Message(RecordDict({"arrays": outgoing, "metrics": metrics}), reply_to=msg)
+        "bytes-down": bytes_down, "lora-rank": rank,
+        "seconds": round(time.perf_counter() - started, 3), "peak-rss-mb": round(peak_rss_mb(), 1),
+        # which client of the stage's plan this is (node ids are Flower's own), for the plan-vs-measured report
+        **({"client-id": int(node["client-id"])} if "client-id" in node else {})}
+    if legacy:  # zero-padded to the global rank: SecAgg+ sums vectors of one shape
+        return secure.fitres_reply(msg, aggregation.pad_to_rank(trained, spec.r), config, len(targets), metrics)
+    outgoing = to_record(trained, str(config.get("transmit-dtype", "fp32")))
+    metrics["bytes-up"] = record_bytes(outgoing)
+    return Message(RecordDict({"arrays": outgoing, "metrics": MetricRecord(metrics)}), reply_to=msg)

@@ -80,13 +80,27 @@ def read_examples(path: Path | str) -> tuple[list[list[int]], list[int]]:
     return table.column("input_ids").to_pylist(), [int(v) for v in table.column("labels").to_pylist()]
 
 
+def proximal_term(model: torch.nn.Module, mu: float):
+    """FedProx (Li et al., 2020): mu/2 * ||w - w_global||^2 over the trainable tensors, w_global being their values
+    now (the global adapter just loaded). It pulls each client's update back toward the global weights, which keeps
+    clients with skewed data from drifting apart over their local steps; mu = 0 is plain FedAvg."""
+    params = [param for param in model.parameters() if param.requires_grad]
+    anchors = [param.detach().clone() for param in params]
+
+    def term() -> torch.Tensor:
+        return mu / 2 * sum(((param - anchor) ** 2).sum() for param, anchor in zip(params, anchors))
+    return term
+
+
 def train_locally(model: torch.nn.Module, input_ids: list[list[int]], labels: list[int], pad_token_id: int, *,
-                  steps: int, lr: float, batch_size: int, micro_batch_size: int | None, seed: int) -> TrainResult:
+                  steps: int, lr: float, batch_size: int, micro_batch_size: int | None, seed: int,
+                  proximal_mu: float = 0.0) -> TrainResult:
     """`steps` optimizer steps of the project's loop on this client's examples (no checkpoints: a round is short and
-    the server keeps every completed round)."""
+    the server keeps every completed round); `proximal_mu` > 0 adds FedProx's proximal term to the loss."""
     cfg = LoopConfig(lr=lr, max_steps=steps, batch_size=batch_size, micro_batch_size=micro_batch_size, seed=seed,
                      warmup_ratio=0.0, scheduler="constant", log_every=max(1, steps), checkpoint_dir=None)
-    return train_classifier(model, input_ids, labels, cfg, pad_token_id, progress=False)
+    regularizer = proximal_term(model, proximal_mu) if proximal_mu > 0 else None
+    return train_classifier(model, input_ids, labels, cfg, pad_token_id, progress=False, regularizer=regularizer)
 
 
 @torch.no_grad()

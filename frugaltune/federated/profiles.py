@@ -66,14 +66,19 @@ def plan_client(profile: HardwareProfile, run: planner.RunSpec, model_config, nu
             reasons.append(plan["why"])
             continue
         steps, note = local_steps, "configured local steps (no calibration: no time estimate)"
-        if plan["eta_seconds"] is not None and round_budget_s:
+        predicted_seconds = None
+        if plan["eta_seconds"] is not None:
             per_step = plan["eta_seconds"] / max(1, plan["steps"])
             if calibrated_cores and not on_gpu:
                 per_step *= calibrated_cores / profile.cores  # time scales ~1/cores on CPU (assumed, not measured)
-            steps = max(1, min(local_steps, math.floor(round_budget_s / per_step)))
-            note = f"{per_step:.2f} s/step estimated: {steps} step(s) fit the {round_budget_s:g} s round budget"
+            note = f"{per_step:.2f} s/step estimated"
+            if round_budget_s:
+                steps = max(1, min(local_steps, math.floor(round_budget_s / per_step)))
+                note += f": {steps} step(s) fit the {round_budget_s:g} s round budget"
+            predicted_seconds = round(per_step * steps, 3)
         return {"fits": True, "method": method, "lora_rank": rank, "micro_batch_size": plan["micro_batch_size"],
                 "gradient_checkpointing": plan["gradient_checkpointing"], "local_steps": steps,
-                "threads": profile.cores, "predicted_peak_mb": plan["predicted_peak_mb"], "why": plan["why"],
+                "threads": profile.cores, "predicted_peak_mb": plan["predicted_peak_mb"],
+                "predicted_seconds": predicted_seconds, "why": plan["why"],
                 "time_note": note, "profile": asdict(profile)}
     return {"fits": False, "reason": "; ".join(reasons), "profile": asdict(profile)}

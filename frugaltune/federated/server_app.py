@@ -12,6 +12,9 @@ global adapter + head after round NNN; 000 = the seeded start) and `rounds/round
 per-client report), the JSON written last: a round exists when its JSON does. Starting again with the same
 config continues after the last round on disk; a different config is refused (delete `out-dir` to start over).
 
+With `secure-aggregation` the round runs Flower's SecAgg+ (frugaltune/federated/secure.py): the server sees
+only the weighted mean of the clients' updates.
+
 A round needs `min-completed` replies: the clients that fail or do not answer within `round-timeout` seconds are
 reported and left out of that round's average (the strategy's completion floor); below the floor the run stops
 with the reason, and a rerun resumes at that round.
@@ -32,7 +35,7 @@ from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.serverapp import Grid, ServerApp
 from safetensors.torch import load_file, save_file
 
-from frugaltune.federated import aggregation, local
+from frugaltune.federated import aggregation, local, wire
 from frugaltune.federated.client_app import from_record, lora_spec, record_bytes, to_record
 
 app = ServerApp()
@@ -40,7 +43,7 @@ app = ServerApp()
 # Settings a round's result depends on: a resume continues only a run with the same ones.
 RESULT_KEYS = ("model-dir", "labels", "test-data", "method", "lora-r", "lora-alpha", "lora-dropout",
                "lora-target-modules", "local-steps", "lr", "batch-size", "seed", "fraction", "pad-token-id",
-               "dp-epsilon", "dp-delta", "dp-clip")
+               "dp-epsilon", "dp-delta", "dp-clip", "proximal-mu", "transmit-dtype", "secure-aggregation")
 
 
 class CompletionFloorError(RuntimeError):
@@ -90,7 +93,8 @@ def wait_for_nodes(grid: Grid, count: int, timeout: float) -> list[int]:
 
 def client_config(config: dict, round_number: int) -> ConfigRecord:
     keys = ("method", "lora-r", "lora-alpha", "lora-dropout", "lora-target-modules", "local-steps", "lr",
-            "batch-size", "seed", "labels", "pad-token-id", "model-dir", "dp-epsilon", "dp-delta", "dp-clip")
+            "batch-size", "seed", "labels", "pad-token-id", "model-dir", "dp-epsilon", "dp-delta", "dp-clip",
+            "proximal-mu", "transmit-dtype")
     return ConfigRecord({**{key: config[key] for key in keys}, "round": round_number})
 
 
@@ -100,12 +104,47 @@ def evaluate_global(model, tensors, test, labels, config) -> dict:
                           int(config.get("eval-batch-size", 32)))
 
 
-def run_round(grid: Grid, config: dict, number: int, tensors: dict[str, torch.Tensor]) -> tuple[dict, dict]:
+def run_secure_round(grid: Grid, context: Context, config: dict, number: int, tensors: dict[str, torch.Tensor],
+                     sampled: list[int], dtype: str) -> tuple[dict, dict]:
+    """One round under SecAgg+ (frugaltune/federated/secure.py): the server gets the weighted mean of the padded
+    updates and never one client's tensors, so FedAvg's product_error (which needs them) is not reported."""
+    from frugaltune.federated import secure
+
+    method, floor = str(config["method"]), int(config["min-completed"])
+    if len(sampled) < 2:
+        raise CompletionFloorError(f"round {number}: SecAgg+ needs at least 2 sampled clients, {len(sampled)} were: "
+                                   "raise federated.fraction or connect more SuperNodes.")
+    upload = [name for name in sorted(tensors) if not (method == "ffa" and aggregation.is_lora_a(name))]
+    started = time.perf_counter()
+    result = secure.secure_round(grid, context, sampled, number, tensors, dict(client_config(config, number)),
+                                 upload, dtype, float(config["round-timeout"]), float(config["secure-max-weight"]))
+    reported = {client["node"] for client in result["clients"]}
+    failures = [{"node": node, "reason": "no masked update within the round (failed, late or dropped)"}
+                for node in sampled if node not in reported]
+    if result["mean"] is None or len(result["clients"]) < floor:
+        raise CompletionFloorError(
+            f"round {number}: SecAgg+ completed with {len(result['clients'])} of {len(sampled)} clients, below "
+            f"federated.min_completed {floor} (or too few to unmask). The last completed round is kept: rerun to "
+            "resume from it.")
+    new = aggregation.aggregate(tensors, [(result["mean"], result["examples"])], method)  # a mean of one
+    return new, {"round": number, "sampled": len(sampled), "completed": len(result["clients"]),
+                 "failures": failures, "clients": result["clients"], "secure_aggregation": True,
+                 "bytes_down_per_client": result["bytes_down"],
+                 "round_seconds": round(time.perf_counter() - started, 3)}
+
+
+def run_round(grid: Grid, config: dict, number: int, tensors: dict[str, torch.Tensor],
+              context: Context | None = None) -> tuple[dict, dict]:
     """One round: the next global tensors and the round's client report."""
     nodes = wait_for_nodes(grid, int(config["min-clients"]), float(config["node-timeout"]))
     wanted = max(int(config["min-completed"]), math.ceil(float(config["fraction"]) * len(nodes)))
     sampled = random.Random(int(config["seed"]) * 1000 + number).sample(nodes, min(wanted, len(nodes)))
-    down = to_record(tensors)
+    dtype = str(config.get("transmit-dtype", "fp32"))
+    # bf16 on the wire: the server's global becomes what the clients receive, so FFA's shared A is exactly theirs
+    tensors = wire.round_trip(tensors, dtype) if dtype != "fp32" else tensors
+    if bool(config.get("secure-aggregation", False)):
+        return run_secure_round(grid, context, config, number, tensors, sampled, dtype)
+    down = to_record(tensors, dtype)
     messages = [Message(RecordDict({"arrays": down, "config": client_config(config, number)}), node,
                         MessageType.TRAIN, group_id=str(number)) for node in sampled]
     started = time.perf_counter()
@@ -152,7 +191,8 @@ def main(grid: Grid, context: Context) -> None:
 
     last = last_completed_round(out)
     if last is None:  # round 0: the seeded start, evaluated (the untrained baseline)
-        tensors = local.trainable_tensors(model)
+        # with bf16 on the wire the start is its bf16 value too: FFA's A then never changes from round 0 on
+        tensors = wire.round_trip(local.trainable_tensors(model), str(config.get("transmit-dtype", "fp32")))
         atomic_write(round_path(out, 0, "safetensors"), lambda p: save_file(tensors, str(p)))
         report = {"round": 0, "evaluation": evaluate_global(model, tensors, test, labels, config)}
         atomic_write(round_path(out, 0, "json"), lambda p: p.write_text(json.dumps(report, indent=2)))
@@ -161,7 +201,7 @@ def main(grid: Grid, context: Context) -> None:
         tensors = load_file(str(round_path(out, last, "safetensors")))
         print(f"federated: resuming after round {last} from {round_path(out, last, 'safetensors')}", flush=True)
     for number in range(last + 1, int(config["num-rounds"]) + 1):
-        tensors, report = run_round(grid, config, number, tensors)
+        tensors, report = run_round(grid, config, number, tensors, context)
         report["evaluation"] = evaluate_global(model, tensors, test, labels, config)
         atomic_write(round_path(out, number, "safetensors"), lambda p: save_file(tensors, str(p)))
         atomic_write(round_path(out, number, "json"), lambda p: p.write_text(json.dumps(report, indent=2)))

@@ -6,23 +6,13 @@ writes files only (Agg backend); every file is written under a temp name and ren
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
 
+from frugaltune.io import save_figure
 from frugaltune.scheduling.metrics import queue_length_cdf
 from frugaltune.scheduling.simulator import SimulationResult
-
-
-def _save(fig, path: Path) -> None:
-    import matplotlib.pyplot as plt
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
 
 
 def cdf_on_grid(results: list[SimulationResult], grid: np.ndarray) -> np.ndarray:
@@ -60,7 +50,7 @@ def plot_queue_cdf(by_policy: dict[str, list[SimulationResult]], path: Path, tit
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     fig.tight_layout()
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def plot_bsld(means: dict[str, float], stds: dict[str, float], path: Path, title: str) -> None:
@@ -77,4 +67,4 @@ def plot_bsld(means: dict[str, float], stds: dict[str, float], path: Path, title
     ax.set_title(title)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
-    _save(fig, path)
+    save_figure(fig, path)

@@ -231,6 +231,7 @@ def train_classifier(
     on_event: Callable[[str], None] | None = None,
     timer: StepTimer | None = None,
     world: World = World(),
+    regularizer: Callable[[], torch.Tensor] | None = None,
 ) -> TrainResult:
     """Train `model` (already wrapped by its method) on tokenized examples; return counts, losses and timings.
 
@@ -241,6 +242,10 @@ def train_classifier(
     Under torchrun (`world.size` > 1) every rank runs this same loop on its share of each batch and the gradients
     are summed across ranks (frugaltune.training.distributed): the step is the one-process step. Only rank 0 logs,
     shows progress and writes checkpoints; counts and losses are global on every rank.
+
+    `regularizer`, when given, is a term of the trainable weights added to each step's loss once (after the
+    batch's gradients, so micro-batch splits and ranks do not scale it); the reported loss stays the task loss.
+    The federated client uses it for FedProx's proximal term (frugaltune/federated/local.py).
     """
     device = next(model.parameters()).device
     _unpack_4bit_inference_layout(model)
@@ -354,6 +359,9 @@ def train_classifier(
                     step_loss, step_tokens, step_padded, step_sequences = world.sum(
                         [step_loss, step_tokens, step_padded, step_sequences])
                     step_tokens, step_padded, step_sequences = int(step_tokens), int(step_padded), int(step_sequences)
+            if regularizer is not None:  # after the all-reduce: every rank adds the same gradient once
+                with phase("fwd_bwd"):
+                    regularizer().backward()
             if not math.isfinite(step_loss):
                 where = f"the last good checkpoint is {last_good}" if last_good else "no checkpoint was written yet"
                 raise DivergenceError(f"loss is {step_loss} at step {step}: training diverged ({where}). Lower "

@@ -1,6 +1,6 @@
 """A real Flower deployment on loopback: a SuperLink and 3 SuperNodes as separate processes on 127.0.0.1 train a
 tiny random llama's LoRA adapters for 2 rounds through the `federated` stage; a SuperNode killed mid-round does not stop the round; a SuperLink
-killed after a round resumes from it. Run with `make test` (or `pytest -m slow tests/e2e/test_federated_pipeline.py`);
+killed after a round resumes from it (that federation with DP, FedProx and bf16 on the wire). Run with `make test` (or `pytest -m slow tests/e2e/test_federated_pipeline.py`);
 needs the Flower venv (`make flower-env`, which `make test` runs). About 2 minutes on 2 CPU cores.
 """
 
@@ -82,16 +82,19 @@ def wait_for(predicate, timeout: float, what: str, fed: LocalFederation) -> None
         time.sleep(0.5)
 
 
-def test_the_stage_runs_three_supernodes_for_two_rounds_sending_only_the_adapter(world: Path, monkeypatch):
-    """`stages.federated.run` in a project dir: partitions, per-client plans, a SuperLink + 3 SuperNodes, reports."""
+def test_the_stage_runs_three_supernodes_for_two_rounds_sending_only_the_adapter(world: Path, monkeypatch,
+                                                                                   smol_tokenizer):
+    """`stages.federated.run` in a project dir: partitions, per-client plans, a SuperLink + 3 SuperNodes, reports,
+    figures; then `stages.federated_register.run` registers the global adapter as the centralized one would be."""
     import datasets
 
     from frugaltune.config import parse_params
+    from frugaltune.models import build_tiny_model
     from stages import federated as stage
 
     project = world / "project"
-    (project / "models").mkdir(parents=True)
-    shutil.copytree(world / "model", project / "models/base")
+    # a base with a real tokenizer: the registered model is served (and MLflow checks an input example) on text
+    build_tiny_model(project / "models/base", smol_tokenizer)
     tables = {name: pq.read_table(world / f"{name}.parquet") for name in ("client_0", "client_1", "client_2", "test")}
     train = pa.concat_tables([tables["client_0"], tables["client_1"], tables["client_2"]])
     datasets.DatasetDict({"train": datasets.Dataset(train), "test": datasets.Dataset(tables["test"])}).save_to_disk(
@@ -116,6 +119,19 @@ def test_the_stage_runs_three_supernodes_for_two_rounds_sending_only_the_adapter
     rows = (project / "reports/plots/federated_rounds.csv").read_text().splitlines()
     assert rows[0].startswith("run,round,accuracy,macro_f1,loss,bytes_total") and len(rows) == 4  # rounds 0, 1, 2
     assert (project / "reports/plots/federated_labels.csv").read_text().count("\n") > 3
+    # each client's measured time and memory beside its plan, and the PNGs
+    clients = (project / "reports/plots/federated_clients.csv").read_text().splitlines()
+    assert clients[0].startswith("run,client,preset,rounds,peak_rss_mb,predicted_peak_mb") and len(clients) == 4
+    for figure in ("federated_rounds.png", "federated_clients.png"):
+        assert (project / "reports/figures" / figure).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # the final global adapter is registered like the centralized one: a version with its test metrics, @champion
+    from stages import federated_register
+    assert (project / "models/federated/fedavg_iid/adapter_config.json").is_file()
+    registered = federated_register.run(params)
+    assert registered["federated_run"] == "fedavg_iid" and registered["version"] == 1 and registered["promoted"] == 1
+    assert registered["metric_value"] == pytest.approx(run["final"]["macro_f1"])
+    assert json.loads((project / "reports/federated_register.json").read_text()) == registered
 
     out = next((project / "checkpoints/federated").glob("*/done.json")).parent
     start, final = load_file(str(out / "rounds/round_000.safetensors")), load_file(str(out / "rounds/round_002.safetensors"))
@@ -136,7 +152,7 @@ def test_the_stage_runs_three_supernodes_for_two_rounds_sending_only_the_adapter
                      + NPY_HEADER for k, t in start.items())
             assert client["bytes-up"] == up and client["bytes-down"] == global_bytes
             assert client["num-examples"] == 40 and client["steps"] == 2
-    # only the adapter + head travel: ~5x less than this toy model (a 64-token vocabulary); SmolLM2-135M: far more
+    # only the adapter + head travel: far less than even this toy model; SmolLM2-135M: far more
     assert run["adapter_bytes"] * 5 < run["full_model_bytes"]
 
 
@@ -146,8 +162,10 @@ def test_a_killed_supernode_does_not_stop_the_round_and_a_killed_server_resumes(
     # (>= 20 s), so the round ends at the timeout; 40 s leaves the live clients room on a busy 2-core machine.
     # with client-side DP on: each update clipped to norm 0.5, noise for ε = 50 per round
     # min-clients 3: round 1 waits for all three SuperNodes (supernode_2 must be sampled, to be killed mid-round)
+    # and bf16 on the wire, FedProx on: both only change what the clients compute and send
     config = run_config(world, out, method="ffa", **{"min-completed": 2, "min-clients": 3, "round-timeout": 40.0,
-                                                     "dp-epsilon": 50.0, "dp-clip": 0.5})
+                                                     "dp-epsilon": 50.0, "dp-clip": 0.5, "transmit-dtype": "bf16",
+                                                     "proximal-mu": 0.1})
     # each local step sleeps 1 s: a window in which to kill a SuperNode during its training
     fed = federation(world, "ffa", FRUGALTUNE_TEST_STEP_DELAY_S="1")
     try:
@@ -184,6 +202,14 @@ def test_a_killed_supernode_does_not_stop_the_round_and_a_killed_server_resumes(
         report = round_report(out, number)
         assert report["completed"] == 2 and "product_error" not in report
         assert all(c["bytes-up"] < c["bytes-down"] for c in report["clients"])  # B + head up, A + B + head down
+        # bf16: 2 bytes a value each way (the .npy header aside), exactly
+        down_bf16 = sum(t.numel() * 2 + NPY_HEADER for t in start.values())
+        assert report["bytes_down_per_client"] == down_bf16
+        for client in report["clients"]:
+            rank = client["lora-rank"]
+            up = sum((t[:, :rank] if ".lora_B." in k else t).numel() * 2 + NPY_HEADER
+                     for k, t in start.items() if ".lora_A." not in k)
+            assert client["bytes-down"] == down_bf16 and client["bytes-up"] == up
         for client in report["clients"]:  # DP on: the update was clipped and noised with the mechanism's σ
             assert client["dp-noise-std"] == pytest.approx(0.5 * math.sqrt(2 * math.log(1.25 / 1e-5)) / 50, rel=1e-4)
             assert client["dp-update-norm"] > 0
@@ -239,3 +265,65 @@ def test_client_dp_clips_the_update_to_its_norm_then_adds_noise(tmp_path: Path):
     assert result["before"] > 1 and result["dp-update-norm"] == pytest.approx(result["before"], rel=1e-5)
     assert result["clipped"] == pytest.approx(0.5, rel=1e-4)  # clipped to the norm, direction kept
     assert result["noisy"] > 2 * result["clipped"]  # σ = 0.5·sqrt(2 ln(1.25e5)) ≈ 2.4 per value at ε = 1
+
+
+SECAGG_SCRIPT = """
+import copy, json, sys, tomllib
+from pathlib import Path
+from flwr.app import Context, Message, RecordDict
+from frugaltune.federated import client_app, local, server_app
+world, app_toml, method = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+RANKS = {11: 2, 12: 4, 13: 4}
+
+
+class Loopback:  # Flower's Grid with a function call for the network; messages copied as serialization would
+    run = type("Run", (), {"run_id": 1})()
+
+    def __init__(self):
+        self.contexts = {n: Context(run_id=1, node_id=n, state=RecordDict(), run_config={}, node_config={
+            "data": str(world / f"client_{i}.parquet"), "lora-rank": r}) for i, (n, r) in enumerate(RANKS.items())}
+
+    def get_node_ids(self):
+        return list(self.contexts)
+
+    def send_and_receive(self, messages, timeout=None):
+        return [client_app.app(Message(copy.deepcopy(m.content), dst_node_id=m.metadata.dst_node_id,
+                                       message_type=m.metadata.message_type, group_id=m.metadata.group_id),
+                               self.contexts[m.metadata.dst_node_id]) for m in messages]
+
+
+config = {**tomllib.loads(app_toml.read_text())["tool"]["flwr"]["app"]["config"], "model-dir": str(world / "model"),
+          "labels": json.dumps(["a", "b", "c"]), "pad-token-id": 0, "fraction": 1.0, "min-clients": 3,
+          "min-completed": 3, "lora-r": 4, "lora-alpha": 8, "local-steps": 2, "method": method,
+          "secure-max-weight": 40.0}
+start = local.trainable_tensors(local.build_model(config["model-dir"], ["a", "b", "c"], 0, int(config["seed"]),
+                                                  client_app.lora_spec(config)))
+plain, _ = server_app.run_round(Loopback(), config, 1, start)
+server = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={})
+secure, report = server_app.run_round(Loopback(), {**config, "secure-aggregation": True}, 1, start, server)
+print(json.dumps({"max_diff": max(float((plain[k] - secure[k]).abs().max()) for k in start),
+                  "moved": max(float((plain[k] - start[k]).abs().max()) for k in start),
+                  "shapes": all(plain[k].shape == secure[k].shape for k in start),
+                  "completed": report["completed"], "secure": report["secure_aggregation"],
+                  "product_error": "product_error" in report,
+                  "clients_secure": all(c["secure-aggregation"] == 1 for c in report["clients"])}))
+"""
+
+
+@pytest.mark.parametrize("method", ["fedavg", "ffa"])
+def test_secagg_plus_gives_the_plain_mean_without_showing_the_server_an_update(world: Path, method: str):
+    """Flower's SecAggPlusWorkflow and secaggplus_mod run our ServerApp round and ClientApp unchanged, with an
+    in-process Grid for the network (the protocol's four exchanges, no SuperLink): the same clients, trained the same
+    way, give the same global adapter as the plain round up to SecAgg+'s quantization, for FedAvg and FFA with mixed
+    ranks, and the report carries no per-client product error (the server never holds one client's update)."""
+    import subprocess
+
+    out = subprocess.run([str(FLOWER_BIN / "python"), "-c", SECAGG_SCRIPT, str(world),
+                          str(APP / "pyproject.toml"), method], cwd=ROOT, check=True, capture_output=True, text=True,
+                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+                              "HF_HUB_OFFLINE": "1"})
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["completed"] == 3 and result["secure"] and result["clients_secure"] and result["shapes"]
+    assert not result["product_error"]
+    # quantization: 2^22 levels over +-8 after weighting by 40/40 -> a few 1e-6; the update itself is far larger
+    assert result["max_diff"] < 2e-5 and result["moved"] > 10 * result["max_diff"]
