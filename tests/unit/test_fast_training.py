@@ -91,3 +91,19 @@ def test_short_sequence_attention_gives_sdpa_results_and_restores_the_model(lora
 def test_short_sequence_attention_off_leaves_the_model_alone(lora_model):
     with short_sequence_attention(lora_model, 0):
         assert lora_model.config._attn_implementation == "sdpa"
+
+
+def test_kernels_stage_measures_the_attention_crossover_and_the_plan_reads_it_for_its_precision():
+    from frugaltune.kernels.cpu import ATTENTION_LENGTHS, ModelShapes, measure_training_attention
+    from frugaltune.planner import eager_attention_max_len
+
+    timed = measure_training_attention(ModelShapes(hidden=64, heads=2), tokens=64, repeats=3, warmup=1)
+    for precision in ("fp32", "bf16"):
+        assert set(timed["ms"][precision]) == {str(n) for n in ATTENTION_LENGTHS}
+        assert timed["eager_max_len"][precision] in (0, *ATTENTION_LENGTHS)
+        assert all(ms["sdpa"] > 0 and ms["eager"] > 0 for ms in timed["ms"][precision].values())
+    measured = {"training_attention": {"eager_max_len": {"fp32": 0, "bf16": 256}}}
+    assert eager_attention_max_len(measured, bf16=True) == 256
+    assert eager_attention_max_len(measured, bf16=False) == 0
+    assert eager_attention_max_len(measured, bf16=True, gpu=True) == 0
+    assert eager_attention_max_len(None, bf16=True) == 0  # not measured on this machine: SDPA, as before
