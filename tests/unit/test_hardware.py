@@ -190,11 +190,13 @@ def test_plan_stage_calibrates_in_the_precision_this_machine_measured(tmp_path, 
 
     unmeasured = plan_with(None)
     assert unmeasured["run"] == {"method": "lora", "precision": "fp32", "micro_batch_size": 8,
-                                 "gradient_checkpointing": False}
+                                 "gradient_checkpointing": False, "eager_attention_max_len": 0}
     assert "not measured" in unmeasured["precision_why"]
     assert unmeasured["methods"]["lora"]["largest_batch"] == {"sequences": 8, "length": 15}
-    measured = plan_with({"preferred_precision": "bf16", "reason": "bf16 2.29x fp32", "cpu_model": model})
+    measured = plan_with({"preferred_precision": "bf16", "reason": "bf16 2.29x fp32", "cpu_model": model,
+                          "training_attention": {"eager_max_len": {"bf16": 192, "fp32": 96}}})
     assert measured["run"]["precision"] == measured["methods"]["lora"]["precision"] == "bf16"
+    assert measured["run"]["eager_attention_max_len"] == 192  # the crossover timed in the precision chosen
     assert "measured on this machine" in measured["precision_why"]
     # A measurement of another CPU (reports in git come from the last machine) is not this machine's.
     elsewhere = plan_with({"preferred_precision": "bf16", "reason": "x", "cpu_model": "Some Other CPU"})

@@ -116,8 +116,11 @@ def test_every_method_trains_the_lm_and_reloads_to_the_same_loss(method, tiny_mo
     before, count = lm_loss(model, ids, labels, pad, progress=False)
     assert count == sum(target_counts(labels))
     if method != "none":
-        train_classifier(model, ids, labels, LoopConfig(lr=5e-2 if method != "full" else 1e-3, batch_size=8,
-                                                        max_steps=4, seed=0), pad, progress=False)
+        # 5e-2 is at the edge for DoRA on this tiny model: over seeds 0-3, 4 steps raised the loss once with our
+        # shared dropout masks (10.756 -> 10.820), never with peft's nn.Dropout; at 2e-2 all eight runs went down.
+        lr = {"full": 1e-3, "dora": 2e-2}.get(method, 5e-2)
+        train_classifier(model, ids, labels, LoopConfig(lr=lr, batch_size=8, max_steps=4, seed=0), pad,
+                         progress=False)
     after, _ = lm_loss(model, ids, labels, pad, progress=False)
     assert (after < before) if method != "none" else after == pytest.approx(before)
     save_trained(model, method, tmp_path)
