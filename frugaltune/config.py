@@ -370,6 +370,10 @@ class SchedulingParams(Section):
     max_procs: int | None = Field(None, ge=1, description="Machine size; null = the trace's MaxProcs or MaxNodes.")
     window: int = Field(8, ge=1, le=26, description="Waiting jobs every policy sees (oldest first), lettered A..Z "
                         "in prompts; the heuristics are judged at the same window.")
+    order: Literal["queue", "FCFS", "SJF", "WFP3", "UNICEF", "F1"] = Field(
+        "F1", description="The order in which a prompt letters the visible jobs: queue (arrival) order, or best "
+        "first by a heuristic's score, so that 'A' is that heuristic's choice and the model learns where the "
+        "teacher departs from it. The same order in the SFT rows and in the LLM policy.")
     backfill: bool = Field(False, description="EASY backfilling in the LLM's evaluation and the SFT episodes "
                            "(the baselines stage reports both modes).")
     evaluation: SchedulingEvaluationParams = Field(default_factory=SchedulingEvaluationParams)
@@ -446,6 +450,10 @@ class FederatedParams(Section):
         ["fedavg", "ffa"], min_length=1, description="Aggregations compared on the same partitions: fedavg averages "
         "A, B and the head (inexact for LoRA); ffa freezes A at the shared seeded init and averages B (exact).")
     iid_control: bool = Field(True, description="Also run the first method on an IID partition, as a control.")
+    centralized_baseline: bool = Field(True, description="Also train LoRA centrally (one process, the whole "
+                                       "training split) on as many examples as the first run's clients trained on, "
+                                       "with the same LoRA, lr, batch and seed, on the same test split: the "
+                                       "reference for each run's macro-F1 gap.")
     num_rounds: int = Field(3, ge=1, description="Federated rounds.")
     fraction: float = Field(0.5, gt=0, le=1, description="Share of the connected clients sampled each round.")
     min_completed: int = Field(2, ge=1, description="Completion floor: a round counts when at least this many "

@@ -18,6 +18,9 @@ full-model size; the partition's label histograms; each client's plan or why it 
 federated_labels.csv` (per-client label counts), `reports/plots/federated_clients.csv` and the PNGs
 `reports/figures/federated_rounds.png` (metric vs round and vs bytes) and `reports/figures/federated_clients.png`
 (each client's measured time and memory against its plan); one MLflow run with the per-round metrics.
+With `federated.centralized_baseline`, the report's `centralized` is LoRA trained in one process on as many examples
+as the first run's clients trained on (same LoRA, lr, batch, seed, test split), and each run gets its
+`macro_f1_gap_to_centralized`.
 """
 
 from __future__ import annotations
@@ -207,6 +210,40 @@ def export_adapter(out: Path, params: Params, labels: list[str], pad_token_id: i
                                              last.stem.split("_")[1])}})
 
 
+def examples_trained(out: Path, batch_size: int) -> int:
+    """Training examples the clients of a run went through: steps x batch size, over every completed client-round."""
+    return sum(int(client.get("steps", 0)) * batch_size for path in sorted(out.glob("rounds/round_*.json"))
+               for client in json.loads(path.read_text()).get("clients", []))
+
+
+def centralized_baseline(params: Params, labels: list[str], pad_token_id: int, examples: int) -> dict:
+    """The reference the issue compares a federation with: LoRA trained in one process on the whole training split
+    (the union of what the clients own), for as many examples as the federation's clients trained on, with the
+    federation's LoRA, lr, batch, schedule (constant, as a client's round) and seed, evaluated on the same test split
+    by the same function as the server's rounds. One optimizer over all the steps, as centralized training has."""
+    import time
+
+    import torch
+
+    from frugaltune.training.loop import peak_rss_mb
+
+    fp, seed = params.federated, params.common.seed
+    steps = max(1, round(examples / fp.batch_size))
+    threads = torch.get_num_threads()
+    spec = local.LoraSpec(fp.lora.r, fp.lora.alpha, fp.lora.dropout, tuple(fp.lora.target_modules))
+    model = local.build_model(paths.BASE_MODEL, labels, pad_token_id, seed, spec)
+    input_ids, targets = local.read_examples(DATA / "train.parquet")
+    began = time.perf_counter()
+    local.train_locally(model, input_ids, targets, pad_token_id, steps=steps, lr=fp.lr, batch_size=fp.batch_size,
+                        micro_batch_size=None, seed=seed)
+    seconds = time.perf_counter() - began
+    test_ids, test_targets = local.read_examples(DATA / "test.parquet")
+    final = local.evaluate(model, test_ids, test_targets, labels, pad_token_id)
+    return {"examples": steps * fp.batch_size, "steps": steps, "batch_size": fp.batch_size, "lr": fp.lr,
+            "training_rows": len(targets), "threads": threads, "train_seconds": round(seconds, 1),
+            "peak_rss_mb": round(peak_rss_mb()), "final": final}
+
+
 def csv_text(rows: list[dict], fields: list[str]) -> str:
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=fields, lineterminator="\n", extrasaction="ignore")
@@ -262,6 +299,18 @@ def run(params: Params) -> dict:
                 round_rows.append({"run": name, **row})
                 mlflow.log_metrics({f"{name}.{k}": row[k] for k in ("accuracy", "macro_f1", "loss", "bytes_total")},
                                    step=row["round"])
+        if fp.centralized_baseline and report["runs"]:
+            first = next(iter(report["runs"]))
+            examples = examples_trained(paths.CHECKPOINTS_DIR / "federated" / run_key(params, *runs[0]),
+                                        fp.batch_size)
+            print(f"federated: centralized LoRA on {examples} examples (as many as {first}'s clients trained on)",
+                  flush=True)
+            central = report["centralized"] = centralized_baseline(params, labels, pad_token_id, examples)
+            central["examples_of"] = first
+            for summary in report["runs"].values():
+                summary["macro_f1_gap_to_centralized"] = round(central["final"]["macro_f1"]
+                                                               - summary["final"]["macro_f1"], 4)
+            mlflow.log_metrics({f"centralized.{k}": v for k, v in central["final"].items()})
         write_json(REPORT, report)
         write_text(ROUNDS_CSV, csv_text(round_rows, ["run", "round", "accuracy", "macro_f1", "loss", "bytes_total",
                                                      "clients_completed"]))
@@ -277,7 +326,14 @@ def run(params: Params) -> dict:
         final = summary["final"]
         print(f"federated: {name}: test macro-F1 {final['macro_f1']:.4f} accuracy {final['accuracy']:.4f} "
               f"(base {summary['baseline']['macro_f1']:.4f}); {summary['bytes_up_per_client_round_max']:,} bytes up "
-              f"per client per round, full model / adapter {summary['full_model_over_adapter']}x")
+              f"per client per round, full model / adapter {summary['full_model_over_adapter']}x"
+              + (f"; {summary['macro_f1_gap_to_centralized']:+.4f} macro-F1 below centralized"
+                 if "macro_f1_gap_to_centralized" in summary else ""))
+    if "centralized" in report:
+        central = report["centralized"]
+        print(f"federated: centralized LoRA, {central['examples']} examples ({central['steps']} steps of "
+              f"{central['batch_size']}): test macro-F1 {central['final']['macro_f1']:.4f} accuracy "
+              f"{central['final']['accuracy']:.4f}")
     return report
 
 

@@ -116,6 +116,11 @@ def test_the_stage_runs_three_supernodes_for_two_rounds_sending_only_the_adapter
     assert [c["examples"] for c in report["partitions"]["iid"]] == [40, 40, 40]
     assert sorted(c["lora_rank"] for c in report["clients"]["iid"]) == [4, 8, 8]
     assert json.loads((project / "reports/federated.json").read_text())["runs"]["fedavg_iid"] == run
+    # the centralized reference: as many examples as the clients trained on (2 rounds x 3 clients x 2 steps x 8)
+    central = report["centralized"]
+    assert (central["examples"], central["steps"], central["training_rows"]) == (96, 12, 120)
+    assert run["macro_f1_gap_to_centralized"] == pytest.approx(central["final"]["macro_f1"] - run["final"]["macro_f1"],
+                                                               abs=1e-4)
     rows = (project / "reports/plots/federated_rounds.csv").read_text().splitlines()
     assert rows[0].startswith("run,round,accuracy,macro_f1,loss,bytes_total") and len(rows) == 4  # rounds 0, 1, 2
     assert (project / "reports/plots/federated_labels.csv").read_text().count("\n") > 3
