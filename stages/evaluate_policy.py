@@ -2,7 +2,7 @@
 Run by DVC (in scheduling/) as:  python -m stages.evaluate_policy
 
 Every policy runs on the same held-out test sequences (`scheduling.evaluation`, window `scheduling.window`,
-EASY backfilling as `scheduling.backfill`): FCFS, SJF, WFP3, UNICEF, F1, the base model with the adapter in
+EASY backfilling as `scheduling.backfill`), in the precision training ran in (`reports/train.json`): FCFS, SJF, WFP3, UNICEF, F1, the base model with the adapter in
 `models/adapter` ("finetuned") and the base model alone ("base", when `scheduling.llm.evaluate_base`). The LLMs
 choose by constrained choice among the visible jobs' letters, all sequences in lockstep (one batched forward per
 round). When the adapter cannot be loaded, the `scheduling.llm.fallback` heuristic stands in, its numbers are
@@ -25,7 +25,7 @@ import numpy as np
 from frugaltune import paths
 from frugaltune.config import Params, ParamsError, load_params
 from frugaltune.faults import stage_errors
-from frugaltune.io import write_json, write_metrics, write_text
+from frugaltune.io import read_json, write_json, write_metrics, write_text
 from frugaltune.scheduling.evaluation import sequences
 from frugaltune.scheduling.llm_policy import LLMPolicy, load_llm_policy
 from frugaltune.scheduling.metrics import sequence_metrics
@@ -54,13 +54,17 @@ def run(params: Params) -> dict:
     proto = protocol(sp)
     tests = sequences(workload, proto)
     llm = sp.llm
+    # As training ran (the plan's precision, measured faster on this CPU); the train stage records it.
+    bf16 = bool(read_json(paths.PIPELINE_RUN.train_report).get("bf16", False))
     policies = dict(HEURISTICS)
     policies["finetuned"] = load_llm_policy(paths.BASE_MODEL, paths.ADAPTER_DIR, name="finetuned",
                                             fallback=llm.fallback, threads=llm.threads, batch_size=llm.batch_size,
-                                            max_running=sp.sft.max_running)
+                                            max_running=sp.sft.max_running, bf16=bf16,
+                                            order=sp.order)
     if llm.evaluate_base:
         policies["base"] = load_llm_policy(paths.BASE_MODEL, None, name="base", threads=llm.threads,
-                                           batch_size=llm.batch_size, max_running=sp.sft.max_running)
+                                           batch_size=llm.batch_size, max_running=sp.sft.max_running, bf16=bf16,
+                                            order=sp.order)
     results, summaries = {}, {}
     for key, policy in policies.items():
         began = time.perf_counter()
@@ -78,6 +82,7 @@ def run(params: Params) -> dict:
         "task": "scheduling",
         "sequences": proto.n_sequences, "sequence_length": proto.sequence_length, "window": proto.window,
         "backfill": sp.backfill,
+        "precision": "bf16" if bf16 else "fp32",
         "finetuned_policy": policies["finetuned"].name,  # "F1 (fallback: ...)" when the adapter did not load
         ("finetuned" if loaded else "fallback"): summaries["finetuned"],
         **({"baseline": summaries["base"]} if "base" in summaries else {}),

@@ -29,4 +29,4 @@ def sft_config(sp: SchedulingParams) -> SftConfig:
     s = sp.sft
     return SftConfig(protocol=protocol(sp), episodes=s.episodes, episode_length=s.episode_length, seed=s.seed,
                      rollout_policies=tuple(s.rollout_policies), horizon=s.horizon, backfill=sp.backfill,
-                     max_running=s.max_running)
+                     max_running=s.max_running, order=sp.order)

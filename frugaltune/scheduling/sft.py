@@ -57,15 +57,27 @@ def job_labels(n: int) -> list[str]:
     return list(LETTERS[:n])
 
 
+def listed(state: SchedulerState, order: str = "queue") -> list[Job]:
+    """The visible jobs in the order a prompt letters them (A first): queue (arrival) order, or best first by the
+    score of the heuristic named `order` (its ties as in ScorePolicy), so that "A" is that heuristic's choice."""
+    if order == "queue":
+        return list(state.queue)
+    if order not in HEURISTICS:
+        raise ValueError(f"scheduling.order = {order!r}: use 'queue' or a heuristic ({', '.join(HEURISTICS)}).")
+    score, clock = HEURISTICS[order].score, state.clock
+    return sorted(state.queue, key=lambda job: (score(job, clock), job.submit_time, job.job_id))
+
+
 def _minutes_up(seconds: float) -> int:
     return int(math.ceil(max(seconds, 0.0) / 60.0))
 
 
-def encode_state(state: SchedulerState, max_running: int = 4) -> str:
+def encode_state(state: SchedulerState, max_running: int = 4, order: str = "queue") -> str:
     """The prompt for one decision (see the module docstring). At most `max_running` running jobs are listed,
     soonest expected end first (the rest counted), so a full machine does not double the prompt. The clock is the
     time of day (the trace's clock modulo 24 h): what a real trace's daily cycle depends on, the same however a
-    sequence was cut, and 5 characters instead of a growing second count."""
+    sequence was cut, and 5 characters instead of a growing second count. The visible jobs are lettered in
+    `order` (see `listed`)."""
     running = state.running
     shown = " ".join(f"{_minutes_up(r.expected_end - state.clock)}x{r.job.requested_procs}"
                      for r in running[:max_running])
@@ -78,7 +90,7 @@ def encode_state(state: SchedulerState, max_running: int = 4) -> str:
         f"running (min left x procs): {shown or 'none'}",
         "waiting (letter procs requested_min waited_min):",
     ]
-    for label, job in zip(job_labels(len(state.queue)), state.queue):
+    for label, job in zip(job_labels(len(state.queue)), listed(state, order)):
         lines.append(f"{label} {job.requested_procs} {_minutes_up(job.requested_time)} "
                      f"{int(state.wait_time(job) // 60)}")
     return "\n".join(lines)
@@ -133,7 +145,8 @@ class LookaheadTeacher:
 
 
 def teacher_episode(jobs: Sequence[Job], total_procs: int, teacher: LookaheadTeacher, window: int,
-                    backfill: bool = False, max_running: int = 4) -> tuple[SimulationResult, list[dict]]:
+                    backfill: bool = False, max_running: int = 4,
+                    order: str = "queue") -> tuple[SimulationResult, list[dict]]:
     """Simulate `jobs` with the teacher choosing; every decision with two or more visible jobs becomes a row
     {prompt, response, candidates}. One-candidate decisions are not rows: the LLM policy answers them without
     the model."""
@@ -143,8 +156,8 @@ def teacher_episode(jobs: Sequence[Job], total_procs: int, teacher: LookaheadTea
         choice = teacher.choose(sim, state)
         if len(state.queue) > 1:
             labels = job_labels(len(state.queue))
-            position = next(i for i, job in enumerate(state.queue) if job is choice)
-            rows.append({"prompt": encode_state(state, max_running), "response": labels[position],
+            position = next(i for i, job in enumerate(listed(state, order)) if job is choice)
+            rows.append({"prompt": encode_state(state, max_running, order), "response": labels[position],
                          "candidates": labels})
         sim.commit(choice, teacher.name)
     return sim.result(teacher.name), rows
@@ -167,6 +180,8 @@ class SftConfig:
     horizon: int = 128
     backfill: bool = False
     max_running: int = 4
+    order: str = "queue"
+    """How prompts letter the visible jobs (`listed`); the pipeline's default is F1 (scheduling.order)."""
 
 
 def episode_starts(workload: Workload, cfg: SftConfig) -> np.ndarray:
@@ -197,7 +212,7 @@ def build_sft(workload: Workload, cfg: SftConfig) -> tuple[list[dict], dict]:
     for number, start in enumerate(episode_starts(workload, cfg)):
         jobs = workload.jobs[start:start + cfg.episode_length]
         result, episode_rows = teacher_episode(jobs, workload.max_procs, teacher, cfg.protocol.window,
-                                               cfg.backfill, cfg.max_running)
+                                               cfg.backfill, cfg.max_running, cfg.order)
         for row in episode_rows:
             row["episode"] = number
         rows.extend(episode_rows)

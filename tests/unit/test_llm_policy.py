@@ -69,3 +69,44 @@ def test_a_model_that_cannot_load_gives_the_named_fallback(tmp_path, tiny_model_
         load_llm_policy(tiny_model_dir, missing)
     with pytest.raises(ValueError, match="scheduling.llm.fallback"):
         load_llm_policy(tiny_model_dir, missing, fallback="LIFO")
+
+
+def test_a_merged_adapter_chooses_as_the_unmerged_one_and_bf16_weights_stay_close(workload, tiny_model_dir,
+                                                                                   smol_tokenizer):
+    import torch
+    from peft import PeftModel
+
+    from frugaltune.config import parse_params
+    from frugaltune.generation import choose, prompt_ids
+    from frugaltune.scheduling.llm_policy import for_inference
+    from frugaltune.scheduling.sft import encode_state, job_labels
+    from frugaltune.training.methods import prepare_model
+
+    model = prepare_model(tiny_model_dir, [], smol_tokenizer.pad_token_id, 0, "lora", parse_params({}).train.lora,
+                          task="causal_lm")
+    with torch.no_grad():  # a fresh adapter's B is zero: give it an effect that a wrong merge would show
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.5)
+    model.eval()
+    sim = Simulator(workload.jobs[:40], 16, window=WINDOW)
+    prompts, options = [], []
+    while (state := sim.next_decision()) is not None:
+        if len(state.queue) > 1:
+            prompts.append(prompt_ids(smol_tokenizer, encode_state(state), None, True))
+            options.append(job_labels(len(state.queue)))
+        sim.commit(state.queue[0])
+    assert len(prompts) > 5
+    best, scores = choose(model, smol_tokenizer, prompts, options)
+
+    merged = for_inference(model)
+    assert not isinstance(merged, PeftModel) and not any("lora_" in n for n, _ in merged.named_parameters())
+    merged_best, merged_scores = choose(merged, smol_tokenizer, prompts, options)
+    assert merged_best == best
+    assert [s for row in merged_scores for s in row] == pytest.approx([s for row in scores for s in row], abs=1e-4)
+
+    half = for_inference(merged, bf16=True)
+    assert {p.dtype for p in half.parameters()} == {torch.bfloat16}
+    _, half_scores = choose(half, smol_tokenizer, prompts, options)
+    # bf16 keeps ~3 significant digits: log-probabilities near -10.8 move by hundredths, not more
+    assert [s for row in half_scores for s in row] == pytest.approx([s for row in scores for s in row], abs=0.1)

@@ -24,12 +24,12 @@ def test_the_flow_runs_the_scheduling_stages_upstream_first(monkeypatch):
     stages = [s.split(":", 1)[1] for s in pipeline_stages(SCHEDULING_PIPELINE)]
     assert all(s.startswith("scheduling/dvc.yaml:") for s in pipeline_stages(SCHEDULING_PIPELINE))
     assert sorted(stages) == sorted(["ingest_trace", "validate_trace", "simulate_baselines", "build_sft",
-                                     "import_model", "ingest", "validate", "tokenize", "train", "evaluate_policy",
-                                     "register"])
+                                     "import_model", "ingest", "validate", "tokenize", "probe", "kernels", "plan",
+                                     "train", "evaluate_policy", "register"])
     before = stages.index
     assert before("ingest_trace") < before("validate_trace") < before("build_sft") < before("ingest") \
-        < before("tokenize") < before("train") < before("evaluate_policy") < before("register")
-    assert "probe" not in stages  # the classification pipeline's stages are not this flow's
+        < before("tokenize") < before("plan") < before("train") < before("evaluate_policy") < before("register")
+    assert before("probe") < before("kernels") < before("plan")  # this machine's precision, measured here
 
 
 def test_a_scheduling_train_stage_gets_the_training_timeout_and_register_its_retries():

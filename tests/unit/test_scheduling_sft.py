@@ -17,6 +17,7 @@ from frugaltune.scheduling.sft import (
     encode_state,
     episode_starts,
     job_labels,
+    listed,
     teacher_episode,
 )
 from frugaltune.scheduling.simulator import Simulator
@@ -54,6 +55,25 @@ def test_running_jobs_beyond_the_limit_are_summarised():
             break
         sim.commit(state.queue[0])
     assert "running (min left x procs): 17x1 17x1 +3 more" in encode_state(state, max_running=2)
+
+
+def test_in_sjf_order_a_is_sjfs_choice_and_the_teacher_answers_in_that_lettering():
+    # The job of the first test above, where SJF would pick job 4 (1 min requested) over job 3 (2 min).
+    rows = [(1, 0, 3000, 4, 3600), (2, 0, 100, 8, 120), (3, 120, 50, 2, 61), (4, 130, 10, 1, 60)]
+    sim = Simulator(workload_from_rows(rows, max_procs=8).jobs, 8, window=2)
+    for _ in range(2):
+        sim.commit(sim.next_decision().queue[0])
+    state = sim.next_decision()
+    assert [j.job_id for j in listed(state, "SJF")] == [4, 3] and listed(state, "queue") == list(state.queue)
+    assert encode_state(state, order="SJF").splitlines()[-2:] == ["A 1 1 47", "B 2 2 48"]
+    with pytest.raises(ValueError, match="scheduling.order"):
+        listed(state, "LIFO")
+    # The teacher of the FCFS-beating case picks job 2 (the short one): "B" in queue order, "A" in SJF order.
+    jobs = workload_from_rows([(1, 0, 1000, 4, 1000), (2, 0, 10, 1, 10)], max_procs=4).jobs
+    for order, answer, long_line in (("queue", "B", "A 4 17 0"), ("SJF", "A", "B 4 17 0")):
+        _, episode = teacher_episode(jobs, 4, LookaheadTeacher([FCFS], horizon=8), window=4, order=order)
+        assert [r["response"] for r in episode] == [answer]
+        assert long_line in episode[0]["prompt"].splitlines()  # the 1000 s job on 4 processors
 
 
 def test_labels_are_letters_and_a_window_beyond_z_is_refused():
