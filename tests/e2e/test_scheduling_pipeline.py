@@ -1,5 +1,6 @@
 """End to end: the scheduling pipeline (scheduling/dvc.yaml) through `dvc repro` on a tiny random llama and a small
-synthetic trace, in a temp git+DVC project; then a second `dvc repro` runs nothing.
+synthetic trace, in a temp git+DVC project; then a second `dvc repro`
+runs only the probe (always_changed, byte-identical facts) and nothing after it.
 
 Run with `make test` (or `pytest -m slow tests/e2e/test_scheduling_pipeline.py`); about a minute and a half on
 2 cores: a synthetic 400-job trace, window 4, 2 teacher episodes, 4 training steps, 2 test sequences of 32 jobs.
@@ -22,7 +23,7 @@ from tests.e2e.test_pipeline import ran_stages
 
 pytestmark = pytest.mark.slow
 STAGES = ["ingest_trace", "validate_trace", "simulate_baselines", "build_sft", "import_model", "ingest", "validate",
-          "tokenize", "train", "evaluate_policy", "register"]
+          "tokenize", "probe", "kernels", "plan", "train", "evaluate_policy", "register"]
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +70,14 @@ def test_scheduling_repro_builds_sft_trains_judges_registers_then_is_a_no_op(pro
     assert len(rows) == reports["build_sft"]["rows"] > 10
     assert all(r in c and 2 <= len(c) <= 4 for r, c in zip(rows["response"], rows["candidates"]))
     assert reports["train"]["steps"] == 4
+    # Training and the policies run in the precision the plan resolved from this machine's measurements
+    plan = json.loads((out / "reports/plan.json").read_text())["run"]
+    assert plan["precision"] in ("fp32", "bf16")
+    assert reports["train"]["bf16"] == (plan["precision"] == "bf16")
+    assert reports["train"]["micro_batch_size"] == plan["micro_batch_size"]
 
     evaluation = reports["evaluate"]
+    assert evaluation["precision"] == plan["precision"]
     assert evaluation["finetuned_policy"] == "finetuned"  # the adapter loaded: no fallback
     for name in ("finetuned", "baseline"):
         assert len(evaluation[name]["per_sequence_avg_bsld"]) == 2 and evaluation[name]["avg_bsld"] >= 1
@@ -94,5 +101,6 @@ def test_scheduling_repro_builds_sft_trains_judges_registers_then_is_a_no_op(pro
     name, decisions, calls = served.strip().splitlines()[-1].split()
     assert name == "champion" and int(decisions) == 20 and int(calls) > 0
 
+    # As in the root pipeline: only the probe runs (always_changed), its facts are byte-identical, nothing reruns.
     second = tiny_project.run([sys.executable, "-m", "dvc", "repro", "scheduling/dvc.yaml"], project)
-    assert ran_stages(second) == [], second
+    assert ran_stages(second) == ["probe"], second
