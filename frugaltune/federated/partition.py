@@ -81,7 +81,13 @@ def write_partitions(parts: list[datasets.Dataset], summary: list[dict], out: Pa
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     for entry, part in zip(summary, parts):
-        pq.write_table(part.data.table, tmp / f"client_{entry['client']}.parquet")
+        # flatten_indices: a partitioner's `select` keeps the whole table behind an indices mapping, and
+        # `part.data.table` alone is every row (what each Dirichlet client was given before this was caught)
+        table = part.flatten_indices(keep_in_memory=True).data.table
+        if table.num_rows != entry["examples"]:
+            raise RuntimeError(f"partition: client {entry['client']} has {entry['examples']} rows but "
+                               f"{table.num_rows} would be written")
+        pq.write_table(table, tmp / f"client_{entry['client']}.parquet")
     (tmp / "partitions.json").write_text(json.dumps({"scheme": scheme, "seed": seed, "clients": summary}, indent=2))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)

@@ -11,6 +11,7 @@ import math
 import random
 import shutil
 import time
+from collections import Counter
 from pathlib import Path
 
 import pyarrow as pa
@@ -244,6 +245,17 @@ def test_partitions_are_deterministic_for_a_seed_and_skewed_by_dirichlet(world: 
     for summary in (one, iid):
         assert sum(c["examples"] for c in summary["clients"]) == 300
     assert [c["examples"] for c in iid["clients"]] == [75] * 4
+
+    # Each client's file holds exactly its rows: together every training row once, histograms as summarised
+    everyone = sorted((tuple(r["input_ids"]), r["labels"]) for r in pq.read_table(train).to_pylist())
+    for out, summary in (("a", one), ("d", iid)):
+        written = [pq.read_table(tmp_path / f"{out}/client_{c['client']}.parquet").to_pylist()
+                   for c in summary["clients"]]
+        assert [len(w) for w in written] == [c["examples"] for c in summary["clients"]]
+        for part, c in zip(written, summary["clients"]):
+            counts = {str(k): n for k, n in sorted(Counter(r["labels"] for r in part).items())}
+            assert counts == c["label_histogram"]
+        assert sorted((tuple(r["input_ids"]), r["labels"]) for w in written for r in w) == everyone
 
     def skew(summary: dict) -> float:  # the largest share one label takes of a client's rows, averaged
         return sum(max(c["label_histogram"].values()) / c["examples"] for c in summary["clients"]) / 4
