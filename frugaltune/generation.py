@@ -218,6 +218,7 @@ def choose(
     candidates: Sequence[Sequence[str]],
     batch_size: int = 16,
     rows_per_pass: int = 256,
+    min_shared_prefix: int = 8,
 ) -> tuple[list[int], list[list[float]]]:
     """Constrained answer: per prompt, the index of the candidate the model finds most likely, and every score.
 
@@ -226,7 +227,10 @@ def choose(
     prompts per forward (left padded, positions counted from each prompt's first token); its last position scores
     every candidate's first token, and its KV cache, shared by all its candidates, feeds one more forward over the
     candidates' remaining tokens (`rows_per_pass` candidate rows at a time). No generation loop, and the prompt,
-    which is most of the tokens, is not recomputed per candidate.
+    which is most of the tokens, is not recomputed per candidate. The tokens every prompt starts with (a chat
+    template's system turn, an instruction: ~20% of a scheduling prompt) are read once per call when there are at
+    least `min_shared_prefix` of them: their KV cache is copied to each batch, whose prompts continue it left padded
+    between the shared part and their own (positions as if unpadded, so the scores are those of the whole prompt).
     """
     import copy
 
@@ -244,21 +248,35 @@ def choose(
     pad = _pad_id(tokenizer)
     scores: list[list[float]] = [[0.0] * len(options) for options in answers]
     order = sorted(range(len(prompts)), key=lambda e: len(prompts[e]))
+    # Every prompt keeps at least its last token: that position scores the candidates' first tokens.
+    shared = min(_common_prefix_length(prompts), min(len(p) for p in prompts) - 1)
+    shared = shared if len(prompts) > 1 and shared >= min_shared_prefix else 0
     was_training = model.training
     model.eval()
     try:
         with torch.inference_mode():
+            prefix_cache = None
+            if shared:
+                prefix_cache = model(input_ids=torch.tensor([list(prompts[0][:shared])], dtype=torch.long),
+                                     use_cache=True, logits_to_keep=1).past_key_values
             for start in range(0, len(order), batch_size):
                 group = order[start:start + batch_size]
-                width = max(len(prompts[e]) for e in group)
+                width = max(len(prompts[e]) for e in group) - shared
                 input_ids = torch.full((len(group), width), pad, dtype=torch.long)
-                mask = torch.zeros((len(group), width), dtype=torch.long)
+                own = torch.zeros((len(group), width), dtype=torch.long)
                 for row, e in enumerate(group):  # LEFT padding: every prompt ends at the last column
-                    input_ids[row, width - len(prompts[e]):] = torch.tensor(list(prompts[e]), dtype=torch.long)
-                    mask[row, width - len(prompts[e]):] = 1
-                positions = (mask.cumsum(-1) - 1).clamp(min=0)  # as in training: 0 at each prompt's first token
-                out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                            logits_to_keep=1)
+                    input_ids[row, width - len(prompts[e]) + shared:] = torch.tensor(list(prompts[e][shared:]),
+                                                                                     dtype=torch.long)
+                    own[row, width - len(prompts[e]) + shared:] = 1
+                # as in training: 0 at each prompt's first token (the shared part holds 0 .. shared-1)
+                positions = shared + (own.cumsum(-1) - 1).clamp(min=0)
+                cache = None
+                if prefix_cache is not None:
+                    cache = copy.deepcopy(prefix_cache)
+                    cache.batch_repeat_interleave(len(group))
+                mask = torch.cat([torch.ones((len(group), shared), dtype=torch.long), own], dim=1)
+                out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                            use_cache=True, logits_to_keep=1)
                 first = out.logits[:, -1].float().log_softmax(dim=-1)  # the first answer token, for every candidate
                 rows = [(row, e, k) for row, e in enumerate(group) for k in range(len(answers[e]))]
                 for row, e, k in rows:
@@ -292,6 +310,14 @@ def choose(
 # ----------------------------------------------------------------------------------------------- metrics
 
 _PUNCTUATION = string.punctuation + "“”‘’«»…–—"
+
+
+def _common_prefix_length(prompts: Sequence[Sequence[int]]) -> int:
+    first = prompts[0]
+    length = min(len(p) for p in prompts)
+    for prompt in prompts[1:]:
+        length = next((i for i in range(length) if prompt[i] != first[i]), length)
+    return length
 
 
 def normalize_answer(text: str) -> str:

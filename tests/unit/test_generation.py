@@ -168,6 +168,27 @@ def test_choose_scores_each_candidate_by_its_summed_log_probability(tiny_lm, smo
         torch.testing.assert_close(torch.tensor(again), torch.tensor(row), atol=1e-5, rtol=0)
 
 
+def test_choose_reads_a_shared_prefix_once_and_scores_as_if_each_prompt_were_read_whole(tiny_lm, smol_tokenizer,
+                                                                                          ids):
+    # A system turn + instruction that every prompt starts with, then prompts of different lengths (one is only a
+    # token longer than the shared part), as the scheduling and classification prompts are.
+    head = smol_tokenizer("You schedule jobs. Pick the job to run next, answer with its letter.")["input_ids"]
+    prompts = [head + p for p in ids] + [head + ids[0][:1]]
+    candidates = [["A", "B", "C"], ["B", "C"], ["A", "hello there"], ["C", "A", "B", "D"], ["A", "B"]]
+    best, scores = choose(tiny_lm, smol_tokenizer, prompts, candidates, batch_size=2, rows_per_pass=3)
+    whole_best, whole = choose(tiny_lm, smol_tokenizer, prompts, candidates, batch_size=2,
+                               min_shared_prefix=10_000)  # read every prompt whole
+    assert best == whole_best
+    for prompt, options, row, again in zip(prompts, candidates, scores, whole):
+        torch.testing.assert_close(torch.tensor(row), torch.tensor(again), atol=1e-4, rtol=0)
+        expected = [_brute_force_score(tiny_lm, smol_tokenizer, prompt, option) for option in options]
+        torch.testing.assert_close(torch.tensor(row), torch.tensor(expected), atol=1e-4, rtol=0)
+    # Prompts equal to the shared part but for their last token still get that token as their own
+    same = choose(tiny_lm, smol_tokenizer, [head, head], [["A", "B"], ["A", "B"]])[1]
+    torch.testing.assert_close(torch.tensor(same[0]), torch.tensor(
+        [_brute_force_score(tiny_lm, smol_tokenizer, head, o) for o in ("A", "B")]), atol=1e-4, rtol=0)
+
+
 @contextmanager
 def eos_bias(model, bias: float):
     """Add `bias` to the EOS logit: a random model then ends its answers within a few tokens, as a trained one does."""
