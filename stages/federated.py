@@ -119,7 +119,7 @@ def federate(params: Params, scheme: str, method: str, plans: list[dict], parts:
               "round-timeout": float(fp.round_timeout_s), "method": method, "lora-r": fp.lora.r,
               "lora-alpha": fp.lora.alpha, "lora-dropout": fp.lora.dropout,
               "lora-target-modules": json.dumps(list(fp.lora.target_modules)), "local-steps": fp.local_steps,
-              "lr": fp.lr, "batch-size": fp.batch_size, "seed": params.common.seed, "threads": fp.threads,
+              "lr": fp.lr, "server-lr": fp.server_lr, "batch-size": fp.batch_size, "seed": params.common.seed, "threads": fp.threads,
               "dp-epsilon": fp.dp.epsilon if fp.dp.enabled else 0.0, "dp-delta": fp.dp.delta,
               "dp-clip": fp.dp.clipping_norm, "proximal-mu": fp.proximal_mu,
               "transmit-dtype": fp.transmit_dtype, "secure-aggregation": fp.secure_aggregation,

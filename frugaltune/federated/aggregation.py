@@ -114,6 +114,21 @@ def aggregate(global_tensors: Tensors, updates: Sequence[tuple[Tensors, int]], m
     return {name: mean[name] for name in global_tensors}
 
 
+def server_step(global_tensors: Tensors, aggregated: Tensors, server_lr: float) -> dict[str, torch.Tensor]:
+    """FedAvg with a server learning rate (Reddi et al., 2021, "Adaptive Federated Optimization", SGD on the server):
+    global + server_lr * (aggregated - global). 1 is plain FedAvg. Why > 1: clients that start a round from the same
+    point and take k steps each move the mean about k steps' worth, not (clients x k): per example seen, a round
+    makes a fraction of the progress of one process training on the same examples; the server step scales it back.
+    Under FFA A does not change (aggregated A is the global A), so B's step stays exact."""
+    if server_lr <= 0:
+        raise ValueError(f"federated.server_lr = {server_lr}: must be > 0 (1 = plain FedAvg).")
+    if server_lr == 1:
+        return dict(aggregated)
+    return {name: (global_tensors[name].double() + server_lr * (aggregated[name].double()
+                                                                - global_tensors[name].double())).to(tensor.dtype)
+            for name, tensor in aggregated.items()}
+
+
 def lora_pairs(tensors: Tensors) -> list[tuple[str, str]]:
     """(A name, B name) for every adapted layer."""
     return [(name, name.replace(".lora_A.", ".lora_B.")) for name in sorted(tensors) if is_lora_a(name)]

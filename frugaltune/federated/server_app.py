@@ -42,7 +42,7 @@ app = ServerApp()
 
 # Settings a round's result depends on: a resume continues only a run with the same ones.
 RESULT_KEYS = ("model-dir", "labels", "test-data", "method", "lora-r", "lora-alpha", "lora-dropout",
-               "lora-target-modules", "local-steps", "lr", "batch-size", "seed", "fraction", "pad-token-id",
+               "lora-target-modules", "local-steps", "lr", "server-lr", "batch-size", "seed", "fraction", "pad-token-id",
                "dp-epsilon", "dp-delta", "dp-clip", "proximal-mu", "transmit-dtype", "secure-aggregation")
 
 
@@ -127,6 +127,7 @@ def run_secure_round(grid: Grid, context: Context, config: dict, number: int, te
             f"federated.min_completed {floor} (or too few to unmask). The last completed round is kept: rerun to "
             "resume from it.")
     new = aggregation.aggregate(tensors, [(result["mean"], result["examples"])], method)  # a mean of one
+    new = aggregation.server_step(tensors, new, float(config.get("server-lr", 1.0)))
     return new, {"round": number, "sampled": len(sampled), "completed": len(result["clients"]),
                  "failures": failures, "clients": result["clients"], "secure_aggregation": True,
                  "bytes_down_per_client": result["bytes_down"],
@@ -168,12 +169,13 @@ def run_round(grid: Grid, config: dict, number: int, tensors: dict[str, torch.Te
             f"round {number}: {len(updates)} of {len(sampled)} clients completed, below federated.min_completed "
             f"{floor} ({'; '.join(f['reason'] for f in failures)}). The last completed round is kept: rerun to "
             "resume from it.")
-    new = aggregation.aggregate(tensors, updates, str(config["method"]))
+    mean = aggregation.aggregate(tensors, updates, str(config["method"]))
+    new = aggregation.server_step(tensors, mean, float(config.get("server-lr", 1.0)))
     report = {"round": number, "sampled": len(sampled), "completed": len(updates), "failures": failures,
               "clients": clients, "bytes_down_per_client": record_bytes(down),
               "round_seconds": round(time.perf_counter() - started, 3)}
     if str(config["method"]) == "fedavg":  # how far the averaged factors are from the averaged products
-        report["product_error"] = round(aggregation.product_error(new, updates), 6)
+        report["product_error"] = round(aggregation.product_error(mean, updates), 6)
     return new, report
 
 

@@ -90,6 +90,24 @@ def test_client_alpha_keeps_the_scale():
         agg.client_alpha(10, 8, 3)
 
 
+def test_the_server_step_scales_the_mean_update_and_keeps_ffa_exact():
+    glob = adapter(4, 0)
+    one, two = adapter(4, 1), adapter(4, 2)
+    mean = agg.aggregate(glob, [(one, 1), (two, 1)], "fedavg")
+    assert agg.server_step(glob, mean, 1.0) == mean  # plain FedAvg
+    stepped = agg.server_step(glob, mean, 3.0)
+    for name in glob:
+        torch.testing.assert_close(stepped[name], glob[name] + 3 * (mean[name] - glob[name]))
+    # FFA: A stays the global one, so the global delta B @ A is exactly 3x the clients' mean delta
+    ffa_clients = [(adapter(4, seed, with_a=False), n) for seed, n in ((3, 2), (4, 6))]
+    ffa = agg.server_step(glob, agg.aggregate(glob, ffa_clients, "ffa"), 3.0)
+    torch.testing.assert_close(ffa[A], glob[A])
+    mean_delta = sum((t[B] - glob[B]) @ glob[A] * n for t, n in ffa_clients) / 8
+    torch.testing.assert_close(ffa[B] @ ffa[A] - glob[B] @ glob[A], 3 * mean_delta)
+    with pytest.raises(ValueError, match="server_lr"):
+        agg.server_step(glob, mean, 0.0)
+
+
 def test_no_update_at_all_is_an_error():
     with pytest.raises(ValueError, match="every sampled client failed"):
         agg.aggregate(adapter(4, 0), [], "fedavg")
