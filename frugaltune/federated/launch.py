@@ -37,6 +37,33 @@ def config_string(values: dict) -> str:
     return " ".join(f"{key}={toml_value(value)}" for key, value in values.items())
 
 
+def descendants(pid: int) -> list:
+    import psutil
+
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def end_processes(processes: list, timeout: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL what is still alive after `timeout`."""
+    import psutil
+
+    for process in processes:
+        try:
+            process.terminate()
+        except psutil.NoSuchProcess:
+            continue
+    _, alive = psutil.wait_procs(processes, timeout=timeout)
+    for process in alive:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            continue
+    psutil.wait_procs(alive, timeout=timeout)
+
+
 @dataclass
 class LocalFederation:
     """A SuperLink and SuperNodes on 127.0.0.1. `node_configs[i]` is SuperNode i's --node-config values."""
@@ -125,13 +152,32 @@ class LocalFederation:
                                         "--run-config", config_string(run_config)])
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
-        """Kill process `name` and everything it started (its process group): a crash, not a shutdown."""
+        """Kill process `name` and everything it started (its process group and the processes Flower starts in
+        sessions of their own): a crash, not a shutdown."""
         proc = self.processes.get(name)
         if proc and proc.poll() is None:
+            strays = descendants(proc.pid)
             os.killpg(proc.pid, sig)
             proc.wait(timeout=30)
+            end_processes(strays)
+
+    def strays(self) -> list:
+        """Live processes of this federation that are none of ours: they carry our FLWR_HOME in their environment.
+        Flower's SuperLink starts each run's `flwr-serverapp` in a session of its own, outside the process group
+        that `stop` signals, and it outlives the SuperLink (found idle, 1 GB each, after `make federated`)."""
+        import psutil
+
+        home, ours, found = str(self.workdir / "flwr_home"), {p.pid for p in self.processes.values()}, []
+        for process in psutil.process_iter():
+            try:
+                if process.pid not in ours and process.environ().get("FLWR_HOME") == home:
+                    found.append(process)
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
+        return found
 
     def stop(self) -> None:
+        strays = self.strays()
         for name in list(self.processes):
             proc = self.processes[name]
             if proc.poll() is None:
@@ -142,6 +188,7 @@ class LocalFederation:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+        end_processes(strays + self.strays())
 
     def __enter__(self) -> "LocalFederation":
         return self.start()

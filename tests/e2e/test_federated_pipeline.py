@@ -83,6 +83,20 @@ def wait_for(predicate, timeout: float, what: str, fed: LocalFederation) -> None
         time.sleep(0.5)
 
 
+def leftovers(root: Path) -> list[list[str]]:
+    """Live processes started for a federation under `root` (their FLWR_HOME is there)."""
+    import psutil
+
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if process.environ().get("FLWR_HOME", "").startswith(str(root)):
+                found.append(process.cmdline()[:2])
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
 def test_the_stage_runs_three_supernodes_for_two_rounds_sending_only_the_adapter(world: Path, monkeypatch,
                                                                                    smol_tokenizer):
     """`stages.federated.run` in a project dir: partitions, per-client plans, a SuperLink + 3 SuperNodes, reports,
@@ -117,6 +131,7 @@ def test_the_stage_runs_three_supernodes_for_two_rounds_sending_only_the_adapter
     assert [c["examples"] for c in report["partitions"]["iid"]] == [40, 40, 40]
     assert sorted(c["lora_rank"] for c in report["clients"]["iid"]) == [4, 8, 8]
     assert json.loads((project / "reports/federated.json").read_text())["runs"]["fedavg_iid"] == run
+    assert not leftovers(project), leftovers(project)  # the finished run's ServerApp and ClientApps are gone
     # the centralized reference: as many examples as the clients trained on (2 rounds x 3 clients x 2 steps x 8)
     central = report["centralized"]
     assert (central["examples"], central["steps"], central["training_rows"]) == (96, 12, 120)
@@ -195,6 +210,9 @@ def test_a_killed_supernode_does_not_stop_the_round_and_a_killed_server_resumes(
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     finally:
         fed.stop()
+    # Nothing of the federation outlives it: not the killed SuperLink's ServerApp, not the finished run's (Flower
+    # starts them in sessions of their own, outside the process groups that stop() signals)
+    assert not fed.strays(), [process.cmdline()[:2] for process in fed.strays()]
     assert "resuming after round 1" in result.stdout, result.stdout[-3000:]
     assert (out / "rounds/round_001.safetensors").read_bytes() == round_1  # kept, not recomputed
     assert (out / "done.json").exists(), result.stdout[-4000:]
