@@ -14,7 +14,6 @@ candidate, and on those rows how often the two agree; the machine's CPU and torc
 from __future__ import annotations
 
 import argparse
-import platform
 import sys
 import time
 from pathlib import Path
@@ -25,16 +24,10 @@ import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 
 from frugaltune import generation  # noqa: E402
+from frugaltune.hardware import cpu_facts  # noqa: E402
 from frugaltune.models import load_for_causal_lm, load_tokenizer  # noqa: E402
 
 TEMPLATE = ("Is the sentiment of this tweet negative, neutral or positive? Answer with one word. Tweet: {text}")
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown CPU"
 
 
 def main() -> None:
@@ -70,7 +63,7 @@ def main() -> None:
     choice_s = time.perf_counter() - start
     picked = [labels[i] for i in chosen]
     truth = frame["label"].tolist()
-    print(f"CPU: {cpu_name()}, torch {torch.__version__}, {torch.get_num_threads()} threads, fp32; "
+    print(f"CPU: {cpu_facts()['model']}, torch {torch.__version__}, {torch.get_num_threads()} threads, fp32; "
           f"model {args.base}{' + ' + args.adapter if args.adapter else ''}; {len(prompts)} prompts, "
           f"{len(labels)} candidates each, batch {args.batch_size}")
     print("| answered by | seconds | prompts/s | valid answers | accuracy vs label | choice / this |")

@@ -18,7 +18,6 @@ queue_length_cdf.png (time-weighted CDF of the queue length per policy, pooled o
 from __future__ import annotations
 
 import argparse
-import platform
 import sys
 import time
 from pathlib import Path
@@ -30,21 +29,12 @@ import matplotlib  # noqa: E402
 matplotlib.use("Agg")  # files only; no display on the build machines
 import matplotlib.pyplot as plt  # noqa: E402
 
+from frugaltune.hardware import cpu_facts  # noqa: E402
 from frugaltune.scheduling import HEURISTICS, queue_length_cdf, read_swf, simulate  # noqa: E402
 from frugaltune.scheduling.evaluation import Protocol, evaluate, markdown_table, summary_table  # noqa: E402
 
 DEFAULT_TRACE = Path("../shared/data/swf/lublin_256.swf")
 DEFAULT_OUT = Path("reports/scheduling")
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def plot_bsld(table, path: Path) -> None:
@@ -112,7 +102,7 @@ def main() -> None:
     bsld = markdown_table(summary_table(frame, "avg_bsld"))
     wait = markdown_table(summary_table(frame, "mean_wait"), digits=0)
     speed = (f"simulator: {frame['jobs'].sum()} jobs in {frame['seconds'].sum():.2f} s of simulation "
-             f"= {jobs_per_second:,.0f} jobs/s ({len(frame)} runs, {wall:.1f} s wall in all) on {cpu_name()}")
+             f"= {jobs_per_second:,.0f} jobs/s ({len(frame)} runs, {wall:.1f} s wall in all) on {cpu_facts()['model']}")
     print(settings, "", "Average bounded slowdown (tau = 10 s), mean and std over sequences:", "", bsld, "",
           "Mean wait (s):", "", wait, "", speed, sep="\n")
 

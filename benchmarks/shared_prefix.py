@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -28,14 +27,8 @@ import yaml  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from frugaltune.generation import _common_prefix_length, choose, prompt_ids  # noqa: E402
+from frugaltune.hardware import cpu_facts  # noqa: E402
 from frugaltune.models import load_tokenizer  # noqa: E402
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown CPU"
 
 
 def main() -> None:
@@ -69,7 +62,7 @@ def main() -> None:
             timings[name] = min(timings.get(name, float("inf")), time.perf_counter() - began)
     whole, shared = timings["whole prompts"], timings["shared prefix once"]
     agree = sum(a == b for a, b in zip(choices["whole prompts"], choices["shared prefix once"]))
-    print(f"{cpu_name()}, {torch.get_num_threads()} threads, {'fp32' if args.fp32 else 'bf16'} weights; "
+    print(f"{cpu_facts()['model']}, {torch.get_num_threads()} threads, {'fp32' if args.fp32 else 'bf16'} weights; "
           f"{len(prompts)} prompts of {sum(map(len, prompts)) / len(prompts):.0f} tokens on average, "
           f"{_common_prefix_length(prompts)} shared; batches of {args.batch_size}, best of {args.repeats}")
     print(f"  whole prompts       {whole:7.2f} s")
