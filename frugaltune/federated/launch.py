@@ -46,6 +46,22 @@ def descendants(pid: int) -> list:
         return []
 
 
+def flower_processes(under: Path) -> list:
+    """Live processes whose FLWR_HOME is `under` or inside it: every process of a LocalFederation there, and what
+    Flower started from them in sessions of their own (they inherit the environment, not the process group)."""
+    import psutil
+
+    root, found = str(under), []
+    for process in psutil.process_iter():
+        try:
+            home = process.environ().get("FLWR_HOME", "")
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+        if home == root or home.startswith(root + os.sep):
+            found.append(process)
+    return found
+
+
 def end_processes(processes: list, timeout: float = 10.0) -> None:
     """SIGTERM, then SIGKILL what is still alive after `timeout`."""
     import psutil
@@ -162,22 +178,13 @@ class LocalFederation:
             end_processes(strays)
 
     def strays(self) -> list:
-        """Live processes of this federation that are none of ours: they carry our FLWR_HOME in their environment.
-        Flower's SuperLink starts each run's `flwr-serverapp` in a session of its own, outside the process group
-        that `stop` signals, and it outlives the SuperLink (found idle, 1 GB each, after `make federated`)."""
-        import psutil
-
-        home, ours, found = str(self.workdir / "flwr_home"), {p.pid for p in self.processes.values()}, []
-        for process in psutil.process_iter():
-            try:
-                if process.pid not in ours and process.environ().get("FLWR_HOME") == home:
-                    found.append(process)
-            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-                continue
-        return found
+        """Live processes of this federation that are none of ours (`flower_processes` of our FLWR_HOME). Flower's
+        SuperLink starts each run's `flwr-serverapp` in a session of its own, outside the process group that `stop`
+        signals, and it outlives the SuperLink (found idle, 1 GB each, after `make federated`)."""
+        ours = {proc.pid for proc in self.processes.values()}
+        return [process for process in flower_processes(self.workdir / "flwr_home") if process.pid not in ours]
 
     def stop(self) -> None:
-        strays = self.strays()
         for name in list(self.processes):
             proc = self.processes[name]
             if proc.poll() is None:
@@ -188,7 +195,7 @@ class LocalFederation:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-        end_processes(strays + self.strays())
+        end_processes(self.strays())  # found by their environment: our groups are gone, they are not
 
     def __enter__(self) -> "LocalFederation":
         return self.start()

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from frugaltune.federated.launch import LocalFederation
+from frugaltune.federated.launch import LocalFederation, flower_processes
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -85,16 +85,7 @@ def wait_for(predicate, timeout: float, what: str, fed: LocalFederation) -> None
 
 def leftovers(root: Path) -> list[list[str]]:
     """Live processes started for a federation under `root` (their FLWR_HOME is there)."""
-    import psutil
-
-    found = []
-    for process in psutil.process_iter():
-        try:
-            if process.environ().get("FLWR_HOME", "").startswith(str(root)):
-                found.append(process.cmdline()[:2])
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    return found
+    return [process.cmdline()[:2] for process in flower_processes(root)]
 
 
 def test_the_stage_runs_three_supernodes_for_two_rounds_sending_only_the_adapter(world: Path, monkeypatch,
