@@ -217,7 +217,6 @@ def choose(
     prompts: Sequence[Sequence[int]],
     candidates: Sequence[Sequence[str]],
     batch_size: int = 16,
-    rows_per_pass: int = 256,
     min_shared_prefix: int = 8,
 ) -> tuple[list[int], list[list[float]]]:
     """Constrained answer: per prompt, the index of the candidate the model finds most likely, and every score.
@@ -226,10 +225,10 @@ def choose(
     only the start of a likelier answer does not win) given the prompt. Each prompt is read once, `batch_size`
     prompts per forward (left padded, positions counted from each prompt's first token); its last position scores
     every candidate's first token, and its KV cache, shared by all its candidates, feeds one more forward over the
-    candidates' remaining tokens (`rows_per_pass` candidate rows at a time). No generation loop, and the prompt,
-    which is most of the tokens, is not recomputed per candidate. The tokens every prompt starts with (a chat
-    template's system turn, an instruction: ~20% of a scheduling prompt) are read once per call when there are at
-    least `min_shared_prefix` of them: their KV cache is copied to each batch, whose prompts continue it left padded
+    candidates' remaining tokens laid side by side after it (`_score_tails`). No generation loop, and the prompt,
+    which is most of the tokens, is neither recomputed nor copied per candidate. The tokens every prompt starts with
+    (a chat template's system turn, an instruction: ~20% of a scheduling prompt) are read once per call when there
+    are at least `min_shared_prefix` of them: their KV cache is copied to each batch, whose prompts continue it left padded
     between the shared part and their own (positions as if unpadded, so the scores are those of the whole prompt).
     """
     import copy
@@ -281,30 +280,62 @@ def choose(
                 rows = [(row, e, k) for row, e in enumerate(group) for k in range(len(answers[e]))]
                 for row, e, k in rows:
                     scores[e][k] = float(first[row, answers[e][k][0]])
-                rest = [(row, e, k) for row, e, k in rows if len(answers[e][k]) > 1]
-                for chunk_start in range(0, len(rest), rows_per_pass):
-                    chunk = rest[chunk_start:chunk_start + rows_per_pass]
-                    tail = max(len(answers[e][k]) - 1 for _, e, k in chunk)
-                    ids = torch.full((len(chunk), tail), pad, dtype=torch.long)
-                    tail_mask = torch.zeros((len(chunk), tail), dtype=torch.long)
-                    for r, (_, e, k) in enumerate(chunk):  # the answer's tokens but the last, which nothing follows
-                        ids[r, :len(answers[e][k]) - 1] = torch.tensor(answers[e][k][:-1], dtype=torch.long)
-                        tail_mask[r, :len(answers[e][k]) - 1] = 1
-                    which = torch.tensor([row for row, _, _ in chunk])
-                    cache = copy.deepcopy(out.past_key_values) if len(rest) > rows_per_pass else out.past_key_values
-                    cache.batch_select_indices(which)  # each candidate row continues its own prompt's cache
-                    lengths = mask[which].sum(-1, keepdim=True)
-                    logits = model(input_ids=ids, attention_mask=torch.cat([mask[which], tail_mask], dim=1),
-                                   position_ids=lengths + torch.arange(tail).unsqueeze(0), past_key_values=cache,
-                                   use_cache=True).logits.float().log_softmax(dim=-1)
-                    for r, (_, e, k) in enumerate(chunk):
-                        targets = answers[e][k][1:]
-                        scores[e][k] += float(logits[r, torch.arange(len(targets)), torch.tensor(targets)].sum())
+                _score_tails(model, [[answers[e][k] for k in range(len(answers[e]))] for e in group], mask,
+                             out.past_key_values, pad, [scores[e] for e in group])
     finally:
         model.train(was_training)
     # max over indices keeps the first of equal scores: ties go to the earlier candidate.
     best = [max(range(len(s)), key=s.__getitem__) for s in scores]
     return best, scores
+
+
+def _score_tails(model: Any, answers: Sequence[Sequence[Sequence[int]]], prompt_mask: Any, cache: Any, pad: int,
+                 scores: Sequence[list[float]]) -> None:
+    """Add to `scores[row][k]` the log-probabilities of the tokens after the first of `answers[row][k]`, every
+    candidate of every prompt in ONE forward that continues the prompts' KV cache `cache` (grown in place).
+
+    Each prompt's candidates are laid side by side after it ("tree attention"): a token sees its prompt (the
+    2D `prompt_mask` row) and the earlier tokens of its own candidate, never another candidate's, and its position
+    counts from the prompt's end as if that candidate were the only one. The 4D additive mask that says so is passed
+    to the model as is. This replaces a forward over one row per candidate, whose cache had to be copied per
+    candidate (8 letters x a 200-token scheduling prompt: the copy and its attention cost 19% of a choice, measured
+    on the 2-core Zen 4; `benchmarks/shared_prefix.py`).
+    """
+    import torch
+
+    tails = [[answer[:-1] for answer in row] for row in answers]  # the last token is only predicted, never fed
+    width = max(sum(len(tail) for tail in row) for row in tails)
+    if width == 0:
+        return
+    rows, past = len(answers), prompt_mask.shape[1]
+    ids = torch.full((rows, width), pad, dtype=torch.long)
+    positions = torch.zeros((rows, width), dtype=torch.long)
+    allowed = torch.zeros((rows, width, past + width), dtype=torch.bool)
+    allowed[:, :, :past] = prompt_mask.bool().unsqueeze(1)
+    where: list[tuple[int, int, int, int]] = []  # (row, column, candidate, target token)
+    for row, row_tails in enumerate(tails):
+        column, end = 0, int(prompt_mask[row].sum())  # a prompt of n tokens holds positions 0 .. n-1
+        for k, tail in enumerate(row_tails):
+            n = len(tail)
+            if n == 0:
+                continue
+            ids[row, column:column + n] = torch.tensor(list(tail), dtype=torch.long)
+            positions[row, column:column + n] = end + torch.arange(n)
+            allowed[row, column:column + n, past + column:past + column + n] = torch.ones(n, n, dtype=torch.bool).tril()
+            where += [(row, column + i, k, answers[row][k][i + 1]) for i in range(n)]
+            column += n
+        for j in range(column, width):  # padding: sees itself only (no row of the softmax is empty)
+            allowed[row, j, past + j] = True
+    dtype = model.get_input_embeddings().weight.dtype
+    bias = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min).unsqueeze(1)
+    logits = model(input_ids=ids, attention_mask=bias, position_ids=positions, past_key_values=cache,
+                   use_cache=True).logits
+    at_rows = torch.tensor([w[0] for w in where])
+    at_columns = torch.tensor([w[1] for w in where])
+    logprobs = logits[at_rows, at_columns].float().log_softmax(dim=-1)
+    picked = logprobs[torch.arange(len(where)), torch.tensor([w[3] for w in where])].tolist()
+    for (row, _, k, _), value in zip(where, picked):
+        scores[row][k] += value
 
 
 # ----------------------------------------------------------------------------------------------- metrics

@@ -162,10 +162,10 @@ def test_choose_scores_each_candidate_by_its_summed_log_probability(tiny_lm, smo
         torch.testing.assert_close(torch.tensor(row), torch.tensor(expected), atol=1e-4, rtol=0)
         assert chosen == max(range(len(expected)), key=expected.__getitem__)
     assert best[1] == 0
-    # Candidate rows continued in several passes over copies of the prompts' cache: the same scores
-    _, chunked = choose(tiny_lm, smol_tokenizer, ids, candidates, batch_size=3, rows_per_pass=2)
-    for row, again in zip(scores, chunked):
-        torch.testing.assert_close(torch.tensor(again), torch.tensor(row), atol=1e-5, rtol=0)
+    # One prompt at a time (no neighbour's tails or padding beside it): the same scores
+    for prompt, options, row in zip(ids, candidates, scores):
+        _, (alone,) = choose(tiny_lm, smol_tokenizer, [prompt], [options])
+        torch.testing.assert_close(torch.tensor(alone), torch.tensor(row), atol=1e-5, rtol=0)
 
 
 def test_choose_reads_a_shared_prefix_once_and_scores_as_if_each_prompt_were_read_whole(tiny_lm, smol_tokenizer,
@@ -175,7 +175,7 @@ def test_choose_reads_a_shared_prefix_once_and_scores_as_if_each_prompt_were_rea
     head = smol_tokenizer("You schedule jobs. Pick the job to run next, answer with its letter.")["input_ids"]
     prompts = [head + p for p in ids] + [head + ids[0][:1]]
     candidates = [["A", "B", "C"], ["B", "C"], ["A", "hello there"], ["C", "A", "B", "D"], ["A", "B"]]
-    best, scores = choose(tiny_lm, smol_tokenizer, prompts, candidates, batch_size=2, rows_per_pass=3)
+    best, scores = choose(tiny_lm, smol_tokenizer, prompts, candidates, batch_size=2)
     whole_best, whole = choose(tiny_lm, smol_tokenizer, prompts, candidates, batch_size=2,
                                min_shared_prefix=10_000)  # read every prompt whole
     assert best == whole_best
