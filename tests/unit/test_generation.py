@@ -189,6 +189,22 @@ def test_choose_reads_a_shared_prefix_once_and_scores_as_if_each_prompt_were_rea
         [_brute_force_score(tiny_lm, smol_tokenizer, head, o) for o in ("A", "B")]), atol=1e-4, rtol=0)
 
 
+def test_the_head_gets_a_contiguous_input_and_no_hook_is_left_behind(tiny_lm, smol_tokenizer, ids):
+    # A frozen head fed the last position's non-contiguous slice made torch copy its weight once per prompt
+    # (generation.contiguous_head_input); the prompts differ in length, so the slice is a strided view.
+    head = tiny_lm.get_output_embeddings()
+    hooks_before = len(head._forward_pre_hooks)
+    seen: list[bool] = []
+    handle = head.register_forward_hook(lambda module, args, output: seen.append(args[0].is_contiguous()))
+    try:
+        choose(tiny_lm, smol_tokenizer, ids, [["A", "B"]] * len(ids), batch_size=len(ids))
+        generate(tiny_lm, smol_tokenizer, ids, max_new_tokens=2, batch_size=len(ids))
+    finally:
+        handle.remove()
+    assert seen and all(seen)
+    assert len(head._forward_pre_hooks) == hooks_before
+
+
 @contextmanager
 def eos_bias(model, bias: float):
     """Add `bias` to the EOS logit: a random model then ends its answers within a few tokens, as a trained one does."""

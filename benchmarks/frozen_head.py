@@ -1,0 +1,94 @@
+"""The LM head on the last position of a frozen model: torch.matmul's copy of the weight vs a contiguous input.
+
+    python benchmarks/frozen_head.py            # 60 scheduling prompts, base model in bf16, frozen, batches of 20
+    python benchmarks/frozen_head.py --fp32
+
+Run from the repository root after `make schedule` (reads scheduling/models/base and scheduling/data/sft.jsonl).
+Two measurements, each baseline and contender in the same run:
+1. The operation alone: `F.linear(hidden[:, -1:, :], W)` for SmolLM2's 49,152 x 576 head and 20 rows, W frozen
+   (requires_grad False) vs trainable, and with the input made contiguous.
+2. `generation.choose` on a frozen model (every parameter requires_grad False, as in a merged or PEFT-loaded
+   model), baseline without `generation.contiguous_head_input` (replaced by a no-op), contender as shipped.
+Prints wall times (best of `--repeats`), ratios, and whether the choices agree; the CPU and threads with them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's frugaltune, not an installed one
+
+import torch  # noqa: E402
+import yaml  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from frugaltune import generation  # noqa: E402
+from frugaltune.hardware import cpu_facts  # noqa: E402
+from frugaltune.models import load_tokenizer  # noqa: E402
+
+
+def best_of(repeats: int, fn) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - began)
+    return min(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=60)
+    parser.add_argument("--base", default="scheduling/models/base")
+    parser.add_argument("--data", default="scheduling/data/sft.jsonl")
+    parser.add_argument("--params", default="scheduling/params.yaml")
+    parser.add_argument("--batch-size", type=int, default=20, help="prompts per forward (scheduling.llm.batch_size)")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--fp32", action="store_true", help="fp32 weights (default: bf16, as on a bf16-fast CPU)")
+    args = parser.parse_args()
+    dtype = torch.float32 if args.fp32 else torch.bfloat16
+    print(f"{cpu_facts()['model']}, {torch.get_num_threads()} threads, {'fp32' if args.fp32 else 'bf16'}")
+
+    hidden = torch.randn(args.batch_size, 200, 576, dtype=dtype)[:, -1:, :]
+    for frozen in (False, True):
+        weight = torch.nn.Parameter(torch.randn(49152, 576, dtype=dtype), requires_grad=not frozen)
+        with torch.inference_mode():  # as choose and generate run; the weight is made outside, as a model's is
+            sliced = best_of(args.repeats, lambda: torch.nn.functional.linear(hidden, weight))
+            contiguous = best_of(args.repeats, lambda: torch.nn.functional.linear(hidden.contiguous(), weight))
+        print(f"  head {args.batch_size} x 576 -> 49,152, weight {'frozen   ' if frozen else 'trainable'}: "
+              f"sliced input {sliced * 1e3:8.1f} ms, contiguous {contiguous * 1e3:6.1f} ms   "
+              f"{sliced / contiguous:.1f}x")
+
+    system = yaml.safe_load(Path(args.params).read_text())["task"].get("system")
+    tokenizer = load_tokenizer(args.base)
+    model = AutoModelForCausalLM.from_pretrained(args.base, dtype=torch.float32, local_files_only=True)
+    model = model.to(dtype).eval().requires_grad_(False)  # frozen, as a merged adapter's model is
+    lines = Path(args.data).read_text().splitlines()
+    rows = [json.loads(line) for line in lines[::max(1, len(lines) // args.rows)][:args.rows]]
+    prompts = [generation.prompt_ids(tokenizer, row["prompt"], system, True) for row in rows]
+    candidates = [row["candidates"] for row in rows]
+    shipped = generation.contiguous_head_input
+    choices: dict[str, list[int]] = {}
+
+    def run(name: str) -> None:
+        choices[name] = generation.choose(model, tokenizer, prompts, candidates, batch_size=args.batch_size)[0]
+
+    try:
+        generation.contiguous_head_input = lambda model: contextlib.nullcontext()
+        baseline = best_of(args.repeats, lambda: run("baseline"))
+    finally:
+        generation.contiguous_head_input = shipped
+    contender = best_of(args.repeats, lambda: run("contender"))
+    agree = sum(a == b for a, b in zip(choices["baseline"], choices["contender"]))
+    print(f"  choose, {len(prompts)} prompts, frozen model: as before {baseline:6.2f} s, contiguous head input "
+          f"{contender:6.2f} s   {baseline / contender:.2f}x; same choice on {agree}/{len(prompts)}")
+
+
+if __name__ == "__main__":
+    main()
