@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
 import time
 from pathlib import Path
@@ -27,12 +26,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's frugaltune, not an installed one
 
 import torch  # noqa: E402
-import yaml  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
+from scheduling_prompts import add_arguments, load  # noqa: E402  (beside this file)
 
 from frugaltune import generation  # noqa: E402
 from frugaltune.hardware import cpu_facts  # noqa: E402
-from frugaltune.models import load_tokenizer  # noqa: E402
 
 
 def per_candidate_rows(model, answers, prompt_mask, cache, pad, scores, rows_per_pass: int = 256) -> None:
@@ -60,24 +57,11 @@ def per_candidate_rows(model, answers, prompt_mask, cache, pad, scores, rows_per
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", type=int, default=60)
-    parser.add_argument("--base", default="scheduling/models/base")
-    parser.add_argument("--data", default="scheduling/data/sft.jsonl")
-    parser.add_argument("--params", default="scheduling/params.yaml")
-    parser.add_argument("--batch-size", type=int, default=20, help="prompts per forward (scheduling.llm.batch_size)")
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--fp32", action="store_true", help="fp32 weights (default: bf16, as on a bf16-fast CPU)")
+    add_arguments(parser)
     parser.add_argument("--check", type=int, default=8, help="prompts also scored the slow way, as the reference")
     args = parser.parse_args()
 
-    system = yaml.safe_load(Path(args.params).read_text())["task"].get("system")
-    tokenizer = load_tokenizer(args.base)
-    model = AutoModelForCausalLM.from_pretrained(args.base, dtype=torch.float32, local_files_only=True)
-    model = (model if args.fp32 else model.to(torch.bfloat16)).eval()
-    lines = Path(args.data).read_text().splitlines()
-    rows = [json.loads(line) for line in lines[::max(1, len(lines) // args.rows)][:args.rows]]
-    prompts = [generation.prompt_ids(tokenizer, row["prompt"], system, True) for row in rows]
-    candidates = [row["candidates"] for row in rows]
+    model, tokenizer, prompts, candidates = load(args)
     generation.choose(model, tokenizer, prompts[:4], candidates[:4], batch_size=4)  # warm-up
 
     shipped = generation._score_tails

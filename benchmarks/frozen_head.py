@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import sys
 import time
 from pathlib import Path
@@ -24,12 +23,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's frugaltune, not an installed one
 
 import torch  # noqa: E402
-import yaml  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
+from scheduling_prompts import add_arguments, load  # noqa: E402  (beside this file)
 
 from frugaltune import generation  # noqa: E402
 from frugaltune.hardware import cpu_facts  # noqa: E402
-from frugaltune.models import load_tokenizer  # noqa: E402
 
 
 def best_of(repeats: int, fn) -> float:
@@ -44,13 +41,7 @@ def best_of(repeats: int, fn) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", type=int, default=60)
-    parser.add_argument("--base", default="scheduling/models/base")
-    parser.add_argument("--data", default="scheduling/data/sft.jsonl")
-    parser.add_argument("--params", default="scheduling/params.yaml")
-    parser.add_argument("--batch-size", type=int, default=20, help="prompts per forward (scheduling.llm.batch_size)")
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--fp32", action="store_true", help="fp32 weights (default: bf16, as on a bf16-fast CPU)")
+    add_arguments(parser)
     args = parser.parse_args()
     dtype = torch.float32 if args.fp32 else torch.bfloat16
     print(f"{cpu_facts()['model']}, {torch.get_num_threads()} threads, {'fp32' if args.fp32 else 'bf16'}")
@@ -65,14 +56,8 @@ def main() -> None:
               f"sliced input {sliced * 1e3:8.1f} ms, contiguous {contiguous * 1e3:6.1f} ms   "
               f"{sliced / contiguous:.1f}x")
 
-    system = yaml.safe_load(Path(args.params).read_text())["task"].get("system")
-    tokenizer = load_tokenizer(args.base)
-    model = AutoModelForCausalLM.from_pretrained(args.base, dtype=torch.float32, local_files_only=True)
-    model = model.to(dtype).eval().requires_grad_(False)  # frozen, as a merged adapter's model is
-    lines = Path(args.data).read_text().splitlines()
-    rows = [json.loads(line) for line in lines[::max(1, len(lines) // args.rows)][:args.rows]]
-    prompts = [generation.prompt_ids(tokenizer, row["prompt"], system, True) for row in rows]
-    candidates = [row["candidates"] for row in rows]
+    model, tokenizer, prompts, candidates = load(args)
+    model.requires_grad_(False)  # frozen, as a merged adapter's model is
     shipped = generation.contiguous_head_input
     choices: dict[str, list[int]] = {}
 

@@ -15,7 +15,6 @@ are printed with them.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -23,33 +22,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's frugaltune, not an installed one
 
 import torch  # noqa: E402
-import yaml  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
+from scheduling_prompts import add_arguments, load  # noqa: E402  (beside this file)
 
-from frugaltune.generation import _common_prefix_length, choose, prompt_ids  # noqa: E402
+from frugaltune.generation import _common_prefix_length, choose  # noqa: E402
 from frugaltune.hardware import cpu_facts  # noqa: E402
-from frugaltune.models import load_tokenizer  # noqa: E402
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", type=int, default=60)
-    parser.add_argument("--base", default="scheduling/models/base")
-    parser.add_argument("--data", default="scheduling/data/sft.jsonl")
-    parser.add_argument("--params", default="scheduling/params.yaml")
-    parser.add_argument("--batch-size", type=int, default=20, help="prompts per forward (scheduling.llm.batch_size)")
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--fp32", action="store_true", help="fp32 weights (default: bf16, as on a bf16-fast CPU)")
+    add_arguments(parser)
     args = parser.parse_args()
 
-    system = yaml.safe_load(Path(args.params).read_text())["task"].get("system")
-    tokenizer = load_tokenizer(args.base)
-    model = AutoModelForCausalLM.from_pretrained(args.base, dtype=torch.float32, local_files_only=True)
-    model = (model if args.fp32 else model.to(torch.bfloat16)).eval()
-    lines = Path(args.data).read_text().splitlines()
-    rows = [json.loads(line) for line in lines[::max(1, len(lines) // args.rows)][:args.rows]]
-    prompts = [prompt_ids(tokenizer, row["prompt"], system, True) for row in rows]
-    candidates = [row["candidates"] for row in rows]
+    model, tokenizer, prompts, candidates = load(args)
     choose(model, tokenizer, prompts[:4], candidates[:4], batch_size=4)  # warm-up
 
     timings: dict[str, float] = {}
