@@ -304,7 +304,7 @@ def choose(
                 rows = [(row, e, k) for row, e in enumerate(group) for k in range(len(answers[e]))]
                 for row, e, k in rows:
                     scores[e][k] = float(first[row, answers[e][k][0]])
-                _score_tails(model, [[answers[e][k] for k in range(len(answers[e]))] for e in group], mask,
+                _score_tails(model, [answers[e] for e in group], mask,
                              out.past_key_values, pad, [scores[e] for e in group])
     finally:
         model.train(was_training)
