@@ -240,6 +240,8 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN, use_plan: bo
             "sequences": result.sequences,
             "tokens": result.tokens,
             "padding_fraction": round(1 - result.tokens / max(result.padded_tokens, 1), 4),
+            # causal_lm: prompt tokens every row of a batch starts with, read once instead of once per row
+            "shared_prefix_tokens": result.shared_prefix_tokens,
             "tokens_per_s": round(result.tokens_per_second, 1),
             "wall_seconds": round(result.wall_seconds, 1),
             "peak_rss_mb": round(result.peak_rss_mb, 1),

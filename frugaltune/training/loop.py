@@ -68,6 +68,9 @@ class LoopConfig:
     # Batches padded to at most this many tokens use eager attention, longer ones SDPA (0: SDPA always); the
     # crossover is measured by the kernels stage and resolved by the plan (frugaltune.training.fast)
     eager_attention_max_len: int = 0
+    # causal_lm: a batch whose rows start with at least this many equal tokens reads them once (model_loss's
+    # `shared`); 0: never. Off by itself under gradient checkpointing, which cannot carry a KV cache.
+    shared_prefix_min: int = 8
 
 
 @dataclass
@@ -85,6 +88,7 @@ class TrainResult:
     resumed_from_step: int = 0
     micro_batch_size: int = 0  # after any out-of-memory halving
     events: list[str] = field(default_factory=list)
+    shared_prefix_tokens: int = 0  # token positions not computed: each batch's shared prefix x (its rows - 1)
 
     @property
     def tokens_per_second(self) -> float:
@@ -100,11 +104,31 @@ def autocast(bf16: bool, device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
 
 
+def shared_prefix_length(input_ids: torch.Tensor, target: torch.Tensor, min_length: int) -> int:
+    """causal_lm: how many leading tokens every row of the batch has in common before the first one the loss reads
+    a prediction from (a chat template's system turn, an instruction); 0 when fewer than `min_length`, one row, or
+    class-id targets. `model_loss(..., shared=)` reads those tokens once for the whole batch."""
+    if min_length <= 0 or target.dim() == 1 or input_ids.shape[0] < 2:
+        return 0
+    differs = (input_ids != input_ids[:1]).any(dim=0).nonzero()
+    length = int(differs[0]) if len(differs) else input_ids.shape[1] - 1
+    scored = (target[:, 1:] != IGNORE_INDEX).any(dim=0).nonzero()
+    if len(scored):  # the logit at position t predicts token t + 1: the shared part ends before the first scored t
+        length = min(length, int(scored[0]))
+    return length if length >= min_length else 0
+
+
 def model_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], target: torch.Tensor,
-               reduction: str = "mean") -> torch.Tensor:
+               reduction: str = "mean", shared: int = 0) -> torch.Tensor:
     """The training loss of one batch. Class ids (1-D target): the model's own (mean) loss. Per-token targets
     (causal_lm): cross-entropy over the tokens that count (`reduction` "mean" or "sum"), computing the LM head only
     where one is predicted.
+
+    `shared` (causal_lm, from `shared_prefix_length`): the first `shared` tokens, equal in every row, run through
+    the model once, as one row; their keys and values are repeated for the batch, whose rows continue from them.
+    The gradient flows back through the repeat, so value and gradients are those of the whole batch (up to rounding;
+    LoRA dropout draws one mask for the shared tokens instead of one per row). For prompt -> label-word SFT on
+    the chat template, the shared system turn and instruction are about half of every row's tokens.
 
     transformers' `labels=` runs the LM head (hidden x vocab, 576 x 49,152 for SmolLM2) at every position and keeps
     a float logits tensor of tokens x vocab, although the loss reads only the response: for prompt -> label-word
@@ -116,7 +140,15 @@ def model_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], target: t
         return model(**batch, labels=target).loss
     following = target[:, 1:]  # the logit at position t predicts token t + 1
     positions = (following != IGNORE_INDEX).any(dim=0).nonzero().squeeze(1)
-    logits = model(**batch, logits_to_keep=positions).logits
+    if shared:
+        ids = batch["input_ids"]
+        nothing = torch.empty(0, dtype=torch.long, device=ids.device)  # no logits for the shared part
+        cache = model(input_ids=ids[:1, :shared], use_cache=True, logits_to_keep=nothing).past_key_values
+        cache.batch_repeat_interleave(ids.shape[0])
+        logits = model(input_ids=ids[:, shared:], attention_mask=batch["attention_mask"], past_key_values=cache,
+                       logits_to_keep=positions - shared).logits
+    else:
+        logits = model(**batch, logits_to_keep=positions).logits
     return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
                                              following[:, positions].reshape(-1), ignore_index=IGNORE_INDEX,
                                              reduction=reduction)
@@ -273,14 +305,14 @@ def train_classifier(
 
     state = {"position": 0, "history": [], "losses": [], "window": [], "tokens": 0, "padded": 0, "sequences": 0,
              "micros": 0, "micro_split": math.ceil(cfg.batch_size / (cfg.micro_batch_size or cfg.batch_size)),
-             "elapsed": 0.0, "last_window": []}
+             "elapsed": 0.0, "last_window": [], "shared": 0}
     first_step = 1
     last_good: Path | None = None
     if cfg.checkpoint_dir and cfg.resume:
         found = checkpoint.latest_complete(cfg.checkpoint_dir)
         if found:
             saved = checkpoint.load_checkpoint(found, model, optimizer, scheduler)
-            state.update({k: saved[k] for k in state})
+            state.update({k: saved[k] for k in state if k in saved})  # checkpoints before a key have none
             first_step, last_good = saved["step"] + 1, found.path
             if world.rank:  # the checkpoint holds rank 0's RNG: the others draw their own dropout masks
                 torch.manual_seed(cfg.seed + world.rank + 1000 * saved["step"])
@@ -292,6 +324,8 @@ def train_classifier(
                                           cfg.keep_checkpoints)
 
     oom_steps, step_delay = _injected_oom_steps(), _test_step_delay()
+    checkpointing = any(getattr(module, "gradient_checkpointing", False) for module in model.modules())
+    share_from = 0 if checkpointing else cfg.shared_prefix_min
     untimed = contextlib.nullcontext()
 
     def phase(name: str):
@@ -307,7 +341,7 @@ def train_classifier(
         while step <= total_steps:
             out_of_memory: BaseException | None = None
             try:
-                step_loss, step_tokens, step_padded, step_sequences = 0.0, 0, 0, 0
+                step_loss, step_tokens, step_padded, step_sequences, step_shared = 0.0, 0, 0, 0, 0
                 for micro in range(cfg.grad_accum):
                     batch_index = order[state["position"] + micro]
                     mine = world.shard(batch_index)
@@ -324,9 +358,10 @@ def train_classifier(
                             batch = {k: v.to(device) for k, v in batch.items()}
                             target = collate_targets([labels[i] for i in part],
                                                      batch["input_ids"].shape[1]).to(device)
+                            shared = shared_prefix_length(batch["input_ids"], target, share_from)
                         with phase("fwd_bwd"):
                             with autocast(cfg.bf16, device):
-                                loss = model_loss(model, batch, target)
+                                loss = model_loss(model, batch, target, shared=shared)
                             weight = (sum(counts[i] for i in part) / sum(counts[i] for i in batch_index)
                                       / cfg.grad_accum)
                             (loss * weight).backward()
@@ -334,6 +369,7 @@ def train_classifier(
                         step_tokens += sum(lengths[i] for i in part)
                         step_padded += batch["input_ids"].numel()
                         step_sequences += len(part)
+                        step_shared += shared * (len(part) - 1)
             except (torch.OutOfMemoryError, RuntimeError) as exc:
                 if not _is_oom(exc):
                     raise
@@ -379,6 +415,7 @@ def train_classifier(
             state["tokens"] += step_tokens
             state["padded"] += step_padded
             state["sequences"] += step_sequences
+            state["shared"] += step_shared
             state["micros"] += cfg.grad_accum * state["micro_split"]
             state["losses"].append(step_loss)
             state["window"].append(step_loss)
@@ -433,6 +470,7 @@ def train_classifier(
         resumed_from_step=first_step - 1,
         micro_batch_size=math.ceil(cfg.batch_size / state["micro_split"]),
         events=events,
+        shared_prefix_tokens=state["shared"],
     )
 
 
@@ -464,7 +502,8 @@ def lm_loss(model: torch.nn.Module, input_ids: list[list[int]], labels: list[lis
                             disable=not progress, dynamic_ncols=True):
         batch = {k: v.to(device) for k, v in collate([input_ids[i] for i in batch_index], pad_token_id).items()}
         target = collate_targets([labels[i] for i in batch_index], batch["input_ids"].shape[1]).to(device)
+        shared = shared_prefix_length(batch["input_ids"], target, LoopConfig.shared_prefix_min)
         with autocast(bf16, device):
-            total += model_loss(model, batch, target, reduction="sum").item()
+            total += model_loss(model, batch, target, reduction="sum", shared=shared).item()
         count += int((target[:, 1:] != IGNORE_INDEX).sum())
     return total / max(count, 1), count

@@ -20,7 +20,7 @@ from frugaltune.models import load_for_causal_lm
 from frugaltune.sft_data import arithmetic_rows, chat_rows
 from frugaltune.training.batching import IGNORE_INDEX, collate_targets, target_counts
 from frugaltune.training.batching import collate
-from frugaltune.training.loop import LoopConfig, lm_loss, model_loss, train_classifier
+from frugaltune.training.loop import LoopConfig, lm_loss, model_loss, shared_prefix_length, train_classifier
 from frugaltune.training.methods import METHODS, prepare_model, save_trained, load_trained
 from frugaltune.validation import ValidationRules, validate_splits
 
@@ -157,6 +157,53 @@ def test_the_loss_runs_the_lm_head_only_where_a_target_is_and_equals_transformer
     assert counted < batch["input_ids"].shape[1] // 2  # the prompts are most of the positions
     summed = model_loss(model, batch, target, reduction="sum")
     torch.testing.assert_close(summed, reference * sum(target_counts(labels)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_a_shared_prompt_prefix_read_once_gives_the_whole_batch_loss_and_gradients(method, tiny_model_dir,
+                                                                                   smol_tokenizer):
+    """The chat template's system turn, the same in every row, runs as one row and its keys/values are repeated:
+    same loss and same gradients as the batch read in full, with the decoder seeing the prefix once."""
+    ids, labels = sft_examples(smol_tokenizer, n=6)
+    batch = collate(ids, smol_tokenizer.pad_token_id)
+    target = collate_targets(labels, batch["input_ids"].shape[1])
+    shared = shared_prefix_length(batch["input_ids"], target, 8)
+    first_scored = int((target[:, 1:] != IGNORE_INDEX).any(dim=0).nonzero()[0])
+    assert 8 <= shared <= first_scored
+    assert (batch["input_ids"][:, :shared] == batch["input_ids"][0, :shared]).all()
+    assert not (batch["input_ids"][:, shared] == batch["input_ids"][0, shared]).all()  # the longest such prefix
+    knobs = getattr(parse_params({}).train, method)
+    model = prepare_model(tiny_model_dir, [], smol_tokenizer.pad_token_id, 0, method, knobs, task="causal_lm")
+    model.eval()  # dropout off: both forwards compute the same function
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    whole = model_loss(model, batch, target)
+    expected = torch.autograd.grad(whole, params)
+    rows = []
+    hook = model.get_input_embeddings().register_forward_hook(lambda module, args, out: rows.append(out.shape[:2]))
+    ours = model_loss(model, batch, target, shared=shared)
+    hook.remove()
+    assert rows == [torch.Size([1, shared]), torch.Size([len(ids), batch["input_ids"].shape[1] - shared])]
+    torch.testing.assert_close(ours, whole, rtol=1e-5, atol=1e-6)
+    for got, want in zip(torch.autograd.grad(ours, params), expected):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    summed = model_loss(model, batch, target, reduction="sum", shared=shared)
+    torch.testing.assert_close(summed, whole * sum(target_counts(labels)), rtol=1e-5, atol=1e-5)
+
+
+def test_no_shared_prefix_for_one_row_class_ids_short_prefixes_or_one_that_reaches_the_response():
+    ids = torch.tensor([[5, 6, 7, 8, 1], [5, 6, 7, 9, 2]])
+    scored = torch.tensor([[-100, -100, -100, 8, 1], [-100, -100, -100, 9, 2]])
+    # tokens 0-2 are equal, but the logit at 2 predicts the first response token: it must be each row's own
+    assert shared_prefix_length(ids, scored, 2) == 2
+    assert shared_prefix_length(ids, scored, 3) == 0  # fewer than asked for
+    assert shared_prefix_length(ids, scored, 0) == 0  # off
+    assert shared_prefix_length(ids[:1], scored[:1], 2) == 0  # one row: nothing to share
+    assert shared_prefix_length(ids, torch.tensor([0, 1]), 2) == 0  # a classifier's class ids
+    early = torch.tensor([[-100, -100, 7, 8, 1], [-100, -100, 7, 9, 2]])
+    assert shared_prefix_length(ids, early, 1) == 1  # the logit at 1 is scored: the shared part stops before it
+    same = torch.tensor([[5, 6, 7, 8], [5, 6, 7, 8]])
+    assert shared_prefix_length(same, torch.full((2, 4), -100), 2) == 3  # equal rows keep a token of their own
 
 
 def test_planner_shapes_the_lm_head_over_the_vocabulary(tiny_model_dir):
