@@ -39,7 +39,7 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -402,6 +402,9 @@ class RunSpec:
     threads: int | None = None
     knobs: dict[str, MethodKnobs] = field(default_factory=dict)
     ranks: int = 1  # train.distributed.nproc_per_node: data-parallel processes on this host
+    # causal_lm: leading tokens every training row has in common (its prompt template), read once per micro-batch
+    # part by the training loop (LoopConfig.shared_prefix_min): the ETA does not count them per row
+    shared_prefix: int = 0
 
 
 def measured_on(hardware: dict, kernels_report: dict | None) -> dict | None:
@@ -517,6 +520,9 @@ def plan_method(method: str, run: RunSpec, hardware: dict, shape: ModelShape, co
         constants=constants, device=devices[0]["kind"], knobs=knobs))
     split = math.ceil(run.batch_size / micro)
     padded = sum(rows * length for rows, length in batches)
+    if run.shared_prefix and not ckpt:  # each part computes the shared prefix once, not once per row
+        parts = split * run.ranks
+        padded -= sum(max(rows - parts, 0) * run.shared_prefix for rows, _ in batches)
     eta, eta_note = None, "no calibration: run `frugaltune plan` with calibration for an ETA"
     if constants.seconds_per_token is not None and method != "none":
         factor = 1.0
@@ -556,7 +562,8 @@ def plan_method(method: str, run: RunSpec, hardware: dict, shape: ModelShape, co
         "seq_len": run.seq_len,
         "largest_batch": {"sequences": math.ceil(math.ceil(worst[0] / run.ranks) / split), "length": worst[1]},
         "steps": steps,
-        "padded_tokens": padded,
+        "padded_tokens": padded,  # the tokens the model computes: padding counted, shared prefixes once per part
+        "shared_prefix": run.shared_prefix if not ckpt else 0,
         "eta_seconds": None if eta is None else round(eta, 1 if eta >= 10 else 4),  # tiny test runs take ms
         "eta_note": eta_note,
         "trainable_params": shape.trainable_params,
@@ -670,6 +677,25 @@ def run_spec(params: "Params", lengths: list[int]) -> RunSpec:
     )
 
 
+def common_prompt_prefix(input_ids: list[list[int]], labels: list[list[int]]) -> int:
+    """How many leading tokens every causal_lm example has in common before its first scored prediction (the
+    training loop reads them once per batch: `frugaltune.training.loop.shared_prefix_length`); 0 when fewer than
+    the loop's minimum. Every batch shares at least these, so the ETA built on it is an upper bound."""
+    from frugaltune.training.batching import IGNORE_INDEX
+    from frugaltune.training.loop import LoopConfig
+
+    if len(input_ids) < 2:
+        return 0
+    first = input_ids[0]
+    length = min(len(ids) for ids in input_ids) - 1
+    for ids in input_ids[1:]:
+        length = next((i for i in range(length) if ids[i] != first[i]), length)
+    for targets in labels:  # the logit before a row's first target token is its own
+        scored = next((i for i, t in enumerate(targets) if t != IGNORE_INDEX), len(targets))
+        length = min(length, max(scored - 1, 0))
+    return length if length >= LoopConfig.shared_prefix_min else 0
+
+
 def build_plan(params: "Params", hardware: dict[str, Any], measured_precision: dict | None = None,
                run_calibration: bool | None = None, memory_limit_gb: float | None = None,
                methods: tuple[str, ...] | None = None, log=print) -> dict[str, Any]:
@@ -691,6 +717,8 @@ def build_plan(params: "Params", hardware: dict[str, Any], measured_precision: d
     train_split = load_from_disk(str(paths.TOKENIZED_DIR))["train"]
     lengths = [len(ids) for ids in train_split["input_ids"]]
     spec = run_spec(params, lengths)
+    if params.task.type == "causal_lm":
+        spec = replace(spec, shared_prefix=common_prompt_prefix(train_split["input_ids"], train_split["labels"]))
     # causal_lm: the loss (and so the LM head) runs on the response tokens only; the calibration steps do the same
     response_tokens = (math.ceil(sum(target_counts(train_split["labels"])) / max(len(lengths), 1))
                        if params.task.type == "causal_lm" else None)

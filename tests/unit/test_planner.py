@@ -107,6 +107,25 @@ def test_plan_keeps_the_effective_batch_and_turns_on_checkpointing_only_when_nee
     assert "lora*" in planner.render(cramped)
 
 
+def test_a_shared_prompt_prefix_is_counted_once_per_batch_in_the_eta():
+    ids = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 50 + i, 0] for i in range(4)]
+    labels = [[-100] * 11 + [0]] * 4
+    assert planner.common_prompt_prefix(ids, labels) == 10
+    assert planner.common_prompt_prefix(ids, [[-100] * 8 + [9, 10, 50, 0]] * 4) == 0  # 7 < the loop's 8
+    assert planner.common_prompt_prefix(ids[:1], labels[:1]) == 0
+    constants = planner.Constants(seconds_per_token=0.01, step_overhead_s=0.0)
+    config = smollm2_config()
+    whole = planner.make_plan(run_spec(), cpu_hardware(24), shapes(config), constants)["methods"]["lora"]
+    shared = planner.make_plan(run_spec(shared_prefix=10), cpu_hardware(24), shapes(config),
+                               constants)["methods"]["lora"]
+    assert whole["shared_prefix"] == 0 and shared["shared_prefix"] == 10
+    assert whole["padded_tokens"] - shared["padded_tokens"] == 5 * (16 - 1) * 10  # 5 batches of 16, one part each
+    assert whole["eta_seconds"] - shared["eta_seconds"] == pytest.approx(5 * 15 * 10 * 0.01)
+    cramped = planner.make_plan(run_spec(shared_prefix=10), cpu_hardware(24), shapes(config), constants,
+                                limit_gb=1.25)["methods"]["lora"]
+    assert cramped["gradient_checkpointing"] and cramped["shared_prefix"] == 0  # checkpointing cannot share
+
+
 def test_ranks_on_one_cpu_split_its_cores_and_share_its_memory():
     config = smollm2_config()
     one = planner.make_plan(run_spec(), cpu_hardware(24), shapes(config, ("lora",)), planner.Constants())
