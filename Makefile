@@ -57,6 +57,7 @@ federated: pipeline flower-env
 sft: install
 	dvc exp run -n sft-tweets -S task.type=causal_lm -S task.max_new_tokens=4 -S tokenize.max_length=200 \
 		-S "task.prompt_template='Is the sentiment of this tweet negative, neutral or positive? Answer with one word. Tweet: {text}'" \
+		-S "train.lora.target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]" -S train.lr=0.002 \
 		-S register.model_name=frugaltune-sentiment-sft
 
 # The LLM scheduler (README "Scheduling with an LLM"): trace -> teacher SFT data -> LoRA -> judged in the simulator

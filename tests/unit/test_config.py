@@ -112,3 +112,6 @@ def test_make_sft_overrides_parse_into_a_causal_lm_run(tmp_path):
     params = load_params(params_file)
     assert params.task.type == "causal_lm" and params.task.prompt_template.endswith("Tweet: {text}")
     assert params.data.max_rows == 4000 and params.register_.model_name == "frugaltune-sentiment-sft"
+    # the measured sweep's winner (README "Generative fine-tuning"): every linear layer adapted, lr 0.002
+    assert params.train.lora.target_modules[-3:] == ["gate_proj", "up_proj", "down_proj"]
+    assert params.train.lr == 0.002
