@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 
-from frugaltune import generation  # noqa: E402
+from frugaltune import generation, paths  # noqa: E402
 from frugaltune.hardware import cpu_facts  # noqa: E402
 from frugaltune.planner import MethodKnobs  # noqa: E402
 from frugaltune.training.batching import IGNORE_INDEX  # noqa: E402
@@ -38,8 +38,7 @@ TEMPLATE = "Is the sentiment of this tweet negative, neutral or positive? Answer
 
 def planned_run() -> dict:
     """What the plan chose on this machine (precision, attention crossover: the kernels stage measured both)."""
-    plan = Path("reports/plan.json")
-    return json.loads(plan.read_text()).get("run", {}) if plan.exists() else {}
+    return json.loads(paths.PLAN.read_text()).get("run", {}) if paths.PLAN.exists() else {}
 
 
 def main() -> None:

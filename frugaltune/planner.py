@@ -680,16 +680,15 @@ def run_spec(params: "Params", lengths: list[int]) -> RunSpec:
 def common_prompt_prefix(input_ids: list[list[int]], labels: list[list[int]]) -> int:
     """How many leading tokens every causal_lm example has in common before its first scored prediction (the
     training loop reads them once per batch: `frugaltune.training.loop.shared_prefix_length`); 0 when fewer than
-    the loop's minimum. Every batch shares at least these, so the ETA built on it is an upper bound."""
+    the loop's minimum. Every batch shares at least these; the ETA still comes out low, because a token read once
+    for the batch saves less than a row's token costs (docs/DECISIONS.md)."""
+    from frugaltune.generation import _common_prefix_length
     from frugaltune.training.batching import IGNORE_INDEX
     from frugaltune.training.loop import LoopConfig
 
     if len(input_ids) < 2:
         return 0
-    first = input_ids[0]
-    length = min(len(ids) for ids in input_ids) - 1
-    for ids in input_ids[1:]:
-        length = next((i for i in range(length) if ids[i] != first[i]), length)
+    length = min(_common_prefix_length(input_ids), min(len(ids) for ids in input_ids) - 1)
     for targets in labels:  # the logit before a row's first target token is its own
         scored = next((i for i, t in enumerate(targets) if t != IGNORE_INDEX), len(targets))
         length = min(length, max(scored - 1, 0))
