@@ -39,7 +39,7 @@ flower-env: install
 	else \
 		set -e; test -x $(FLOWER_VENV)/bin/python || "$$($(BIN)/python -c 'import sys; print(sys._base_executable)')" -m venv $(FLOWER_VENV); \
 		$(BIN)/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > $$($(FLOWER_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/zz_frugaltune_venv.pth; \
-		$(FLOWER_VENV)/bin/python -m pip install -q $(FLOWER_PINS); \
+		$(FLOWER_VENV)/bin/python -m pip install -q $(foreach pin,$(FLOWER_PINS),'$(pin)'); \
 		echo "$(FLOWER_PINS)" > $(FLOWER_VENV)/.pins; \
 	fi
 

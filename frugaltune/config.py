@@ -476,7 +476,19 @@ class FederatedParams(Section):
         "clients in turn (frugaltune/federated/profiles.py): each is planned for its own memory and cores.")
     threads: int = Field(1, ge=1, description="Threads of each client process on this machine (simulation: all "
                          "clients share this host).")
+    runtime: Literal["simulation", "deployment"] = Field(
+        "simulation", description="How the stage runs the federation on this machine: simulation = Flower's "
+        "Simulation Engine (virtual SuperNodes on long-lived Ray workers, one per core, each building the model "
+        "once); deployment = a SuperLink and one SuperNode process per client on loopback, as across machines "
+        "(every client-round starts a fresh ClientApp process).")
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="Clients' training and the server's evaluation on this machine: auto = what the kernels "
+        "stage measured faster here (as train.precision: auto).")
     dp: FederatedDpParams = Field(default_factory=FederatedDpParams, description="Differential privacy switch.")
+    logit_adjustment: bool = Field(False, description="Clients train on logits + log(their own label prior) "
+                                   "(Menon et al. 2021; per client as in FedLC): under label skew each client's "
+                                   "update stops pulling the shared head toward its own majority label. The prior "
+                                   "never leaves the client; the served model's logits are unchanged in form.")
     proximal_mu: float = Field(0.0, ge=0, description="FedProx: each client adds mu/2 * ||w - w_global||^2 over its "
                                "trainable tensors to its loss, pulling its update toward the global adapter (helps "
                                "with skewed data and many local steps; typical 0.001-1). 0 = off (plain FedAvg/FFA).")

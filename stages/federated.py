@@ -100,6 +100,22 @@ def run_key(params: Params, scheme: str, method: str) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def machine_precision(params: Params) -> tuple[bool, int]:
+    """(bf16?, eager attention up to this many tokens) for training on this machine, decided as the train stage
+    decides without a plan: the kernels stage's measurement on this CPU (`federated.precision: auto`)."""
+    from stages.train import measured_precision_inputs
+
+    hardware, measured = measured_precision_inputs()
+    bf16, _ = planner.recommend_precision(hardware, params.federated.precision, measured)
+    return bool(bf16), planner.eager_attention_max_len(measured, bf16, bool(hardware.get("gpus")))
+
+
+def physical_cores() -> int:
+    import psutil
+
+    return psutil.cpu_count(logical=False) or 1
+
+
 def federate(params: Params, scheme: str, method: str, plans: list[dict], parts: Path, labels: list[str],
              pad_token_id: int, workdir: Path) -> Path:
     fp = params.federated
@@ -108,8 +124,10 @@ def federate(params: Params, scheme: str, method: str, plans: list[dict], parts:
         raise RuntimeError(f"federated: {len(included)} clients fit their hardware, fewer than federated."
                            f"min_completed {fp.min_completed}: " + "; ".join(
                                f"client {p['client']} ({p['preset']}): {p['reason']}" for p in plans if not p["fits"]))
+    bf16, eager = machine_precision(params)  # every client of this stage trains on this machine
     nodes = [{"data": str((parts / f"client_{p['client']}.parquet").resolve()), "lora-rank": p["lora_rank"],
-              "micro-batch": p["micro_batch_size"], "threads": fp.threads, "client-id": p["client"]}
+              "micro-batch": p["micro_batch_size"], "threads": fp.threads, "client-id": p["client"],
+              "precision": "bf16" if bf16 else "fp32", "eager-attention-max-len": eager}
              for p in included]
     out = (paths.CHECKPOINTS_DIR / "federated" / run_key(params, scheme, method)).resolve()
     config = {"out-dir": str(out), "model-dir": str(paths.BASE_MODEL.resolve()),
@@ -119,13 +137,20 @@ def federate(params: Params, scheme: str, method: str, plans: list[dict], parts:
               "round-timeout": float(fp.round_timeout_s), "method": method, "lora-r": fp.lora.r,
               "lora-alpha": fp.lora.alpha, "lora-dropout": fp.lora.dropout,
               "lora-target-modules": json.dumps(list(fp.lora.target_modules)), "local-steps": fp.local_steps,
-              "lr": fp.lr, "server-lr": fp.server_lr, "batch-size": fp.batch_size, "seed": params.common.seed, "threads": fp.threads,
+              "lr": fp.lr, "server-lr": fp.server_lr, "batch-size": fp.batch_size, "seed": params.common.seed,
+              # the server evaluates between rounds, while this host's clients wait: it may use every core
+              "threads": physical_cores(),
               "dp-epsilon": fp.dp.epsilon if fp.dp.enabled else 0.0, "dp-delta": fp.dp.delta,
               "dp-clip": fp.dp.clipping_norm, "proximal-mu": fp.proximal_mu,
+              "logit-adjustment": fp.logit_adjustment,
               "transmit-dtype": fp.transmit_dtype, "secure-aggregation": fp.secure_aggregation,
+              "precision": "bf16" if bf16 else "fp32",
               # SecAgg+ quantizes each update weighted by num_examples / this: the largest client's share
               "secure-max-weight": float(max(p["examples"] for p in included))}
-    with LocalFederation(FLOWER_BIN, workdir, nodes, ROOT, threads=fp.threads) as fed:
+    # Simulation Engine: one Ray worker per `threads` physical cores, so clients train side by side without
+    # oversubscribing (2 workers on this project's 2-core machines)
+    with LocalFederation(FLOWER_BIN, workdir, nodes, ROOT, threads=fp.threads, runtime=fp.runtime,
+                         workers=max(1, physical_cores() // fp.threads)) as fed:
         result = fed.submit(APP, config, timeout=None)
     if not (out / "done.json").exists():  # `flwr run` exits 0 even when the ServerApp raised
         raise RuntimeError(f"federated {scheme}/{method}: the ServerApp did not finish{serverapp_status(workdir)}:"
@@ -219,8 +244,10 @@ def examples_trained(out: Path, batch_size: int) -> int:
 def centralized_baseline(params: Params, labels: list[str], pad_token_id: int, examples: int) -> dict:
     """The reference the issue compares a federation with: LoRA trained in one process on the whole training split
     (the union of what the clients own), for as many examples as the federation's clients trained on, with the
-    federation's LoRA, lr, batch, schedule (constant, as a client's round) and seed, evaluated on the same test split
-    by the same function as the server's rounds. One optimizer over all the steps, as centralized training has."""
+    federation's LoRA, lr, batch and seed, evaluated on the same test split by the same function as the server's
+    rounds. One optimizer over all the steps, with the train stage's schedule (`train.scheduler`,
+    `train.warmup_ratio`), as centralized training has: at the federation's constant lr 0.002 the 400 steps of the
+    default run collapsed to one class (macro-F1 0.273, 2026-11-25), no reference for anything."""
     import time
 
     import torch
@@ -234,13 +261,16 @@ def centralized_baseline(params: Params, labels: list[str], pad_token_id: int, e
     model = local.build_model(paths.BASE_MODEL, labels, pad_token_id, seed, spec)
     input_ids, targets = local.read_examples(DATA / "train.parquet")
     began = time.perf_counter()
+    bf16, eager = machine_precision(params)  # as the clients train
     local.train_locally(model, input_ids, targets, pad_token_id, steps=steps, lr=fp.lr, batch_size=fp.batch_size,
-                        micro_batch_size=None, seed=seed)
+                        micro_batch_size=None, seed=seed, bf16=bf16, eager_attention_max_len=eager,
+                        scheduler=params.train.scheduler, warmup_ratio=params.train.warmup_ratio)
     seconds = time.perf_counter() - began
     test_ids, test_targets = local.read_examples(DATA / "test.parquet")
-    final = local.evaluate(model, test_ids, test_targets, labels, pad_token_id)
+    final = local.evaluate(model, test_ids, test_targets, labels, pad_token_id, bf16=bf16)
     return {"examples": steps * fp.batch_size, "steps": steps, "batch_size": fp.batch_size, "lr": fp.lr,
-            "training_rows": len(targets), "threads": threads, "train_seconds": round(seconds, 1),
+            "precision": "bf16" if bf16 else "fp32", "scheduler": params.train.scheduler,
+            "warmup_ratio": params.train.warmup_ratio, "training_rows": len(targets), "threads": threads, "train_seconds": round(seconds, 1),
             "peak_rss_mb": round(peak_rss_mb()), "final": final}
 
 

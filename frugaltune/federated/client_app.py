@@ -7,7 +7,14 @@ Run by a SuperNode (the Flower venv), never directly:
 with PYTHONPATH at the project root, after the ServerApp is started by `flwr run` (see README "Federated
 fine-tuning"). The node config is what this machine owns: `data` (its tokenized rows, parquet: input_ids, labels;
 they never leave it), optionally `model-dir` (its copy of the base model; default: the server's path),
-`lora-rank` (<= the global rank; default the global rank), `micro-batch` and `threads` (its plan).
+`lora-rank` (<= the global rank; default the global rank), `micro-batch`, `threads`, `precision` (fp32 | bf16:
+what this machine measured faster; default fp32) and `eager-attention-max-len` (its plan).
+
+In Flower's Simulation Engine (the `federated` stage's default on one machine) a virtual node's config is only its
+`partition-id`; the same keys then come from the run config's `simulation-nodes` (a JSON list, one entry per
+partition, written by the stage). Its workers (Ray actors) run many ClientApp calls in one process, so the base
+model is built once per worker and rank and each call only overwrites its trainable tensors with the global ones
+(`cached_model`); a deployment starts a process per message and builds it every time.
 
 Each train message carries the global adapter (ArrayRecord "arrays") and the round's settings (ConfigRecord
 "config"). The reply carries the trained tensors and MetricRecord "metrics": num-examples (the FedAvg weight),
@@ -22,6 +29,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import torch
 from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
@@ -54,10 +62,48 @@ def lora_spec(config) -> local.LoraSpec:
                           tuple(json.loads(str(config["lora-target-modules"]))))
 
 
+# (model-dir, labels, pad id, seed, LoRA spec, rank) -> (model, names of its trainable tensors); at most 2 entries
+_MODELS: dict[tuple, tuple[torch.nn.Module, list[str]]] = {}
+
+
+def node_settings(context: Context) -> dict:
+    """This node's settings: its --node-config in a deployment; under the Simulation Engine, the entry for its
+    `partition-id` in the run config's `simulation-nodes` file (the node config wins where both have a key)."""
+    node = dict(context.node_config)
+    listing = str(context.run_config.get("simulation-nodes", ""))
+    if "data" not in node and "partition-id" in node and listing:
+        entries = json.loads(Path(listing).read_text())
+        index = int(node["partition-id"])
+        if index >= len(entries):
+            raise ValueError(f"simulation node {index}: {listing} lists {len(entries)} nodes; start the simulation "
+                             f"with num-supernodes = {len(entries)}")
+        node = {**entries[index], **node}
+    return node
+
+
+def cached_model(model_dir: str, labels: list[str], pad_token_id: int, seed: int, spec: local.LoraSpec,
+                 rank: int) -> torch.nn.Module:
+    """The LoRA model for `rank`, built once per process. Every trainable tensor (A, B, head) is overwritten by the
+    round's global before training, so a reused model trains exactly as a fresh one; what a previous call froze
+    (FFA's A) trains again until the caller freezes it."""
+    key = (model_dir, tuple(labels), pad_token_id, seed, spec, rank)
+    cached_model.reused = key in _MODELS
+    if key not in _MODELS:
+        if len(_MODELS) >= 2:  # a worker sees at most the ranks of its clients; keep memory bounded
+            _MODELS.pop(next(iter(_MODELS)))
+        model = local.build_model(model_dir, labels, pad_token_id, seed, spec, rank)
+        _MODELS[key] = (model, [name for name, param in model.named_parameters() if param.requires_grad])
+    model, trainable = _MODELS[key]
+    params = dict(model.named_parameters())
+    for name in trainable:
+        params[name].requires_grad_(True)
+    return model
+
+
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     started = time.perf_counter()
-    node = context.node_config
+    node = node_settings(context)
     legacy = secure.is_fitins(msg)  # SecAgg+: the global and config arrive as a FitIns, the reply is a FitRes
     if legacy:
         received, config, bytes_down = secure.read_fitins(msg)
@@ -74,8 +120,8 @@ def train(msg: Message, context: Context) -> Message:
                          "--node-config \"data='path/to/client.parquet'\"")
     input_ids, targets = local.read_examples(str(node["data"]))
 
-    model = local.build_model(str(node.get("model-dir", config["model-dir"])), labels, pad_token_id,
-                              int(config["seed"]), spec, rank)
+    model = cached_model(str(node.get("model-dir", config["model-dir"])), labels, pad_token_id,
+                         int(config["seed"]), spec, rank)
     local.load_tensors(model, aggregation.slice_to_rank(received, rank))
     if str(config["method"]) == "ffa":
         local.freeze_lora_a(model)
@@ -83,14 +129,16 @@ def train(msg: Message, context: Context) -> Message:
         model, input_ids, targets, pad_token_id, steps=int(config["local-steps"]), lr=float(config["lr"]),
         batch_size=int(config["batch-size"]), micro_batch_size=int(node["micro-batch"]) if "micro-batch" in node
         else None, seed=int(config["seed"]) * 1000 + int(config["round"]),
-        proximal_mu=float(config.get("proximal-mu", 0.0)))
+        proximal_mu=float(config.get("proximal-mu", 0.0)), bf16=str(node.get("precision", "fp32")) == "bf16",
+        eager_attention_max_len=int(node.get("eager-attention-max-len", 0)),
+        logit_adjustment=bool(config.get("logit-adjustment", False)))
     trained, privacy = local.trainable_tensors(model), {}
     if float(config.get("dp-epsilon", 0)) > 0:  # federated.dp: clip + noise the update before it leaves
         trained, privacy = privatize(trained, aggregation.slice_to_rank(received, rank), float(config["dp-clip"]),
                                      float(config["dp-epsilon"]), float(config["dp-delta"]))
     metrics = {**privacy,
         "num-examples": len(targets), "train-loss": float(result.final_loss), "steps": result.steps,
-        "bytes-down": bytes_down, "lora-rank": rank,
+        "bytes-down": bytes_down, "lora-rank": rank, "model-reused": int(cached_model.reused),
         "seconds": round(time.perf_counter() - started, 3), "peak-rss-mb": round(peak_rss_mb(), 1),
         # which client of the stage's plan this is (node ids are Flower's own), for the plan-vs-measured report
         **({"client-id": int(node["client-id"])} if "client-id" in node else {})}

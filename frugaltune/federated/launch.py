@@ -1,14 +1,21 @@
-"""Start a real Flower deployment on this machine: one SuperLink and N SuperNodes as separate processes on
-127.0.0.1 (random free ports, insecure: loopback only), submit the app with `flwr run`, stop everything after.
+"""Start Flower on this machine and submit the app with `flwr run`, stop everything after. Two runtimes:
+
+- deployment: one SuperLink and N SuperNodes as separate processes on 127.0.0.1 (random free ports, insecure:
+  loopback only), the same deployment as across machines (README "Federated fine-tuning") with every process on one
+  host. Flower 1.32 starts a fresh ClientApp process for every message, so each client-round imports torch and
+  builds the model again.
+- simulation: a SuperLink in simulation mode; `flwr run` makes its Simulation Engine run N virtual SuperNodes on
+  Ray workers (`workers` processes, `flwr[simulation]`) that stay up for the whole run, so a
+  worker builds the model once (frugaltune.federated.client_app.cached_model). Same ServerApp, same ClientApp.
+  Each worker gets `threads` CPUs of Ray's `workers * threads`.
 
 Library code used by the `federated` stage and tests/e2e/test_federated_pipeline.py; it imports no Flower (it runs the
-Flower venv's commands, `make flower-env`). This is the same deployment as across machines (README "Federated
-fine-tuning"), with every process on one host: it stands in for Flower's Simulation Engine, whose Ray extra is not
-installed here.
+Flower venv's commands, `make flower-env`).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -89,6 +96,10 @@ class LocalFederation:
     project_root: Path  # on PYTHONPATH: the apps are frugaltune's modules
     threads: int = 1
     extra_env: dict[str, str] = field(default_factory=dict)  # e.g. a test's FRUGALTUNE_TEST_STEP_DELAY_S
+    # "simulation": no SuperNode processes; len(node_configs) virtual nodes on `workers` Ray workers, each node's
+    # settings read by the ClientApp from the run config's `simulation-nodes` file (written by `submit`)
+    runtime: str = "deployment"
+    workers: int = 2
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
     ports: dict[str, int] = field(default_factory=dict)
 
@@ -121,6 +132,7 @@ class LocalFederation:
         # fresh env from the package index at every run; here the apps run in the Flower venv as installed.
         self._spawn("superlink", [str(self.flower_bin / "flower-superlink"), "--insecure",
                                   "--disable-runtime-dependency-installation",
+                                  *(["--simulation"] if self.runtime == "simulation" else []),
                                   # state on disk: a restarted SuperLink still knows its SuperNodes and runs
                                   "--database", str(self.workdir / "superlink.db"),
                                   "--fleet-api-address", f"127.0.0.1:{self.ports['fleet']}",
@@ -137,9 +149,24 @@ class LocalFederation:
     def start(self) -> "LocalFederation":
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.start_superlink()
-        for index in range(len(self.node_configs)):
-            self.start_supernode(index)
+        if self.runtime != "simulation":
+            for index in range(len(self.node_configs)):
+                self.start_supernode(index)
         return self
+
+    def run_args(self, run_config: dict) -> list[str]:
+        """`flwr run`'s arguments; under simulation, the virtual nodes' settings go to a file the run config names
+        and the Simulation Engine gets one virtual SuperNode per entry on `workers` Ray workers of `threads` CPUs."""
+        args = [str(self.flower_bin / "flwr"), "run"]
+        if self.runtime == "simulation":
+            listing = self.workdir / "simulation_nodes.json"
+            listing.write_text(json.dumps(self.node_configs, indent=1))
+            run_config = {**run_config, "simulation-nodes": str(listing)}
+            return args + ["--federation-config", config_string({
+                "num-supernodes": len(self.node_configs), "client-resources-num-cpus": self.threads,
+                "init-args-num-cpus": self.workers * self.threads, "init-args-log-to-driver": True}),
+                "--run-config", config_string(run_config)]
+        return args + ["--run-config", config_string(run_config)]
 
     def _wait_listening(self, port: int, name: str, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
@@ -159,13 +186,13 @@ class LocalFederation:
 
     def submit(self, app_dir: Path, run_config: dict, timeout: float) -> subprocess.CompletedProcess:
         """`flwr run APP local --stream`: returns when the ServerApp has finished (or raises on timeout)."""
-        return subprocess.run([str(self.flower_bin / "flwr"), "run", str(app_dir), "local", "--stream",
-                               "--run-config", config_string(run_config)], cwd=self.project_root, env=self.env(),
-                              capture_output=True, text=True, timeout=timeout)
+        args = self.run_args(run_config)
+        return subprocess.run(args[:2] + [str(app_dir), "local", "--stream"] + args[2:], cwd=self.project_root,
+                              env=self.env(), capture_output=True, text=True, timeout=timeout)
 
     def submit_async(self, app_dir: Path, run_config: dict) -> subprocess.Popen:
-        return self._spawn("flwr_run", [str(self.flower_bin / "flwr"), "run", str(app_dir), "local", "--stream",
-                                        "--run-config", config_string(run_config)])
+        args = self.run_args(run_config)
+        return self._spawn("flwr_run", args[:2] + [str(app_dir), "local", "--stream"] + args[2:])
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         """Kill process `name` and everything it started (its process group and the processes Flower starts in

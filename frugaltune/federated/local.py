@@ -17,7 +17,7 @@ import torch
 from frugaltune.federated import aggregation
 from frugaltune.metrics import classification_metrics
 from frugaltune.training.batching import collate, sorted_batches
-from frugaltune.training.loop import LoopConfig, TrainResult, train_classifier
+from frugaltune.training.loop import LoopConfig, TrainResult, autocast, train_classifier
 from frugaltune.training.methods import prepare_model
 
 
@@ -92,28 +92,69 @@ def proximal_term(model: torch.nn.Module, mu: float):
     return term
 
 
+def label_log_prior(labels: list[int], num_labels: int) -> torch.Tensor:
+    """log of this client's label frequencies, add-one smoothed (a label it never saw gets a small prior, not
+    log 0)."""
+    counts = torch.bincount(torch.tensor(labels, dtype=torch.long), minlength=num_labels).double() + 1.0
+    return (counts / counts.sum()).log().float()
+
+
+def head_module(model: torch.nn.Module) -> torch.nn.Module:
+    """The classification head (`score`; under peft, its wrapper, whose output is the head's logits)."""
+    names = sorted((name for name, _ in model.named_modules() if name.split(".")[-1] == "score"), key=len)
+    if not names:
+        raise ValueError("federated logit adjustment: the model has no `score` head (a sequence classifier has)")
+    return model.get_submodule(names[0])
+
+
 def train_locally(model: torch.nn.Module, input_ids: list[list[int]], labels: list[int], pad_token_id: int, *,
                   steps: int, lr: float, batch_size: int, micro_batch_size: int | None, seed: int,
-                  proximal_mu: float = 0.0) -> TrainResult:
+                  proximal_mu: float = 0.0, bf16: bool = False, eager_attention_max_len: int = 0,
+                  logit_adjustment: bool = False, scheduler: str = "constant",
+                  warmup_ratio: float = 0.0) -> TrainResult:
     """`steps` optimizer steps of the project's loop on this client's examples (no checkpoints: a round is short and
-    the server keeps every completed round); `proximal_mu` > 0 adds FedProx's proximal term to the loss."""
+    the server keeps every completed round); `proximal_mu` > 0 adds FedProx's proximal term to the loss. `bf16` and
+    `eager_attention_max_len` are what the plan measured faster on the machine (the train stage's switches).
+
+    `logit_adjustment`: the loss sees the head's logits plus the log of this client's label prior (logit
+    adjustment, Menon et al. 2021, applied per client against label skew as in FedLC, Zhang et al. 2022). A client
+    whose rows are mostly one label then does not have to learn "answer that label" to lower its loss, so its
+    update moves the shared head toward the class-conditional evidence instead of toward its own prior, and
+    clients of different label mixes stop pulling the averaged head back and forth. Only training sees the
+    shift; the model's own logits (what the server evaluates and serves) are unchanged in form.
+
+    A client's round is a constant learning rate (the default); the centralized baseline passes the train stage's
+    schedule (`scheduler`, `warmup_ratio`)."""
     cfg = LoopConfig(lr=lr, max_steps=steps, batch_size=batch_size, micro_batch_size=micro_batch_size, seed=seed,
-                     warmup_ratio=0.0, scheduler="constant", log_every=max(1, steps), checkpoint_dir=None)
+                     warmup_ratio=warmup_ratio, scheduler=scheduler, log_every=max(1, steps), checkpoint_dir=None, bf16=bf16,
+                     eager_attention_max_len=eager_attention_max_len)
     regularizer = proximal_term(model, proximal_mu) if proximal_mu > 0 else None
-    return train_classifier(model, input_ids, labels, cfg, pad_token_id, progress=False, regularizer=regularizer)
+    hook = None
+    if logit_adjustment:
+        head = head_module(model)
+        prior = label_log_prior(labels, int(model.config.num_labels))
+        hook = head.register_forward_hook(lambda _module, _inputs, output: output + prior.to(output.device,
+                                                                                             output.dtype))
+    try:
+        return train_classifier(model, input_ids, labels, cfg, pad_token_id, progress=False, regularizer=regularizer)
+    finally:
+        if hook is not None:
+            hook.remove()
 
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, input_ids: list[list[int]], labels: list[int], label_names: list[str],
-             pad_token_id: int, batch_size: int = 32) -> dict:
-    """Accuracy, macro-F1 (frugaltune.metrics, as the evaluate stage) and the mean cross-entropy on a split."""
+             pad_token_id: int, batch_size: int = 32, bf16: bool = False) -> dict:
+    """Accuracy, macro-F1 (frugaltune.metrics, as the evaluate stage) and the mean cross-entropy on a split;
+    `bf16`: under autocast, as the evaluate stage does where training ran in bf16."""
     model.eval()
     device = next(model.parameters()).device
     predictions = np.zeros(len(input_ids), dtype=np.int64)
     loss_sum = 0.0
     for batch in sorted_batches([len(ids) for ids in input_ids], batch_size):
         inputs = {k: v.to(device) for k, v in collate([input_ids[i] for i in batch], pad_token_id).items()}
-        logits = model(**inputs).logits.float()
+        with autocast(bf16, device):
+            logits = model(**inputs).logits.float()
         target = torch.tensor([labels[i] for i in batch], device=device)
         loss_sum += float(torch.nn.functional.cross_entropy(logits, target, reduction="sum"))
         predictions[batch] = logits.argmax(-1).cpu().numpy()

@@ -43,7 +43,8 @@ app = ServerApp()
 # Settings a round's result depends on: a resume continues only a run with the same ones.
 RESULT_KEYS = ("model-dir", "labels", "test-data", "method", "lora-r", "lora-alpha", "lora-dropout",
                "lora-target-modules", "local-steps", "lr", "server-lr", "batch-size", "seed", "fraction", "pad-token-id",
-               "dp-epsilon", "dp-delta", "dp-clip", "proximal-mu", "transmit-dtype", "secure-aggregation")
+               "dp-epsilon", "dp-delta", "dp-clip", "proximal-mu", "transmit-dtype", "secure-aggregation", "precision",
+               "logit-adjustment")
 
 
 class CompletionFloorError(RuntimeError):
@@ -94,14 +95,14 @@ def wait_for_nodes(grid: Grid, count: int, timeout: float) -> list[int]:
 def client_config(config: dict, round_number: int) -> ConfigRecord:
     keys = ("method", "lora-r", "lora-alpha", "lora-dropout", "lora-target-modules", "local-steps", "lr",
             "batch-size", "seed", "labels", "pad-token-id", "model-dir", "dp-epsilon", "dp-delta", "dp-clip",
-            "proximal-mu", "transmit-dtype")
+            "proximal-mu", "transmit-dtype", "logit-adjustment")
     return ConfigRecord({**{key: config[key] for key in keys}, "round": round_number})
 
 
 def evaluate_global(model, tensors, test, labels, config) -> dict:
     local.load_tensors(model, tensors)
     return local.evaluate(model, test[0], test[1], labels, int(config["pad-token-id"]),
-                          int(config.get("eval-batch-size", 32)))
+                          int(config.get("eval-batch-size", 32)), bf16=str(config.get("precision", "fp32")) == "bf16")
 
 
 def run_secure_round(grid: Grid, context: Context, config: dict, number: int, tensors: dict[str, torch.Tensor],

@@ -1,6 +1,7 @@
 """A real Flower deployment on loopback: a SuperLink and 3 SuperNodes as separate processes on 127.0.0.1 train a
 tiny random llama's LoRA adapters for 2 rounds through the `federated` stage; a SuperNode killed mid-round does not stop the round; a SuperLink
-killed after a round resumes from it (that federation with DP, FedProx and bf16 on the wire). Run with `make test` (or `pytest -m slow tests/e2e/test_federated_pipeline.py`);
+killed after a round resumes from it (that federation with DP, FedProx and bf16 on the wire); the same apps on
+Flower's Simulation Engine (Ray workers that keep the model between rounds). Run with `make test` (or `pytest -m slow tests/e2e/test_federated_pipeline.py`);
 needs the Flower venv (`make flower-env`, which `make test` runs). About 2 minutes on 2 CPU cores.
 """
 
@@ -113,7 +114,7 @@ def test_the_stage_runs_three_supernodes_for_two_rounds_sending_only_the_adapter
     params = parse_params({"common": {"seed": 0}, "tokenize": {"max_length": 16}, "federated": {
         "num_clients": 3, "partition": "iid", "methods": ["fedavg"], "iid_control": False, "num_rounds": 2,
         "fraction": 1.0, "min_completed": 3, "round_timeout_s": 120, "local_steps": 2, "batch_size": 8,
-        "lora": {"r": 8, "alpha": 16}}})
+        "lora": {"r": 8, "alpha": 16}, "runtime": "deployment"}})
     report = stage.run(params)
 
     run = report["runs"]["fedavg_iid"]
@@ -228,6 +229,29 @@ def test_a_killed_supernode_does_not_stop_the_round_and_a_killed_server_resumes(
         for client in report["clients"]:  # DP on: the update was clipped and noised with the mechanism's σ
             assert client["dp-noise-std"] == pytest.approx(0.5 * math.sqrt(2 * math.log(1.25 / 1e-5)) / 50, rel=1e-4)
             assert client["dp-update-norm"] > 0
+
+
+def test_the_simulation_engine_runs_the_same_apps_and_its_workers_build_the_model_once(world: Path):
+    """federated.runtime simulation: a SuperLink in simulation mode, 3 virtual SuperNodes on 2 Ray workers (the
+    same ServerApp and ClientApp); a worker reuses the model it built for a rank, and the rounds come out as the
+    deployment's do (same shapes, same bytes)."""
+    out = world / "simulation_out"
+    nodes = [{"data": str(world / f"client_{i}.parquet"), "lora-rank": rank} for i, rank in enumerate(RANKS)]
+    fed = LocalFederation(FLOWER_BIN, world / "simulation", nodes, ROOT, runtime="simulation", workers=2)
+    with fed:
+        assert not any(name.startswith("supernode") for name in fed.processes)  # no SuperNode processes
+        result = fed.submit(APP, run_config(world, out), timeout=600)
+    assert result.returncode == 0 and (out / "done.json").exists(), result.stdout[-4000:] + result.stderr[-3000:]
+    assert not fed.strays(), [process.cmdline()[:2] for process in fed.strays()]
+    start = load_file(str(out / "rounds/round_000.safetensors"))
+    final = load_file(str(out / "rounds/round_002.safetensors"))
+    assert {k: v.shape for k, v in final.items()} == {k: v.shape for k, v in start.items()}
+    assert any(not torch.equal(start[k], final[k]) for k in start)
+    clients = [client for number in (1, 2) for client in round_report(out, number)["clients"]]
+    assert len(clients) == 6 and sorted(c["lora-rank"] for c in clients) == sorted(RANKS * 2)
+    assert {c["num-examples"] for c in clients} == {40}
+    # 2 workers, 2 ranks, 6 calls: at least 2 calls find their rank's model already built in their worker
+    assert sum(c["model-reused"] for c in clients) >= 2, clients
 
 
 def test_partitions_are_deterministic_for_a_seed_and_skewed_by_dirichlet(world: Path, tmp_path: Path):

@@ -189,6 +189,38 @@ def test_fedprox_pulls_the_local_update_toward_the_global_weights(tiny_model_dir
     assert math.isfinite(held_loss) and math.isfinite(free_loss)
 
 
+def test_the_label_prior_is_smoothed_and_normalised():
+    prior = local.label_log_prior([0, 0, 0, 1], 3).exp()
+    assert prior.tolist() == pytest.approx([4 / 7, 2 / 7, 1 / 7])  # add-one: an unseen label is not log 0
+
+
+def test_logit_adjustment_trains_on_logits_plus_the_clients_log_prior_and_leaves_the_model_as_it_was(
+        tiny_model_dir, smol_tokenizer):
+    """The first step's loss with adjustment is the cross-entropy of (logits + log prior); after training the
+    model's forward is its own again (the hook is gone)."""
+    pad = smol_tokenizer.pad_token_id
+    spec = local.LoraSpec(4, 8, 0.0, ("q_proj", "v_proj"))
+    g = torch.Generator().manual_seed(2)
+    ids = [torch.randint(5, 500, (6,), generator=g).tolist() for _ in range(8)]
+    labels = [0] * 6 + [1, 2]  # one client's skewed rows
+    prior = local.label_log_prior(labels, 3)
+    model = local.build_model(tiny_model_dir, ["a", "b", "c"], pad, seed=0, lora=spec)
+    inputs = {"input_ids": torch.tensor(ids), "attention_mask": torch.ones(8, 6, dtype=torch.long)}
+    with torch.no_grad():
+        logits = model(**inputs).logits
+    target = torch.tensor(labels)
+    expected = {False: float(torch.nn.functional.cross_entropy(logits, target)),
+                True: float(torch.nn.functional.cross_entropy(logits + prior, target))}
+    for adjust in (False, True):
+        model = local.build_model(tiny_model_dir, ["a", "b", "c"], pad, seed=0, lora=spec)
+        result = local.train_locally(model, ids, labels, pad, steps=1, lr=1e-9, batch_size=8, micro_batch_size=None,
+                                     seed=0, logit_adjustment=adjust)
+        assert result.history[0]["loss"] == pytest.approx(expected[adjust], rel=1e-4), adjust
+        with torch.no_grad():  # lr ~0: the weights barely moved, and no prior is added any more
+            assert torch.allclose(model(**inputs).logits, logits, atol=1e-5)
+    assert expected[True] < expected[False]  # the majority label's prior lowers its loss: less to learn from it
+
+
 # --- bf16 transmission: the 16-bit pattern travels as uint16 (numpy has no bf16) and is restored exactly
 import io  # noqa: E402
 
