@@ -44,6 +44,7 @@ from frugaltune.config import Params, load_params
 from frugaltune.federated import local, plots, profiles
 from frugaltune.federated.launch import LocalFederation
 from frugaltune.io import read_json, write_json, write_text
+from stages.train import measured_precision_inputs, resolve_threads
 
 ROOT = Path(__file__).resolve().parents[1]
 FLOWER_BIN = ROOT / ".venv-flower" / "bin"
@@ -103,17 +104,9 @@ def run_key(params: Params, scheme: str, method: str) -> str:
 def machine_precision(params: Params) -> tuple[bool, int]:
     """(bf16?, eager attention up to this many tokens) for training on this machine, decided as the train stage
     decides without a plan: the kernels stage's measurement on this CPU (`federated.precision: auto`)."""
-    from stages.train import measured_precision_inputs
-
     hardware, measured = measured_precision_inputs()
     bf16, _ = planner.recommend_precision(hardware, params.federated.precision, measured)
     return bool(bf16), planner.eager_attention_max_len(measured, bf16, bool(hardware.get("gpus")))
-
-
-def physical_cores() -> int:
-    import psutil
-
-    return psutil.cpu_count(logical=False) or 1
 
 
 def federate(params: Params, scheme: str, method: str, plans: list[dict], parts: Path, labels: list[str],
@@ -139,7 +132,7 @@ def federate(params: Params, scheme: str, method: str, plans: list[dict], parts:
               "lora-target-modules": json.dumps(list(fp.lora.target_modules)), "local-steps": fp.local_steps,
               "lr": fp.lr, "server-lr": fp.server_lr, "batch-size": fp.batch_size, "seed": params.common.seed,
               # the server evaluates between rounds, while this host's clients wait: it may use every core
-              "threads": physical_cores(),
+              "threads": resolve_threads(None),
               "dp-epsilon": fp.dp.epsilon if fp.dp.enabled else 0.0, "dp-delta": fp.dp.delta,
               "dp-clip": fp.dp.clipping_norm, "proximal-mu": fp.proximal_mu,
               "logit-adjustment": fp.logit_adjustment,
@@ -150,7 +143,7 @@ def federate(params: Params, scheme: str, method: str, plans: list[dict], parts:
     # Simulation Engine: one Ray worker per `threads` physical cores, so clients train side by side without
     # oversubscribing (2 workers on this project's 2-core machines)
     with LocalFederation(FLOWER_BIN, workdir, nodes, ROOT, threads=fp.threads, runtime=fp.runtime,
-                         workers=max(1, physical_cores() // fp.threads)) as fed:
+                         workers=max(1, resolve_threads(None) // fp.threads)) as fed:
         result = fed.submit(APP, config, timeout=None)
     if not (out / "done.json").exists():  # `flwr run` exits 0 even when the ServerApp raised
         raise RuntimeError(f"federated {scheme}/{method}: the ServerApp did not finish{serverapp_status(workdir)}:"
@@ -260,8 +253,8 @@ def centralized_baseline(params: Params, labels: list[str], pad_token_id: int, e
     spec = local.LoraSpec(fp.lora.r, fp.lora.alpha, fp.lora.dropout, tuple(fp.lora.target_modules))
     model = local.build_model(paths.BASE_MODEL, labels, pad_token_id, seed, spec)
     input_ids, targets = local.read_examples(DATA / "train.parquet")
-    began = time.perf_counter()
     bf16, eager = machine_precision(params)  # as the clients train
+    began = time.perf_counter()
     local.train_locally(model, input_ids, targets, pad_token_id, steps=steps, lr=fp.lr, batch_size=fp.batch_size,
                         micro_batch_size=None, seed=seed, bf16=bf16, eager_attention_max_len=eager,
                         scheduler=params.train.scheduler, warmup_ratio=params.train.warmup_ratio)
@@ -270,7 +263,8 @@ def centralized_baseline(params: Params, labels: list[str], pad_token_id: int, e
     final = local.evaluate(model, test_ids, test_targets, labels, pad_token_id, bf16=bf16)
     return {"examples": steps * fp.batch_size, "steps": steps, "batch_size": fp.batch_size, "lr": fp.lr,
             "precision": "bf16" if bf16 else "fp32", "scheduler": params.train.scheduler,
-            "warmup_ratio": params.train.warmup_ratio, "training_rows": len(targets), "threads": threads, "train_seconds": round(seconds, 1),
+            "warmup_ratio": params.train.warmup_ratio, "training_rows": len(targets), "threads": threads,
+            "train_seconds": round(seconds, 1),
             "peak_rss_mb": round(peak_rss_mb()), "final": final}
 
 

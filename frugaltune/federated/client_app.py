@@ -82,13 +82,13 @@ def node_settings(context: Context) -> dict:
 
 
 def cached_model(model_dir: str, labels: list[str], pad_token_id: int, seed: int, spec: local.LoraSpec,
-                 rank: int) -> torch.nn.Module:
-    """The LoRA model for `rank`, built once per process. Every trainable tensor (A, B, head) is overwritten by the
-    round's global before training, so a reused model trains exactly as a fresh one; what a previous call froze
-    (FFA's A) trains again until the caller freezes it."""
+                 rank: int) -> tuple[torch.nn.Module, bool]:
+    """The LoRA model for `rank`, built once per process, and whether this call reused it. Every trainable tensor
+    (A, B, head) is overwritten by the round's global before training, so a reused model trains exactly as a fresh
+    one; what a previous call froze (FFA's A) trains again until the caller freezes it."""
     key = (model_dir, tuple(labels), pad_token_id, seed, spec, rank)
-    cached_model.reused = key in _MODELS
-    if key not in _MODELS:
+    reused = key in _MODELS
+    if not reused:
         if len(_MODELS) >= 2:  # a worker sees at most the ranks of its clients; keep memory bounded
             _MODELS.pop(next(iter(_MODELS)))
         model = local.build_model(model_dir, labels, pad_token_id, seed, spec, rank)
@@ -97,7 +97,7 @@ def cached_model(model_dir: str, labels: list[str], pad_token_id: int, seed: int
     params = dict(model.named_parameters())
     for name in trainable:
         params[name].requires_grad_(True)
-    return model
+    return model, reused
 
 
 @app.train()
@@ -120,8 +120,8 @@ def train(msg: Message, context: Context) -> Message:
                          "--node-config \"data='path/to/client.parquet'\"")
     input_ids, targets = local.read_examples(str(node["data"]))
 
-    model = cached_model(str(node.get("model-dir", config["model-dir"])), labels, pad_token_id,
-                         int(config["seed"]), spec, rank)
+    model, reused = cached_model(str(node.get("model-dir", config["model-dir"])), labels, pad_token_id,
+                                 int(config["seed"]), spec, rank)
     local.load_tensors(model, aggregation.slice_to_rank(received, rank))
     if str(config["method"]) == "ffa":
         local.freeze_lora_a(model)
@@ -138,7 +138,7 @@ def train(msg: Message, context: Context) -> Message:
                                      float(config["dp-epsilon"]), float(config["dp-delta"]))
     metrics = {**privacy,
         "num-examples": len(targets), "train-loss": float(result.final_loss), "steps": result.steps,
-        "bytes-down": bytes_down, "lora-rank": rank, "model-reused": int(cached_model.reused),
+        "bytes-down": bytes_down, "lora-rank": rank, "model-reused": int(reused),
         "seconds": round(time.perf_counter() - started, 3), "peak-rss-mb": round(peak_rss_mb(), 1),
         # which client of the stage's plan this is (node ids are Flower's own), for the plan-vs-measured report
         **({"client-id": int(node["client-id"])} if "client-id" in node else {})}

@@ -126,8 +126,8 @@ def train_locally(model: torch.nn.Module, input_ids: list[list[int]], labels: li
     A client's round is a constant learning rate (the default); the centralized baseline passes the train stage's
     schedule (`scheduler`, `warmup_ratio`)."""
     cfg = LoopConfig(lr=lr, max_steps=steps, batch_size=batch_size, micro_batch_size=micro_batch_size, seed=seed,
-                     warmup_ratio=warmup_ratio, scheduler=scheduler, log_every=max(1, steps), checkpoint_dir=None, bf16=bf16,
-                     eager_attention_max_len=eager_attention_max_len)
+                     warmup_ratio=warmup_ratio, scheduler=scheduler, log_every=max(1, steps), checkpoint_dir=None,
+                     bf16=bf16, eager_attention_max_len=eager_attention_max_len)
     regularizer = proximal_term(model, proximal_mu) if proximal_mu > 0 else None
     hook = None
     if logit_adjustment:

@@ -43,8 +43,8 @@ app = ServerApp()
 # Settings a round's result depends on: a resume continues only a run with the same ones.
 RESULT_KEYS = ("model-dir", "labels", "test-data", "method", "lora-r", "lora-alpha", "lora-dropout",
                "lora-target-modules", "local-steps", "lr", "server-lr", "batch-size", "seed", "fraction", "pad-token-id",
-               "dp-epsilon", "dp-delta", "dp-clip", "proximal-mu", "transmit-dtype", "secure-aggregation", "precision",
-               "logit-adjustment")
+               "dp-epsilon", "dp-delta", "dp-clip", "proximal-mu", "transmit-dtype", "secure-aggregation",
+               "precision", "logit-adjustment")
 
 
 class CompletionFloorError(RuntimeError):
