@@ -468,6 +468,12 @@ class FederatedParams(Section):
                              "server_lr * (aggregate - global) (FedAvg with server SGD, Reddi et al. 2021). 1 = plain "
                              "FedAvg/FFA; > 1 makes up for clients that each move only their own local steps' worth "
                              "per round (aggregation.server_step).")
+    server_momentum: float = Field(0.0, ge=0, lt=1, description="FedAvgM: the server steps along v = momentum * v "
+                                   "+ (aggregate - global), which averages the rounds' label-skewed leanings "
+                                   "(aggregation.server_momentum_step); 0 = none.")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="The clients' lr across rounds: constant, or centralized training's decay sampled "
+        "mid-round (aggregation.round_lr).")
     batch_size: int = Field(8, ge=1, description="Clients' batch size (the plan may split it into micro-batches).")
     lora: LoraParams = Field(default_factory=LoraParams, description="The global adapter: clients use rank <= r, "
                              "alpha scaled to keep alpha/r.")

@@ -130,7 +130,8 @@ def federate(params: Params, scheme: str, method: str, plans: list[dict], parts:
               "round-timeout": float(fp.round_timeout_s), "method": method, "lora-r": fp.lora.r,
               "lora-alpha": fp.lora.alpha, "lora-dropout": fp.lora.dropout,
               "lora-target-modules": json.dumps(list(fp.lora.target_modules)), "local-steps": fp.local_steps,
-              "lr": fp.lr, "server-lr": fp.server_lr, "batch-size": fp.batch_size, "seed": params.common.seed,
+              "lr": fp.lr, "server-lr": fp.server_lr, "server-momentum": fp.server_momentum,
+              "lr-schedule": fp.lr_schedule, "batch-size": fp.batch_size, "seed": params.common.seed,
               # the server evaluates between rounds, while this host's clients wait: it may use every core
               "threads": resolve_threads(None),
               "dp-epsilon": fp.dp.epsilon if fp.dp.enabled else 0.0, "dp-delta": fp.dp.delta,

@@ -18,6 +18,7 @@ still exactly the weighted mean of the clients' weight deltas.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -127,6 +128,44 @@ def server_step(global_tensors: Tensors, aggregated: Tensors, server_lr: float) 
     return {name: (global_tensors[name].double() + server_lr * (aggregated[name].double()
                                                                 - global_tensors[name].double())).to(tensor.dtype)
             for name, tensor in aggregated.items()}
+
+
+def server_momentum_step(global_tensors: Tensors, aggregated: Tensors, server_lr: float, momentum: float,
+                         velocity: Tensors | None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """FedAvgM (Hsu et al., 2019, proposed for Dirichlet label skew): v = momentum * v + (aggregated - global);
+    global + server_lr * v. Returns (next global, v). The rounds' client samples differ in their label mix, so one
+    round's mean update leans toward the labels its clients hold; v averages those leanings over rounds while the
+    direction every round agrees on adds up. `momentum` 0 is `server_step`. Under FFA, A's delta is 0 every round,
+    so A stays the shared one and the step stays exact. v lives in fp32 (kept on disk by the ServerApp)."""
+    if not 0 <= momentum < 1:
+        raise ValueError(f"federated.server_momentum = {momentum}: must be in [0, 1) (0 = no momentum).")
+    if momentum == 0:  # no state; plain FedAvg stays bit-exact (the clients' mean itself at server_lr 1)
+        return server_step(global_tensors, aggregated, server_lr), {}
+    if server_lr <= 0:
+        raise ValueError(f"federated.server_lr = {server_lr}: must be > 0 (1 = plain FedAvg).")
+    velocity = dict(velocity or {})
+    new, moved = {}, {}
+    for name, tensor in aggregated.items():
+        delta = aggregated[name].float() - global_tensors[name].float()
+        moved[name] = momentum * velocity[name].float() + delta if name in velocity else delta
+        new[name] = (global_tensors[name].float() + server_lr * moved[name]).to(tensor.dtype)
+    return new, moved
+
+
+def round_lr(lr: float, number: int, num_rounds: int, schedule: str) -> float:
+    """The clients' learning rate in round `number` (1-based) of `num_rounds`: `constant`, or the `linear` / `cosine`
+    decay of centralized training sampled at the middle of the round, so a federation ends, as one process does,
+    with small steps around the point it reached instead of each client's last steps at the full rate."""
+    if not 1 <= number <= num_rounds:
+        raise ValueError(f"round {number} is outside 1..{num_rounds}")
+    progress = (number - 0.5) / num_rounds
+    if schedule == "constant":
+        return lr
+    if schedule == "linear":
+        return lr * (1.0 - progress)
+    if schedule == "cosine":
+        return lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+    raise ValueError(f"federated.lr_schedule: {schedule!r} is not one of 'constant', 'linear', 'cosine'.")
 
 
 def lora_pairs(tensors: Tensors) -> list[tuple[str, str]]:

@@ -16,6 +16,9 @@ partition, written by the stage). Its workers (Ray actors) run many ClientApp ca
 model is built once per worker and rank and each call only overwrites its trainable tensors with the global ones
 (`cached_model`); a deployment starts a process per message and builds it every time.
 
+Before its first round the server sends each node a `query.identify` message; the reply names which client of
+the plan it is (its `client-id` or `partition-id`), so the server samples the same clients in every run.
+
 Each train message carries the global adapter (ArrayRecord "arrays") and the round's settings (ConfigRecord
 "config"). The reply carries the trained tensors and MetricRecord "metrics": num-examples (the FedAvg weight),
 train-loss, bytes-down / bytes-up (the serialized Array payloads, exactly what the record carries; halved with
@@ -98,6 +101,18 @@ def cached_model(model_dir: str, labels: list[str], pad_token_id: int, seed: int
     for name in trainable:
         params[name].requires_grad_(True)
     return model, reused
+
+
+@app.query("identify")
+def identify(msg: Message, context: Context) -> Message:
+    """Which client of the federation this node is: `client-id` of its settings (the stage's plan), else its
+    simulation `partition-id`; none for a node started without either. The server orders its sample by it, because
+    Flower draws node ids at random each time a SuperNode starts: sampled by node id, two runs of the same
+    federation trained different clients in each round. Builds no model (a deployment pays one process start)."""
+    node = node_settings(context)
+    key = node.get("client-id", node.get("partition-id"))
+    return Message(RecordDict({"metrics": MetricRecord({} if key is None else {"client-id": int(key)})}),
+                   reply_to=msg)
 
 
 @app.train()

@@ -44,7 +44,7 @@ app = ServerApp()
 RESULT_KEYS = ("model-dir", "labels", "test-data", "method", "lora-r", "lora-alpha", "lora-dropout",
                "lora-target-modules", "local-steps", "lr", "server-lr", "batch-size", "seed", "fraction", "pad-token-id",
                "dp-epsilon", "dp-delta", "dp-clip", "proximal-mu", "transmit-dtype", "secure-aggregation",
-               "precision", "logit-adjustment")
+               "precision", "logit-adjustment", "server-momentum", "lr-schedule")
 
 
 class CompletionFloorError(RuntimeError):
@@ -66,18 +66,31 @@ def atomic_write(path: Path, write) -> None:
     os.replace(tmp, path)
 
 
+# Result keys added after federations were first kept on disk, at the value that reproduces those federations
+DEFAULTS = {"server-momentum": 0.0, "lr-schedule": "constant"}
+
+
+def identity(config: dict) -> dict:
+    """The settings a run's rounds depend on. Keys older runs did not have take their defaults, so a federation
+    started before them resumes. A decaying lr depends on the number of rounds too."""
+    found = {key: config.get(key, DEFAULTS.get(key)) for key in RESULT_KEYS}
+    if str(found["lr-schedule"]) != "constant":
+        found["num-rounds"] = config["num-rounds"]
+    return found
+
+
 def check_config(out: Path, config: dict) -> None:
-    identity = {key: config[key] for key in RESULT_KEYS}
+    identity_now = identity(config)
     stored = out / "config.json"
     if stored.exists():
         previous = json.loads(stored.read_text())
-        changed = sorted(k for k in identity if previous.get(k) != identity[k])
+        changed = sorted(k for k in identity_now if previous.get(k, DEFAULTS.get(k)) != identity_now[k])
         if changed:
             raise ValueError(f"{out}: its rounds were computed with other settings ({', '.join(changed)}); delete "
                              f"{out} to start a new federation, or restore those settings to resume it.")
     else:
         out.mkdir(parents=True, exist_ok=True)
-        atomic_write(stored, lambda p: p.write_text(json.dumps(identity, indent=2, sort_keys=True)))
+        atomic_write(stored, lambda p: p.write_text(json.dumps(identity_now, indent=2, sort_keys=True)))
 
 
 def wait_for_nodes(grid: Grid, count: int, timeout: float) -> list[int]:
@@ -92,11 +105,49 @@ def wait_for_nodes(grid: Grid, count: int, timeout: float) -> list[int]:
         time.sleep(1.0)
 
 
+def answering_node(reply: Message, messages: list[Message]) -> int:
+    """The node a reply is about. An error the SuperLink writes for a node it lost (no heartbeat) comes from the
+    SuperLink itself (src_node_id 1): it is matched to the message it answers (the Grid set each sent message's
+    id)."""
+    targets = {m.metadata.dst_node_id: m.metadata.message_id for m in messages}
+    if reply.metadata.src_node_id in targets:
+        return reply.metadata.src_node_id
+    by_id = {message_id: node for node, message_id in targets.items() if message_id}
+    return by_id.get(reply.metadata.reply_to_message_id, reply.metadata.src_node_id)
+
+
+def identify(grid: Grid, nodes: list[int], client_ids: dict[int, int | None], timeout: float) -> None:
+    """Ask the nodes not in `client_ids` which client they are (the ClientApp's `query.identify`) and record it;
+    a node that does not say (an error, no reply, no id in its settings) is recorded as None."""
+    unknown = [node for node in nodes if node not in client_ids]
+    if not unknown:
+        return
+    messages = [Message(RecordDict({"config": ConfigRecord({"want": "client-id"})}), node, "query.identify",
+                        group_id="identify") for node in unknown]
+    for reply in grid.send_and_receive(messages, timeout=timeout):
+        if not reply.has_error() and "client-id" in reply.content["metrics"]:
+            client_ids[answering_node(reply, messages)] = int(reply.content["metrics"]["client-id"])
+    for node in unknown:
+        client_ids.setdefault(node, None)
+
+
+def sample_clients(nodes: list[int], client_ids: dict[int, int | None], count: int, seed: int,
+                   number: int) -> list[int]:
+    """Round `number`'s sample of `count` nodes, drawn from the nodes ordered by client id (then, for nodes without
+    one, by node id): Flower's node ids are random per run, client ids are the plan's, so every run of a federation
+    samples the same clients in each round (benchmarks/federated_rounds.py draws the same positions)."""
+    ordered = sorted(nodes, key=lambda node: (client_ids.get(node) is None, client_ids.get(node) or 0, node))
+    return random.Random(seed * 1000 + number).sample(ordered, min(count, len(ordered)))
+
+
 def client_config(config: dict, round_number: int) -> ConfigRecord:
     keys = ("method", "lora-r", "lora-alpha", "lora-dropout", "lora-target-modules", "local-steps", "lr",
             "batch-size", "seed", "labels", "pad-token-id", "model-dir", "dp-epsilon", "dp-delta", "dp-clip",
             "proximal-mu", "transmit-dtype", "logit-adjustment")
-    return ConfigRecord({**{key: config[key] for key in keys}, "round": round_number})
+    # the round's lr: the decay of centralized training across rounds, or the constant `lr`
+    lr = aggregation.round_lr(float(config["lr"]), round_number, int(config["num-rounds"]),
+                              str(config.get("lr-schedule", "constant")))
+    return ConfigRecord({**{key: config[key] for key in keys}, "lr": lr, "round": round_number})
 
 
 def evaluate_global(model, tensors, test, labels, config) -> dict:
@@ -127,20 +178,22 @@ def run_secure_round(grid: Grid, context: Context, config: dict, number: int, te
             f"round {number}: SecAgg+ completed with {len(result['clients'])} of {len(sampled)} clients, below "
             f"federated.min_completed {floor} (or too few to unmask). The last completed round is kept: rerun to "
             "resume from it.")
-    new = aggregation.aggregate(tensors, [(result["mean"], result["examples"])], method)  # a mean of one
-    new = aggregation.server_step(tensors, new, float(config.get("server-lr", 1.0)))
-    return new, {"round": number, "sampled": len(sampled), "completed": len(result["clients"]),
+    mean = aggregation.aggregate(tensors, [(result["mean"], result["examples"])], method)  # a mean of one
+    return mean, {"round": number, "sampled": len(sampled), "completed": len(result["clients"]),
                  "failures": failures, "clients": result["clients"], "secure_aggregation": True,
                  "bytes_down_per_client": result["bytes_down"],
                  "round_seconds": round(time.perf_counter() - started, 3)}
 
 
 def run_round(grid: Grid, config: dict, number: int, tensors: dict[str, torch.Tensor],
-              context: Context | None = None) -> tuple[dict, dict]:
-    """One round: the next global tensors and the round's client report."""
+              context: Context | None = None, client_ids: dict[int, int | None] | None = None) -> tuple[dict, dict]:
+    """One round: the clients' aggregated adapter (before the server's step, `server_step`) and the round's
+    client report. `client_ids`: node -> client id, kept across rounds (asked of new nodes here)."""
     nodes = wait_for_nodes(grid, int(config["min-clients"]), float(config["node-timeout"]))
+    client_ids = {} if client_ids is None else client_ids
+    identify(grid, nodes, client_ids, float(config["round-timeout"]))
     wanted = max(int(config["min-completed"]), math.ceil(float(config["fraction"]) * len(nodes)))
-    sampled = random.Random(int(config["seed"]) * 1000 + number).sample(nodes, min(wanted, len(nodes)))
+    sampled = sample_clients(nodes, client_ids, wanted, int(config["seed"]), number)
     dtype = str(config.get("transmit-dtype", "fp32"))
     # bf16 on the wire: the server's global becomes what the clients receive, so FFA's shared A is exactly theirs
     tensors = wire.round_trip(tensors, dtype) if dtype != "fp32" else tensors
@@ -154,7 +207,7 @@ def run_round(grid: Grid, config: dict, number: int, tensors: dict[str, torch.Te
     updates, clients, failures = [], [], []
     answered = set()
     for reply in replies:
-        node = reply.metadata.src_node_id
+        node = answering_node(reply, messages)
         answered.add(node)
         if reply.has_error():
             failures.append({"node": node, "reason": f"error {reply.error.code}: {reply.error.reason}"})
@@ -171,13 +224,12 @@ def run_round(grid: Grid, config: dict, number: int, tensors: dict[str, torch.Te
             f"{floor} ({'; '.join(f['reason'] for f in failures)}). The last completed round is kept: rerun to "
             "resume from it.")
     mean = aggregation.aggregate(tensors, updates, str(config["method"]))
-    new = aggregation.server_step(tensors, mean, float(config.get("server-lr", 1.0)))
     report = {"round": number, "sampled": len(sampled), "completed": len(updates), "failures": failures,
               "clients": clients, "bytes_down_per_client": record_bytes(down),
               "round_seconds": round(time.perf_counter() - started, 3)}
     if str(config["method"]) == "fedavg":  # how far the averaged factors are from the averaged products
         report["product_error"] = round(aggregation.product_error(mean, updates), 6)
-    return new, report
+    return mean, report
 
 
 @app.main()
@@ -203,8 +255,20 @@ def main(grid: Grid, context: Context) -> None:
     else:
         tensors = load_file(str(round_path(out, last, "safetensors")))
         print(f"federated: resuming after round {last} from {round_path(out, last, 'safetensors')}", flush=True)
+    momentum = float(config.get("server-momentum", 0.0))
+    # FedAvgM's velocity is state of the server's optimizer: kept beside each round, so a resume steps as before
+    velocity = None
+    if momentum > 0 and round_path(out, last, "velocity.safetensors").exists():
+        velocity = load_file(str(round_path(out, last, "velocity.safetensors")))
+        print(f"federated: loaded FedAvgM velocity of round {last}", flush=True)
+    client_ids: dict[int, int | None] = {}
     for number in range(last + 1, int(config["num-rounds"]) + 1):
-        tensors, report = run_round(grid, config, number, tensors, context)
+        mean, report = run_round(grid, config, number, tensors, context, client_ids)
+        tensors, velocity = aggregation.server_momentum_step(tensors, mean, float(config.get("server-lr", 1.0)),
+                                                             momentum, velocity)
+        if momentum > 0:
+            atomic_write(round_path(out, number, "velocity.safetensors"),
+                         lambda p: save_file({k: v.contiguous() for k, v in velocity.items()}, str(p)))
         report["evaluation"] = evaluate_global(model, tensors, test, labels, config)
         atomic_write(round_path(out, number, "safetensors"), lambda p: save_file(tensors, str(p)))
         atomic_write(round_path(out, number, "json"), lambda p: p.write_text(json.dumps(report, indent=2)))
@@ -212,6 +276,6 @@ def main(grid: Grid, context: Context) -> None:
         print(f"federated: round {number}: {report['completed']}/{report['sampled']} clients, test accuracy "
               f"{evaluation['accuracy']:.4f} macro-F1 {evaluation['macro_f1']:.4f} loss {evaluation['loss']:.4f}",
               flush=True)
-    digest = hashlib.sha256(json.dumps({k: config[k] for k in RESULT_KEYS}, sort_keys=True).encode()).hexdigest()
+    digest = hashlib.sha256(json.dumps(identity(config), sort_keys=True).encode()).hexdigest()
     atomic_write(out / "done.json", lambda p: p.write_text(json.dumps(
         {"rounds": int(config["num-rounds"]), "config_sha256": digest}, indent=2)))

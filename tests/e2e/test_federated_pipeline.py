@@ -175,16 +175,20 @@ def test_a_killed_supernode_does_not_stop_the_round_and_a_killed_server_resumes(
     # (>= 20 s), so the round ends at the timeout; 40 s leaves the live clients room on a busy 2-core machine.
     # with client-side DP on: each update clipped to norm 0.5, noise for ε = 50 per round
     # min-clients 3: round 1 waits for all three SuperNodes (supernode_2 must be sampled, to be killed mid-round)
-    # and bf16 on the wire, FedProx on: both only change what the clients compute and send
+    # and bf16 on the wire, FedProx on: both only change what the clients compute and send; server momentum and a
+    # decaying lr: the server's optimizer state must survive the kill, and FFA's A must stay put under momentum
     config = run_config(world, out, method="ffa", **{"min-completed": 2, "min-clients": 3, "round-timeout": 40.0,
                                                      "dp-epsilon": 50.0, "dp-clip": 0.5, "transmit-dtype": "bf16",
-                                                     "proximal-mu": 0.1})
+                                                     "proximal-mu": 0.1, "server-momentum": 0.5,
+                                                     "lr-schedule": "linear"})
     # each local step sleeps 1 s: a window in which to kill a SuperNode during its training
     fed = federation(world, "ffa", FRUGALTUNE_TEST_STEP_DELAY_S="1")
     try:
         fed.start()
         fed.submit_async(APP, config)
-        wait_for(lambda: "Start `flwr-clientapp`" in fed.log("supernode_2"), 300, "supernode_2 to start training", fed)
+        # its first ClientApp answers the server's query.identify; the second trains
+        wait_for(lambda: fed.log("supernode_2").count("Start `flwr-clientapp`") >= 2, 300,
+                 "supernode_2 to start training", fed)
         fed.kill("supernode_2")  # kill -9 mid-round, its ClientApp with it
         wait_for(lambda: (out / "rounds/round_001.json").exists(), 300, "round 1 to complete without it", fed)
         first = round_report(out, 1)
@@ -209,6 +213,8 @@ def test_a_killed_supernode_does_not_stop_the_round_and_a_killed_server_resumes(
     assert (out / "rounds/round_001.safetensors").read_bytes() == round_1  # kept, not recomputed
     assert (out / "done.json").exists(), result.stdout[-4000:]
     assert json.loads((out / "done.json").read_text())["rounds"] == 2
+    assert "loaded FedAvgM velocity of round 1" in result.stdout, result.stdout[-3000:]
+    assert (out / "rounds/round_002.velocity.safetensors").exists()
     start, final = load_file(str(out / "rounds/round_000.safetensors")), load_file(str(out / "rounds/round_002.safetensors"))
     for name in start:  # FFA-LoRA: A never moves from the server's seeded initialisation; B and the head train
         if ".lora_A." in name:
@@ -315,6 +321,52 @@ def test_client_dp_clips_the_update_to_its_norm_then_adds_noise(tmp_path: Path):
     assert result["before"] > 1 and result["dp-update-norm"] == pytest.approx(result["before"], rel=1e-5)
     assert result["clipped"] == pytest.approx(0.5, rel=1e-4)  # clipped to the norm, direction kept
     assert result["noisy"] > 2 * result["clipped"]  # σ = 0.5·sqrt(2 ln(1.25e5)) ≈ 2.4 per value at ε = 1
+
+
+IDENTIFY_SCRIPT = """
+import json, random
+from flwr.app import Context, Message, RecordDict
+from frugaltune.federated import client_app, server_app
+
+
+class Nodes:  # a Grid whose network is a function call: the real ClientApp answers the query
+    def __init__(self, node_ids, node_configs):
+        self.contexts = {n: Context(run_id=1, node_id=n, state=RecordDict(), run_config={}, node_config=c)
+                         for n, c in zip(node_ids, node_configs)}
+
+    def send_and_receive(self, messages, timeout=None):
+        return [client_app.app(Message(m.content, dst_node_id=m.metadata.dst_node_id,
+                                       message_type=m.metadata.message_type, group_id=m.metadata.group_id),
+                               self.contexts[m.metadata.dst_node_id]) for m in messages]
+
+
+configs = [{"client-id": c, "data": "unused.parquet"} for c in range(6)] + [{"partition-id": 6}, {}]
+draws = []
+for seed in (1, 2):  # two runs: Flower draws other node ids, in another order
+    ids = random.Random(seed).sample(range(1, 2**62), len(configs))
+    grid, known = Nodes(ids, configs), {}
+    server_app.identify(grid, ids, known, 10.0)
+    draws.append({"known": sorted(v for v in known.values() if v is not None),
+                  "none": sum(v is None for v in known.values()),
+                  "rounds": [sorted(known[n] for n in server_app.sample_clients(ids, known, 3, 42, r)
+                                    if known[n] is not None) for r in (1, 2, 3)]})
+print(json.dumps(draws))
+"""
+
+
+def test_the_server_samples_the_same_clients_whatever_node_ids_flower_draws():
+    """Flower draws node ids at random when a SuperNode starts; the ServerApp asks each node which client it is
+    (the ClientApp's query.identify: its client-id, else its simulation partition-id) and samples by that, so two
+    runs of a federation train the same clients in each round."""
+    import subprocess
+
+    out = subprocess.run([str(FLOWER_BIN / "python"), "-c", IDENTIFY_SCRIPT], cwd=ROOT, check=True,
+                         capture_output=True, text=True,
+                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    first, second = json.loads(out.stdout.strip().splitlines()[-1])
+    assert first["known"] == list(range(7)) and first["none"] == 1  # partition-id 6 counts; no id: None
+    assert first["rounds"] == second["rounds"]
+    assert len({tuple(r) for r in first["rounds"]}) > 1  # the rounds themselves draw different clients
 
 
 SECAGG_SCRIPT = """

@@ -108,6 +108,42 @@ def test_the_server_step_scales_the_mean_update_and_keeps_ffa_exact():
         agg.server_step(glob, mean, 0.0)
 
 
+def test_server_momentum_accumulates_the_rounds_deltas_and_without_momentum_is_the_server_step():
+    glob = adapter(4, 0)
+    first = agg.aggregate(glob, [(adapter(4, 1), 1), (adapter(4, 2), 3)], "fedavg")
+    plain, velocity = agg.server_momentum_step(glob, first, 1.0, 0.0, None)
+    for name in glob:
+        torch.testing.assert_close(plain[name], first[name])
+    step1, velocity = agg.server_momentum_step(glob, first, 2.0, 0.9, None)
+    second = agg.aggregate(step1, [(adapter(4, 3), 1)], "fedavg")
+    step2, velocity2 = agg.server_momentum_step(step1, second, 2.0, 0.9, velocity)
+    for name in glob:
+        expected_v = 0.9 * (first[name] - glob[name]) + (second[name] - step1[name])
+        torch.testing.assert_close(velocity2[name], expected_v)
+        torch.testing.assert_close(step2[name], step1[name] + 2.0 * expected_v)
+    # FFA: A's delta is zero every round, so momentum never moves A off the shared initialisation
+    ffa = agg.aggregate(glob, [(adapter(4, 5, with_a=False), 2)], "ffa")
+    moved, velocity = agg.server_momentum_step(glob, ffa, 1.0, 0.9, None)
+    moved, velocity = agg.server_momentum_step(moved, agg.aggregate(moved, [(adapter(4, 6, with_a=False), 2)],
+                                                                    "ffa"), 1.0, 0.9, velocity)
+    torch.testing.assert_close(moved[A], glob[A])
+    with pytest.raises(ValueError, match="server_momentum"):
+        agg.server_momentum_step(glob, first, 1.0, 1.0, None)
+
+
+def test_the_round_lr_follows_the_centralized_decay_sampled_mid_round():
+    assert [agg.round_lr(0.01, r, 4, "constant") for r in range(1, 5)] == [0.01] * 4
+    assert [round(agg.round_lr(0.01, r, 4, "linear"), 6) for r in range(1, 5)] == [0.00875, 0.00625, 0.00375,
+                                                                                     0.00125]
+    cosine = [agg.round_lr(0.01, r, 4, "cosine") for r in range(1, 5)]
+    assert cosine == sorted(cosine, reverse=True) and 0 < cosine[-1] < 0.001
+    assert math.isclose(cosine[0] + cosine[-1], 0.01)  # symmetric about half the rate
+    with pytest.raises(ValueError, match="lr_schedule"):
+        agg.round_lr(0.01, 1, 4, "step")
+    with pytest.raises(ValueError, match="outside"):
+        agg.round_lr(0.01, 5, 4, "linear")
+
+
 def test_no_update_at_all_is_an_error():
     with pytest.raises(ValueError, match="every sampled client failed"):
         agg.aggregate(adapter(4, 0), [], "fedavg")
