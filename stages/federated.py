@@ -217,7 +217,9 @@ def export_adapter(out: Path, params: Params, labels: list[str], pad_token_id: i
     from frugaltune.training.methods import save_trained
 
     fp = params.federated
-    last = max(out.glob("rounds/round_*.safetensors"))
+    # the last completed round (a round exists when its JSON does), not the last file of the folder
+    number = int(max(out.glob("rounds/round_*.json")).stem.split("_")[1])
+    last = out / "rounds" / f"round_{number:03d}.safetensors"
     spec = local.LoraSpec(fp.lora.r, fp.lora.alpha, fp.lora.dropout, tuple(fp.lora.target_modules))
     model = local.build_model(paths.BASE_MODEL, labels, pad_token_id, params.common.seed, spec)
     local.load_tensors(model, load_file(str(last)))
@@ -225,8 +227,7 @@ def export_adapter(out: Path, params: Params, labels: list[str], pad_token_id: i
         save_trained(model, "lora", tmp)
         load_tokenizer(paths.BASE_MODEL).save_pretrained(tmp)
         write_json(tmp / "labels.json", {"labels": labels, "max_length": params.tokenize.max_length,
-                                         "method": "lora", "federated": {"run": dest.name, "round": int(
-                                             last.stem.split("_")[1])}})
+                                         "method": "lora", "federated": {"run": dest.name, "round": number}})
 
 
 def examples_trained(out: Path, batch_size: int) -> int:

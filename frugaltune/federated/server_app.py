@@ -55,6 +55,11 @@ def round_path(out: Path, number: int, suffix: str) -> Path:
     return out / "rounds" / f"round_{number:03d}.{suffix}"
 
 
+def velocity_path(out: Path, number: int) -> Path:
+    """FedAvgM's velocity after round `number`: named apart from the rounds, which `round_*` globs find."""
+    return out / "rounds" / f"velocity_{number:03d}.safetensors"
+
+
 def last_completed_round(out: Path) -> int | None:
     done = sorted(out.glob("rounds/round_*.json"))
     return int(done[-1].stem.split("_")[1]) if done else None
@@ -258,8 +263,8 @@ def main(grid: Grid, context: Context) -> None:
     momentum = float(config.get("server-momentum", 0.0))
     # FedAvgM's velocity is state of the server's optimizer: kept beside each round, so a resume steps as before
     velocity = None
-    if momentum > 0 and round_path(out, last, "velocity.safetensors").exists():
-        velocity = load_file(str(round_path(out, last, "velocity.safetensors")))
+    if momentum > 0 and velocity_path(out, last).exists():
+        velocity = load_file(str(velocity_path(out, last)))
         print(f"federated: loaded FedAvgM velocity of round {last}", flush=True)
     client_ids: dict[int, int | None] = {}
     for number in range(last + 1, int(config["num-rounds"]) + 1):
@@ -267,7 +272,7 @@ def main(grid: Grid, context: Context) -> None:
         tensors, velocity = aggregation.server_momentum_step(tensors, mean, float(config.get("server-lr", 1.0)),
                                                              momentum, velocity)
         if momentum > 0:
-            atomic_write(round_path(out, number, "velocity.safetensors"),
+            atomic_write(velocity_path(out, number),
                          lambda p: save_file({k: v.contiguous() for k, v in velocity.items()}, str(p)))
         report["evaluation"] = evaluate_global(model, tensors, test, labels, config)
         atomic_write(round_path(out, number, "safetensors"), lambda p: save_file(tensors, str(p)))
