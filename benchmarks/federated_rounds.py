@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import random
 import sys
 import time
 from pathlib import Path
@@ -97,6 +96,7 @@ def main() -> None:
     server = local.build_model("models/base", labels, pad, seed, spec)
     start = local.trainable_tensors(server)
     per_round = max(fp.min_completed, math.ceil(fp.fraction * len(plans)))
+    ids = {index: plan["client"] for index, plan in enumerate(plans)}  # plans are in client-id order
     print(f"{cpu_facts()['model']}, {torch.get_num_threads()} threads, {'bf16' if bf16 else 'fp32'}; "
           f"{args.scheme}/{args.method}, {rounds} rounds, {per_round} of {len(plans)} clients x {local_steps} "
           f"steps of {fp.batch_size}, lr {lr} ({schedule} over rounds), logit adjustment "
@@ -105,8 +105,7 @@ def main() -> None:
         setting = f"server_lr {server_lr:g}, momentum {momentum:g}"
         began, tensors, curve, steps, velocity = time.perf_counter(), dict(start), [], 0, None
         for number in range(1, rounds + 1):
-            # the ServerApp's draw (server_app.sample_clients): the same positions of the clients in id order
-            sampled = random.Random(seed * 1000 + number).sample(range(len(plans)), per_round)
+            sampled = aggregation.sample_clients(range(len(plans)), ids, per_round, seed, number)  # the ServerApp's
             updates, round_lr = [], aggregation.round_lr(lr, number, rounds, schedule)
             tensors = wire.round_trip(tensors, dtype) if dtype != "fp32" else tensors  # what the clients receive
             for index in sampled:

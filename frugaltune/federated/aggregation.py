@@ -19,6 +19,7 @@ still exactly the weighted mean of the clients' weight deltas.
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -150,6 +151,15 @@ def server_momentum_step(global_tensors: Tensors, aggregated: Tensors, server_lr
         moved[name] = momentum * velocity[name].float() + delta if name in velocity else delta
         new[name] = (global_tensors[name].float() + server_lr * moved[name]).to(tensor.dtype)
     return new, moved
+
+
+def sample_clients(nodes: Sequence[int], client_ids: Mapping[int, int | None], count: int, seed: int,
+                   number: int) -> list[int]:
+    """Round `number`'s sample of `count` nodes, drawn from the nodes ordered by client id (then, for nodes without
+    one, by node id): Flower's node ids are random per run, client ids are the plan's, so every run of a federation
+    samples the same clients in each round. The ServerApp and benchmarks/federated_rounds.py both draw with it."""
+    ordered = sorted(nodes, key=lambda node: (client_ids.get(node) is None, client_ids.get(node) or 0, node))
+    return random.Random(seed * 1000 + number).sample(ordered, min(count, len(ordered)))
 
 
 def round_lr(lr: float, number: int, num_rounds: int, schedule: str) -> float:

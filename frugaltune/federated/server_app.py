@@ -26,7 +26,6 @@ import hashlib
 import json
 import math
 import os
-import random
 import time
 from pathlib import Path
 
@@ -110,15 +109,17 @@ def wait_for_nodes(grid: Grid, count: int, timeout: float) -> list[int]:
         time.sleep(1.0)
 
 
-def answering_node(reply: Message, messages: list[Message]) -> int:
+def sent_to(messages: list[Message]) -> dict[str, int]:
+    """message id -> destination node of messages the Grid has sent (it sets each message's id)."""
+    return {m.metadata.message_id: m.metadata.dst_node_id for m in messages if m.metadata.message_id}
+
+
+def answering_node(reply: Message, sent: dict[str, int]) -> int:
     """The node a reply is about. An error the SuperLink writes for a node it lost (no heartbeat) comes from the
-    SuperLink itself (src_node_id 1): it is matched to the message it answers (the Grid set each sent message's
-    id)."""
-    targets = {m.metadata.dst_node_id: m.metadata.message_id for m in messages}
-    if reply.metadata.src_node_id in targets:
+    SuperLink itself (src_node_id 1): it is matched to the message it answers (`sent`, from `sent_to`)."""
+    if reply.metadata.src_node_id in sent.values():
         return reply.metadata.src_node_id
-    by_id = {message_id: node for node, message_id in targets.items() if message_id}
-    return by_id.get(reply.metadata.reply_to_message_id, reply.metadata.src_node_id)
+    return sent.get(reply.metadata.reply_to_message_id, reply.metadata.src_node_id)
 
 
 def identify(grid: Grid, nodes: list[int], client_ids: dict[int, int | None], timeout: float) -> None:
@@ -129,20 +130,13 @@ def identify(grid: Grid, nodes: list[int], client_ids: dict[int, int | None], ti
         return
     messages = [Message(RecordDict({"config": ConfigRecord({"want": "client-id"})}), node, "query.identify",
                         group_id="identify") for node in unknown]
-    for reply in grid.send_and_receive(messages, timeout=timeout):
+    replies = list(grid.send_and_receive(messages, timeout=timeout))
+    sent = sent_to(messages)
+    for reply in replies:
         if not reply.has_error() and "client-id" in reply.content["metrics"]:
-            client_ids[answering_node(reply, messages)] = int(reply.content["metrics"]["client-id"])
+            client_ids[answering_node(reply, sent)] = int(reply.content["metrics"]["client-id"])
     for node in unknown:
         client_ids.setdefault(node, None)
-
-
-def sample_clients(nodes: list[int], client_ids: dict[int, int | None], count: int, seed: int,
-                   number: int) -> list[int]:
-    """Round `number`'s sample of `count` nodes, drawn from the nodes ordered by client id (then, for nodes without
-    one, by node id): Flower's node ids are random per run, client ids are the plan's, so every run of a federation
-    samples the same clients in each round (benchmarks/federated_rounds.py draws the same positions)."""
-    ordered = sorted(nodes, key=lambda node: (client_ids.get(node) is None, client_ids.get(node) or 0, node))
-    return random.Random(seed * 1000 + number).sample(ordered, min(count, len(ordered)))
 
 
 def client_config(config: dict, round_number: int) -> ConfigRecord:
@@ -198,7 +192,7 @@ def run_round(grid: Grid, config: dict, number: int, tensors: dict[str, torch.Te
     client_ids = {} if client_ids is None else client_ids
     identify(grid, nodes, client_ids, float(config["round-timeout"]))
     wanted = max(int(config["min-completed"]), math.ceil(float(config["fraction"]) * len(nodes)))
-    sampled = sample_clients(nodes, client_ids, wanted, int(config["seed"]), number)
+    sampled = aggregation.sample_clients(nodes, client_ids, wanted, int(config["seed"]), number)
     dtype = str(config.get("transmit-dtype", "fp32"))
     # bf16 on the wire: the server's global becomes what the clients receive, so FFA's shared A is exactly theirs
     tensors = wire.round_trip(tensors, dtype) if dtype != "fp32" else tensors
@@ -211,8 +205,9 @@ def run_round(grid: Grid, config: dict, number: int, tensors: dict[str, torch.Te
     replies = list(grid.send_and_receive(messages, timeout=float(config["round-timeout"])))
     updates, clients, failures = [], [], []
     answered = set()
+    sent = sent_to(messages)
     for reply in replies:
-        node = answering_node(reply, messages)
+        node = answering_node(reply, sent)
         answered.add(node)
         if reply.has_error():
             failures.append({"node": node, "reason": f"error {reply.error.code}: {reply.error.reason}"})

@@ -327,7 +327,7 @@ def test_client_dp_clips_the_update_to_its_norm_then_adds_noise(tmp_path: Path):
 IDENTIFY_SCRIPT = """
 import json, random
 from flwr.app import Context, Message, RecordDict
-from frugaltune.federated import client_app, server_app
+from frugaltune.federated import aggregation, client_app, server_app
 
 
 class Nodes:  # a Grid whose network is a function call: the real ClientApp answers the query
@@ -349,7 +349,7 @@ for seed in (1, 2):  # two runs: Flower draws other node ids, in another order
     server_app.identify(grid, ids, known, 10.0)
     draws.append({"known": sorted(v for v in known.values() if v is not None),
                   "none": sum(v is None for v in known.values()),
-                  "rounds": [sorted(known[n] for n in server_app.sample_clients(ids, known, 3, 42, r)
+                  "rounds": [sorted(known[n] for n in aggregation.sample_clients(ids, known, 3, 42, r)
                                     if known[n] is not None) for r in (1, 2, 3)]})
 print(json.dumps(draws))
 """
