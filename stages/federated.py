@@ -41,7 +41,7 @@ from safetensors.torch import load_file
 
 from frugaltune import paths, planner, tracking
 from frugaltune.config import Params, load_params
-from frugaltune.federated import local, plots, profiles
+from frugaltune.federated import local, plots, profiles, rounds
 from frugaltune.federated.launch import LocalFederation
 from frugaltune.io import read_json, write_json, write_text
 from stages.train import measured_precision_inputs, resolve_threads
@@ -93,11 +93,30 @@ def plan_clients(fp, summary: dict, model_dir: Path, num_labels: int, max_length
     return plans
 
 
+# The code a round's numbers come from: the clients' training, the aggregation and the server's evaluation (not the
+# export, plots or launch). Part of the run key, so a code change starts the federations over instead of resuming
+# rounds the old code computed: DVC reruns the stage when this code changes, and a resumed finished run would
+# report the old code's figures under the new lock.
+ROUND_CODE = ("frugaltune/federated/aggregation.py", "frugaltune/federated/client_app.py",
+              "frugaltune/federated/local.py", "frugaltune/federated/privacy.py", "frugaltune/federated/secure.py",
+              "frugaltune/federated/server_app.py", "frugaltune/federated/wire.py", "frugaltune/training")
+
+
+def round_code_sha256() -> str:
+    digest = hashlib.sha256()
+    for entry in ROUND_CODE:
+        path = ROOT / entry
+        for file in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
+            digest.update(str(file.relative_to(ROOT)).encode() + b"\0" + file.read_bytes())
+    return digest.hexdigest()
+
+
 def run_key(params: Params, scheme: str, method: str) -> str:
     fp = params.federated
     blob = json.dumps({"federated": fp.model_dump(), "seed": params.common.seed, "scheme": scheme, "method": method,
                        "model": read_json(paths.report("import_model")).get("weights_sha256")
-                       if paths.report("import_model").exists() else None}, sort_keys=True)
+                       if paths.report("import_model").exists() else None, "code": round_code_sha256()},
+                      sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -166,9 +185,9 @@ def serverapp_status(workdir: Path) -> str:
 
 
 def summarize(out: Path, model_dir: Path) -> tuple[dict, list[dict]]:
-    rounds = sorted(out.glob("rounds/round_*.json"))
-    reports = [json.loads(p.read_text()) for p in rounds]
-    adapter_bytes = sum(t.numel() * t.element_size() for t in load_file(str(rounds[-1].with_suffix(".safetensors"))).values())
+    reports = rounds.reports(out)
+    last = rounds.round_path(out, rounds.last_completed_round(out), "safetensors")
+    adapter_bytes = sum(t.numel() * t.element_size() for t in load_file(str(last)).values())
     full_bytes = sum(t.numel() * t.element_size() for f in model_dir.glob("*.safetensors")
                      for t in load_file(str(f)).values())
     rows, sent = [], 0
@@ -192,8 +211,8 @@ def client_rows(name: str, out: Path, plans: list[dict]) -> list[dict]:
     """Per client of run `name`: its plan's predicted peak memory and time beside what it measured, over the rounds
     it completed (peak RSS: the largest; seconds: the mean)."""
     done: dict[int, list[dict]] = {}
-    for path in sorted(out.glob("rounds/round_*.json")):
-        for client in json.loads(path.read_text()).get("clients", []):
+    for report in rounds.reports(out):
+        for client in report.get("clients", []):
             if "client-id" in client:
                 done.setdefault(int(client["client-id"]), []).append(client)
     rows = []
@@ -217,9 +236,8 @@ def export_adapter(out: Path, params: Params, labels: list[str], pad_token_id: i
     from frugaltune.training.methods import save_trained
 
     fp = params.federated
-    # the last completed round (a round exists when its JSON does), not the last file of the folder
-    number = int(max(out.glob("rounds/round_*.json")).stem.split("_")[1])
-    last = out / "rounds" / f"round_{number:03d}.safetensors"
+    number = rounds.last_completed_round(out)  # a round exists when its JSON does, not the folder's last file
+    last = rounds.round_path(out, number, "safetensors")
     spec = local.LoraSpec(fp.lora.r, fp.lora.alpha, fp.lora.dropout, tuple(fp.lora.target_modules))
     model = local.build_model(paths.BASE_MODEL, labels, pad_token_id, params.common.seed, spec)
     local.load_tensors(model, load_file(str(last)))
@@ -232,8 +250,8 @@ def export_adapter(out: Path, params: Params, labels: list[str], pad_token_id: i
 
 def examples_trained(out: Path, batch_size: int) -> int:
     """Training examples the clients of a run went through: steps x batch size, over every completed client-round."""
-    return sum(int(client.get("steps", 0)) * batch_size for path in sorted(out.glob("rounds/round_*.json"))
-               for client in json.loads(path.read_text()).get("clients", []))
+    return sum(int(client.get("steps", 0)) * batch_size for report in rounds.reports(out)
+               for client in report.get("clients", []))
 
 
 def centralized_baseline(params: Params, labels: list[str], pad_token_id: int, examples: int) -> dict:

@@ -7,9 +7,9 @@ Run by a SuperLink (the Flower venv) when the app is submitted, never directly:
 with PYTHONPATH at the project root (the `federated` stage and tests/e2e/test_federated_pipeline.py do this; README
 "Federated fine-tuning" shows it by hand). The keys are those of frugaltune/federated/flower_app/pyproject.toml.
 
-On disk, in `out-dir`: `config.json` (what the rounds were computed with), `rounds/round_NNN.safetensors` (the
-global adapter + head after round NNN; 000 = the seeded start) and `rounds/round_NNN.json` (its evaluation and
-per-client report), the JSON written last: a round exists when its JSON does. Starting again with the same
+On disk, in `out-dir`: `config.json` (what the rounds were computed with) and the rounds as
+frugaltune/federated/rounds.py lays them out (`rounds/round_NNN.safetensors` + `.json`, 000 = the seeded start;
+the JSON written last: a round exists when its JSON does). Starting again with the same
 config continues after the last round on disk; a different config is refused (delete `out-dir` to start over).
 
 With `secure-aggregation` the round runs Flower's SecAgg+ (frugaltune/federated/secure.py): the server sees
@@ -35,6 +35,7 @@ from flwr.serverapp import Grid, ServerApp
 from safetensors.torch import load_file, save_file
 
 from frugaltune.federated import aggregation, local, wire
+from frugaltune.federated.rounds import last_completed_round, round_path, velocity_path
 from frugaltune.federated.client_app import from_record, lora_spec, record_bytes, to_record
 
 app = ServerApp()
@@ -48,20 +49,6 @@ RESULT_KEYS = ("model-dir", "labels", "test-data", "method", "lora-r", "lora-alp
 
 class CompletionFloorError(RuntimeError):
     """Fewer clients than the completion floor finished a round."""
-
-
-def round_path(out: Path, number: int, suffix: str) -> Path:
-    return out / "rounds" / f"round_{number:03d}.{suffix}"
-
-
-def velocity_path(out: Path, number: int) -> Path:
-    """FedAvgM's velocity after round `number`: named apart from the rounds, which `round_*` globs find."""
-    return out / "rounds" / f"velocity_{number:03d}.safetensors"
-
-
-def last_completed_round(out: Path) -> int | None:
-    done = sorted(out.glob("rounds/round_*.json"))
-    return int(done[-1].stem.split("_")[1]) if done else None
 
 
 def atomic_write(path: Path, write) -> None:

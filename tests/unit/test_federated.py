@@ -1,16 +1,19 @@
 """Aggregation of federated LoRA adapters: FedAvg is the example-weighted mean, FFA-LoRA is exact, clients of
 different ranks aggregate to the global shapes; per-client plans; FedProx's proximal term in the project's loop;
-bf16 on the wire.
+bf16 on the wire; the rounds' layout on disk and the stage's run key.
 Run with `pytest tests/unit/test_federated.py` (no Flower needed)."""
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
 
 import pytest
 import torch
 
 from frugaltune.federated import aggregation as agg
+from frugaltune.federated import rounds
 
 A = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight"
 B = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.default.weight"
@@ -289,3 +292,39 @@ def test_bf16_on_the_wire_restores_the_bf16_value_and_halves_the_bytes():
     assert all(torch.equal(once[k], wire.round_trip(once, "bf16")[k]) for k in once)  # rounding is done once
     with pytest.raises(ValueError, match="transmit_dtype"):
         wire.encode(tensors[A], "fp16")
+
+
+def test_a_round_exists_when_its_json_does_and_velocities_are_not_rounds(tmp_path):
+    (tmp_path / "rounds").mkdir()
+    assert rounds.last_completed_round(tmp_path) is None
+    for number in (0, 1, 2):
+        rounds.round_path(tmp_path, number, "safetensors").write_bytes(b"x")
+        rounds.velocity_path(tmp_path, number).write_bytes(b"v")
+    for number in (0, 1):  # round 2's JSON was never written: the server died saving it
+        rounds.round_path(tmp_path, number, "json").write_text(json.dumps({"round": number}))
+    assert rounds.completed(tmp_path) == [0, 1]
+    assert rounds.last_completed_round(tmp_path) == 1
+    assert [report["round"] for report in rounds.reports(tmp_path)] == [0, 1]
+
+
+def test_the_federated_run_key_changes_with_the_code_that_computes_rounds(monkeypatch, tmp_path):
+    import stages.federated as stage  # the stage (mlflow, datasets), only for this test
+    from frugaltune.config import load_params
+
+    params = load_params()
+    key = stage.run_key(params, "dirichlet", "fedavg")
+    assert stage.run_key(params, "dirichlet", "fedavg") == key
+    copy = tmp_path / "frugaltune" / "federated"
+    copy.mkdir(parents=True)
+    for entry in stage.ROUND_CODE:  # the same code elsewhere: the same key; one changed byte: another key
+        source = stage.ROOT / entry
+        target = tmp_path / entry
+        if source.is_dir():
+            shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            target.write_bytes(source.read_bytes())
+    monkeypatch.setattr(stage, "ROOT", tmp_path)
+    assert stage.run_key(params, "dirichlet", "fedavg") == key
+    with (tmp_path / "frugaltune/federated/aggregation.py").open("a") as handle:
+        handle.write("\n# changed\n")
+    assert stage.run_key(params, "dirichlet", "fedavg") != key

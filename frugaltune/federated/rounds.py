@@ -1,0 +1,39 @@
+"""Where a federation keeps its rounds on disk, in one place for the two sides that use it: the ServerApp writes
+them (in the Flower venv) and the federated stage reads them back (in the project's venv, which has no flwr), so
+this module imports neither Flower nor torch. Imported, never run.
+
+In a run's `out-dir`: `rounds/round_NNN.safetensors` (the global adapter + head after round NNN; 000 = the seeded
+start), `rounds/round_NNN.json` (its evaluation and per-client report) and, with server momentum,
+`rounds/velocity_NNN.safetensors` (FedAvgM's velocity after round NNN). The JSON is written last: a round exists
+when its JSON does.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def round_path(out: Path, number: int, suffix: str) -> Path:
+    return Path(out) / "rounds" / f"round_{number:03d}.{suffix}"
+
+
+def velocity_path(out: Path, number: int) -> Path:
+    """FedAvgM's velocity after round `number`: named apart from the rounds, which `round_*` globs find."""
+    return Path(out) / "rounds" / f"velocity_{number:03d}.safetensors"
+
+
+def completed(out: Path) -> list[int]:
+    """The completed rounds' numbers, in order (0 = the start), from their JSONs: a round file without its JSON is
+    one a killed server did not finish."""
+    return sorted(int(path.stem.split("_")[1]) for path in Path(out).glob("rounds/round_*.json"))
+
+
+def last_completed_round(out: Path) -> int | None:
+    done = completed(out)
+    return done[-1] if done else None
+
+
+def reports(out: Path) -> list[dict]:
+    """Every completed round's JSON report, round 0 first."""
+    return [json.loads(round_path(out, number, "json").read_text()) for number in completed(out)]
