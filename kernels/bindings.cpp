@@ -8,11 +8,24 @@
 
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "launchers.h"
 
 namespace {
+
+// Numbers in error messages go through std::to_string, never `std::ostream << int`: on the H100 image of
+// 2026-11 (torch 2.11.0+cu130, g++ 13.3), inserting an integer into a stream inside any torch extension
+// segfaults (a one-line load_inline extension does the same), so a rejected argument crashed the process
+// instead of raising. Strings and std::to_string do not touch the stream's numeric facets.
+std::string shape_str(const torch::Tensor& t) {
+  std::string out = "[";
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    out += (d ? ", " : "") + std::to_string(t.size(d));
+  }
+  return out + "]";
+}
 
 void check_aligned(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(reinterpret_cast<std::uintptr_t>(t.data_ptr()) % 16 == 0, name,
@@ -22,10 +35,10 @@ void check_aligned(const torch::Tensor& t, const char* name) {
 std::vector<torch::Tensor> flash_attn_fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, bool causal,
                                           double softmax_scale) {
   TORCH_CHECK(q.is_cuda() && k.is_cuda() && v.is_cuda(), "flash_attn_fwd: q, k, v must be CUDA tensors");
-  TORCH_CHECK(q.dim() == 4, "flash_attn_fwd: q must be [batch, heads, seqlen, head_dim], got ", q.sizes());
+  TORCH_CHECK(q.dim() == 4, "flash_attn_fwd: q must be [batch, heads, seqlen, head_dim], got ", shape_str(q));
   TORCH_CHECK(k.sizes() == q.sizes() && v.sizes() == q.sizes(),
-              "flash_attn_fwd: q, k, v must have the same shape (self-attention, no GQA); got ", q.sizes(), ", ",
-              k.sizes(), ", ", v.sizes());
+              "flash_attn_fwd: q, k, v must have the same shape (self-attention, no GQA); got ", shape_str(q), ", ",
+              shape_str(k), ", ", shape_str(v));
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
               "flash_attn_fwd: q, k, v must share a dtype");
   int dtype;
@@ -34,10 +47,11 @@ std::vector<torch::Tensor> flash_attn_fwd(torch::Tensor q, torch::Tensor k, torc
   } else if (q.scalar_type() == torch::kBFloat16) {
     dtype = frugaltune::kAttnBFloat16;
   } else {
-    TORCH_CHECK(false, "flash_attn_fwd: dtype must be float16 or bfloat16, got ", q.scalar_type());
+    TORCH_CHECK(false, "flash_attn_fwd: dtype must be float16 or bfloat16, got ", c10::toString(q.scalar_type()));
   }
   const int64_t batch = q.size(0), heads = q.size(1), seqlen = q.size(2), head_dim = q.size(3);
-  TORCH_CHECK(head_dim == 64 || head_dim == 128, "flash_attn_fwd: head_dim must be 64 or 128, got ", head_dim);
+  TORCH_CHECK(head_dim == 64 || head_dim == 128, "flash_attn_fwd: head_dim must be 64 or 128, got ",
+              std::to_string(head_dim));
 
   c10::cuda::CUDAGuard guard(q.device());
   q = q.contiguous();
@@ -62,11 +76,13 @@ torch::Tensor sgemm(torch::Tensor a, torch::Tensor b, c10::optional<torch::Tenso
                     int64_t config) {
   TORCH_CHECK(a.is_cuda() && b.is_cuda(), "sgemm: A and B must be CUDA tensors");
   TORCH_CHECK(a.scalar_type() == torch::kFloat32 && b.scalar_type() == torch::kFloat32, "sgemm: fp32 only");
-  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(0), "sgemm: shapes ", a.sizes(), " and ",
-              b.sizes(), " do not multiply");
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(0), "sgemm: shapes ", shape_str(a), " and ",
+              shape_str(b), " do not multiply");
   const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
-  TORCH_CHECK(K % 4 == 0 && N % 4 == 0, "sgemm: K and N must be multiples of 4 (float4 loads), got K=", K, " N=", N);
-  TORCH_CHECK(config >= 0 && config < frugaltune::sgemm_num_configs(), "sgemm: config ", config, " out of range");
+  TORCH_CHECK(K % 4 == 0 && N % 4 == 0, "sgemm: K and N must be multiples of 4 (float4 loads), got K=",
+              std::to_string(K), " N=", std::to_string(N));
+  TORCH_CHECK(config >= 0 && config < frugaltune::sgemm_num_configs(), "sgemm: config ", std::to_string(config),
+              " out of range");
 
   c10::cuda::CUDAGuard guard(a.device());
   a = a.contiguous();
@@ -76,7 +92,8 @@ torch::Tensor sgemm(torch::Tensor a, torch::Tensor b, c10::optional<torch::Tenso
     out = c.value();
     TORCH_CHECK(out.is_cuda() && out.scalar_type() == torch::kFloat32 && out.is_contiguous() && out.dim() == 2 &&
                     out.size(0) == M && out.size(1) == N,
-                "sgemm: C must be a contiguous fp32 CUDA tensor of shape [", M, ", ", N, "]");
+                "sgemm: C must be a contiguous fp32 CUDA tensor of shape [", std::to_string(M), ", ",
+                std::to_string(N), "]");
   } else {
     TORCH_CHECK(beta == 0.0, "sgemm: beta != 0 needs C");
     out = torch::empty({M, N}, a.options());
