@@ -182,6 +182,10 @@ class KernelsParams(Section):
         1.1, ge=1.0, description="The CPU prefers bf16 only when a layer runs at least this many times faster in bf16 "
         "than in fp32: a margin so that timing noise does not flip the choice."
     )
+    cuda_min_speedup: float = Field(
+        1.1, ge=1.0, description="On a CUDA device, evaluation uses the project's attention kernel only when it runs "
+        "at least this many times faster than SDPA at the model's shape, in every dtype (the same kind of margin)."
+    )
 
     @model_validator(mode="after")
     def _check_kernels(self) -> "KernelsParams":

@@ -135,22 +135,23 @@ def on_cuda(hw: dict[str, Any], kp: KernelsParams, build_root: Path, device: dic
     def sgemm(a, b, c, alpha, beta, config):
         return ext.sgemm(a, b, c, alpha, beta, config)
 
-    # flash_attn_fwd: used for evaluation when verified and faster than SDPA at the model's shapes.
+    # flash_attn_fwd: used for evaluation when verified and kernels.cuda_min_speedup x SDPA at the model's shapes.
     shapes = {"batch": kp.bench_batch, "heads": kp.model_heads, "seq_len": kp.bench_seq_len,
               "head_dim": kp.model_hidden // kp.model_heads}
     attn: dict[str, Any] = {"build": {**built, "ptxas": ptxas["flash_attn_fwd"]}}
     attn["verify"] = guarded(lambda: cuda.verify_attention(flash))
     attn["benchmark"] = guarded(
         lambda: {"status": "done", "cases": cuda.benchmark_attention(flash, peaks, timer),
-                 "model_shapes": cuda.attention_at_model_shapes(flash, shapes, timer)},
+                 "model_shapes": cuda.attention_at_model_shapes(flash, shapes, timer, min_speedup=kp.cuda_min_speedup)},
         when=attn["verify"]["status"] == "passed",
     )
     faster = attn["benchmark"].get("model_shapes", {}).get("faster", False)
     attn["used"] = attn["verify"]["status"] == "passed" and faster
     attn["reason"] = (
-        "verified, and faster than SDPA at the model's shapes: evaluation may register it as its attention"
+        f"verified, and >= {kp.cuda_min_speedup}x SDPA at the model's shapes: evaluation may register it as its "
+        "attention"
         if attn["used"] else f"verify {attn['verify']['status']}, benchmark {attn['benchmark']['status']}, "
-        f"faster than SDPA at the model's shapes: {faster}; {FALLBACK}"
+        f">= {kp.cuda_min_speedup}x SDPA at the model's shapes: {faster}; {FALLBACK}"
     )
     # sgemm: verified and autotuned as a reference point; training's matmuls stay on cuBLAS.
     configs = [list(c) for c in ext.sgemm_configs()]

@@ -310,10 +310,14 @@ def benchmark_sgemm(
 
 
 def attention_at_model_shapes(
-    attn: AttnFn, shapes: dict[str, int], timer: Callable, dtypes: dict[str, torch.dtype] | None = None
+    attn: AttnFn, shapes: dict[str, int], timer: Callable, dtypes: dict[str, torch.dtype] | None = None,
+    min_speedup: float = 1.1,
 ) -> dict[str, Any]:
     """The kernel against SDPA with its default backend choice (what transformers' `sdpa` runs) at the model's
-    attention shape; `faster` is true only when the kernel wins in every dtype."""
+    attention shape; `faster` is true only when the kernel is at least `min_speedup` times as fast in every dtype.
+
+    The margin matters: at the default model's shape both take ~20 us, and on an H100 the same build measured
+    0.70x in one process and above 1x in another, so a bare `> 1` flipped the stage's choice from run to run."""
     dtypes, device = dtypes or ATTN_DTYPES, DEVICE
     shape = (shapes["batch"], shapes["heads"], shapes["seq_len"], shapes["head_dim"])
     rows = {}
@@ -325,4 +329,5 @@ def attention_at_model_shapes(
             "frugaltune_ms": round(ours, 4), "sdpa_ms": round(sdpa, 4), "speedup": round(sdpa / ours, 3),
         }
     return {"shape": dict(zip(("batch", "heads", "seq_len", "head_dim"), shape, strict=True)), "causal": True,
-            "dtypes": rows, "faster": all(r["speedup"] > 1.0 for r in rows.values())}
+            "dtypes": rows, "min_speedup": min_speedup,
+            "faster": all(r["speedup"] >= min_speedup for r in rows.values())}
