@@ -5,6 +5,11 @@ switches against the previous default, in one run.
     python benchmarks/train_throughput.py --methods lora,qlora,dora --rounds 2
     python benchmarks/train_throughput.py --steps 10 --batch-size 8
 
+On a machine where torch drives a CUDA GPU every recipe trains on it (the Trainer recipes without `use_cpu`), the
+precision is the planner's (bf16 from compute capability 8.0), attention is SDPA, the measured peak is torch.matmul
+on the GPU at the model's shapes and the nominal one the tensor-core (bf16) or CUDA-core (fp32) peak of
+frugaltune.kernels.cuda.device_peaks at the boost clock; peak GPU memory is printed beside peak RSS.
+
 Needs `models/base` and `data/tokenized` (run `make pipeline`, or `dvc repro tokenize`). Every recipe trains the
 same adapter (peft, r=8 on q/k/v/o, dropout 0.05, the seeded classification head) on the same sequences (the first
 steps x batch-size examples of the training split, one pass), with AdamW at the same rate, on the same threads:
@@ -78,6 +83,21 @@ def _model(bf16: bool, method: str = "lora", switches: bool = True):
     return model, tokenizer
 
 
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _memory() -> dict:
+    import torch
+
+    out = {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    if torch.cuda.is_available():
+        out["cuda_peak_allocated_mb"] = torch.cuda.max_memory_allocated() / 2**20
+    return out
+
+
 def run_recipe(recipe: str, steps: int, batch_size: int, lr: float, threads: int, bf16_ours: bool,
                eager_max: int) -> dict:
     import torch
@@ -95,8 +115,7 @@ def run_recipe(recipe: str, steps: int, batch_size: int, lr: float, threads: int
                          log_every=steps, eager_attention_max_len=eager_max if switches else 0)
         result = train_classifier(model, ids, labels, cfg, tokenizer.pad_token_id, progress=False)
         return {"seconds": result.wall_seconds, "useful_tokens": result.tokens, "padded_tokens": result.padded_tokens,
-                "steps": result.steps, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                "bf16": bf16_ours, "final_loss": result.final_loss}
+                "steps": result.steps, **_memory(), "bf16": bf16_ours, "final_loss": result.final_loss}
 
     from datasets import Dataset
     from transformers import DataCollatorWithPadding, Trainer, TrainerCallback, TrainingArguments
@@ -132,7 +151,7 @@ def run_recipe(recipe: str, steps: int, batch_size: int, lr: float, threads: int
             output_dir=out, per_device_train_batch_size=batch_size, num_train_epochs=1, learning_rate=lr,
             lr_scheduler_type="linear", warmup_steps=0.05,  # a float < 1: a ratio (transformers 5)
             weight_decay=0.0, max_grad_norm=1.0, seed=42,
-            use_cpu=True, bf16=bf16, save_strategy="no", report_to="none", logging_steps=steps,
+            use_cpu=not _cuda(), bf16=bf16, save_strategy="no", report_to="none", logging_steps=steps,
             disable_tqdm=True, dataloader_num_workers=0,
             train_sampling_strategy="group_by_length" if not max_length else "random",
         )
@@ -140,8 +159,7 @@ def run_recipe(recipe: str, steps: int, batch_size: int, lr: float, threads: int
                                   callbacks=[Clock()])
         state = trainer.train()
     return {"seconds": padded["end"] - padded["start"], "useful_tokens": useful, "padded_tokens": padded["tokens"],
-            "steps": state.global_step, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "bf16": bf16}
+            "steps": state.global_step, **_memory(), "bf16": bf16}
 
 
 def measured_peaks(threads: int, tokens: int = 2048, repeats: int = 5) -> dict[str, float]:
@@ -157,18 +175,46 @@ def measured_peaks(threads: int, tokens: int = 2048, repeats: int = 5) -> dict[s
     torch.set_num_threads(threads)
     config = AutoConfig.from_pretrained(str(BASE))
     h, i = config.hidden_size, config.intermediate_size
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    # A GPU finishes one such product in microseconds: time 50 back to back between synchronizations.
+    calls = 50 if device == "cuda" else 1
     peaks = {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         best = 0.0
         for k, n in ((h, h), (h, i), (i, h)):
-            a, b = torch.randn(tokens, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+            a, b = torch.randn(tokens, k, dtype=dtype, device=device), torch.randn(k, n, dtype=dtype, device=device)
             torch.matmul(a, b)
             for _ in range(repeats):
+                if device == "cuda":
+                    torch.cuda.synchronize()
                 start = _time.perf_counter()
-                torch.matmul(a, b)
-                best = max(best, 2 * tokens * k * n / (_time.perf_counter() - start))
+                for _ in range(calls):
+                    torch.matmul(a, b)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                best = max(best, 2 * tokens * k * n * calls / (_time.perf_counter() - start))
         peaks[name] = best
     return peaks
+
+
+def gpu_peak_flops(bf16: bool) -> tuple[float, str]:
+    """The nominal peak of this GPU in the run's precision: bf16 on tensor cores, fp32 on CUDA cores (no TF32)."""
+    import torch
+
+    from frugaltune.kernels.cuda import device_peaks
+
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    clock = max(getattr(props, "clock_rate", 0) / 1000, _nvml_max_clock())
+    peaks = device_peaks((props.major, props.minor), props.multi_processor_count, clock, props.name)
+    key = "fp16_tensor_tflops" if bf16 else "fp32_tflops"
+    return peaks[key] * 1e12, f"{props.name}: {props.multi_processor_count} SMs x {clock:.0f} MHz, {key} {peaks[key]}"
+
+
+def _nvml_max_clock() -> float:
+    from frugaltune.hardware import nvml_gpus
+
+    gpus, _, _ = nvml_gpus()
+    return max((g.get("max_sm_clock_mhz") or 0 for g in gpus), default=0)
 
 
 def flops_per_token(mean_length: float) -> float:
@@ -180,6 +226,12 @@ def flops_per_token(mean_length: float) -> float:
     labels = json.loads(LABELS_FILE.read_text())["labels"]
     shape = model_shape(BASE, len(labels), "lora")
     return 4 * shape.matmul_params + 12 * config.num_hidden_layers * mean_length * config.hidden_size
+
+
+def torch_device_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
 def main() -> None:
@@ -199,7 +251,8 @@ def main() -> None:
 
     from frugaltune.hardware import cpu_peak_flops, probe
 
-    hw = probe(use_nvml=False)
+    cuda = _cuda()
+    hw = probe(use_nvml=cuda)
     threads = args.threads or hw["cpu"]["physical_cores"] or os.cpu_count()
     if args.recipe:
         print(json.dumps(run_recipe(args.recipe, args.steps, args.batch_size, args.lr, threads, args.bf16_ours,
@@ -213,10 +266,10 @@ def main() -> None:
 
     measured = planner.measured_on(hw, json.loads(kernels.read_text()) if kernels.exists() else None)
     bf16_ours, why = planner.recommend_precision(hw, "auto", measured)
-    eager_max = planner.eager_attention_max_len(measured, bf16_ours)
+    eager_max = planner.eager_attention_max_len(measured, bf16_ours, cuda)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     recipes = [f"{kind}:{m}" for m in methods for kind in ("frugaltune", "frugaltune-off")] + list(HF_RECIPES)
-    nominal, formula = cpu_peak_flops(hw, threads)
+    nominal, formula = gpu_peak_flops(bf16_ours) if cuda else cpu_peak_flops(hw, threads)
     peaks = measured_peaks(threads)
     runs: dict[str, list[dict]] = {r: [] for r in recipes}
     for round_ in range(args.rounds):
@@ -239,8 +292,10 @@ def main() -> None:
 
     ids, _ = _examples(args.steps * args.batch_size)
     per_token = flops_per_token(sum(len(x) for x in ids) / len(ids))
+    where = f"GPU {torch_device_name()}, " if cuda else ""
     print(f"\nr=8 adapters on {BASE}, {args.steps * args.batch_size} training sequences (one pass, batch "
-          f"{args.batch_size}), {threads} threads, {args.rounds} round(s) (median), CPU {hw['cpu'].get('model')}.")
+          f"{args.batch_size}), {where}{threads} threads, {args.rounds} round(s) (median), "
+          f"CPU {hw['cpu'].get('model')}.")
     print(f"frugaltune precision: {'bf16' if bf16_ours else 'fp32'} ({why}); eager attention up to {eager_max} "
           f"tokens (kernels stage)")
     print(f"Measured matmul peak on {threads} threads: fp32 {peaks['fp32'] / 1e9:.0f} GFLOP/s, bf16 "
@@ -260,7 +315,8 @@ def main() -> None:
         label = f"{recipe}{' (bf16)' if r['bf16'] else ' (fp32)'}"
         print(f"{label:34s} {r['steps']:5d} {r['seconds']:8.1f} {rate:12.1f} {r['padding']:8.1%} "
               f"{r['peak_rss_mb']:11.0f} {r['mfu_measured_peak']:9.1%} {r['mfu_nominal']:8.1%} "
-              f"{r['frugaltune_speedup']:11.2f}x")
+              f"{r['frugaltune_speedup']:11.2f}x"
+              + (f"  GPU peak {r['cuda_peak_allocated_mb']:.0f} MB" if "cuda_peak_allocated_mb" in r else ""))
     a, b = results["hf_max_length_fp32"], results["hf_group_by_length_bf16"]
     print(f"\nfrugaltune vs (a) HF Trainer, max_length=128, fp32:        {a['frugaltune_speedup']:.2f}x useful tokens/s")
     print(f"frugaltune vs (b) HF Trainer, group_by_length, dynamic, bf16: {b['frugaltune_speedup']:.2f}x useful tokens/s")
@@ -269,7 +325,8 @@ def main() -> None:
         print(f"{m}: speed switches on vs off: {on / off:.2f}x useful tokens/s")
     out = Path("reports/benchmarks/train_throughput.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"cpu": hw["cpu"].get("model"), "nominal_peak": formula, "nominal_peak_flops": nominal,
+    out.write_text(json.dumps({"cpu": hw["cpu"].get("model"), "gpu": torch_device_name() if cuda else None,
+                               "nominal_peak": formula, "nominal_peak_flops": nominal,
                                "measured_peak_flops": peaks, "flops_per_token": per_token, "threads": threads,
                                "steps": args.steps, "batch_size": args.batch_size, "rounds": args.rounds,
                                "precision": "bf16" if bf16_ours else "fp32", "eager_attention_max_len": eager_max,
