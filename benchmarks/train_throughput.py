@@ -110,6 +110,10 @@ def run_recipe(recipe: str, steps: int, batch_size: int, lr: float, threads: int
 
         kind, method = recipe.split(":")
         switches = kind == "frugaltune"
+        if switches:  # on a GPU, SDPA without cuDNN (planner.keep_sdpa_off_cudnn, as the train stage does)
+            from frugaltune.planner import keep_sdpa_off_cudnn
+
+            keep_sdpa_off_cudnn()
         model, tokenizer = _model(bf16_ours, method, switches)
         cfg = LoopConfig(lr=lr, head_lr=2 * lr, batch_size=batch_size, epochs=1, seed=42, bf16=bf16_ours,
                          log_every=steps, eager_attention_max_len=eager_max if switches else 0)

@@ -286,3 +286,10 @@ def test_resolve_plan_refuses_before_loading_and_fills_auto_values(tmp_path, mon
     assert train.resolve_plan(forced, use_plan=True)["gradient_checkpointing"] is True
     assert train.resolve_plan(params, use_plan=False)["micro_batch_size"] == 16
     assert math.isclose(resolved["predicted_peak_mb"], plan["methods"]["lora"]["predicted_peak_mb"])
+
+
+def test_sdpa_keeps_cudnn_on_a_cpu_only_machine():
+    """The GPU switch (cuDNN out of SDPA's backends) must leave a CPU machine's process as it was."""
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    assert planner.keep_sdpa_off_cudnn() is torch.cuda.is_available()
+    assert torch.backends.cuda.cudnn_sdp_enabled() is (before and not torch.cuda.is_available())
