@@ -1,0 +1,70 @@
+"""Where a LoRA training step of frugaltune's loop spends its time: torch.profiler over N steps after a warm-up,
+per-op tables by host time and by device time (the per-op table issue 12 asks for), on a CPU or a CUDA GPU.
+
+    python benchmarks/profile_train_step.py                     # 20 steps of batch 16, the plan's precision
+    python benchmarks/profile_train_step.py --steps 10 --no-cudnn-attention-fix
+
+Needs `models/base` and `data/tokenized` (`dvc repro tokenize`; on a machine without the GGUF,
+benchmarks/gpu/random_base.py). On a CUDA device the loop runs as the train stage runs it, SDPA without cuDNN
+(planner.keep_sdpa_off_cudnn), unless --no-cudnn-attention-fix: the profile that found that cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import train_throughput as throughput  # noqa: E402
+
+from frugaltune import planner  # noqa: E402
+from frugaltune.hardware import probe  # noqa: E402
+from frugaltune.planner import keep_sdpa_off_cudnn  # noqa: E402
+from frugaltune.training.loop import LoopConfig, train_classifier  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
+                        help="default: the planner's choice (a GPU's compute capability; on a CPU, what the kernels "
+                             "stage measured in reports/kernels.json)")
+    parser.add_argument("--no-cudnn-attention-fix", action="store_true")
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available()
+    if args.bf16 is None:
+        hw = probe(use_nvml=cuda)
+        kernels = Path("reports/kernels.json")
+        measured = planner.measured_on(hw, json.loads(kernels.read_text()) if kernels.exists() else None)
+        bf16, _ = planner.recommend_precision(hw, "auto", measured)
+    else:
+        bf16 = args.bf16
+    if not args.no_cudnn_attention_fix:
+        keep_sdpa_off_cudnn()
+    warm, timed = args.warmup * args.batch_size, args.steps * args.batch_size
+    ids, labels = throughput._examples(warm + timed)
+    model, tokenizer = throughput._model(bf16, "lora", True)
+    cfg = LoopConfig(lr=1e-3, head_lr=2e-3, batch_size=args.batch_size, epochs=1, seed=42, bf16=bf16,
+                     log_every=10**6, eager_attention_max_len=0)
+    train_classifier(model, ids[:warm], labels[:warm], cfg, tokenizer.pad_token_id, progress=False)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        result = train_classifier(model, ids[warm:], labels[warm:], cfg, tokenizer.pad_token_id, progress=False)
+    print(f"{result.steps} steps of {args.batch_size}: {result.wall_seconds:.2f} s under the profiler, "
+          f"{result.tokens / result.wall_seconds:.0f} useful tok/s, {'bf16' if bf16 else 'fp32'}, "
+          f"{torch.cuda.get_device_name() if cuda else 'CPU'}")
+    events = prof.key_averages()
+    print(events.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
+    if cuda:
+        print(events.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
