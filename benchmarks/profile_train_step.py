@@ -12,7 +12,6 @@ benchmarks/gpu/random_base.py). On a CUDA device the loop runs as the train stag
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -22,7 +21,6 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_throughput as throughput  # noqa: E402
 
-from frugaltune import planner  # noqa: E402
 from frugaltune.hardware import probe  # noqa: E402
 from frugaltune.planner import keep_sdpa_off_cudnn  # noqa: E402
 from frugaltune.training.loop import LoopConfig, train_classifier  # noqa: E402
@@ -39,13 +37,7 @@ def main() -> None:
     parser.add_argument("--no-cudnn-attention-fix", action="store_true")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
-    if args.bf16 is None:
-        hw = probe(use_nvml=cuda)
-        kernels = Path("reports/kernels.json")
-        measured = planner.measured_on(hw, json.loads(kernels.read_text()) if kernels.exists() else None)
-        bf16, _ = planner.recommend_precision(hw, "auto", measured)
-    else:
-        bf16 = args.bf16
+    bf16 = args.bf16 if args.bf16 is not None else throughput.planned_precision(probe(use_nvml=cuda))[0]
     if not args.no_cudnn_attention_fix:
         keep_sdpa_off_cudnn()
     warm, timed = args.warmup * args.batch_size, args.steps * args.batch_size

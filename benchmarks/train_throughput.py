@@ -232,6 +232,17 @@ def flops_per_token(mean_length: float) -> float:
     return 4 * shape.matmul_params + 12 * config.num_hidden_layers * mean_length * config.hidden_size
 
 
+def planned_precision(hw: dict) -> tuple[bool, str, dict | None]:
+    """(bf16?, why, the kernels stage's measurement for this CPU) as `train.precision: auto` decides on this machine
+    (`hw`: a live probe, as the benchmarks run it)."""
+    from frugaltune import planner
+
+    kernels = Path("reports/kernels.json")
+    measured = planner.measured_on(hw, json.loads(kernels.read_text()) if kernels.exists() else None)
+    bf16, why = planner.recommend_precision(hw, "auto", measured)
+    return bf16, why, measured
+
+
 def torch_device_name() -> str:
     import torch
 
@@ -265,11 +276,9 @@ def main() -> None:
     for needed in (BASE, TOKENIZED, LABELS_FILE):
         if not needed.exists():
             sys.exit(f"{needed} is missing: run `make pipeline` (or `dvc repro tokenize`) first.")
-    kernels = Path("reports/kernels.json")
     from frugaltune import planner
 
-    measured = planner.measured_on(hw, json.loads(kernels.read_text()) if kernels.exists() else None)
-    bf16_ours, why = planner.recommend_precision(hw, "auto", measured)
+    bf16_ours, why, measured = planned_precision(hw)
     eager_max = planner.eager_attention_max_len(measured, bf16_ours, cuda)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     recipes = [f"{kind}:{m}" for m in methods for kind in ("frugaltune", "frugaltune-off")] + list(HF_RECIPES)
