@@ -12,6 +12,8 @@ centralized LoRA on as many examples.
     python benchmarks/federated_rounds.py --seeds 1 --server-opt adam --server-adam-lr 0.01 0.03  # FedAdam
     python benchmarks/federated_rounds.py --proximal-mu 0.1 1                 # FedProx's accuracy effect
     python benchmarks/federated_rounds.py --seeds 1 2 --head classwise --ema 0.5   # label-aware head, global EMA
+    python benchmarks/federated_rounds.py --seeds 1 2 --batch-size 4 --local-steps 32   # more steps, same examples
+    python benchmarks/federated_rounds.py --seeds 1 2 --only-centralized --batch-size 4 --local-steps 32
     .venv-flower/bin/python benchmarks/federated_rounds.py --dp-epsilon 10    # client DP's accuracy cost
 
 Run from the repository root after `make federated` (it reads data/federated/partitions_<scheme>/, the clients'
@@ -32,6 +34,10 @@ stay the stage's, drawn with common.seed) and, with --centralized, prints each s
 averages each row of the head over the clients in proportion to their examples of that row's label (`classwise_head`)
 instead of their examples of all labels. --ema B also evaluates, after each round, the exponential average of the
 global adapters so far (B x previous + (1 - B) x this round's), a server-side smoothing that costs no round.
+--batch-size B --local-steps K changes the clients' batch and steps (the centralized baseline keeps as many
+examples: --centralized-batch-size sets its batch apart; --only-centralized runs the baseline alone). --client-state
+kept lets each client continue AdamW's moments and step count from its previous round instead of starting a fresh
+optimizer every round (`federated.client_state`, train_locally's `optimizer_state`).
 """
 
 from __future__ import annotations
@@ -96,6 +102,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=None, help="the clients' learning rate")
     parser.add_argument("--local-steps", type=int, default=None)
     parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="the clients' batch (and the centralized baseline's, unless --centralized-batch-size)")
     parser.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto")
     parser.add_argument("--server-momentum", type=float, nargs="+", default=None,
                         help="FedAvgM's momentum (0 = none); with several server lrs, every pair is run")
@@ -120,6 +128,12 @@ def main() -> None:
                         help="training seeds, each a whole run (default: common.seed)")
     parser.add_argument("--centralized", action="store_true", help="also the stage's centralized baseline")
     parser.add_argument("--centralized-lr", type=float, default=None, help="its lr (default: the clients' lr)")
+    parser.add_argument("--client-state", choices=["fresh", "kept"], default=None,
+                        help="kept: each client continues AdamW's moments from its previous round")
+    parser.add_argument("--only-centralized", action="store_true",
+                        help="skip the federations: the baseline alone, on the examples they would train on")
+    parser.add_argument("--centralized-batch-size", type=int, default=None,
+                        help="its batch (default: the clients'); its steps cover as many examples as theirs")
     parser.add_argument("--logit-adjustment", choices=["on", "off", "params"], default="params",
                         help="clients add log(label prior) to the logits they train on (local.train_locally)")
     args = parser.parse_args()
@@ -129,6 +143,8 @@ def main() -> None:
     lr = args.lr if args.lr is not None else fp.lr
     local_steps = args.local_steps or fp.local_steps
     rounds = args.rounds or fp.num_rounds
+    batch = args.batch_size or fp.batch_size
+    client_state = args.client_state or fp.client_state
     server_lrs = args.server_lr or [fp.server_lr]
     momenta = args.server_momentum if args.server_momentum is not None else [getattr(fp, "server_momentum", 0.0)]
     servers = ([("sgd", s, m) for s in server_lrs for m in momenta]
@@ -158,7 +174,7 @@ def main() -> None:
     ids = {index: plan["client"] for index, plan in enumerate(plans)}  # plans are in client-id order
     print(f"{cpu_facts()['model']}, {torch.get_num_threads()} threads, {'bf16' if bf16 else 'fp32'}; "
           f"{args.scheme}/{args.method}, {rounds} rounds, {per_round} of {len(plans)} clients x {local_steps} "
-          f"steps of {fp.batch_size}, lr {lr} ({schedule} over rounds), logit adjustment "
+          f"steps of {batch}, lr {lr} ({schedule} over rounds), logit adjustment "
           f"{'on' if adjust else 'off'}, {dtype} on the wire, DP epsilon {epsilon:g}", flush=True)
     gaps: dict[str, list[float]] = {}
     for seed in args.seeds or [params.common.seed]:
@@ -167,12 +183,15 @@ def main() -> None:
         server = local.build_model("models/base", labels, pad, seed, spec)
         start = local.trainable_tensors(server)
         finals: dict[str, float] = {}
-        for (optimizer, server_lr, momentum), mu in [(server, mu) for server in servers for mu in mus]:
+        planned = [] if args.only_centralized else [(server, mu) for server in servers for mu in mus]
+        steps = rounds * per_round * local_steps  # replaced by what each federation trained
+        for (optimizer, server_lr, momentum), mu in planned:
             setting = (f"server_lr {server_lr:g}, momentum {momentum:g}" if optimizer == "sgd"
                        else f"{optimizer} server_lr {server_lr:g}")
             setting += (f", FedProx mu {mu:g}" if mu else "") + (", classwise head" if args.head == "classwise" else "")
+            setting += ", client AdamW state kept" if client_state == "kept" else ""
             began, tensors, curve, steps, velocity = time.perf_counter(), dict(start), [], 0, None
-            ema, ema_curve = None, []
+            ema, ema_curve, moments = None, [], {}
             for number in range(1, rounds + 1):
                 sampled = aggregation.sample_clients(range(len(plans)), ids, per_round, seed, number)  # the ServerApp's
                 updates, round_lr = [], aggregation.round_lr(lr, number, rounds, schedule)
@@ -190,9 +209,11 @@ def main() -> None:
                             param.requires_grad_(args.method != "ffa")
                     input_ids, targets = data[plan["client"]]
                     result = local.train_locally(model, input_ids, targets, pad, steps=local_steps, lr=round_lr,
-                                                 batch_size=fp.batch_size, micro_batch_size=None,
+                                                 batch_size=batch, micro_batch_size=None,
                                                  seed=seed * 1000 + number, bf16=bf16, eager_attention_max_len=eager,
-                                                 logit_adjustment=adjust, proximal_mu=mu)
+                                                 logit_adjustment=adjust, proximal_mu=mu,
+                                                 optimizer_state=moments.setdefault(plan["client"], {})
+                                                 if client_state == "kept" else None)
                     steps += result.steps
                     trained = local.trainable_tensors(model)  # under FFA: B + head only
                     if epsilon > 0:
@@ -224,18 +245,21 @@ def main() -> None:
                 finals[f"{setting}, EMA {args.ema:g}"] = ema_curve[-1]
             print(f"  {setting}: test macro-F1 per round "
                   f"{' / '.join(f'{v:.3f}' for v in curve)} ({time.perf_counter() - began:.0f} s, {steps} client steps "
-                  f"= {steps * fp.batch_size} examples)", flush=True)
-        if args.centralized:
+                  f"= {steps * batch} examples)", flush=True)
+        if args.centralized or args.only_centralized:
             began = time.perf_counter()
             model = local.build_model("models/base", labels, pad, seed, spec)
             input_ids, targets = local.read_examples("data/federated/train.parquet")
             central_lr = args.centralized_lr or lr
-            local.train_locally(model, input_ids, targets, pad, steps=steps, lr=central_lr, batch_size=fp.batch_size,
+            central_batch = args.centralized_batch_size or batch
+            central_steps = max(1, round(steps * batch / central_batch))  # as many examples as the clients saw
+            local.train_locally(model, input_ids, targets, pad, steps=central_steps, lr=central_lr,
+                                batch_size=central_batch,
                                 micro_batch_size=None, seed=seed, bf16=bf16, eager_attention_max_len=eager,
                                 scheduler=params.train.scheduler, warmup_ratio=params.train.warmup_ratio)
             final = local.evaluate(model, *test, labels, pad, bf16=bf16)
-            print(f"  centralized, lr {central_lr}, {params.train.scheduler} schedule, {steps} steps of "
-                  f"{fp.batch_size} ({steps * fp.batch_size} examples of {len(targets)} rows): test macro-F1 "
+            print(f"  centralized, lr {central_lr}, {params.train.scheduler} schedule, {central_steps} steps of "
+                  f"{central_batch} ({central_steps * central_batch} examples of {len(targets)} rows): test macro-F1 "
                   f"{final['macro_f1']:.4f} ({time.perf_counter() - began:.0f} s)", flush=True)
             for setting, value in finals.items():
                 gaps.setdefault(setting, []).append(final["macro_f1"] - value)

@@ -502,6 +502,10 @@ class FederatedParams(Section):
     proximal_mu: float = Field(0.0, ge=0, description="FedProx: each client adds mu/2 * ||w - w_global||^2 over its "
                                "trainable tensors to its loss, pulling its update toward the global adapter (helps "
                                "with skewed data and many local steps; typical 0.001-1). 0 = off (plain FedAvg/FFA).")
+    client_state: Literal["fresh", "kept"] = Field(
+        "fresh", description="fresh: each client starts every round with a new AdamW (zero moments); kept: it "
+        "continues the moments and step count it ended its previous round with, kept on its own disk (a "
+        "SuperNode's `state-dir`). Nothing of it travels.")
     transmit_dtype: Literal["fp32", "bf16"] = Field(
         "fp32", description="Precision of the tensors on the wire, both ways: bf16 halves the bytes (each value "
         "rounded to 8 significant bits); each round starts from the bf16-rounded global the clients receive.")

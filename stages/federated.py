@@ -137,11 +137,13 @@ def federate(params: Params, scheme: str, method: str, plans: list[dict], parts:
                            f"min_completed {fp.min_completed}: " + "; ".join(
                                f"client {p['client']} ({p['preset']}): {p['reason']}" for p in plans if not p["fits"]))
     bf16, eager = machine_precision(params)  # every client of this stage trains on this machine
+    out = (paths.CHECKPOINTS_DIR / "federated" / run_key(params, scheme, method)).resolve()
+    # each client's own disk, simulated: where it keeps its optimizer's moments between rounds (client_state: kept)
     nodes = [{"data": str((parts / f"client_{p['client']}.parquet").resolve()), "lora-rank": p["lora_rank"],
               "micro-batch": p["micro_batch_size"], "threads": fp.threads, "client-id": p["client"],
-              "precision": "bf16" if bf16 else "fp32", "eager-attention-max-len": eager}
+              "precision": "bf16" if bf16 else "fp32", "eager-attention-max-len": eager,
+              "state-dir": str(out / "clients" / f"client_{p['client']}")}
              for p in included]
-    out = (paths.CHECKPOINTS_DIR / "federated" / run_key(params, scheme, method)).resolve()
     config = {"out-dir": str(out), "model-dir": str(paths.BASE_MODEL.resolve()),
               "test-data": str((DATA / "test.parquet").resolve()), "labels": json.dumps(labels),
               "pad-token-id": pad_token_id, "num-rounds": fp.num_rounds, "fraction": fp.fraction,
@@ -155,7 +157,7 @@ def federate(params: Params, scheme: str, method: str, plans: list[dict], parts:
               "threads": resolve_threads(None),
               "dp-epsilon": fp.dp.epsilon if fp.dp.enabled else 0.0, "dp-delta": fp.dp.delta,
               "dp-clip": fp.dp.clipping_norm, "proximal-mu": fp.proximal_mu,
-              "logit-adjustment": fp.logit_adjustment,
+              "logit-adjustment": fp.logit_adjustment, "client-state": fp.client_state,
               "transmit-dtype": fp.transmit_dtype, "secure-aggregation": fp.secure_aggregation,
               "precision": "bf16" if bf16 else "fp32",
               # SecAgg+ quantizes each update weighted by num_examples / this: the largest client's share

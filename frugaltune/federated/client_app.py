@@ -8,7 +8,9 @@ with PYTHONPATH at the project root, after the ServerApp is started by `flwr run
 fine-tuning"). The node config is what this machine owns: `data` (its tokenized rows, parquet: input_ids, labels;
 they never leave it), optionally `model-dir` (its copy of the base model; default: the server's path),
 `lora-rank` (<= the global rank; default the global rank), `micro-batch`, `threads`, `precision` (fp32 | bf16:
-what this machine measured faster; default fp32) and `eager-attention-max-len` (its plan).
+what this machine measured faster; default fp32), `eager-attention-max-len` (its plan) and `state-dir` (where it
+keeps its optimizer's moments between rounds when the run's `client-state` is `kept`; without it the client starts
+each round fresh and says so in its metrics).
 
 In Flower's Simulation Engine (the `federated` stage's default on one machine) a virtual node's config is only its
 `partition-id`; the same keys then come from the run config's `simulation-nodes` (a JSON list, one entry per
@@ -38,7 +40,7 @@ import torch
 from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from frugaltune.federated import aggregation, local, secure, wire
+from frugaltune.federated import aggregation, local, rounds, secure, wire
 from frugaltune.federated.privacy import privatize
 from frugaltune.training.loop import peak_rss_mb
 
@@ -140,13 +142,28 @@ def train(msg: Message, context: Context) -> Message:
     local.load_tensors(model, aggregation.slice_to_rank(received, rank))
     if str(config["method"]) == "ffa":
         local.freeze_lora_a(model)
+    number = int(config["round"])
+    kept = str(config.get("client-state", "fresh")) == "kept" and "state-dir" in node
+    moments: dict | None = None
+    resumed = False
+    if kept:  # AdamW's moments from this client's last round, continued (federated.client_state: kept)
+        previous = rounds.client_state_before(Path(str(node["state-dir"])), number)
+        moments = torch.load(previous, weights_only=True) if previous else {}
+        resumed = bool(moments)
     result = local.train_locally(
         model, input_ids, targets, pad_token_id, steps=int(config["local-steps"]), lr=float(config["lr"]),
         batch_size=int(config["batch-size"]), micro_batch_size=int(node["micro-batch"]) if "micro-batch" in node
         else None, seed=int(config["seed"]) * 1000 + int(config["round"]),
         proximal_mu=float(config.get("proximal-mu", 0.0)), bf16=str(node.get("precision", "fp32")) == "bf16",
         eager_attention_max_len=int(node.get("eager-attention-max-len", 0)),
-        logit_adjustment=bool(config.get("logit-adjustment", False)))
+        logit_adjustment=bool(config.get("logit-adjustment", False)), optimizer_state=moments)
+    if kept:
+        state_dir = Path(str(node["state-dir"]))
+        state_dir.mkdir(parents=True, exist_ok=True)
+        saved = rounds.client_state_path(state_dir, number)
+        torch.save(moments, saved.with_suffix(".tmp"))
+        saved.with_suffix(".tmp").replace(saved)  # whole or absent: a killed client leaves no half state
+        rounds.prune_client_states(state_dir, number)
     trained, privacy = local.trainable_tensors(model), {}
     if float(config.get("dp-epsilon", 0)) > 0:  # federated.dp: clip + noise the update before it leaves
         trained, privacy = privatize(trained, aggregation.slice_to_rank(received, rank), float(config["dp-clip"]),
@@ -155,6 +172,7 @@ def train(msg: Message, context: Context) -> Message:
         "num-examples": len(targets), "train-loss": float(result.final_loss), "steps": result.steps,
         "bytes-down": bytes_down, "lora-rank": rank, "model-reused": int(reused),
         "seconds": round(time.perf_counter() - started, 3), "peak-rss-mb": round(peak_rss_mb(), 1),
+        "client-state-kept": int(kept), "client-state-resumed": int(resumed),
         # which client of the stage's plan this is (node ids are Flower's own), for the plan-vs-measured report
         **({"client-id": int(node["client-id"])} if "client-id" in node else {})}
     if legacy:  # zero-padded to the global rank: SecAgg+ sums vectors of one shape

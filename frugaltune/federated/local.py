@@ -111,7 +111,7 @@ def train_locally(model: torch.nn.Module, input_ids: list[list[int]], labels: li
                   steps: int, lr: float, batch_size: int, micro_batch_size: int | None, seed: int,
                   proximal_mu: float = 0.0, bf16: bool = False, eager_attention_max_len: int = 0,
                   logit_adjustment: bool = False, scheduler: str = "constant",
-                  warmup_ratio: float = 0.0) -> TrainResult:
+                  warmup_ratio: float = 0.0, optimizer_state: dict | None = None) -> TrainResult:
     """`steps` optimizer steps of the project's loop on this client's examples (no checkpoints: a round is short and
     the server keeps every completed round); `proximal_mu` > 0 adds FedProx's proximal term to the loss. `bf16` and
     `eager_attention_max_len` are what the plan measured faster on the machine (the train stage's switches).
@@ -124,7 +124,10 @@ def train_locally(model: torch.nn.Module, input_ids: list[list[int]], labels: li
     shift; the model's own logits (what the server evaluates and serves) are unchanged in form.
 
     A client's round is a constant learning rate (the default); the centralized baseline passes the train stage's
-    schedule (`scheduler`, `warmup_ratio`)."""
+    schedule (`scheduler`, `warmup_ratio`).
+
+    `optimizer_state`: AdamW's moments from this client's previous round, continued instead of restarted, and
+    replaced by this round's on return (`federated.client_state: kept`; train_classifier says how)."""
     cfg = LoopConfig(lr=lr, max_steps=steps, batch_size=batch_size, micro_batch_size=micro_batch_size, seed=seed,
                      warmup_ratio=warmup_ratio, scheduler=scheduler, log_every=max(1, steps), checkpoint_dir=None,
                      bf16=bf16, eager_attention_max_len=eager_attention_max_len)
@@ -136,7 +139,8 @@ def train_locally(model: torch.nn.Module, input_ids: list[list[int]], labels: li
         hook = head.register_forward_hook(lambda _module, _inputs, output: output + prior.to(output.device,
                                                                                              output.dtype))
     try:
-        return train_classifier(model, input_ids, labels, cfg, pad_token_id, progress=False, regularizer=regularizer)
+        return train_classifier(model, input_ids, labels, cfg, pad_token_id, progress=False, regularizer=regularizer,
+                                optimizer_state=optimizer_state)
     finally:
         if hook is not None:
             hook.remove()

@@ -6,6 +6,9 @@ In a run's `out-dir`: `rounds/round_NNN.safetensors` (the global adapter + head 
 start), `rounds/round_NNN.json` (its evaluation and per-client report) and, with server momentum,
 `rounds/velocity_NNN.safetensors` (FedAvgM's velocity after round NNN). The JSON is written last: a round exists
 when its JSON does.
+
+A client that keeps state between rounds (`federated.client_state: kept`) writes it in its own `state-dir`
+(`client_state_NNN.pt` after its round NNN; the stage puts each simulated client's under the run's `clients/`).
 """
 
 from __future__ import annotations
@@ -37,3 +40,23 @@ def last_completed_round(out: Path) -> int | None:
 def reports(out: Path) -> list[dict]:
     """Every completed round's JSON report, round 0 first."""
     return [json.loads(round_path(out, number, "json").read_text()) for number in completed(out)]
+
+
+def client_state_path(state_dir: Path, number: int) -> Path:
+    return Path(state_dir) / f"client_state_{number:03d}.pt"
+
+
+def client_state_before(state_dir: Path, number: int) -> Path | None:
+    """The newest state a client saved after a round before round `number`, or None. Rounds at or after `number`
+    are ignored: a server killed during round `number` resumes it, and the client's first attempt at that round
+    must not be where the second one starts."""
+    found = sorted((int(path.stem.rsplit("_", 1)[1]), path) for path in Path(state_dir).glob("client_state_*.pt"))
+    earlier = [path for saved, path in found if saved < number]
+    return earlier[-1] if earlier else None
+
+
+def prune_client_states(state_dir: Path, keep_from: int) -> None:
+    """Remove the states of rounds before `keep_from` (the newest one is all a client starts from)."""
+    for path in Path(state_dir).glob("client_state_*.pt"):
+        if int(path.stem.rsplit("_", 1)[1]) < keep_from:
+            path.unlink(missing_ok=True)

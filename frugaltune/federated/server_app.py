@@ -44,7 +44,7 @@ app = ServerApp()
 RESULT_KEYS = ("model-dir", "labels", "test-data", "method", "lora-r", "lora-alpha", "lora-dropout",
                "lora-target-modules", "local-steps", "lr", "server-lr", "batch-size", "seed", "fraction", "pad-token-id",
                "dp-epsilon", "dp-delta", "dp-clip", "proximal-mu", "transmit-dtype", "secure-aggregation",
-               "precision", "logit-adjustment", "server-momentum", "lr-schedule")
+               "precision", "logit-adjustment", "server-momentum", "lr-schedule", "client-state")
 
 
 class CompletionFloorError(RuntimeError):
@@ -58,7 +58,7 @@ def atomic_write(path: Path, write) -> None:
 
 
 # Result keys added after federations were first kept on disk, at the value that reproduces those federations
-DEFAULTS = {"server-momentum": 0.0, "lr-schedule": "constant"}
+DEFAULTS = {"server-momentum": 0.0, "lr-schedule": "constant", "client-state": "fresh"}
 
 
 def identity(config: dict) -> dict:
@@ -133,7 +133,8 @@ def client_config(config: dict, round_number: int) -> ConfigRecord:
     # the round's lr: the decay of centralized training across rounds, or the constant `lr`
     lr = aggregation.round_lr(float(config["lr"]), round_number, int(config["num-rounds"]),
                               str(config.get("lr-schedule", "constant")))
-    return ConfigRecord({**{key: config[key] for key in keys}, "lr": lr, "round": round_number})
+    return ConfigRecord({**{key: config[key] for key in keys}, "lr": lr, "round": round_number,
+                         "client-state": str(config.get("client-state", DEFAULTS["client-state"]))})
 
 
 def evaluate_global(model, tensors, test, labels, config) -> dict:

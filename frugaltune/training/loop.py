@@ -264,6 +264,7 @@ def train_classifier(
     timer: StepTimer | None = None,
     world: World = World(),
     regularizer: Callable[[], torch.Tensor] | None = None,
+    optimizer_state: dict | None = None,
 ) -> TrainResult:
     """Train `model` (already wrapped by its method) on tokenized examples; return counts, losses and timings.
 
@@ -278,6 +279,11 @@ def train_classifier(
     `regularizer`, when given, is a term of the trainable weights added to each step's loss once (after the
     batch's gradients, so micro-batch splits and ranks do not scale it); the reported loss stays the task loss.
     The federated client uses it for FedProx's proximal term (frugaltune/federated/local.py).
+
+    `optimizer_state`, when given, is AdamW's per-parameter state (moments and step counts, keyed as
+    `optimizer.state_dict()["state"]`): a non-empty one is where this run's optimizer starts instead of zero
+    moments, and on return the dict holds the final state. The learning rates and schedule stay this run's. A
+    federated client that persists between rounds uses it (`federated.client_state: kept`).
     """
     device = next(model.parameters()).device
     _unpack_4bit_inference_layout(model)
@@ -287,6 +293,10 @@ def train_classifier(
     counts = target_counts(labels)
     total_steps = plan_steps(len(input_ids), cfg)
     optimizer = torch.optim.AdamW(_param_groups(model, cfg), weight_decay=cfg.weight_decay)
+    if optimizer_state:
+        restored = optimizer.state_dict()
+        restored["state"] = optimizer_state
+        optimizer.load_state_dict(restored)
     scheduler = get_scheduler(cfg.scheduler, optimizer, num_warmup_steps=int(cfg.warmup_ratio * total_steps),
                               num_training_steps=total_steps)
     order = _EpochOrder(lengths, cfg)
@@ -456,6 +466,9 @@ def train_classifier(
             step += 1
     bar.close()
     wall = state["elapsed"] + time.perf_counter() - start
+    if optimizer_state is not None:
+        optimizer_state.clear()
+        optimizer_state.update(optimizer.state_dict()["state"])
     return TrainResult(
         steps=total_steps,
         micro_batches=state["micros"],

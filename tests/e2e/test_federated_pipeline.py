@@ -241,13 +241,15 @@ def test_a_killed_supernode_does_not_stop_the_round_and_a_killed_server_resumes(
 def test_the_simulation_engine_runs_the_same_apps_and_its_workers_build_the_model_once(world: Path):
     """federated.runtime simulation: a SuperLink in simulation mode, 3 virtual SuperNodes on 2 Ray workers (the
     same ServerApp and ClientApp); a worker reuses the model it built for a rank, and the rounds come out as the
-    deployment's do (same shapes, same bytes)."""
+    deployment's do (same shapes, same bytes). With client-state kept, each client continues in round 2 the
+    AdamW moments it saved in its own state-dir after round 1, whichever worker runs it."""
     out = world / "simulation_out"
-    nodes = [{"data": str(world / f"client_{i}.parquet"), "lora-rank": rank} for i, rank in enumerate(RANKS)]
+    nodes = [{"data": str(world / f"client_{i}.parquet"), "lora-rank": rank,
+              "state-dir": str(world / "simulation_state" / f"client_{i}")} for i, rank in enumerate(RANKS)]
     fed = LocalFederation(FLOWER_BIN, world / "simulation", nodes, ROOT, runtime="simulation", workers=2)
     with fed:
         assert not any(name.startswith("supernode") for name in fed.processes)  # no SuperNode processes
-        result = fed.submit(APP, run_config(world, out), timeout=600)
+        result = fed.submit(APP, run_config(world, out, **{"client-state": "kept"}), timeout=600)
     assert result.returncode == 0 and (out / "done.json").exists(), result.stdout[-4000:] + result.stderr[-3000:]
     assert not fed.strays(), [process.cmdline()[:2] for process in fed.strays()]
     start = load_file(str(out / "rounds/round_000.safetensors"))
@@ -259,6 +261,9 @@ def test_the_simulation_engine_runs_the_same_apps_and_its_workers_build_the_mode
     assert {c["num-examples"] for c in clients} == {40}
     # 2 workers, 2 ranks, 6 calls: at least 2 calls find their rank's model already built in their worker
     assert sum(c["model-reused"] for c in clients) >= 2, clients
+    assert [c["client-state-resumed"] for c in clients] == [0, 0, 0, 1, 1, 1], clients  # round 1 fresh, 2 kept
+    for i in range(len(RANKS)):  # only the newest state stays on the client's disk
+        assert [p.name for p in (world / "simulation_state" / f"client_{i}").iterdir()] == ["client_state_002.pt"]
 
 
 def test_partitions_are_deterministic_for_a_seed_and_skewed_by_dirichlet(world: Path, tmp_path: Path):

@@ -228,6 +228,46 @@ def test_fedprox_pulls_the_local_update_toward_the_global_weights(tiny_model_dir
     assert math.isfinite(held_loss) and math.isfinite(free_loss)
 
 
+def test_a_kept_client_state_continues_adamw_and_changes_the_update(tiny_model_dir, smol_tokenizer):
+    """federated.client_state: kept. Round 1 fills the dict with AdamW's state; round 2 starts from it (its step
+    count goes on from 3 to 6) and so takes another step than a fresh optimizer from the same weights would."""
+    pad = smol_tokenizer.pad_token_id
+    spec = local.LoraSpec(4, 8, 0.0, ("q_proj", "v_proj"))
+    g = torch.Generator().manual_seed(3)
+    ids = [torch.randint(5, 500, (6,), generator=g).tolist() for _ in range(16)]
+    labels = [i % 3 for i in range(16)]
+
+    def round_two(state: dict | None) -> dict[str, torch.Tensor]:
+        model = local.build_model(tiny_model_dir, ["a", "b", "c"], pad, seed=0, lora=spec)
+        local.train_locally(model, ids, labels, pad, steps=3, lr=0.01, batch_size=8, micro_batch_size=None,
+                            seed=1, optimizer_state=state)
+        return local.trainable_tensors(model)
+
+    kept: dict = {}
+    model = local.build_model(tiny_model_dir, ["a", "b", "c"], pad, seed=0, lora=spec)
+    local.train_locally(model, ids, labels, pad, steps=3, lr=0.01, batch_size=8, micro_batch_size=None, seed=0,
+                        optimizer_state=kept)
+    assert kept and {float(entry["step"]) for entry in kept.values()} == {3.0}
+    assert all(entry["exp_avg"].abs().sum() > 0 for entry in kept.values())
+    continued, fresh = round_two(kept), round_two(None)
+    assert {float(entry["step"]) for entry in kept.values()} == {6.0}  # replaced by round two's state
+    again = round_two(None)
+    assert all(again[name].equal(fresh[name]) for name in fresh)  # deterministic: the difference is the state
+    assert any(not continued[name].equal(fresh[name]) for name in fresh)
+
+
+def test_a_client_starts_from_its_newest_state_of_an_earlier_round(tmp_path):
+    """A server killed during round 3 resumes round 3: the client's state from its first attempt at round 3 is
+    not where the second attempt starts."""
+    assert rounds.client_state_before(tmp_path, 1) is None
+    for number in (1, 2, 3):
+        rounds.client_state_path(tmp_path, number).write_bytes(b"s")
+    assert rounds.client_state_before(tmp_path, 3) == rounds.client_state_path(tmp_path, 2)
+    assert rounds.client_state_before(tmp_path, 5) == rounds.client_state_path(tmp_path, 3)
+    rounds.prune_client_states(tmp_path, 3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["client_state_003.pt"]
+
+
 def test_the_label_prior_is_smoothed_and_normalised():
     prior = local.label_log_prior([0, 0, 0, 1], 3).exp()
     assert prior.tolist() == pytest.approx([4 / 7, 2 / 7, 1 / 7])  # add-one: an unseen label is not log 0
