@@ -3,6 +3,7 @@ per-op tables by host time and by device time (the per-op table issue 12 asks fo
 
     python benchmarks/profile_train_step.py                     # 20 steps of batch 16, the plan's precision
     python benchmarks/profile_train_step.py --steps 10 --no-cudnn-attention-fix
+    python benchmarks/profile_train_step.py --by-shape mul,copy_,mm   # those ops split by their input shapes
 
 Needs `models/base` and `data/tokenized` (`dvc repro tokenize`; on a machine without the GGUF,
 benchmarks/gpu/random_base.py). On a CUDA device the loop runs as the train stage runs it, SDPA without cuDNN
@@ -22,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_throughput as throughput  # noqa: E402
 
 from frugaltune.hardware import probe  # noqa: E402
+from frugaltune import planner  # noqa: E402
 from frugaltune.planner import keep_sdpa_off_cudnn  # noqa: E402
 from frugaltune.training.loop import LoopConfig, train_classifier  # noqa: E402
 
@@ -35,27 +37,41 @@ def main() -> None:
                         help="default: the planner's choice (a GPU's compute capability; on a CPU, what the kernels "
                              "stage measured in reports/kernels.json)")
     parser.add_argument("--no-cudnn-attention-fix", action="store_true")
+    parser.add_argument("--by-shape", default="", help="comma-separated aten ops (mul,copy_): a table of each by "
+                        "input shapes, to tell which tensors an op's time goes to")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
-    bf16 = args.bf16 if args.bf16 is not None else throughput.planned_precision(probe(use_nvml=cuda))[0]
+    planned_bf16, _, measured = throughput.planned_precision(probe(use_nvml=cuda))
+    bf16 = args.bf16 if args.bf16 is not None else planned_bf16
+    # the attention the train stage runs: eager up to the length the kernels stage measured it faster (CPU only)
+    eager_max = planner.eager_attention_max_len(measured, bf16, cuda)
     if not args.no_cudnn_attention_fix:
         keep_sdpa_off_cudnn()
     warm, timed = args.warmup * args.batch_size, args.steps * args.batch_size
     ids, labels = throughput._examples(warm + timed)
     model, tokenizer = throughput._model(bf16, "lora", True)
     cfg = LoopConfig(lr=1e-3, head_lr=2e-3, batch_size=args.batch_size, epochs=1, seed=42, bf16=bf16,
-                     log_every=10**6, eager_attention_max_len=0)
+                     log_every=10**6, eager_attention_max_len=eager_max)
     train_classifier(model, ids[:warm], labels[:warm], cfg, tokenizer.pad_token_id, progress=False)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, record_shapes=bool(args.by_shape)) as prof:
         result = train_classifier(model, ids[warm:], labels[warm:], cfg, tokenizer.pad_token_id, progress=False)
     print(f"{result.steps} steps of {args.batch_size}: {result.wall_seconds:.2f} s under the profiler, "
-          f"{result.tokens / result.wall_seconds:.0f} useful tok/s, {'bf16' if bf16 else 'fp32'}, "
+          f"{result.tokens / result.wall_seconds:.0f} useful tok/s, {'bf16' if bf16 else 'fp32'}, eager attention "
+          f"up to {eager_max} tokens, "
           f"{torch.cuda.get_device_name() if cuda else 'CPU'}")
     events = prof.key_averages()
     print(events.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
     if cuda:
         print(events.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
+    for op in filter(None, (name.strip() for name in args.by_shape.split(","))):
+        shaped = [e for e in prof.key_averages(group_by_input_shape=True) if e.key == f"aten::{op}"]
+        shaped.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
+        total = sum(e.self_cpu_time_total for e in shaped) or 1
+        print(f"\naten::{op} by input shapes ({total / 1e3:.0f} ms self CPU in all):")
+        for e in shaped[:12]:
+            print(f"  {e.self_cpu_time_total / 1e3:8.1f} ms {e.self_cpu_time_total / total:6.1%} {e.count:7d} calls  "
+                  f"{e.input_shapes}")
 
 
 if __name__ == "__main__":

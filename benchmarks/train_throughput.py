@@ -16,8 +16,10 @@ steps x batch-size examples of the training split, one pass), with AdamW at the 
 
 - frugaltune: `frugaltune.training.loop.train_classifier` as `dvc repro train` runs it: length-grouped batches,
   dynamic padding, the precision the kernels stage chose, and the speed switches of `frugaltune.training.fast`
-  (LoRA dropout from fewer random words, shared by q/k/v; eager attention up to the measured crossover length);
-- frugaltune, switches off: the same loop with peft's `nn.Dropout` and SDPA attention (the default before them);
+  (LoRA dropout from fewer random words, shared by q/k/v; eager attention up to the measured crossover length;
+  frozen weights stored in bf16 when bf16 was measured faster);
+- frugaltune, switches off: the same loop with peft's `nn.Dropout`, SDPA attention and fp32 frozen weights (the
+  default before the switches);
 - (a) the common recipe: HF `Trainer` + peft, `padding="max_length", max_length=128`, fp32;
 - (b) a tuned HF `Trainer`: `train_sampling_strategy="group_by_length"`, dynamic padding (`DataCollatorWithPadding`),
   bf16 autocast.
@@ -73,7 +75,10 @@ def _model(bf16: bool, method: str = "lora", switches: bool = True):
     labels = json.loads(LABELS_FILE.read_text())["labels"]
     tokenizer = load_tokenizer(BASE)
     model = prepare_model(BASE, labels, tokenizer.pad_token_id, 42, method, MethodKnobs(), bf16)
-    if not switches:  # peft's own dropout modules back, as before frugaltune.training.fast
+    if not switches:  # peft's own dropout modules and fp32 frozen weights back, as before frugaltune.training.fast
+        from frugaltune.training.fast import frozen_weights_in
+
+        frozen_weights_in(model, torch.float32)  # autocast casts them at every use again
         for module in model.modules():
             dropouts = getattr(module, "lora_dropout", None)
             if isinstance(dropouts, torch.nn.ModuleDict):

@@ -1,4 +1,5 @@
-"""Speed switches for CPU training, each one measured (benchmarks/train_switches.py) and chosen per machine.
+"""Speed switches for CPU training, each one measured (benchmarks/train_throughput.py, step_anatomy.py) and chosen
+per machine.
 
 Library code: `prepare_model` applies `fast_lora_dropout`; the training loop applies `short_sequence_attention`
 with the crossover length the kernels stage measured on this machine (plan `run.eager_attention_max_len`).
@@ -16,11 +17,28 @@ with the crossover length the kernels stage measured on this machine (plan `run.
   projections that read it (q/k/v, gate/up), as a fused QKV LoRA would: the same mask for the three adapters.
   The drop probability is rounded to a multiple of 2^-15 (0.05 -> 0.04999) and the kept values are scaled by
   1/(1 - that probability), so the expectation is exact.
+- `frozen_weights_in(model, dtype)`: under bf16 autocast every frozen fp32 weight is cast to bf16 at each use
+  (autocast caches casts only of weights that require grad), ~106 M values per step for SmolLM2-135M. LoRA in
+  bf16 stores the frozen projections in bf16 once, as GPU LoRA recipes do: the matmuls get the same bf16 operands
+  (the same rounding, so the same results), the casts and their temporaries go, and the base weights take half
+  the memory. `prepare_model` applies it for LoRA when the plan chose bf16 (by measurement on the machine).
+- `fused_siblings(model)`: the projections that read one input (q/k/v; gate/up) each make their own matmul, and
+  under bf16 autocast each casts that fp32 input to bf16 again (autocast caches casts of weights that require grad,
+  never of activations), and in backward each casts its input gradient back to fp32 before autograd sums them.
+  LoRA's A matrices of q/k/v read one (shared-dropout) input too. Inside the block, each such group runs as one
+  matmul on the concatenated weights and its siblings take their columns: one cast, one product, one gradient
+  cast; the frozen weights become views of the concatenation (no second copy) and are made separate again on
+  exit, so nothing saved afterwards shares storage. Same products per output element, so the same results up to
+  the matmul's summation order. `LoopConfig.fused_siblings` turns it on; it is off by default because it did not
+  win where measured: 0.95x with LoRA's A fused too, 0.99x with the base projections alone, on a 2-core Zen 5 in
+  bf16 (`benchmarks/step_anatomy.py --ab fused`, 4 alternated rounds): the casts it saves are ~5 % of a step
+  and the split products' strided slices cost about as much downstream.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import warnings
 from collections.abc import Iterator
@@ -28,6 +46,8 @@ from collections.abc import Iterator
 import torch
 
 SHORT_ATTENTION = "frugaltune_short"
+# Children of one parent module that read the same input tensor (Llama-family names: SmolLM2, Llama, Qwen, Mistral)
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 _BITS = 15  # random bits per element used: the low 15 of each 16-bit lane (the top lane of an int64 has only 15)
 
 
@@ -80,6 +100,121 @@ def fast_lora_dropout(model: torch.nn.Module) -> int:
                 dropouts[adapter] = SharedDropout(dropout.p, caches.setdefault(f"{parent}/{adapter}", {}))
                 replaced += 1
     return replaced
+
+
+def frozen_weights_in(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Store the weights (and biases) of the frozen plain `nn.Linear` layers in `dtype`; returns how many.
+
+    Left alone: trainable layers (LoRA's A and B, the head), quantized layers (subclasses of nn.Linear such as
+    bitsandbytes' Linear4bit), and a weight tied to the input embeddings (a causal LM's head): converting it would
+    turn the embeddings, and so the whole residual stream, to `dtype`, which autocast never does."""
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    tied = {id(p) for p in embedding.parameters()} if embedding is not None else set()
+    converted = 0
+    for module in model.modules():
+        if type(module) is not torch.nn.Linear or module.weight.requires_grad or id(module.weight) in tied:
+            continue
+        if module.weight.dtype != dtype:
+            module.weight.data = module.weight.data.to(dtype)
+            if module.bias is not None and not module.bias.requires_grad:
+                module.bias.data = module.bias.data.to(dtype)
+            converted += 1
+    return converted
+
+
+class _Group:
+    """Sibling `nn.Linear`s as one product: the first call on an input computes all of them, the others (the same
+    tensor object, as `SharedDropout` matches) read their slice. Frozen weights are concatenated once and the
+    siblings' weights become views of it; trainable ones (LoRA's A) are concatenated at each call so that their
+    gradients reach each parameter."""
+
+    def __init__(self, linears: list[torch.nn.Linear]):
+        self.linears = linears
+        self.sizes = [linear.out_features for linear in linears]
+        self.frozen = not any(linear.weight.requires_grad for linear in linears)
+        self.weight = None
+        if self.frozen:
+            self.weight = torch.cat([linear.weight.detach() for linear in linears])
+            for linear, part in zip(linears, self.weight.split(self.sizes)):
+                linear.weight.data = part
+        self.input = self.outputs = None
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.input is x:
+            return self.outputs
+        weight = self.weight if self.frozen else torch.cat([linear.weight for linear in self.linears])
+        bias = None
+        if self.linears[0].bias is not None:
+            bias = torch.cat([linear.bias for linear in self.linears])
+        self.input, self.outputs = x, torch.nn.functional.linear(x, weight, bias).split(self.sizes, dim=-1)
+        return self.outputs
+
+    def slice(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        return self(x)[index]
+
+    def separate(self) -> None:
+        """Give each frozen weight its own storage again and drop the cached tensors."""
+        if self.frozen:
+            for linear in self.linears:
+                linear.weight.data = linear.weight.data.clone()
+        self.weight = self.input = self.outputs = None
+
+
+def _is_frozen_linear(module: torch.nn.Module) -> bool:
+    return type(module) is torch.nn.Linear and not module.weight.requires_grad
+
+
+def _plain_lora(module: torch.nn.Module) -> bool:
+    """A peft LoRA layer over a frozen nn.Linear, vanilla LoRA (no DoRA or other variant), not merged."""
+    return (isinstance(getattr(module, "lora_A", None), torch.nn.ModuleDict) and not getattr(module, "merged", True)
+            and not getattr(module, "lora_variant", {}) and _is_frozen_linear(getattr(module, "base_layer", None)))
+
+
+def _groups(model: torch.nn.Module) -> list[list[torch.nn.Linear]]:
+    """The sibling layers `fused_siblings` can fuse: frozen base projections, and LoRA A matrices whose layers
+    share one dropout output (SharedDropout) or have none."""
+    found: list[list[torch.nn.Linear]] = []
+    for parent in model.modules():
+        for names in SIBLINGS:
+            children = [parent._modules.get(name) for name in names]
+            children = [(name, child) for name, child in zip(names, children) if child is not None]
+            if len(children) < 2:
+                continue
+            if all(_is_frozen_linear(child) for _, child in children):  # no adapter on any: the plain layers
+                found.append([child for _, child in children])
+                continue
+            if not all(_plain_lora(child) for _, child in children):
+                continue  # a mix of adapted and plain, full fine-tuning, DoRA, QLoRA: left as they are
+            found.append([child.base_layer for _, child in children])
+            adapters = set.intersection(*(set(child.lora_A) for _, child in children))
+            for adapter in sorted(adapters):
+                dropouts = [child.lora_dropout[adapter] for _, child in children]
+                shared = (all(isinstance(d, torch.nn.Identity) for d in dropouts)
+                          or all(isinstance(d, SharedDropout) and d.shared is dropouts[0].shared for d in dropouts))
+                if shared:
+                    found.append([child.lora_A[adapter] for _, child in children])
+    # one product needs one dtype and device, and a bias on all or none
+    return [linears for linears in found if len({(linear.weight.dtype, linear.weight.device, linear.bias is None)
+                                                  for linear in linears}) == 1]
+
+
+@contextlib.contextmanager
+def fused_siblings(model: torch.nn.Module, enabled: bool = True) -> Iterator[int]:
+    """Within the block, each group of sibling projections runs as one matmul (see the module docstring); yields
+    how many groups were fused. The layers stay where they are (same modules, same parameter names: a checkpoint
+    taken meanwhile is the same): each gets an instance `forward` that returns its slice of the group's product,
+    removed on exit."""
+    groups = [_Group(linears) for linears in _groups(model)] if enabled else []
+    for group in groups:
+        for index, linear in enumerate(group.linears):
+            linear.forward = functools.partial(group.slice, index)
+    try:
+        yield len(groups)
+    finally:
+        for group in groups:
+            for linear in group.linears:
+                del linear.forward  # the class's forward again
+            group.separate()
 
 
 def _register(max_len: int) -> str:

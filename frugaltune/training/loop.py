@@ -28,7 +28,7 @@ from frugaltune.training import checkpoint
 from frugaltune.training.batching import (IGNORE_INDEX, collate, collate_targets, length_grouped_batches, sorted_batches,
                                           target_counts)
 from frugaltune.training.distributed import World
-from frugaltune.training.fast import short_sequence_attention
+from frugaltune.training.fast import fused_siblings, short_sequence_attention
 
 
 class DivergenceError(RuntimeError):
@@ -68,6 +68,10 @@ class LoopConfig:
     # Batches padded to at most this many tokens use eager attention, longer ones SDPA (0: SDPA always); the
     # crossover is measured by the kernels stage and resolved by the plan (frugaltune.training.fast)
     eager_attention_max_len: int = 0
+    # q/k/v and gate/up (and LoRA's A of q/k/v) as one matmul each: one cast of their input, not one per
+    # projection (frugaltune.training.fast.fused_siblings). Off: measured 0.95x (with LoRA's A) and 0.99x (base
+    # projections only) of separate projections on a 2-core Zen 5 (benchmarks/step_anatomy.py --ab fused)
+    fused_siblings: bool = False
     # causal_lm: a batch whose rows start with at least this many equal tokens reads them once (model_loss's
     # `shared`); 0: never. Off by itself under gradient checkpointing, which cannot carry a KV cache.
     shared_prefix_min: int = 8
@@ -346,7 +350,8 @@ def train_classifier(
     stop: dict = {}
     bar = tqdm(total=total_steps, initial=first_step - 1, desc="train", unit="step", disable=not progress,
                dynamic_ncols=True)
-    with _stop_on_signals(stop), short_sequence_attention(model, cfg.eager_attention_max_len):
+    with (_stop_on_signals(stop), short_sequence_attention(model, cfg.eager_attention_max_len),
+          fused_siblings(model, cfg.fused_siblings)):
         step = first_step
         while step <= total_steps:
             out_of_memory: BaseException | None = None

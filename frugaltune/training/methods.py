@@ -24,7 +24,7 @@ from peft import LoraConfig, PeftModel, TaskType, get_peft_model, prepare_model_
 from safetensors.torch import load_file, save_file
 
 from frugaltune.training.checkpoint import copy_named_tensors
-from frugaltune.training.fast import fast_lora_dropout
+from frugaltune.training.fast import fast_lora_dropout, frozen_weights_in
 
 METHODS = ("none", "full", "lora", "qlora", "prelayer", "dora")
 PEFT_METHODS = ("lora", "qlora", "dora")
@@ -158,4 +158,6 @@ def prepare_model(model_dir: Path | str, labels: list[str], pad_token_id: int, s
     else:
         return freeze_for(method, model)
     fast_lora_dropout(model)  # 4x fewer random draws, one dropout per input shared by q/k/v (training/fast.py)
+    if bf16 and method == "lora":  # the frozen projections cast to bf16 once, not at every use (training/fast.py)
+        frozen_weights_in(model, torch.bfloat16)
     return model

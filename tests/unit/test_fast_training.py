@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from frugaltune.planner import MethodKnobs
-from frugaltune.training.fast import SharedDropout, fast_lora_dropout, short_sequence_attention
+from frugaltune.training.fast import SharedDropout, fast_lora_dropout, frozen_weights_in, short_sequence_attention
 from frugaltune.training.methods import prepare_model
 
 
@@ -107,3 +107,99 @@ def test_kernels_stage_measures_the_attention_crossover_and_the_plan_reads_it_fo
     assert eager_attention_max_len(measured, bf16=False) == 0
     assert eager_attention_max_len(measured, bf16=True, gpu=True) == 0
     assert eager_attention_max_len(None, bf16=True) == 0  # not measured on this machine: SDPA, as before
+
+
+def test_lora_in_bf16_stores_the_frozen_projections_in_bf16_and_trains_exactly_as_autocast_casting_them(
+        tiny_model_dir, smol_tokenizer):
+    """prepare_model(bf16=True) for LoRA: the frozen projections are bf16 (adapters, head, embeddings, norms stay
+    fp32), and training under bf16 autocast gives the same losses and the same trained tensors as fp32 weights that
+    autocast casts at every use: the matmuls see the same bf16 operands."""
+    from frugaltune.training.loop import LoopConfig, train_classifier
+
+    pad = smol_tokenizer.pad_token_id
+    g = torch.Generator().manual_seed(4)
+    ids = [torch.randint(5, 500, (int(n),), generator=g).tolist() for n in torch.randint(4, 12, (32,), generator=g)]
+    labels = [i % 3 for i in range(32)]
+    knobs = MethodKnobs(r=4, alpha=8, dropout=0.1)
+    runs = {}
+    for stored_bf16 in (False, True):
+        model = prepare_model(tiny_model_dir, ["a", "b", "c"], pad, 0, "lora", knobs, bf16=stored_bf16)
+        frozen = {m.weight.dtype for m in model.modules() if type(m) is torch.nn.Linear and not m.weight.requires_grad}
+        assert frozen == {torch.bfloat16 if stored_bf16 else torch.float32}
+        assert all(p.dtype == torch.float32 for p in model.parameters() if p.requires_grad)
+        assert model.get_input_embeddings().weight.dtype == torch.float32
+        cfg = LoopConfig(lr=1e-2, head_lr=2e-2, batch_size=8, epochs=1, seed=0, bf16=True, log_every=1)
+        result = train_classifier(model, ids, labels, cfg, pad, progress=False)
+        runs[stored_bf16] = ([h["loss"] for h in result.history],
+                             {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad})
+    assert runs[True][0] == runs[False][0]
+    assert all(torch.equal(runs[True][1][name], tensor) for name, tensor in runs[False][1].items())
+
+
+def test_frozen_weights_leave_a_head_tied_to_the_embeddings_alone(tiny_model_dir, smol_tokenizer):
+    """A causal LM's head shares the embedding matrix: storing it in bf16 would make the residual stream bf16."""
+    model = prepare_model(tiny_model_dir, [], smol_tokenizer.pad_token_id, 0, "lora", MethodKnobs(r=4, alpha=8),
+                          bf16=True, task="causal_lm")
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert model.get_input_embeddings().weight.dtype == torch.float32
+    assert any(type(m) is torch.nn.Linear and m.weight.dtype == torch.bfloat16 for m in model.modules())
+    assert frozen_weights_in(model, torch.bfloat16) == 0  # already done; the tied head is never converted
+
+
+def _seeded_losses_and_grads(model, ids, labels, pad):
+    """One forward and backward in training mode with a fixed dropout seed: the loss and every trainable grad."""
+    from frugaltune.training.batching import collate
+
+    model.train()
+    model.zero_grad(set_to_none=True)
+    batch = collate(ids, pad)
+    torch.manual_seed(7)
+    loss = model(**batch, labels=torch.tensor(labels)).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_fused_siblings_gives_the_same_loss_and_gradients_keeps_names_and_restores_the_layers(lora_model,
+                                                                                               smol_tokenizer):
+    """q/k/v base projections, q/k/v's LoRA A (one shared dropout) and gate/up run as one matmul per group inside
+    the block: same loss and gradients as separately, same parameter names (a checkpoint taken meanwhile is the
+    same), and on exit the layers run their own forward again on weights that share no storage."""
+    from frugaltune.training.fast import fused_siblings
+
+    pad = smol_tokenizer.pad_token_id
+    ids, labels = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16]], [0, 1, 2]
+    names = [name for name, _ in lora_model.named_parameters()]
+    plain = _seeded_losses_and_grads(lora_model, ids, labels, pad)
+    layers = lora_model.config.num_hidden_layers
+    with fused_siblings(lora_model) as fused:
+        assert fused == 3 * layers  # per layer: q/k/v base, q/k/v LoRA A, gate/up (not adapted)
+        assert [name for name, _ in lora_model.named_parameters()] == names
+        attention = lora_model.base_model.model.model.layers[0].self_attn
+        assert attention.k_proj.base_layer.weight.data_ptr() == (  # views of one concatenated weight
+            attention.q_proj.base_layer.weight.data_ptr() + attention.q_proj.base_layer.weight.numel() * 4)
+        fused_run = _seeded_losses_and_grads(lora_model, ids, labels, pad)
+    torch.testing.assert_close(fused_run[0], plain[0], rtol=1e-5, atol=1e-6)
+    for name, grad in plain[1].items():
+        torch.testing.assert_close(fused_run[1][name], grad, rtol=1e-4, atol=1e-6)
+    assert "forward" not in attention.q_proj.base_layer.__dict__  # the class's forward again
+    pointers = [m.weight.data_ptr() for m in lora_model.modules() if type(m) is torch.nn.Linear]
+    assert len(pointers) == len(set(pointers))
+    again = _seeded_losses_and_grads(lora_model, ids, labels, pad)
+    assert torch.equal(again[0], plain[0])
+
+
+def test_fused_siblings_leaves_dora_and_qlora_projections_alone(tiny_model_dir, smol_tokenizer):
+    """DoRA reads its base weight in its own forward and QLoRA's base is 4-bit: their q/k/v stay separate (the
+    plain gate/up of DoRA still fuse)."""
+    from frugaltune.training.fast import fused_siblings
+
+    dora = prepare_model(tiny_model_dir, ["a", "b"], smol_tokenizer.pad_token_id, 0, "dora",
+                         MethodKnobs(r=4, alpha=8), bf16=False)
+    with fused_siblings(dora) as fused:
+        assert fused == dora.config.num_hidden_layers  # gate/up only
+    with fused_siblings(dora, enabled=False) as fused:
+        assert fused == 0
+    qlora = prepare_model(tiny_model_dir, ["a", "b"], smol_tokenizer.pad_token_id, 0, "qlora",
+                          MethodKnobs(r=4, alpha=8), bf16=False)
+    with fused_siblings(qlora) as fused:
+        assert fused == 0  # every projection is 4-bit

@@ -1,0 +1,161 @@
+"""What the rest of a CPU LoRA step is made of, once aten::mm runs near the measured peak (issue 12's MFU gap).
+
+    python benchmarks/step_anatomy.py                    # matmul shapes: separate vs fused projections, LoRA's
+    python benchmarks/step_anatomy.py --ab-rounds 4      #   + frozen weights stored in bf16 vs autocast, alternated
+    python benchmarks/step_anatomy.py --ab-rounds 4 --ab fused   #   + sibling projections fused vs separate
+
+Needs `models/base` and `data/tokenized` (`make pipeline`). Two parts, both on this machine's threads and the
+precision the plan measured faster (reports/kernels.json, as `dvc repro train`):
+
+1. **Matmul shapes of one decoder layer** of the base model (read from models/base/config.json) for a batch of
+   M = batch x mean training length rows: q/k/v as three products against one fused [q;k;v] product, gate/up as
+   two against one, forward and backward (the input gradient: base weights are frozen under LoRA), then down, o,
+   LoRA's rank-r products and one activation cast, each with its GFLOP/s. This is the
+   question "fewer, larger matmuls" asks, answered on bare tensors before any model surgery.
+2. **`--ab-rounds N`**: the frozen base weights stored once in bf16 (autocast then casts no weight; what
+   `prepare_model` does for LoRA in bf16 since 2026-11-25) against fp32 weights cast by autocast at every use:
+   two models trained by the project's loop on the same slices of data, alternating which goes first, N rounds
+   (the first is a warm-up and not counted). Alternation within one process, not two runs minutes apart, is what
+   makes a few percent visible on a shared machine. `--ab fused` does the same for `fused_siblings` (q/k/v,
+   gate/up and q/k/v's LoRA A as one matmul each) against each projection on its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import train_throughput as throughput  # noqa: E402
+
+from frugaltune import planner  # noqa: E402
+from frugaltune.hardware import cpu_facts, probe  # noqa: E402
+
+
+def timed(fn, repeats: int) -> float:
+    """Seconds per call after a warm-up of a tenth of the calls."""
+    for _ in range(max(3, repeats // 10)):
+        fn()
+    began = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - began) / repeats
+
+
+def matmul_table(rows: int, hidden: int, q_out: int, kv_out: int, mlp: int, rank: int, dtype: torch.dtype,
+                 repeats: int) -> None:
+    torch.manual_seed(0)
+
+    def w(out: int, inp: int) -> torch.Tensor:
+        return torch.randn(out, inp, dtype=dtype) / inp ** 0.5
+
+    x = torch.randn(rows, hidden, dtype=dtype)
+    wq, wk, wv, wo, wg, wu, wd = w(q_out, hidden), w(kv_out, hidden), w(kv_out, hidden), w(hidden, q_out), \
+        w(mlp, hidden), w(mlp, hidden), w(hidden, mlp)
+    wqkv, wgu = torch.cat([wq, wk, wv]), torch.cat([wg, wu])
+    gq, gk, gv = (torch.randn(rows, n, dtype=dtype) for n in (q_out, kv_out, kv_out))
+    gqkv = torch.cat([gq, gk, gv], 1)
+    gg, gu = torch.randn(rows, mlp, dtype=dtype), torch.randn(rows, mlp, dtype=dtype)
+    ggu = torch.cat([gg, gu], 1)
+    a, b, h = w(rank, hidden), w(hidden, rank), torch.randn(rows, rank, dtype=dtype)
+    x32, grad = torch.randn(rows, hidden), torch.randn(rows, hidden, dtype=dtype)
+    qkv, gate_up = hidden * (q_out + 2 * kv_out), hidden * 2 * mlp
+    cases = [  # name, function, multiply-adds
+        ("q, k, v: three products", lambda: (x @ wq.t(), x @ wk.t(), x @ wv.t()), qkv),
+        ("q, k, v: one fused product", lambda: x @ wqkv.t(), qkv),
+        ("q, k, v backward: three + sum", lambda: gq @ wq + gk @ wk + gv @ wv, qkv),
+        ("q, k, v backward: one fused", lambda: gqkv @ wqkv, qkv),
+        ("gate, up: two products", lambda: (x @ wg.t(), x @ wu.t()), gate_up),
+        ("gate, up: one fused product", lambda: x @ wgu.t(), gate_up),
+        ("gate, up backward: two + sum", lambda: gg @ wg + gu @ wu, gate_up),
+        ("gate, up backward: one fused", lambda: ggu @ wgu, gate_up),
+        ("down", lambda: gg @ wd.t(), hidden * mlp),
+        ("down backward", lambda: x @ wd, hidden * mlp),
+        ("o", lambda: gq @ wo.t(), hidden * q_out),
+        ("o backward", lambda: x @ wo, hidden * q_out),
+        (f"LoRA x A^T (rank {rank})", lambda: x @ a.t(), hidden * rank),
+        ("LoRA h B^T", lambda: h @ b.t(), hidden * rank),
+        ("LoRA grad of B (g^T h)", lambda: grad.t() @ h, hidden * rank),
+        ("LoRA grad of A (h^T x)", lambda: h.t() @ x, hidden * rank),
+        ("cast of one activation fp32 -> " + str(dtype).split(".")[-1], lambda: x32.to(dtype), 0),
+    ]
+    print(f"{rows} rows x hidden {hidden} (q {q_out}, k/v {kv_out}, MLP {mlp}), {str(dtype).split('.')[-1]}, "
+          f"{torch.get_num_threads()} threads")
+    print(f"{'product':34s} {'ms':>8s} {'GFLOP/s':>8s}")
+    for name, fn, macs in cases:
+        seconds = timed(fn, repeats)
+        rate = f"{2 * rows * macs / seconds / 1e9:8.0f}" if macs else f"{'':8s}"
+        print(f"{name:34s} {seconds * 1e3:8.3f} {rate}")
+
+
+def ab_switch(switch: str, rounds: int, steps: int, batch_size: int, bf16: bool, eager: int) -> None:
+    """One speed switch off against on, two models trained by the project's loop on the same slices of data,
+    alternating which goes first; the first round warms both up and is not counted."""
+    from frugaltune.training.fast import frozen_weights_in
+    from frugaltune.training.loop import LoopConfig, train_classifier
+
+    ids, labels = throughput._examples(steps * batch_size * rounds)
+    variants = {"frozen": {"fp32 weights, autocast casts": (torch.float32, True),
+                           "frozen weights stored in bf16": (torch.bfloat16, True)},
+                "fused": {"each projection its own matmul": (None, False),
+                          "siblings fused (fused_siblings)": (None, True)}}[switch]
+    models, fused = {}, {}
+    for name, (dtype, fuse) in variants.items():
+        model, tokenizer = throughput._model(bf16, "lora", True)  # prepare_model: bf16 frozen weights when bf16
+        if dtype is not None:
+            frozen_weights_in(model, dtype)
+        models[name], fused[name] = model, fuse
+        kinds = {str(m.weight.dtype) for m in model.modules()
+                 if type(m) is torch.nn.Linear and not m.weight.requires_grad}
+        print(f"{name}: frozen Linear weights in {', '.join(sorted(kinds))}")
+    rates: dict[str, list[float]] = {name: [] for name in models}
+    for number in range(rounds):
+        part = slice(number * steps * batch_size, (number + 1) * steps * batch_size)
+        order = list(models) if number % 2 == 0 else list(reversed(models))
+        for name in order:
+            cfg = LoopConfig(lr=1e-3, head_lr=2e-3, batch_size=batch_size, epochs=1, seed=42, bf16=bf16,
+                             log_every=10**6, eager_attention_max_len=eager, fused_siblings=fused[name])
+            result = train_classifier(models[name], ids[part], labels[part], cfg, tokenizer.pad_token_id,
+                                      progress=False)
+            rate = result.tokens / result.wall_seconds
+            if number:  # the first round warms both up
+                rates[name].append(rate)
+            print(f"  round {number}{' (warm-up)' if not number else ''}: {name}: {rate:.1f} useful tok/s",
+                  flush=True)
+    base, new = (statistics.mean(v) for v in rates.values())
+    names = list(rates)
+    print(f"mean over {rounds - 1} rounds: {' / '.join(f'{statistics.mean(v):.1f}' for v in rates.values())} "
+          f"useful tok/s; {names[1]} / {names[0]} = {new / base:.3f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--ab-rounds", type=int, default=0, help="> 1: also an A/B of a switch, this many rounds")
+    parser.add_argument("--ab", choices=["frozen", "fused"], default="frozen",
+                        help="frozen: bf16-stored frozen weights vs autocast casts; fused: fused_siblings off vs on")
+    parser.add_argument("--ab-steps", type=int, default=12, help="steps per model per round")
+    args = parser.parse_args()
+    bf16, why, measured = throughput.planned_precision(probe())
+    eager = planner.eager_attention_max_len(measured, bf16, False)
+    config = json.loads(Path(throughput.BASE, "config.json").read_text())
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    ids, _ = throughput._examples(512)
+    rows = round(args.batch_size * statistics.mean(len(x) for x in ids))
+    print(f"{cpu_facts()['model']}; {'bf16' if bf16 else 'fp32'} ({why})")
+    matmul_table(rows, hidden, heads * head_dim, config["num_key_value_heads"] * head_dim,
+                 config["intermediate_size"], 8, torch.bfloat16 if bf16 else torch.float32, args.repeats)
+    if args.ab_rounds > 1:
+        ab_switch(args.ab, args.ab_rounds, args.ab_steps, args.batch_size, bf16, eager)
+
+
+if __name__ == "__main__":
+    main()
