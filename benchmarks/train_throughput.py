@@ -25,10 +25,12 @@ steps x batch-size examples of the training split, one pass), with AdamW at the 
   bf16 autocast.
 `--methods` adds QLoRA and DoRA (frugaltune with and without the switches; the Trainer recipes are LoRA's).
 
-Each recipe runs in its own subprocess, so its peak RSS is its own; with `--rounds N` the recipes run round-robin N
-times and each reports its median, so a slow spell of a shared machine does not land on one recipe. Reported per
-recipe: useful (non-pad) tokens/s over the training loop (model loading excluded; the first step included for all
-alike), the padding share, peak RSS, and MFU = useful-token FLOPs/s / peak, where
+Each recipe runs in its own subprocess, so its peak RSS is its own. The frugaltune recipes run on the allocator the
+train stage runs on (`train.allocator`: mimalloc where installed, frugaltune.allocator), the Trainer recipes on the
+system's, as their users get it (`--allocator system`: every recipe on the system's). With `--rounds N` the recipes
+run round-robin N times and each reports its median, so a slow spell of a shared machine does not land on one recipe.
+Reported per recipe: useful (non-pad) tokens/s over the training loop (model loading excluded; the first step
+included for all alike), the padding share, peak RSS, and MFU = useful-token FLOPs/s / peak, where
 
     FLOPs per useful token = 4 N + 12 L s h   (N: matmul parameters; LoRA trains no base weight, so backward is
                                                one input-gradient pass, 2N, on top of the 2N forward; attention:
@@ -51,6 +53,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from frugaltune import allocator
+from frugaltune.config import load_params
 
 HF_RECIPES = ("hf_max_length_fp32", "hf_group_by_length_bf16")
 LABELS_FILE = Path("data/splits/labels.json")
@@ -124,7 +129,8 @@ def run_recipe(recipe: str, steps: int, batch_size: int, lr: float, threads: int
                          log_every=steps, eager_attention_max_len=eager_max if switches else 0)
         result = train_classifier(model, ids, labels, cfg, tokenizer.pad_token_id, progress=False)
         return {"seconds": result.wall_seconds, "useful_tokens": result.tokens, "padded_tokens": result.padded_tokens,
-                "steps": result.steps, **_memory(), "bf16": bf16_ours, "final_loss": result.final_loss}
+                "steps": result.steps, **_memory(), "bf16": bf16_ours, "final_loss": result.final_loss,
+                "allocator": allocator.active()}
 
     from datasets import Dataset
     from transformers import DataCollatorWithPadding, Trainer, TrainerCallback, TrainingArguments
@@ -168,7 +174,7 @@ def run_recipe(recipe: str, steps: int, batch_size: int, lr: float, threads: int
                                   callbacks=[Clock()])
         state = trainer.train()
     return {"seconds": padded["end"] - padded["start"], "useful_tokens": useful, "padded_tokens": padded["tokens"],
-            "steps": state.global_step, **_memory(), "bf16": bf16}
+            "steps": state.global_step, **_memory(), "bf16": bf16, "allocator": allocator.active()}
 
 
 def measured_peaks(threads: int, tokens: int = 2048, repeats: int = 5) -> dict[str, float]:
@@ -264,6 +270,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="default: physical cores")
     parser.add_argument("--methods", default="lora", help="comma-separated: lora, qlora, dora")
     parser.add_argument("--rounds", type=int, default=1, help="run every recipe this many times, round-robin")
+    parser.add_argument("--allocator", choices=["train", "system"], default="train",
+                        help="train: the frugaltune recipes on train.allocator (as the train stage); system: all on "
+                        "the system's malloc")
     parser.add_argument("--recipe", help=argparse.SUPPRESS)  # a child process: one recipe
     parser.add_argument("--bf16-ours", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--eager-max", type=int, default=0, help=argparse.SUPPRESS)
@@ -289,6 +298,7 @@ def main() -> None:
     recipes = [f"{kind}:{m}" for m in methods for kind in ("frugaltune", "frugaltune-off")] + list(HF_RECIPES)
     nominal, formula = gpu_peak_flops(bf16_ours) if cuda else cpu_peak_flops(hw, threads)
     peaks = measured_peaks(threads)
+    ours_on = load_params().train.allocator if args.allocator == "train" else "system"
     runs: dict[str, list[dict]] = {r: [] for r in recipes}
     for round_ in range(args.rounds):
         for recipe in recipes:
@@ -296,7 +306,8 @@ def main() -> None:
                    str(args.batch_size), "--lr", str(args.lr), "--threads", str(threads),
                    "--eager-max", str(eager_max)] + (["--bf16-ours"] if bf16_ours else [])
             print(f"round {round_ + 1}/{args.rounds}: {recipe} ...", flush=True)
-            proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TQDM_DISABLE": "1"})
+            env = allocator.child_env(ours_on if recipe.startswith("frugaltune") else "system")
+            proc = subprocess.run(cmd, capture_output=True, text=True, env={**env, "TQDM_DISABLE": "1"})
             if proc.returncode != 0:
                 sys.exit(f"{recipe} failed:\n{proc.stderr[-3000:]}")
             runs[recipe].append(json.loads(proc.stdout.strip().splitlines()[-1]))
@@ -320,7 +331,7 @@ def main() -> None:
           f"{peaks['bf16'] / 1e9:.0f} GFLOP/s. Nominal: {formula}.")
     print(f"FLOPs per useful token: 4N + 12 L s h = {per_token / 1e6:.0f} MFLOP (LoRA; DoRA and QLoRA do more "
           "per token: their MFU is counted on the same FLOPs)\n")
-    print(f"{'recipe':34s} {'steps':>5s} {'seconds':>8s} {'useful tok/s':>12s} {'padding':>8s} {'peak RSS MB':>11s} "
+    print(f"{'recipe':44s} {'steps':>5s} {'seconds':>8s} {'useful tok/s':>12s} {'padding':>8s} {'peak RSS MB':>11s} "
           f"{'MFU meas.':>9s} {'MFU nom.':>8s} {'frugaltune x':>12s}")
     ours = results[f"frugaltune:{methods[0]}"]["rate"]
     for recipe, r in results.items():
@@ -330,8 +341,8 @@ def main() -> None:
         r.update(useful_tokens_per_s=round(rate, 1), padding=round(1 - r["useful_tokens"] / r["padded_tokens"], 4),
                  mfu_measured_peak=round(rate * per_token / peak, 4), mfu_nominal=round(rate * per_token / nominal, 4),
                  frugaltune_speedup=round(reference / rate, 2))
-        label = f"{recipe}{' (bf16)' if r['bf16'] else ' (fp32)'}"
-        print(f"{label:34s} {r['steps']:5d} {r['seconds']:8.1f} {rate:12.1f} {r['padding']:8.1%} "
+        label = f"{recipe}{' (bf16' if r['bf16'] else ' (fp32'}, {r['allocator']})"
+        print(f"{label:44s} {r['steps']:5d} {r['seconds']:8.1f} {rate:12.1f} {r['padding']:8.1%} "
               f"{r['peak_rss_mb']:11.0f} {r['mfu_measured_peak']:9.1%} {r['mfu_nominal']:8.1%} "
               f"{r['frugaltune_speedup']:11.2f}x"
               + (f"  GPU peak {r['cuda_peak_allocated_mb']:.0f} MB" if "cuda_peak_allocated_mb" in r else ""))
