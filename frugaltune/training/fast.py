@@ -193,9 +193,11 @@ def _groups(model: torch.nn.Module) -> list[list[torch.nn.Linear]]:
                           or all(isinstance(d, SharedDropout) and d.shared is dropouts[0].shared for d in dropouts))
                 if shared:
                     found.append([child.lora_A[adapter] for _, child in children])
-    # one product needs one dtype and device, and a bias on all or none
-    return [linears for linears in found if len({(linear.weight.dtype, linear.weight.device, linear.bias is None)
-                                                  for linear in linears}) == 1]
+    # one product needs one dtype and device, and a bias on all or none; a layer whose forward is already replaced
+    # on the instance (accelerate's offload hooks do that) is left to it
+    return [linears for linears in found
+            if len({(linear.weight.dtype, linear.weight.device, linear.bias is None) for linear in linears}) == 1
+            and not any("forward" in vars(linear) for linear in linears)]
 
 
 @contextlib.contextmanager
