@@ -101,8 +101,8 @@ def ab_switch(switch: str, rounds: int, steps: int, batch_size: int, bf16: bool,
     from frugaltune.training.loop import LoopConfig, train_classifier
 
     ids, labels = throughput._examples(steps * batch_size * rounds)
-    variants = {"frozen": {"fp32 weights, autocast casts": (torch.float32, True),
-                           "frozen weights stored in bf16": (torch.bfloat16, True)},
+    variants = {"frozen": {"fp32 weights, autocast casts": (torch.float32, False),  # fused_siblings as the default
+                           "frozen weights stored in bf16": (torch.bfloat16, False)},
                 "fused": {"each projection its own matmul": (None, False),
                           "siblings fused (fused_siblings)": (None, True)}}[switch]
     models, fused = {}, {}
