@@ -244,7 +244,7 @@ README_NOT_RUN_HERE = {
         "needs certificates and other hosts; tests/e2e/test_federated_pipeline.py starts a SuperLink on 127.0.0.1 (insecure)",
     "PYTHONPATH=. .venv-flower/bin/flower-supernode --root-certificates ca.crt --superlink SERVER:9092 "
     "--clientappio-api-address 127.0.0.1:9094 --node-config \"data='data/my_rows.parquet' lora-rank=8 micro-batch=4 "
-    "threads=4\"": "needs a SuperLink host; tests/e2e/test_federated_pipeline.py starts 3 SuperNodes on 127.0.0.1",
+    "threads=4 state-dir='fl_state'\"": "needs a SuperLink host; tests/e2e/test_federated_pipeline.py starts 3 SuperNodes on 127.0.0.1",
     "PYTHONPATH=. .venv-flower/bin/flwr run frugaltune/federated/flower_app prod --stream --run-config "
     "federation.toml": "needs that federation; tests/e2e/test_federated_pipeline.py submits the app with `flwr run` on loopback",
     "pip install 'dvc[s3]' && dvc remote add -d storage s3://my-bucket/frugaltune": "needs a bucket and network",
