@@ -8,6 +8,7 @@ centralized LoRA on as many examples.
     python benchmarks/federated_rounds.py --server-momentum 0 0.5 0.7      # FedAvgM against FedAvg
     python benchmarks/federated_rounds.py --lr 0.004 --lr-schedule linear
     python benchmarks/federated_rounds.py --seeds 42 1 2 --centralized        # the gap over seeds, not one
+    python benchmarks/federated_rounds.py --seeds 42 1 2 --fraction 1         # every client in every round
     python benchmarks/federated_rounds.py --transmit-dtype bf16               # bf16 on the wire's accuracy cost
     python benchmarks/federated_rounds.py --seeds 1 --server-opt adam --server-adam-lr 0.01 0.03  # FedAdam
     python benchmarks/federated_rounds.py --proximal-mu 0.1 1                 # FedProx's accuracy effect
@@ -102,6 +103,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=None, help="the clients' learning rate")
     parser.add_argument("--local-steps", type=int, default=None)
     parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--fraction", type=float, default=None,
+                        help="the share of clients sampled per round (federated.fraction; 1 = every client)")
     parser.add_argument("--batch-size", type=int, default=None,
                         help="the clients' batch (and the centralized baseline's, unless --centralized-batch-size)")
     parser.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto")
@@ -170,7 +173,8 @@ def main() -> None:
     test = local.read_examples("data/federated/test.parquet")
     data = {plan["client"]: local.read_examples(f"data/federated/partitions_{args.scheme}/client_{plan['client']}"
                                                 ".parquet") for plan in plans}
-    per_round = max(fp.min_completed, math.ceil(fp.fraction * len(plans)))
+    fraction = args.fraction if args.fraction is not None else fp.fraction
+    per_round = max(fp.min_completed, math.ceil(fraction * len(plans)))
     ids = {index: plan["client"] for index, plan in enumerate(plans)}  # plans are in client-id order
     print(f"{cpu_facts()['model']}, {torch.get_num_threads()} threads, {'bf16' if bf16 else 'fp32'}; "
           f"{args.scheme}/{args.method}, {rounds} rounds, {per_round} of {len(plans)} clients x {local_steps} "
