@@ -15,6 +15,7 @@ centralized LoRA on as many examples.
     python benchmarks/federated_rounds.py --seeds 1 2 --head classwise --ema 0.5   # label-aware head, global EMA
     python benchmarks/federated_rounds.py --seeds 1 2 --batch-size 4 --local-steps 32   # more steps, same examples
     python benchmarks/federated_rounds.py --seeds 1 2 --only-centralized --batch-size 4 --local-steps 32
+    python benchmarks/federated_rounds.py --seeds 42 1 2 --scaffold on        # SCAFFOLD's control variates
     .venv-flower/bin/python benchmarks/federated_rounds.py --dp-epsilon 10    # client DP's accuracy cost
 
 Run from the repository root after `make federated` (it reads data/federated/partitions_<scheme>/, the clients'
@@ -38,7 +39,10 @@ global adapters so far (B x previous + (1 - B) x this round's), a server-side sm
 --batch-size B --local-steps K changes the clients' batch and steps (the centralized baseline keeps as many
 examples: --centralized-batch-size sets its batch apart; --only-centralized runs the baseline alone). --client-state
 kept lets each client continue AdamW's moments and step count from its previous round instead of starting a fresh
-optimizer every round (`federated.client_state`, train_locally's `optimizer_state`).
+optimizer every round (`federated.client_state`, train_locally's `optimizer_state`). --scaffold on corrects every
+local gradient by SCAFFOLD's control variates (local.ControlVariates; the server's c updated by
+aggregation.control_step over all clients; each client's c_i kept between its rounds), which doubles the bytes each
+way (c goes down beside the global, Δc_i up beside the update).
 """
 
 from __future__ import annotations
@@ -137,6 +141,8 @@ def main() -> None:
                         help="skip the federations: the baseline alone, on the examples they would train on")
     parser.add_argument("--centralized-batch-size", type=int, default=None,
                         help="its batch (default: the clients'); its steps cover as many examples as theirs")
+    parser.add_argument("--scaffold", choices=["on", "off"], default="off",
+                        help="on: SCAFFOLD's control variates correct each client's local gradients")
     parser.add_argument("--logit-adjustment", choices=["on", "off", "params"], default="params",
                         help="clients add log(label prior) to the logits they train on (local.train_locally)")
     args = parser.parse_args()
@@ -194,12 +200,14 @@ def main() -> None:
                        else f"{optimizer} server_lr {server_lr:g}")
             setting += (f", FedProx mu {mu:g}" if mu else "") + (", classwise head" if args.head == "classwise" else "")
             setting += ", client AdamW state kept" if client_state == "kept" else ""
+            setting += ", SCAFFOLD" if args.scaffold == "on" else ""
             began, tensors, curve, steps, velocity = time.perf_counter(), dict(start), [], 0, None
+            control, client_controls = local.zero_like(start), {}  # SCAFFOLD's c and each client's c_i
             ema, ema_curve, moments = None, [], {}
             for number in range(1, rounds + 1):
                 sampled = aggregation.sample_clients(range(len(plans)), ids, per_round, seed, number)  # the ServerApp's
                 updates, round_lr = [], aggregation.round_lr(lr, number, rounds, schedule)
-                counts = []
+                counts, control_deltas = [], []
                 tensors = wire.round_trip(tensors, dtype) if dtype != "fp32" else tensors  # what the clients receive
                 for index in sampled:
                     plan = plans[index]
@@ -212,13 +220,25 @@ def main() -> None:
                         if aggregation.is_lora_a(name):
                             param.requires_grad_(args.method != "ffa")
                     input_ids, targets = data[plan["client"]]
+                    variates = None
+                    if args.scaffold == "on":
+                        names = [name for name, param in model.named_parameters() if param.requires_grad]
+                        mine = aggregation.slice_to_rank(control, plan["lora_rank"])
+                        mine = {name: mine[name] for name in names}
+                        variates = local.ControlVariates(mine, client_controls.get(plan["client"])
+                                                         or local.zero_like(mine))
                     result = local.train_locally(model, input_ids, targets, pad, steps=local_steps, lr=round_lr,
                                                  batch_size=batch, micro_batch_size=None,
                                                  seed=seed * 1000 + number, bf16=bf16, eager_attention_max_len=eager,
                                                  logit_adjustment=adjust, proximal_mu=mu,
                                                  optimizer_state=moments.setdefault(plan["client"], {})
-                                                 if client_state == "kept" else None)
+                                                 if client_state == "kept" else None, control=variates)
                     steps += result.steps
+                    if variates is not None:
+                        renewed = variates.updated()
+                        control_deltas.append(aggregation.pad_to_rank(
+                            {name: renewed[name] - variates.client[name] for name in renewed}, fp.lora.r))
+                        client_controls[plan["client"]] = renewed
                     trained = local.trainable_tensors(model)  # under FFA: B + head only
                     if epsilon > 0:
                         trained, _ = privatize(trained, aggregation.slice_to_rank(tensors, plan["lora_rank"]),
@@ -226,6 +246,8 @@ def main() -> None:
                     updates.append((wire.round_trip(trained, dtype) if dtype != "fp32" else trained, len(targets)))
                     counts.append(torch.bincount(torch.tensor(targets), minlength=len(labels)).tolist())
                 mean = aggregation.aggregate(tensors, updates, args.method)
+                if control_deltas:
+                    control = aggregation.control_step(control, control_deltas, len(plans))
                 if args.head == "classwise":
                     mean = classwise_head(mean, updates, counts)
                 if optimizer == "sgd":

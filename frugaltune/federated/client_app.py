@@ -143,11 +143,12 @@ def train(msg: Message, context: Context) -> Message:
     if str(config["method"]) == "ffa":
         local.freeze_lora_a(model)
     number = int(config["round"])
-    kept = str(config.get("client-state", "fresh")) == "kept" and "state-dir" in node
+    state_dir = Path(str(node["state-dir"])) if "state-dir" in node else None
+    kept = str(config.get("client-state", "fresh")) == "kept" and state_dir is not None
     moments: dict | None = None
     resumed = False
     if kept:  # AdamW's moments from this client's last round, continued (federated.client_state: kept)
-        previous = rounds.client_state_before(Path(str(node["state-dir"])), number)
+        previous = rounds.client_state_before(state_dir, number)
         moments = torch.load(previous, weights_only=True) if previous else {}
         resumed = bool(moments)
     result = local.train_locally(
@@ -158,7 +159,6 @@ def train(msg: Message, context: Context) -> Message:
         eager_attention_max_len=int(node.get("eager-attention-max-len", 0)),
         logit_adjustment=bool(config.get("logit-adjustment", False)), optimizer_state=moments)
     if kept:
-        state_dir = Path(str(node["state-dir"]))
         state_dir.mkdir(parents=True, exist_ok=True)
         saved = rounds.client_state_path(state_dir, number)
         torch.save(moments, saved.with_suffix(".tmp"))

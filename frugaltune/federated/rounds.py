@@ -26,10 +26,15 @@ def velocity_path(out: Path, number: int) -> Path:
     return Path(out) / "rounds" / f"velocity_{number:03d}.safetensors"
 
 
+def number_of(path: Path) -> int:
+    """The round number in a file name of this layout (`round_007.json`, `client_state_007.pt` -> 7)."""
+    return int(Path(path).stem.rsplit("_", 1)[1])
+
+
 def completed(out: Path) -> list[int]:
     """The completed rounds' numbers, in order (0 = the start), from their JSONs: a round file without its JSON is
     one a killed server did not finish."""
-    return sorted(int(path.stem.split("_")[1]) for path in Path(out).glob("rounds/round_*.json"))
+    return sorted(number_of(path) for path in Path(out).glob("rounds/round_*.json"))
 
 
 def last_completed_round(out: Path) -> int | None:
@@ -50,7 +55,7 @@ def client_state_before(state_dir: Path, number: int) -> Path | None:
     """The newest state a client saved after a round before round `number`, or None. Rounds at or after `number`
     are ignored: a server killed during round `number` resumes it, and the client's first attempt at that round
     must not be where the second one starts."""
-    found = sorted((int(path.stem.rsplit("_", 1)[1]), path) for path in Path(state_dir).glob("client_state_*.pt"))
+    found = sorted((number_of(path), path) for path in Path(state_dir).glob("client_state_*.pt"))
     earlier = [path for saved, path in found if saved < number]
     return earlier[-1] if earlier else None
 
@@ -58,5 +63,5 @@ def client_state_before(state_dir: Path, number: int) -> Path | None:
 def prune_client_states(state_dir: Path, keep_from: int) -> None:
     """Remove the states of rounds before `keep_from` (the newest one is all a client starts from)."""
     for path in Path(state_dir).glob("client_state_*.pt"):
-        if int(path.stem.rsplit("_", 1)[1]) < keep_from:
+        if number_of(path) < keep_from:
             path.unlink(missing_ok=True)

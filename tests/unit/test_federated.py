@@ -256,6 +256,75 @@ def test_a_kept_client_state_continues_adamw_and_changes_the_update(tiny_model_d
     assert any(not continued[name].equal(fresh[name]) for name in fresh)
 
 
+def test_scaffold_corrects_each_gradient_by_c_minus_ci_and_records_the_raw_one():
+    """The regularizer hook's backward adds exactly c - c_i to what the step's backward left in .grad, and the
+    control keeps the uncorrected gradient for the client's next c_i."""
+    layer = torch.nn.Linear(3, 2)
+    names = [name for name, _ in layer.named_parameters()]
+    server = {name: torch.full(param.shape, 0.5) for name, param in layer.named_parameters()}
+    client = {name: torch.full(param.shape, 0.2) for name, param in layer.named_parameters()}
+    control = local.ControlVariates(server, client)
+    term = local.control_variate_term(layer, control)
+    for step in range(2):
+        layer.zero_grad()
+        layer(torch.ones(4, 3) * (step + 1)).sum().backward()
+        raw = {name: param.grad.clone() for name, param in layer.named_parameters()}
+        term().backward()
+        for name, param in layer.named_parameters():
+            assert torch.allclose(param.grad, raw[name] + 0.3)
+    assert control.steps == 2
+    # the mean of the two steps' raw gradients: weight grads 4x1 and 4x2 per entry, bias 4 both times
+    assert torch.allclose(control.updated()[names[0]], torch.full((2, 3), 6.0))
+    assert torch.allclose(control.updated()[names[1]], torch.full((2,), 4.0))
+
+
+def test_scaffold_needs_a_variate_for_every_trained_tensor_and_a_recorded_step():
+    layer = torch.nn.Linear(3, 2)
+    with pytest.raises(KeyError, match="bias"):
+        local.control_variate_term(layer, local.ControlVariates({"weight": torch.zeros(2, 3)},
+                                                                {"weight": torch.zeros(2, 3)}))
+    with pytest.raises(ValueError, match="no local step"):
+        local.ControlVariates({}, {}).updated()
+
+
+def test_scaffold_with_zero_variates_trains_exactly_as_without(tiny_model_dir, smol_tokenizer):
+    """c = c_i = 0 (every client's first round of a fresh federation) must be plain local training, bit for bit,
+    and the control then holds one gradient per step."""
+    pad = smol_tokenizer.pad_token_id
+    spec = local.LoraSpec(4, 8, 0.0, ("q_proj", "v_proj"))
+    g = torch.Generator().manual_seed(5)
+    ids = [torch.randint(5, 500, (6,), generator=g).tolist() for _ in range(16)]
+    labels = [i % 3 for i in range(16)]
+
+    def trained(with_control: bool):
+        model = local.build_model(tiny_model_dir, ["a", "b", "c"], pad, seed=0, lora=spec)
+        zeros = local.zero_like(local.trainable_tensors(model))
+        control = local.ControlVariates(zeros, local.zero_like(zeros)) if with_control else None
+        local.train_locally(model, ids, labels, pad, steps=3, lr=0.01, batch_size=8, micro_batch_size=None, seed=0,
+                            control=control)
+        return local.trainable_tensors(model), control
+
+    plain, _ = trained(False)
+    corrected, control = trained(True)
+    assert all(plain[name].equal(corrected[name]) for name in plain)
+    assert control.steps == 3 and set(control.updated()) == set(plain)
+    assert all(control.updated()[name].abs().sum() > 0 for name in plain if "lora_B" not in name)
+
+
+def test_scaffold_server_step_is_c_plus_the_deltas_over_all_clients_padded_to_the_global_rank():
+    c = {"x.lora_A.weight": torch.zeros(4, 3), "x.lora_B.weight": torch.zeros(2, 4), "score.weight": torch.ones(3, 2)}
+    full = {name: torch.ones_like(t) for name, t in c.items()}
+    small = agg.pad_to_rank({"x.lora_A.weight": torch.ones(2, 3), "x.lora_B.weight": torch.ones(2, 2),
+                             "score.weight": torch.ones(3, 2)}, 4)
+    out = agg.control_step(c, [full, small], num_clients=10)
+    assert torch.allclose(out["x.lora_A.weight"][:2], torch.full((2, 3), 0.2))
+    assert torch.allclose(out["x.lora_A.weight"][2:], torch.full((2, 3), 0.1))  # only the rank-4 client trains rows 2-3
+    assert torch.allclose(out["score.weight"], torch.full((3, 2), 1.2))
+    assert c["score.weight"].eq(1).all()  # the old c is not modified
+    with pytest.raises(ValueError, match="pad_to_rank"):
+        agg.control_step(c, [{"x.lora_A.weight": torch.ones(2, 3)}], num_clients=10)
+
+
 def test_a_client_starts_from_its_newest_state_of_an_earlier_round(tmp_path):
     """A server killed during round 3 resumes round 3: the client's state from its first attempt at round 3 is
     not where the second attempt starts."""
