@@ -3,6 +3,7 @@
     python benchmarks/step_anatomy.py                    # matmul shapes: separate vs fused projections, LoRA's
     python benchmarks/step_anatomy.py --ab-rounds 4      #   + frozen weights stored in bf16 vs autocast, alternated
     python benchmarks/step_anatomy.py --ab-rounds 4 --ab fused   #   + sibling projections fused vs separate
+    python benchmarks/step_anatomy.py --ab-rounds 4 --ab compiled   # + decoder layers under torch.compile vs eager
 
 Needs `models/base` and `data/tokenized` (`make pipeline`). Two parts, both on this machine's threads and the
 precision the plan measured faster (reports/kernels.json, as `dvc repro train`):
@@ -17,7 +18,10 @@ precision the plan measured faster (reports/kernels.json, as `dvc repro train`):
    two models trained by the project's loop on the same slices of data, alternating which goes first, N rounds
    (the first is a warm-up and not counted). Alternation within one process, not two runs minutes apart, is what
    makes a few percent visible on a shared machine. `--ab fused` does the same for `fused_siblings` (q/k/v,
-   gate/up and q/k/v's LoRA A as one matmul each) against each projection on its own.
+   gate/up and q/k/v's LoRA A as one matmul each) against each projection on its own. `--ab compiled` does it for
+   regional compilation: every decoder layer `torch.compile`d in place (inductor, dynamic shapes: length-grouped
+   batches change the length), which is what would fuse the elementwise work around the matmuls; the warm-up round
+   then includes the compilation (each round prints its seconds).
 """
 
 from __future__ import annotations
@@ -104,12 +108,17 @@ def ab_switch(switch: str, rounds: int, steps: int, batch_size: int, bf16: bool,
     variants = {"frozen": {"fp32 weights, autocast casts": (torch.float32, False),  # fused_siblings as the default
                            "frozen weights stored in bf16": (torch.bfloat16, False)},
                 "fused": {"each projection its own matmul": (None, False),
-                          "siblings fused (fused_siblings)": (None, True)}}[switch]
+                          "siblings fused (fused_siblings)": (None, True)},
+                "compiled": {"eager": (None, False), "decoder layers compiled": (None, False)}}[switch]
     models, fused = {}, {}
     for name, (dtype, fuse) in variants.items():
         model, tokenizer = throughput._model(bf16, "lora", True)  # prepare_model: bf16 frozen weights when bf16
         if dtype is not None:
             frozen_weights_in(model, dtype)
+        if switch == "compiled" and name != "eager":
+            for module in model.modules():  # regional: each decoder layer, not the whole model and the loop
+                if type(module).__name__.endswith("DecoderLayer"):
+                    module.compile(dynamic=True)
         models[name], fused[name] = model, fuse
         kinds = {str(m.weight.dtype) for m in model.modules()
                  if type(m) is torch.nn.Linear and not m.weight.requires_grad}
@@ -126,8 +135,8 @@ def ab_switch(switch: str, rounds: int, steps: int, batch_size: int, bf16: bool,
             rate = result.tokens / result.wall_seconds
             if number:  # the first round warms both up
                 rates[name].append(rate)
-            print(f"  round {number}{' (warm-up)' if not number else ''}: {name}: {rate:.1f} useful tok/s",
-                  flush=True)
+            print(f"  round {number}{' (warm-up)' if not number else ''}: {name}: {rate:.1f} useful tok/s "
+                  f"({result.wall_seconds:.1f} s)", flush=True)
     base, new = (statistics.mean(v) for v in rates.values())
     names = list(rates)
     print(f"mean over {rounds - 1} rounds: {' / '.join(f'{statistics.mean(v):.1f}' for v in rates.values())} "
@@ -139,8 +148,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--ab-rounds", type=int, default=0, help="> 1: also an A/B of a switch, this many rounds")
-    parser.add_argument("--ab", choices=["frozen", "fused"], default="frozen",
-                        help="frozen: bf16-stored frozen weights vs autocast casts; fused: fused_siblings off vs on")
+    parser.add_argument("--ab", choices=["frozen", "fused", "compiled"], default="frozen",
+                        help="frozen: bf16-stored frozen weights vs autocast casts; fused: fused_siblings off vs on; "
+                             "compiled: decoder layers under torch.compile vs eager")
     parser.add_argument("--ab-steps", type=int, default=12, help="steps per model per round")
     args = parser.parse_args()
     bf16, why, measured = throughput.planned_precision(probe())
