@@ -209,6 +209,9 @@ class LoraParams(Section):
     target_modules: list[str] = Field(
         ["q_proj", "k_proj", "v_proj", "o_proj"], description="Names of the linear layers that get adapters."
     )
+    last_layers: int | None = Field(
+        None, ge=1, description="Adapt only the last N decoder layers; null = all. The layers below get no "
+        "backward pass (nothing under them trains), so a step costs about forward + N/L of the backward.")
 
 
 class QloraParams(LoraParams):
@@ -253,6 +256,9 @@ class TrainParams(Section):
     head_lr: float | None = Field(
         None, gt=0, description="Learning rate of the new classification head; null = `lr`."
     )
+    lora_plus_ratio: float = Field(
+        1.0, ge=1, description="LoRA+: the adapters' B matrices learn at this multiple of `lr` (A at `lr`); "
+        "1 = plain LoRA. Applies to lora, qlora and dora.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     scheduler: Literal["linear", "cosine", "constant"] = Field("linear", description="Learning-rate schedule after warmup.")
     warmup_ratio: float = Field(0.05, ge=0, lt=1, description="Share of the optimizer steps spent warming up.")
@@ -513,6 +519,13 @@ class FederatedParams(Section):
         False, description="SecAgg+ (Flower's protocol): clients mask their updates so that the server learns only "
         "their example-weighted mean, never one client's tensors. Four exchanges per round instead of one; needs >= 2 "
         "clients per round; values are quantized (small error). Uploads travel fp32 whatever transmit_dtype says.")
+
+    @model_validator(mode="after")
+    def _check_lora(self) -> "FederatedParams":
+        if self.lora.last_layers is not None:  # the clients' adapters and the aggregation assume every layer
+            raise ValueError("federated.lora.last_layers: the federated stage adapts every decoder layer; remove the "
+                             "key or set it to null (train.lora.last_layers is the centralized switch)")
+        return self
 
 
 class Params(Section):

@@ -74,6 +74,7 @@ class MethodKnobs:
     target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
     quant_type: str = "nf4"
     double_quant: bool = True
+    last_layers: int | None = None
 
 
 @dataclass(frozen=True)
@@ -129,7 +130,7 @@ def model_shape(model_dir_or_config, num_labels: int, method: str, knobs: Method
         adapted = sum(1 for n, _ in linear if n.rsplit(".", 1)[-1] in knobs.target_modules)
         if method in ADAPTER_METHODS:
             model = apply_lora(model, knobs.r, 2 * knobs.r, 0.0, list(knobs.target_modules), use_dora=method == "dora",
-                               task=task)
+                               task=task, last_layers=knobs.last_layers)
             trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
             total = sum(p.numel() for p in model.parameters())
         elif method in ("full", "prelayer", "none"):
@@ -680,7 +681,7 @@ def method_knobs(params: "Params") -> dict[str, MethodKnobs]:
         k = getattr(params.train, method)
         extra = {"quant_type": k.quant_type, "double_quant": k.double_quant} if method == "qlora" else {}
         knobs[method] = MethodKnobs(r=k.r, alpha=k.alpha, dropout=k.dropout,
-                                    target_modules=tuple(k.target_modules), **extra)
+                                    target_modules=tuple(k.target_modules), last_layers=k.last_layers, **extra)
     return knobs
 
 

@@ -186,7 +186,8 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN, use_plan: bo
     cfg = LoopConfig(
         checkpoint_dir=checkpoint_dir, checkpoint_every=tp.checkpoint_every, keep_checkpoints=tp.keep_checkpoints,
         resume=tp.resume == "auto",
-        lr=lr, head_lr=tp.head_lr, weight_decay=tp.weight_decay, scheduler=tp.scheduler,
+        lr=lr, head_lr=tp.head_lr, lora_plus_ratio=tp.lora_plus_ratio, weight_decay=tp.weight_decay,
+        scheduler=tp.scheduler,
         warmup_ratio=tp.warmup_ratio, epochs=tp.epochs, max_steps=tp.max_steps, batch_size=tp.batch_size,
         grad_accum=tp.grad_accum, max_grad_norm=tp.max_grad_norm, bf16=bf16, group_by_length=tp.group_by_length,
         log_every=tp.log_every, seed=seed, micro_batch_size=resolved["micro_batch_size"],

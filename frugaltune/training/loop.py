@@ -28,7 +28,7 @@ from frugaltune.training import checkpoint
 from frugaltune.training.batching import (IGNORE_INDEX, collate, collate_targets, length_grouped_batches, sorted_batches,
                                           target_counts)
 from frugaltune.training.distributed import World
-from frugaltune.training.fast import fused_siblings, short_sequence_attention
+from frugaltune.training.fast import fused_siblings, packed_frozen_weights, short_sequence_attention
 
 
 class DivergenceError(RuntimeError):
@@ -47,6 +47,9 @@ class OutOfMemoryAtBatchOne(RuntimeError):
 class LoopConfig:
     lr: float
     head_lr: float | None = None
+    # LoRA+ (Hayou et al. 2024): B's rate = ratio x lr; B starts at zero and its gradient is A-scaled, so at one
+    # shared rate it moves too slowly for its role (peft's create_loraplus_optimizer does the same grouping)
+    lora_plus_ratio: float = 1.0
     weight_decay: float = 0.0
     scheduler: str = "linear"
     warmup_ratio: float = 0.05
@@ -72,6 +75,10 @@ class LoopConfig:
     # projection (frugaltune.training.fast.fused_siblings). Off: measured 0.95x (with LoRA's A) and 0.99x (base
     # projections only) of separate projections on a 2-core Zen 5 (benchmarks/step_anatomy.py --ab fused)
     fused_siblings: bool = False
+    # frozen bf16 projections on oneDNN-reordered weights, forward and input gradient, reordered once instead of
+    # at every product (frugaltune.training.fast.packed_frozen_weights); bit-identical products. Off: a LoRA step
+    # 1.07x at batch 8 but 0.97-1.00x at batch 16 on a 2-core Zen 4, +170 MB (benchmarks/step_anatomy.py --ab packed)
+    packed_weights: bool = False
     # causal_lm: a batch whose rows start with at least this many equal tokens reads them once (model_loss's
     # `shared`); 0: never. Off by itself under gradient checkpointing, which cannot carry a KV cache.
     shared_prefix_min: int = 8
@@ -168,11 +175,19 @@ def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
 
 
 def _param_groups(model: torch.nn.Module, cfg: LoopConfig) -> list[dict]:
-    head, body = [], []
+    head, body, lora_b = [], [], []
     for name, param in model.named_parameters():
-        if param.requires_grad:
-            (head if any(h in name for h in cfg.head_names) else body).append(param)
+        if not param.requires_grad:
+            continue
+        if any(h in name for h in cfg.head_names):
+            head.append(param)
+        elif cfg.lora_plus_ratio != 1.0 and (".lora_B." in name or ".lora_embedding_B." in name):
+            lora_b.append(param)
+        else:
+            body.append(param)
     groups = [{"params": body, "lr": cfg.lr}] if body else []
+    if lora_b:
+        groups.append({"params": lora_b, "lr": cfg.lr * cfg.lora_plus_ratio})
     if head:
         groups.append({"params": head, "lr": cfg.head_lr or cfg.lr})
     return groups
@@ -351,7 +366,9 @@ def train_classifier(
     bar = tqdm(total=total_steps, initial=first_step - 1, desc="train", unit="step", disable=not progress,
                dynamic_ncols=True)
     with (_stop_on_signals(stop), short_sequence_attention(model, cfg.eager_attention_max_len),
-          fused_siblings(model, cfg.fused_siblings)):
+          fused_siblings(model, cfg.fused_siblings),
+          packed_frozen_weights(model, cfg.packed_weights and not cfg.fused_siblings,
+                                rows=(cfg.micro_batch_size or cfg.batch_size) * 32)):
         step = first_step
         while step <= total_steps:
             out_of_memory: BaseException | None = None

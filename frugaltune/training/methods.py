@@ -34,7 +34,8 @@ POSITION_EMBEDDINGS = ("embed_positions", "wpe", "position_embeddings")
 
 
 def apply_lora(model: torch.nn.Module, r: int, alpha: int, dropout: float, target_modules: list[str],
-               use_dora: bool = False, task: str = "classification") -> torch.nn.Module:
+               use_dora: bool = False, task: str = "classification", last_layers: int | None = None
+               ) -> torch.nn.Module:
     names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
     missing = [m for m in target_modules if m not in names]
     if missing:
@@ -42,13 +43,23 @@ def apply_lora(model: torch.nn.Module, r: int, alpha: int, dropout: float, targe
         raise ValueError(f"train.lora.target_modules: {missing} not found in the model. Its linear layers: {linear}.")
     # SEQ_CLS also trains (and saves) the new head; CAUSAL_LM keeps the base model's own LM head frozen
     task_type = TaskType.CAUSAL_LM if task == "causal_lm" else TaskType.SEQ_CLS
+    layers = None
+    if last_layers is not None:
+        total = model.config.num_hidden_layers
+        if last_layers > total:
+            raise ValueError(f"train.lora.last_layers: {last_layers} but the model has {total} decoder layers; "
+                             f"write at most {total}, or null for all")
+        # Only the top layers adapt: autograd then stops at the lowest adapted layer, since nothing below it
+        # (embeddings, frozen layers) requires grad, so the bottom layers run forward only.
+        layers = list(range(total - last_layers, total))
     config = LoraConfig(task_type=task_type, r=r, lora_alpha=alpha, lora_dropout=dropout,
-                        target_modules=list(target_modules), use_dora=use_dora)
+                        target_modules=list(target_modules), use_dora=use_dora, layers_to_transform=layers)
     return get_peft_model(model, config)
 
 
 def prepare_qlora(model: torch.nn.Module, r: int, alpha: int, dropout: float, target_modules: list[str],
-                  gradient_checkpointing: bool = False, task: str = "classification"):
+                  gradient_checkpointing: bool = False, task: str = "classification",
+                  last_layers: int | None = None):
     """LoRA on a model loaded in 4 bit (see `frugaltune.models.qlora_quantization`).
 
     Gradient checkpointing only when the plan says memory requires it: on short sequences it costs time.
@@ -56,7 +67,7 @@ def prepare_qlora(model: torch.nn.Module, r: int, alpha: int, dropout: float, ta
     model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing,
                                             gradient_checkpointing_kwargs={"use_reentrant": False})
     own_unquantized_tensors(model)
-    return apply_lora(model, r, alpha, dropout, target_modules, task=task)
+    return apply_lora(model, r, alpha, dropout, target_modules, task=task, last_layers=last_layers)
 
 
 def own_unquantized_tensors(model: torch.nn.Module) -> None:
@@ -151,10 +162,10 @@ def prepare_model(model_dir: Path | str, labels: list[str], pad_token_id: int, s
         model.config.use_cache = False
     if method == "qlora":
         model = prepare_qlora(model, knobs.r, knobs.alpha, knobs.dropout, list(knobs.target_modules),
-                              gradient_checkpointing, task)
+                              gradient_checkpointing, task, getattr(knobs, "last_layers", None))
     elif method in ("lora", "dora"):
         model = apply_lora(model, knobs.r, knobs.alpha, knobs.dropout, list(knobs.target_modules),
-                           use_dora=method == "dora", task=task)
+                           use_dora=method == "dora", task=task, last_layers=getattr(knobs, "last_layers", None))
     else:
         return freeze_for(method, model)
     fast_lora_dropout(model)  # 4x fewer random draws, one dropout per input shared by q/k/v (training/fast.py)

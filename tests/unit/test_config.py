@@ -51,6 +51,12 @@ def test_out_of_range_value_is_rejected():
         parse_params({"train": {"lora": {"dropout": 1.5}}})
 
 
+def test_last_layers_is_refused_by_the_federated_section_with_the_fix():
+    assert parse_params({"train": {"lora": {"last_layers": 12}}}).train.lora.last_layers == 12
+    with pytest.raises(ParamsError, match=r"federated.lora.last_layers: the federated stage adapts every decoder"):
+        parse_params({"federated": {"lora": {"last_layers": 12}}})
+
+
 def test_every_error_is_reported_at_once():
     with pytest.raises(ParamsError) as err:
         parse_params({"train": {"lrr": 1, "batch_size": 0}})

@@ -7,7 +7,8 @@ import torch
 from frugaltune.metrics import classification_metrics
 from frugaltune.models import load_for_classification, load_tokenizer
 from frugaltune.training.batching import collate, length_grouped_batches, sorted_batches
-from frugaltune.training.loop import DivergenceError, LoopConfig, count_parameters, plan_steps, predict, train_classifier
+from frugaltune.training.loop import (DivergenceError, LoopConfig, _param_groups, count_parameters, plan_steps, predict,
+                                      train_classifier)
 from frugaltune.training.methods import apply_lora
 
 LABELS = ["negative", "positive"]
@@ -99,6 +100,45 @@ def test_unknown_target_module_lists_the_linear_layers(tiny_model_dir):
     model = load_for_classification(tiny_model_dir, LABELS, tokenizer.pad_token_id, seed=0)
     with pytest.raises(ValueError, match=r"train.lora.target_modules: \['qproj'\].*q_proj"):
         apply_lora(model, 4, 8, 0.0, ["qproj"])
+
+
+def test_last_layers_adapts_only_the_top_layers_and_the_ones_below_run_forward_only(tiny_model_dir):
+    tokenizer = load_tokenizer(tiny_model_dir)
+    model = load_for_classification(tiny_model_dir, LABELS, tokenizer.pad_token_id, seed=0)
+    layers = model.config.num_hidden_layers
+    with pytest.raises(ValueError, match=rf"train.lora.last_layers: {layers + 1} but the model has {layers}"):
+        apply_lora(model, 4, 8, 0.0, ["q_proj", "v_proj"], last_layers=layers + 1)
+    model = apply_lora(model, 4, 8, 0.0, ["q_proj", "v_proj"], last_layers=1)
+    adapted = {n.split(".layers.")[1].split(".")[0] for n, p in model.named_parameters()
+               if p.requires_grad and "lora_" in n}
+    assert adapted == {str(layers - 1)}
+    decoder = model.base_model.model.model.layers
+    seen = {}
+    for index in (0, layers - 1):
+        decoder[index].register_forward_hook(
+            lambda module, args, out, index=index: seen.__setitem__(index, (out[0] if isinstance(out, tuple)
+                                                                             else out).requires_grad))
+    ids, labels = toy_task(tokenizer, 8)
+    cfg = LoopConfig(lr=1e-2, batch_size=8, max_steps=1, seed=0)
+    train_classifier(model, ids, labels, cfg, tokenizer.pad_token_id, progress=False)
+    # nothing below the adapted layer needs a gradient: autograd records no backward for it
+    assert seen == {0: False, layers - 1: True}
+
+
+def test_lora_plus_gives_b_its_own_rate_and_leaves_a_and_the_head_alone(tiny_model_dir):
+    tokenizer = load_tokenizer(tiny_model_dir)
+    model = apply_lora(load_for_classification(tiny_model_dir, LABELS, tokenizer.pad_token_id, seed=0),
+                       4, 8, 0.0, ["q_proj", "v_proj"])
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = _param_groups(model, LoopConfig(lr=1e-3, head_lr=5e-3, lora_plus_ratio=16))
+    assert [g["lr"] for g in groups] == [1e-3, pytest.approx(1.6e-2), 5e-3]
+    assert [names[id(p)] for p in groups[2]["params"]] == ["base_model.model.score.modules_to_save.default.weight"]
+    a_names = [names[id(p)] for p in groups[0]["params"]]
+    b_names = [names[id(p)] for p in groups[1]["params"]]
+    assert a_names and all(".lora_A." in n for n in a_names)
+    assert b_names and all(".lora_B." in n for n in b_names) and len(a_names) == len(b_names)
+    plain = _param_groups(model, LoopConfig(lr=1e-3, head_lr=5e-3))
+    assert [g["lr"] for g in plain] == [1e-3, 5e-3]
 
 
 def test_classification_metrics():
