@@ -4,6 +4,8 @@ per-op tables by host time and by device time (the per-op table issue 12 asks fo
     python benchmarks/profile_train_step.py                     # 20 steps of batch 16, the plan's precision
     python benchmarks/profile_train_step.py --steps 10 --no-cudnn-attention-fix
     python benchmarks/profile_train_step.py --by-shape mul,copy_,mm   # those ops split by their input shapes
+    python benchmarks/profile_train_step.py --batch-size 8 --target-modules q_proj k_proj v_proj o_proj gate_proj \
+        up_proj down_proj --last-layers 24                             # another adapter layout
 
 Needs `models/base` and `data/tokenized` (`dvc repro tokenize`; on a machine without the GGUF,
 benchmarks/gpu/random_base.py). On a CUDA device the loop runs as the train stage runs it, SDPA without cuDNN
@@ -39,6 +41,8 @@ def main() -> None:
     parser.add_argument("--no-cudnn-attention-fix", action="store_true")
     parser.add_argument("--by-shape", default="", help="comma-separated aten ops (mul,copy_): a table of each by "
                         "input shapes, to tell which tensors an op's time goes to")
+    parser.add_argument("--target-modules", nargs="+", default=list(planner.MethodKnobs().target_modules))
+    parser.add_argument("--last-layers", type=int, default=None, help="LoRA on the last N decoder layers only")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     planned_bf16, _, measured = throughput.planned_precision(probe(use_nvml=cuda))
@@ -49,7 +53,8 @@ def main() -> None:
         keep_sdpa_off_cudnn()
     warm, timed = args.warmup * args.batch_size, args.steps * args.batch_size
     ids, labels = throughput._examples(warm + timed)
-    model, tokenizer = throughput._model(bf16, "lora", True)
+    knobs = planner.MethodKnobs(target_modules=tuple(args.target_modules), last_layers=args.last_layers)
+    model, tokenizer = throughput._model(bf16, "lora", True, knobs)
     cfg = LoopConfig(lr=1e-3, head_lr=2e-3, batch_size=args.batch_size, epochs=1, seed=42, bf16=bf16,
                      log_every=10**6, eager_attention_max_len=eager_max)
     train_classifier(model, ids[:warm], labels[:warm], cfg, tokenizer.pad_token_id, progress=False)

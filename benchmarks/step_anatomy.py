@@ -4,6 +4,7 @@
     python benchmarks/step_anatomy.py --ab-rounds 4      #   + frozen weights stored in bf16 vs autocast, alternated
     python benchmarks/step_anatomy.py --ab-rounds 4 --ab fused   #   + sibling projections fused vs separate
     python benchmarks/step_anatomy.py --ab-rounds 4 --ab compiled   # + decoder layers under torch.compile vs eager
+    python benchmarks/step_anatomy.py --ab-rounds 5 --ab packed     # + frozen weights pre-reordered for oneDNN
 
 Needs `models/base` and `data/tokenized` (`make pipeline`). Two parts, both on this machine's threads and the
 precision the plan measured faster (reports/kernels.json, as `dvc repro train`):
@@ -21,7 +22,8 @@ precision the plan measured faster (reports/kernels.json, as `dvc repro train`):
    gate/up and q/k/v's LoRA A as one matmul each) against each projection on its own. `--ab compiled` does it for
    regional compilation: every decoder layer `torch.compile`d in place (inductor, dynamic shapes: length-grouped
    batches change the length), which is what would fuse the elementwise work around the matmuls; the warm-up round
-   then includes the compilation (each round prints its seconds).
+   then includes the compilation (each round prints its seconds). `--ab packed` does it for `packed_weights`
+   (the frozen bf16 weights reordered once into oneDNN's layout, forward and transposed for the input gradient).
 """
 
 from __future__ import annotations
@@ -109,7 +111,9 @@ def ab_switch(switch: str, rounds: int, steps: int, batch_size: int, bf16: bool,
                            "frozen weights stored in bf16": (torch.bfloat16, False)},
                 "fused": {"each projection its own matmul": (None, False),
                           "siblings fused (fused_siblings)": (None, True)},
-                "compiled": {"eager": (None, False), "decoder layers compiled": (None, False)}}[switch]
+                "compiled": {"eager": (None, False), "decoder layers compiled": (None, False)},
+                "packed": {"plain bf16 weights": (None, False), "weights packed (packed_weights)": (None, False)}
+                }[switch]
     models, fused = {}, {}
     for name, (dtype, fuse) in variants.items():
         model, tokenizer = throughput._model(bf16, "lora", True)  # prepare_model: bf16 frozen weights when bf16
@@ -129,7 +133,8 @@ def ab_switch(switch: str, rounds: int, steps: int, batch_size: int, bf16: bool,
         order = list(models) if number % 2 == 0 else list(reversed(models))
         for name in order:
             cfg = LoopConfig(lr=1e-3, head_lr=2e-3, batch_size=batch_size, epochs=1, seed=42, bf16=bf16,
-                             log_every=10**6, eager_attention_max_len=eager, fused_siblings=fused[name])
+                             log_every=10**6, eager_attention_max_len=eager, fused_siblings=fused[name],
+                             packed_weights=switch == "packed" and name != "plain bf16 weights")
             result = train_classifier(models[name], ids[part], labels[part], cfg, tokenizer.pad_token_id,
                                       progress=False)
             rate = result.tokens / result.wall_seconds
@@ -148,9 +153,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--ab-rounds", type=int, default=0, help="> 1: also an A/B of a switch, this many rounds")
-    parser.add_argument("--ab", choices=["frozen", "fused", "compiled"], default="frozen",
+    parser.add_argument("--ab", choices=["frozen", "fused", "compiled", "packed"], default="frozen",
                         help="frozen: bf16-stored frozen weights vs autocast casts; fused: fused_siblings off vs on; "
-                             "compiled: decoder layers under torch.compile vs eager")
+                             "compiled: decoder layers under torch.compile vs eager; packed: packed_weights off vs on")
     parser.add_argument("--ab-steps", type=int, default=12, help="steps per model per round")
     args = parser.parse_args()
     bf16, why, measured = throughput.planned_precision(probe())

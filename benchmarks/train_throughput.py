@@ -70,7 +70,7 @@ def _examples(count: int) -> tuple[list[list[int]], list[int]]:
     return [list(ids) for ids in train["input_ids"]], list(train["labels"])
 
 
-def _model(bf16: bool, method: str = "lora", switches: bool = True):
+def _model(bf16: bool, method: str = "lora", switches: bool = True, knobs=None):
     import torch
 
     from frugaltune.models import load_tokenizer
@@ -79,7 +79,7 @@ def _model(bf16: bool, method: str = "lora", switches: bool = True):
 
     labels = json.loads(LABELS_FILE.read_text())["labels"]
     tokenizer = load_tokenizer(BASE)
-    model = prepare_model(BASE, labels, tokenizer.pad_token_id, 42, method, MethodKnobs(), bf16)
+    model = prepare_model(BASE, labels, tokenizer.pad_token_id, 42, method, knobs or MethodKnobs(), bf16)
     if not switches:  # peft's own dropout modules and fp32 frozen weights back, as before frugaltune.training.fast
         from frugaltune.training.fast import frozen_weights_in
 

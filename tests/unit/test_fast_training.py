@@ -203,3 +203,50 @@ def test_fused_siblings_leaves_dora_and_qlora_projections_alone(tiny_model_dir, 
                           MethodKnobs(r=4, alpha=8), bf16=False)
     with fused_siblings(qlora) as fused:
         assert fused == 0  # every projection is 4-bit
+
+
+@pytest.mark.skipif(not __import__("frugaltune.training.fast", fromlist=["x"]).packing_available(),
+                    reason="this torch build has no oneDNN reordered linear weights")
+def test_packed_weights_train_bit_identically_and_give_the_dense_weights_back(tiny_model_dir, smol_tokenizer):
+    """LoRA in bf16 with the frozen projections on oneDNN-reordered weights (LoopConfig.packed_weights): the same
+    losses and trained tensors as the plain bf16 weights, bit for bit (same kernel, same sums); on exit every frozen
+    weight is its dense self again and the layers run their own forward."""
+    from frugaltune.training.loop import LoopConfig, train_classifier
+
+    pad = smol_tokenizer.pad_token_id
+    g = torch.Generator().manual_seed(5)
+    ids = [torch.randint(5, 500, (int(n),), generator=g).tolist() for n in torch.randint(4, 12, (32,), generator=g)]
+    labels = [i % 3 for i in range(32)]
+    knobs = MethodKnobs(r=4, alpha=8, dropout=0.1,
+                        target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+    runs = {}
+    for packed in (False, True):
+        model = prepare_model(tiny_model_dir, ["a", "b", "c"], pad, 0, "lora", knobs, bf16=True)
+        frozen = {n: m.weight.detach().clone() for n, m in model.named_modules()
+                  if type(m) is torch.nn.Linear and not m.weight.requires_grad}
+        assert frozen and all(w.dtype == torch.bfloat16 for w in frozen.values())
+        cfg = LoopConfig(lr=1e-2, head_lr=2e-2, batch_size=8, epochs=1, seed=0, bf16=True, log_every=1,
+                         packed_weights=packed)
+        result = train_classifier(model, ids, labels, cfg, pad, progress=False)
+        runs[packed] = ([h["loss"] for h in result.history],
+                        {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad})
+        modules = dict(model.named_modules())
+        assert all(torch.equal(modules[n].weight, w) for n, w in frozen.items())
+        assert not any("forward" in modules[n].__dict__ for n in frozen)
+    assert runs[True][0] == runs[False][0]
+    assert all(torch.equal(runs[True][1][name], tensor) for name, tensor in runs[False][1].items())
+
+
+def test_packed_weights_reorder_every_frozen_bf16_projection_inside_the_block(tiny_model_dir, smol_tokenizer):
+    from frugaltune.training.fast import packed_frozen_weights, packing_available
+
+    model = prepare_model(tiny_model_dir, ["a", "b"], smol_tokenizer.pad_token_id, 0, "lora", MethodKnobs(r=4),
+                          bf16=True)
+    frozen = [m for m in model.modules() if type(m) is torch.nn.Linear and not m.weight.requires_grad]
+    with packed_frozen_weights(model) as packed:
+        assert packed == (len(frozen) if packing_available() else 0)
+    with packed_frozen_weights(model, enabled=False) as packed:
+        assert packed == 0
+    fp32 = prepare_model(tiny_model_dir, ["a", "b"], smol_tokenizer.pad_token_id, 0, "lora", MethodKnobs(r=4))
+    with packed_frozen_weights(fp32) as packed:
+        assert packed == 0  # fp32 weights (a machine where fp32 wins): nothing to reorder for the bf16 kernel
