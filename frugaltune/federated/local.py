@@ -36,6 +36,7 @@ class _Knobs:  # what prepare_model reads from `train.lora`
     alpha: int
     dropout: float
     target_modules: tuple[str, ...]
+    last_layers: None = None  # every layer adapts (config refuses federated.lora.last_layers)
 
 
 def build_model(model_dir: Path | str, labels: list[str], pad_token_id: int, seed: int, lora: LoraSpec,

@@ -317,12 +317,10 @@ def packed_frozen_weights(model: torch.nn.Module, enabled: bool = True, rows: in
     if enabled and packing_available():
         linears = [m for m in model.modules() if _is_frozen_linear(m) and m.bias is None
                    and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu"]
-    shapes = {}
     for linear in linears:
         weight = linear.weight.data
         linear._packed_forward = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
         linear._packed_backward = torch.ops.mkldnn._reorder_linear_weight(weight.t().contiguous(), rows)
-        shapes[linear] = weight.shape
         linear.weight.data = torch.empty(0, dtype=weight.dtype)  # the packed pair replaces it meanwhile
         linear.forward = functools.partial(_packed_forward, linear)
     try:
@@ -330,5 +328,5 @@ def packed_frozen_weights(model: torch.nn.Module, enabled: bool = True, rows: in
     finally:
         for linear in linears:
             del linear.forward
-            linear.weight.data = linear._packed_forward.to_dense().reshape(shapes[linear])
+            linear.weight.data = linear._packed_forward.to_dense()  # the [out, in] weight, value for value
             del linear._packed_forward, linear._packed_backward

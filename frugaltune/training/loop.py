@@ -367,7 +367,7 @@ def train_classifier(
                dynamic_ncols=True)
     with (_stop_on_signals(stop), short_sequence_attention(model, cfg.eager_attention_max_len),
           fused_siblings(model, cfg.fused_siblings),
-          packed_frozen_weights(model, cfg.packed_weights and not cfg.fused_siblings,
+          packed_frozen_weights(model, cfg.packed_weights and not cfg.fused_siblings,  # rows: ~32 tokens a tweet
                                 rows=(cfg.micro_batch_size or cfg.batch_size) * 32)):
         step = first_step
         while step <= total_steps:

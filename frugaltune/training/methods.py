@@ -162,10 +162,10 @@ def prepare_model(model_dir: Path | str, labels: list[str], pad_token_id: int, s
         model.config.use_cache = False
     if method == "qlora":
         model = prepare_qlora(model, knobs.r, knobs.alpha, knobs.dropout, list(knobs.target_modules),
-                              gradient_checkpointing, task, getattr(knobs, "last_layers", None))
+                              gradient_checkpointing, task, knobs.last_layers)
     elif method in ("lora", "dora"):
         model = apply_lora(model, knobs.r, knobs.alpha, knobs.dropout, list(knobs.target_modules),
-                           use_dora=method == "dora", task=task, last_layers=getattr(knobs, "last_layers", None))
+                           use_dora=method == "dora", task=task, last_layers=knobs.last_layers)
     else:
         return freeze_for(method, model)
     fast_lora_dropout(model)  # 4x fewer random draws, one dropout per input shared by q/k/v (training/fast.py)
