@@ -5,6 +5,8 @@
     python benchmarks/step_anatomy.py --ab-rounds 4 --ab fused   #   + sibling projections fused vs separate
     python benchmarks/step_anatomy.py --ab-rounds 4 --ab compiled   # + decoder layers under torch.compile vs eager
     python benchmarks/step_anatomy.py --ab-rounds 5 --ab packed     # + frozen weights pre-reordered for oneDNN
+    python benchmarks/step_anatomy.py --ab-rounds 5 --ab optimizer  # + AdamW as one fused kernel vs torch's default
+    python benchmarks/step_anatomy.py --ab-rounds 5 --ab inputs     # + norms handing bf16 to the projections
 
 Needs `models/base` and `data/tokenized` (`make pipeline`). Two parts, both on this machine's threads and the
 precision the plan measured faster (reports/kernels.json, as `dvc repro train`):
@@ -24,6 +26,10 @@ precision the plan measured faster (reports/kernels.json, as `dvc repro train`):
    batches change the length), which is what would fuse the elementwise work around the matmuls; the warm-up round
    then includes the compilation (each round prints its seconds). `--ab packed` does it for `packed_weights`
    (the frozen bf16 weights reordered once into oneDNN's layout, forward and transposed for the input gradient).
+   `--ab optimizer` compares AdamW fused (one kernel over all trainable tensors, the default since 2026-11-26)
+   with torch's default per-tensor loop; `--ab inputs` compares `bf16_inputs` (the norms hand the projections
+   bf16 once) with each projection casting its fp32 input under autocast. Every other variant uses the loop's
+   default optimizer.
 """
 
 from __future__ import annotations
@@ -100,23 +106,30 @@ def matmul_table(rows: int, hidden: int, q_out: int, kv_out: int, mlp: int, rank
         print(f"{name:34s} {seconds * 1e3:8.3f} {rate}")
 
 
-def ab_switch(switch: str, rounds: int, steps: int, batch_size: int, bf16: bool, eager: int) -> None:
+def ab_switch(switch: str, rounds: int, steps: int, batch_size: int, bf16: bool, eager: int,
+              target_modules: list[str] | None = None) -> None:
     """One speed switch off against on, two models trained by the project's loop on the same slices of data,
     alternating which goes first; the first round warms both up and is not counted."""
     from frugaltune.training.fast import frozen_weights_in
     from frugaltune.training.loop import LoopConfig, train_classifier
 
     ids, labels = throughput._examples(steps * batch_size * rounds)
+    if torch.cuda.is_available():  # as the train stage and train_throughput's frugaltune recipe do on a GPU
+        planner.keep_sdpa_off_cudnn()
     variants = {"frozen": {"fp32 weights, autocast casts": (torch.float32, False),  # fused_siblings as the default
                            "frozen weights stored in bf16": (torch.bfloat16, False)},
                 "fused": {"each projection its own matmul": (None, False),
                           "siblings fused (fused_siblings)": (None, True)},
                 "compiled": {"eager": (None, False), "decoder layers compiled": (None, False)},
-                "packed": {"plain bf16 weights": (None, False), "weights packed (packed_weights)": (None, False)}
+                "packed": {"plain bf16 weights": (None, False), "weights packed (packed_weights)": (None, False)},
+                "optimizer": {"AdamW, torch's default": (None, False), "AdamW fused": (None, False)},
+                "inputs": {"projections cast their inputs": (None, False),
+                           "norms hand bf16 (bf16_inputs)": (None, False)},
                 }[switch]
     models, fused = {}, {}
     for name, (dtype, fuse) in variants.items():
-        model, tokenizer = throughput._model(bf16, "lora", True)  # prepare_model: bf16 frozen weights when bf16
+        knobs = planner.MethodKnobs(target_modules=tuple(target_modules)) if target_modules else None
+        model, tokenizer = throughput._model(bf16, "lora", True, knobs)  # bf16 frozen weights when bf16
         if dtype is not None:
             frozen_weights_in(model, dtype)
         if switch == "compiled" and name != "eager":
@@ -134,7 +147,9 @@ def ab_switch(switch: str, rounds: int, steps: int, batch_size: int, bf16: bool,
         for name in order:
             cfg = LoopConfig(lr=1e-3, head_lr=2e-3, batch_size=batch_size, epochs=1, seed=42, bf16=bf16,
                              log_every=10**6, eager_attention_max_len=eager, fused_siblings=fused[name],
-                             packed_weights=switch == "packed" and name != "plain bf16 weights")
+                             packed_weights=switch == "packed" and name != "plain bf16 weights",
+                             fused_optimizer=switch != "optimizer" or name == "AdamW fused",
+                             bf16_inputs=name == "norms hand bf16 (bf16_inputs)")
             result = train_classifier(models[name], ids[part], labels[part], cfg, tokenizer.pad_token_id,
                                       progress=False)
             rate = result.tokens / result.wall_seconds
@@ -153,10 +168,14 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--ab-rounds", type=int, default=0, help="> 1: also an A/B of a switch, this many rounds")
-    parser.add_argument("--ab", choices=["frozen", "fused", "compiled", "packed"], default="frozen",
+    parser.add_argument("--ab", default="frozen",
+                        choices=["frozen", "fused", "compiled", "packed", "optimizer", "inputs"],
                         help="frozen: bf16-stored frozen weights vs autocast casts; fused: fused_siblings off vs on; "
-                             "compiled: decoder layers under torch.compile vs eager; packed: packed_weights off vs on")
+                             "compiled: decoder layers under torch.compile vs eager; packed: packed_weights off vs on; "
+                             "optimizer: AdamW fused vs torch's default; inputs: bf16_inputs off vs on")
     parser.add_argument("--ab-steps", type=int, default=12, help="steps per model per round")
+    parser.add_argument("--target-modules", nargs="+", default=None,
+                        help="the A/B's LoRA targets (default: params' q/k/v/o), e.g. all seven linear layers")
     args = parser.parse_args()
     bf16, why, measured = throughput.planned_precision(probe())
     eager = planner.eager_attention_max_len(measured, bf16, False)
@@ -169,7 +188,7 @@ def main() -> None:
     matmul_table(rows, hidden, heads * head_dim, config["num_key_value_heads"] * head_dim,
                  config["intermediate_size"], 8, torch.bfloat16 if bf16 else torch.float32, args.repeats)
     if args.ab_rounds > 1:
-        ab_switch(args.ab, args.ab_rounds, args.ab_steps, args.batch_size, bf16, eager)
+        ab_switch(args.ab, args.ab_rounds, args.ab_steps, args.batch_size, bf16, eager, args.target_modules)
 
 
 if __name__ == "__main__":

@@ -17,9 +17,9 @@ steps x batch-size examples of the training split, one pass), with AdamW at the 
 - frugaltune: `frugaltune.training.loop.train_classifier` as `dvc repro train` runs it: length-grouped batches,
   dynamic padding, the precision the kernels stage chose, and the speed switches of `frugaltune.training.fast`
   (LoRA dropout from fewer random words, shared by q/k/v; eager attention up to the measured crossover length;
-  frozen weights stored in bf16 when bf16 was measured faster);
-- frugaltune, switches off: the same loop with peft's `nn.Dropout`, SDPA attention and fp32 frozen weights (the
-  default before the switches);
+  frozen weights stored in bf16 when bf16 was measured faster; AdamW as one fused kernel);
+- frugaltune, switches off: the same loop with peft's `nn.Dropout`, SDPA attention, fp32 frozen weights and torch's
+  default AdamW (the default before the switches);
 - (a) the common recipe: HF `Trainer` + peft, `padding="max_length", max_length=128`, fp32;
 - (b) a tuned HF `Trainer`: `train_sampling_strategy="group_by_length"`, dynamic padding (`DataCollatorWithPadding`),
   bf16 autocast.
@@ -126,7 +126,8 @@ def run_recipe(recipe: str, steps: int, batch_size: int, lr: float, threads: int
             keep_sdpa_off_cudnn()
         model, tokenizer = _model(bf16_ours, method, switches)
         cfg = LoopConfig(lr=lr, head_lr=2 * lr, batch_size=batch_size, epochs=1, seed=42, bf16=bf16_ours,
-                         log_every=steps, eager_attention_max_len=eager_max if switches else 0)
+                         log_every=steps, eager_attention_max_len=eager_max if switches else 0,
+                         fused_optimizer=switches)
         result = train_classifier(model, ids, labels, cfg, tokenizer.pad_token_id, progress=False)
         return {"seconds": result.wall_seconds, "useful_tokens": result.tokens, "padded_tokens": result.padded_tokens,
                 "steps": result.steps, **_memory(), "bf16": bf16_ours, "final_loss": result.final_loss,

@@ -42,6 +42,17 @@ with the crossover length the kernels stage measured on this machine (plan `run.
   products. On a 2-core Zen 4: the forward product alone 1.10-1.23x, forward + input gradient 1.0-1.1x (within
   the spread of repeated timings), a whole LoRA step 1.07x at batch 8 and 0.97-1.00x at batch 16
   (`benchmarks/step_anatomy.py --ab packed`), for +170 MB of peak RSS. `LoopConfig.packed_weights`, off.
+- `bf16_projection_inputs(model)`: the residual stream stays fp32 under autocast, so every projection that reads
+  a norm's output casts it to bf16 itself (q, k, v, and LoRA's A of each, gate, up: up to 8 casts of one tensor
+  per norm), and peft casts a bf16 input up to its fp32 A weight before autocast casts it down again (o_proj's
+  adapter: 2 copies for nothing). Inside the block each decoder layer's two norms return their output in bf16
+  when bf16 autocast is on (one cast, the same values: both round to nearest), and peft's cast is off for vanilla
+  LoRA layers, so the projections read bf16 as is. The layout of every product stays the same (unlike
+  `fused_siblings`). What changes: the consumers' gradients meet in bf16 before the one cast back to fp32, and the
+  shared dropout multiplies in bf16, so results differ from autocast's in rounding, not in math.
+  `LoopConfig.bf16_inputs`, off: on a 2-core Zen 4 (`benchmarks/step_anatomy.py --ab inputs`, 4 alternated rounds
+  after a warm-up) 1.085x at batch 16 on q/k/v/o, 0.984x at batch 8, 0.989x at batch 16 on all seven linear layers:
+  inside the machine's round-to-round spread (±15% that day), so not a measured win.
 """
 
 from __future__ import annotations
@@ -330,3 +341,41 @@ def packed_frozen_weights(model: torch.nn.Module, enabled: bool = True, rows: in
             del linear.forward
             linear.weight.data = linear._packed_forward.to_dense()  # the [out, in] weight, value for value
             del linear._packed_forward, linear._packed_backward
+
+
+_NORMS_BEFORE_PROJECTIONS = ("input_layernorm", "post_attention_layernorm")  # Llama-family decoder layers
+
+
+def _output_in_bf16(module: torch.nn.Module, args, output):
+    device = output.device.type
+    if (output.dtype == torch.float32 and torch.is_autocast_enabled(device)
+            and torch.get_autocast_dtype(device) == torch.bfloat16):
+        return output.to(torch.bfloat16)
+    return None  # autocast off or another precision: the output as it is
+
+
+@contextlib.contextmanager
+def bf16_projection_inputs(model: torch.nn.Module, enabled: bool = True) -> Iterator[int]:
+    """Within the block, under bf16 autocast, the norms before the projections hand them bf16 and peft does not
+    cast LoRA's input back up to fp32 (module docstring); yields how many norms. Left alone (0): a model with an
+    adapter other than vanilla LoRA (DoRA and other variants compute on their input themselves). Hooks and peft's
+    flag are removed on exit."""
+    lora = [m for m in model.modules() if isinstance(getattr(m, "lora_A", None), torch.nn.ModuleDict)]
+    if not enabled or not lora or not all(_plain_lora(m) for m in lora):
+        yield 0
+        return
+    norms = [m for name, m in model.named_modules() if name.rsplit(".", 1)[-1] in _NORMS_BEFORE_PROJECTIONS]
+    handles = [norm.register_forward_hook(_output_in_bf16) for norm in norms]
+    saved = [(m, vars(m).get("cast_input_dtype_enabled")) for m in lora]
+    for module in lora:
+        module.cast_input_dtype_enabled = False
+    try:
+        yield len(norms)
+    finally:
+        for handle in handles:
+            handle.remove()
+        for module, value in saved:
+            if value is None:
+                vars(module).pop("cast_input_dtype_enabled", None)
+            else:
+                module.cast_input_dtype_enabled = value

@@ -250,3 +250,54 @@ def test_packed_weights_reorder_every_frozen_bf16_projection_inside_the_block(ti
     fp32 = prepare_model(tiny_model_dir, ["a", "b"], smol_tokenizer.pad_token_id, 0, "lora", MethodKnobs(r=4))
     with packed_frozen_weights(fp32) as packed:
         assert packed == 0  # fp32 weights (a machine where fp32 wins): nothing to reorder for the bf16 kernel
+
+
+def test_bf16_projection_inputs_hand_the_projections_bf16_once_and_train_as_autocast_to_rounding(
+        tiny_model_dir, smol_tokenizer):
+    """Under bf16 autocast the projections read bf16 from the norms (peft's upcast of LoRA's input off), the loss and
+    gradients agree with autocast's own casts to bf16 rounding, a norm outside autocast keeps fp32, and on exit the
+    hooks and peft's flag are gone."""
+    from frugaltune.training.fast import bf16_projection_inputs
+
+    model = prepare_model(tiny_model_dir, ["a", "b", "c"], smol_tokenizer.pad_token_id, 0, "lora",
+                          MethodKnobs(r=4, alpha=8, dropout=0.1), bf16=True)
+    pad = smol_tokenizer.pad_token_id
+    ids, labels = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16]], [0, 1, 2]
+    seen: list[torch.dtype] = []
+    layer = next(m for n, m in model.named_modules() if n.endswith("layers.0.self_attn.q_proj"))
+    layer.base_layer.register_forward_pre_hook(lambda m, args: seen.append(args[0].dtype))
+
+    def bf16_run():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return _seeded_losses_and_grads(model, ids, labels, pad)
+
+    cast_by_autocast = bf16_run()
+    hooks_before = sum(len(m._forward_hooks) for m in model.modules())  # transformers' own, if any
+    assert seen[-1] == torch.float32  # the fp32 residual stream: autocast casts it in each projection
+    with bf16_projection_inputs(model) as norms:
+        assert norms == 2 * model.config.num_hidden_layers
+        handed = bf16_run()
+        assert seen[-1] == torch.bfloat16
+        norm = next(m for n, m in model.named_modules() if n.endswith("layers.0.input_layernorm"))
+        assert norm(torch.randn(2, 3, model.config.hidden_size)).dtype == torch.float32  # no autocast: left alone
+    torch.testing.assert_close(handed[0], cast_by_autocast[0], rtol=2e-2, atol=2e-2)
+    for name, grad in cast_by_autocast[1].items():
+        if not grad.any():  # LoRA's A at initialization: B = 0 gives it no gradient either way
+            assert not handed[1][name].any(), name
+            continue
+        assert torch.nn.functional.cosine_similarity(handed[1][name].flatten(), grad.flatten(), dim=0) > 0.99, name
+    assert sum(len(m._forward_hooks) for m in model.modules()) == hooks_before
+    lora = [m for m in model.modules() if isinstance(getattr(m, "lora_A", None), torch.nn.ModuleDict)]
+    assert lora and all(m.cast_input_dtype_enabled for m in lora)  # peft's own setting back
+    assert torch.equal(bf16_run()[0], cast_by_autocast[0])  # exactly the autocast path again
+
+
+def test_bf16_projection_inputs_leave_dora_alone(tiny_model_dir, smol_tokenizer):
+    from frugaltune.training.fast import bf16_projection_inputs
+
+    model = prepare_model(tiny_model_dir, ["a", "b"], smol_tokenizer.pad_token_id, 0, "dora",
+                          MethodKnobs(r=4, alpha=8), bf16=True)
+    hooks_before = sum(len(m._forward_hooks) for m in model.modules())
+    with bf16_projection_inputs(model) as norms:
+        assert norms == 0
+        assert sum(len(m._forward_hooks) for m in model.modules()) == hooks_before
