@@ -366,7 +366,7 @@ def bf16_projection_inputs(model: torch.nn.Module, enabled: bool = True) -> Iter
         return
     norms = [m for name, m in model.named_modules() if name.rsplit(".", 1)[-1] in _NORMS_BEFORE_PROJECTIONS]
     handles = [norm.register_forward_hook(_output_in_bf16) for norm in norms]
-    saved = [(m, vars(m).get("cast_input_dtype_enabled")) for m in lora]
+    saved = [getattr(m, "cast_input_dtype_enabled", True) for m in lora]  # peft's default: True
     for module in lora:
         module.cast_input_dtype_enabled = False
     try:
@@ -374,8 +374,5 @@ def bf16_projection_inputs(model: torch.nn.Module, enabled: bool = True) -> Iter
     finally:
         for handle in handles:
             handle.remove()
-        for module, value in saved:
-            if value is None:
-                vars(module).pop("cast_input_dtype_enabled", None)
-            else:
-                module.cast_input_dtype_enabled = value
+        for module, value in zip(lora, saved):
+            module.cast_input_dtype_enabled = value
