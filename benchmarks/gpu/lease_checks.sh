@@ -25,7 +25,7 @@ step() {  # NAME MAX_SECONDS COMMAND...: run under min(MAX, what is left), log t
     if (( left < 30 )); then echo "skipped $name: ${left} s left" | tee -a "$OUT/summary.txt"; return; fi
     (( max > left )) && max=$left
     local t0=$SECONDS
-    timeout "$max" "$@" > "$OUT/$name.log" 2>&1
+    timeout -k 15 "$max" "$@" > "$OUT/$name.log" 2>&1  # -k: the compiled A/B outlived its TERM there once
     echo "$name: rc=$? in $(( SECONDS - t0 )) s (limit $max)" | tee -a "$OUT/summary.txt"
     tail -n 30 "$OUT/$name.log"
 }
