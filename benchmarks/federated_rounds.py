@@ -190,7 +190,7 @@ def main() -> None:
     for seed in args.seeds or [params.common.seed]:
         print(f"seed {seed}", flush=True)
         models: dict[int, torch.nn.Module] = {}  # one per rank, reloaded with each client's slice of the global
-        server = local.build_model("models/base", labels, pad, seed, spec)
+        server = local.build_model("models/base", labels, pad, seed, spec, bf16=bf16)
         start = local.trainable_tensors(server)
         finals: dict[str, float] = {}
         planned = [] if args.only_centralized else [(server, mu) for server in servers for mu in mus]
@@ -213,7 +213,7 @@ def main() -> None:
                     plan = plans[index]
                     if plan["lora_rank"] not in models:
                         models[plan["lora_rank"]] = local.build_model("models/base", labels, pad, seed, spec,
-                                                                      plan["lora_rank"])
+                                                                      plan["lora_rank"], bf16=bf16)
                     model = models[plan["lora_rank"]]
                     local.load_tensors(model, aggregation.slice_to_rank(tensors, plan["lora_rank"]))
                     for name, param in model.named_parameters():  # FFA: A frozen, as the ClientApp does
@@ -274,7 +274,7 @@ def main() -> None:
                   f"= {steps * batch} examples)", flush=True)
         if args.centralized or args.only_centralized:
             began = time.perf_counter()
-            model = local.build_model("models/base", labels, pad, seed, spec)
+            model = local.build_model("models/base", labels, pad, seed, spec, bf16=bf16)
             input_ids, targets = local.read_examples("data/federated/train.parquet")
             central_lr = args.centralized_lr or lr
             central_batch = args.centralized_batch_size or batch

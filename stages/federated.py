@@ -273,9 +273,9 @@ def centralized_baseline(params: Params, labels: list[str], pad_token_id: int, e
     steps = max(1, round(examples / fp.batch_size))
     threads = torch.get_num_threads()
     spec = local.LoraSpec(fp.lora.r, fp.lora.alpha, fp.lora.dropout, tuple(fp.lora.target_modules))
-    model = local.build_model(paths.BASE_MODEL, labels, pad_token_id, seed, spec)
-    input_ids, targets = local.read_examples(DATA / "train.parquet")
     bf16, eager = machine_precision(params)  # as the clients train
+    model = local.build_model(paths.BASE_MODEL, labels, pad_token_id, seed, spec, bf16=bf16)
+    input_ids, targets = local.read_examples(DATA / "train.parquet")
     began = time.perf_counter()
     local.train_locally(model, input_ids, targets, pad_token_id, steps=steps, lr=fp.lr, batch_size=fp.batch_size,
                         micro_batch_size=None, seed=seed, bf16=bf16, eager_attention_max_len=eager,

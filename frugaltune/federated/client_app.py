@@ -87,16 +87,16 @@ def node_settings(context: Context) -> dict:
 
 
 def cached_model(model_dir: str, labels: list[str], pad_token_id: int, seed: int, spec: local.LoraSpec,
-                 rank: int) -> tuple[torch.nn.Module, bool]:
+                 rank: int, bf16: bool = False) -> tuple[torch.nn.Module, bool]:
     """The LoRA model for `rank`, built once per process, and whether this call reused it. Every trainable tensor
     (A, B, head) is overwritten by the round's global before training, so a reused model trains exactly as a fresh
     one; what a previous call froze (FFA's A) trains again until the caller freezes it."""
-    key = (model_dir, tuple(labels), pad_token_id, seed, spec, rank)
+    key = (model_dir, tuple(labels), pad_token_id, seed, spec, rank, bf16)
     reused = key in _MODELS
     if not reused:
         if len(_MODELS) >= 2:  # a worker sees at most the ranks of its clients; keep memory bounded
             _MODELS.pop(next(iter(_MODELS)))
-        model = local.build_model(model_dir, labels, pad_token_id, seed, spec, rank)
+        model = local.build_model(model_dir, labels, pad_token_id, seed, spec, rank, bf16=bf16)
         _MODELS[key] = (model, [name for name, param in model.named_parameters() if param.requires_grad])
     model, trainable = _MODELS[key]
     params = dict(model.named_parameters())
@@ -137,8 +137,9 @@ def train(msg: Message, context: Context) -> Message:
                          "--node-config \"data='path/to/client.parquet'\"")
     input_ids, targets = local.read_examples(str(node["data"]))
 
+    bf16 = str(node.get("precision", "fp32")) == "bf16"
     model, reused = cached_model(str(node.get("model-dir", config["model-dir"])), labels, pad_token_id,
-                                 int(config["seed"]), spec, rank)
+                                 int(config["seed"]), spec, rank, bf16)
     local.load_tensors(model, aggregation.slice_to_rank(received, rank))
     if str(config["method"]) == "ffa":
         local.freeze_lora_a(model)
@@ -155,7 +156,7 @@ def train(msg: Message, context: Context) -> Message:
         model, input_ids, targets, pad_token_id, steps=int(config["local-steps"]), lr=float(config["lr"]),
         batch_size=int(config["batch-size"]), micro_batch_size=int(node["micro-batch"]) if "micro-batch" in node
         else None, seed=int(config["seed"]) * 1000 + int(config["round"]),
-        proximal_mu=float(config.get("proximal-mu", 0.0)), bf16=str(node.get("precision", "fp32")) == "bf16",
+        proximal_mu=float(config.get("proximal-mu", 0.0)), bf16=bf16,
         eager_attention_max_len=int(node.get("eager-attention-max-len", 0)),
         logit_adjustment=bool(config.get("logit-adjustment", False)), optimizer_state=moments)
     if kept:

@@ -40,12 +40,14 @@ class _Knobs:  # what prepare_model reads from `train.lora`
 
 
 def build_model(model_dir: Path | str, labels: list[str], pad_token_id: int, seed: int, lora: LoraSpec,
-                rank: int | None = None) -> torch.nn.Module:
+                rank: int | None = None, bf16: bool = False) -> torch.nn.Module:
     """The base model with the seeded head and LoRA of `rank` (default: the global rank), alpha scaled to keep
-    alpha/r (see aggregation.client_alpha)."""
+    alpha/r (see aggregation.client_alpha). `bf16`: the model will train or evaluate under bf16 autocast, so its
+    frozen projections are stored in bf16 once, as the train stage's are (`prepare_model`): the same products,
+    without a cast of every frozen weight at every use and with half their memory."""
     rank = rank or lora.r
     knobs = _Knobs(rank, aggregation.client_alpha(lora.alpha, lora.r, rank), lora.dropout, lora.target_modules)
-    return prepare_model(model_dir, labels, pad_token_id, seed, "lora", knobs)
+    return prepare_model(model_dir, labels, pad_token_id, seed, "lora", knobs, bf16=bf16)
 
 
 def trainable_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -228,7 +228,7 @@ def main(grid: Grid, context: Context) -> None:
     torch.set_num_threads(int(config.get("threads", 1)))
     labels = json.loads(str(config["labels"]))
     model = local.build_model(str(config["model-dir"]), labels, int(config["pad-token-id"]), int(config["seed"]),
-                              lora_spec(config))
+                              lora_spec(config), bf16=str(config.get("precision", "fp32")) == "bf16")
     test = local.read_examples(str(config["test-data"]))
     (out / "rounds").mkdir(parents=True, exist_ok=True)
 

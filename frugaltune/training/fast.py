@@ -360,8 +360,9 @@ def bf16_projection_inputs(model: torch.nn.Module, enabled: bool = True) -> Iter
     cast LoRA's input back up to fp32 (module docstring); yields how many norms. Left alone (0): a model with an
     adapter other than vanilla LoRA (DoRA and other variants compute on their input themselves). Hooks and peft's
     flag are removed on exit."""
-    lora = [m for m in model.modules() if isinstance(getattr(m, "lora_A", None), torch.nn.ModuleDict)]
-    if not enabled or not lora or not all(_plain_lora(m) for m in lora):
+    lora = [] if not enabled else [m for m in model.modules()
+                                   if isinstance(getattr(m, "lora_A", None), torch.nn.ModuleDict)]
+    if not lora or not all(_plain_lora(m) for m in lora):
         yield 0
         return
     norms = [m for name, m in model.named_modules() if name.rsplit(".", 1)[-1] in _NORMS_BEFORE_PROJECTIONS]

@@ -228,6 +228,29 @@ def test_fedprox_pulls_the_local_update_toward_the_global_weights(tiny_model_dir
     assert math.isfinite(held_loss) and math.isfinite(free_loss)
 
 
+def test_a_bf16_client_stores_its_frozen_projections_in_bf16_and_trains_as_autocast_does(tiny_model_dir,
+                                                                                          smol_tokenizer):
+    """bf16 clients (and the server's evaluation) store the frozen projections in bf16 once, as the train stage
+    does: the products see the same bf16 operands as autocast's casts, so the local update is the same; the
+    trainable tensors (what travels) stay fp32."""
+    pad = smol_tokenizer.pad_token_id
+    spec = local.LoraSpec(4, 8, 0.0, ("q_proj", "v_proj"))
+    g = torch.Generator().manual_seed(5)
+    ids = [torch.randint(5, 500, (6,), generator=g).tolist() for _ in range(16)]
+    labels = [i % 3 for i in range(16)]
+    trained = {}
+    for stored in (False, True):
+        model = local.build_model(tiny_model_dir, ["a", "b", "c"], pad, seed=0, lora=spec, bf16=stored)
+        frozen = {m.weight.dtype for m in model.modules() if type(m) is torch.nn.Linear and not m.weight.requires_grad}
+        assert frozen == ({torch.bfloat16} if stored else {torch.float32})
+        local.train_locally(model, ids, labels, pad, steps=3, lr=0.01, batch_size=8, micro_batch_size=None, seed=0,
+                            bf16=True)
+        trained[stored] = local.trainable_tensors(model)
+    assert {t.dtype for t in trained[True].values()} == {torch.float32}
+    for name, tensor in trained[False].items():
+        torch.testing.assert_close(trained[True][name], tensor, rtol=0, atol=1e-6)
+
+
 def test_a_kept_client_state_continues_adamw_and_changes_the_update(tiny_model_dir, smol_tokenizer):
     """federated.client_state: kept. Round 1 fills the dict with AdamW's state; round 2 starts from it (its step
     count goes on from 3 to 6) and so takes another step than a fresh optimizer from the same weights would."""
