@@ -263,9 +263,11 @@ def main() -> None:
                     print(f"  {setting}, round {number}: EMA {args.ema:g} of the globals: test macro-F1 "
                           f"{ema_curve[-1]:.4f}", flush=True)
                 local.load_tensors(server, tensors)
+                evaluating = time.perf_counter()
                 curve.append(local.evaluate(server, *test, labels, pad, bf16=bf16)["macro_f1"])
                 print(f"  {setting}, round {number}: test macro-F1 {curve[-1]:.4f} "
-                      f"({time.perf_counter() - began:.0f} s)", flush=True)
+                      f"({time.perf_counter() - began:.0f} s so far; this round's evaluation of {len(test[1])} test "
+                      f"rows {time.perf_counter() - evaluating:.1f} s)", flush=True)
             finals[setting] = curve[-1]
             if ema_curve:
                 finals[f"{setting}, EMA {args.ema:g}"] = ema_curve[-1]
