@@ -23,11 +23,13 @@ from datasets import load_from_disk
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from frugaltune import paths  # noqa: E402
+from frugaltune.config import load_params  # noqa: E402
 from frugaltune.hardware import cpu_facts  # noqa: E402
 from frugaltune.io import read_json  # noqa: E402
 from frugaltune.metrics import classification_metrics  # noqa: E402
 from frugaltune.models import load_for_classification, load_tokenizer  # noqa: E402
 from frugaltune.training.batching import collate, sorted_batches  # noqa: E402
+from frugaltune.training.loop import autocast  # noqa: E402
 from frugaltune.training.methods import load_trained  # noqa: E402
 
 
@@ -36,7 +38,7 @@ def logits_of(model: torch.nn.Module, input_ids: list[list[int]], pad_token_id: 
     out = np.zeros((len(input_ids), model.config.num_labels), dtype=np.float32)
     for batch in sorted_batches([len(ids) for ids in input_ids], 32):
         inputs = collate([input_ids[i] for i in batch], pad_token_id)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        with autocast(bf16, torch.device("cpu")):  # the evaluate stage's autocast
             out[batch] = model(**inputs).logits.float().numpy()
     return out
 
@@ -45,13 +47,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--adapter", default=str(paths.PIPELINE_RUN.adapter_dir))
     parser.add_argument("--tau", type=float, nargs="+", default=[0.0, 0.5, 1.0])
-    parser.add_argument("--seed", type=int, default=42, help="the head's seed (common.seed): load_trained overwrites it")
     args = parser.parse_args()
     labels = read_json(paths.LABELS)["labels"]
     bf16 = bool(read_json(paths.report("train")).get("bf16", False))
     data = load_from_disk(str(paths.TOKENIZED_DIR))
     tokenizer = load_tokenizer(paths.BASE_MODEL)
-    model = load_for_classification(paths.BASE_MODEL, labels, tokenizer.pad_token_id, args.seed)
+    model = load_for_classification(paths.BASE_MODEL, labels, tokenizer.pad_token_id, load_params().common.seed)
     model = load_trained(model, args.adapter).eval()
     counts = np.bincount(np.asarray(data["train"]["labels"]), minlength=len(labels))
     prior = counts / counts.sum()
