@@ -137,10 +137,15 @@ def client_config(config: dict, round_number: int) -> ConfigRecord:
                          "client-state": str(config.get("client-state", DEFAULTS["client-state"]))})
 
 
+def evaluates_in_bf16(config: dict) -> bool:
+    """The server's evaluation model is built and run in the precision the run config names (fp32 | bf16)."""
+    return str(config.get("precision", "fp32")) == "bf16"
+
+
 def evaluate_global(model, tensors, test, labels, config) -> dict:
     local.load_tensors(model, tensors)
     return local.evaluate(model, test[0], test[1], labels, int(config["pad-token-id"]),
-                          int(config.get("eval-batch-size", 32)), bf16=str(config.get("precision", "fp32")) == "bf16")
+                          int(config.get("eval-batch-size", 32)), bf16=evaluates_in_bf16(config))
 
 
 def run_secure_round(grid: Grid, context: Context, config: dict, number: int, tensors: dict[str, torch.Tensor],
@@ -228,7 +233,7 @@ def main(grid: Grid, context: Context) -> None:
     torch.set_num_threads(int(config.get("threads", 1)))
     labels = json.loads(str(config["labels"]))
     model = local.build_model(str(config["model-dir"]), labels, int(config["pad-token-id"]), int(config["seed"]),
-                              lora_spec(config), bf16=str(config.get("precision", "fp32")) == "bf16")
+                              lora_spec(config), bf16=evaluates_in_bf16(config))
     test = local.read_examples(str(config["test-data"]))
     (out / "rounds").mkdir(parents=True, exist_ok=True)
 
