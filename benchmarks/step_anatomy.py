@@ -30,6 +30,13 @@ precision the plan measured faster (reports/kernels.json, as `dvc repro train`):
    with torch's default per-tensor loop; `--ab inputs` compares `bf16_inputs` (the norms hand the projections
    bf16 once) with each projection casting its fp32 input under autocast. Every other variant uses the loop's
    default optimizer.
+3. **`--layer-compile`**: one decoder layer of the LoRA model (the first `--batch-size` training rows, padded to
+   their longest), forward + backward under the planned precision, eager against `torch.compile` (inductor,
+   static shapes), with LoRA's dropout as the project's `SharedDropout`, as `nn.Dropout` and as none. Prints the
+   graph breaks dynamo finds, the compilation's seconds and ms per call, eager and compiled alternated. This says
+   whether compilation could fuse the elementwise work around the matmuls before any A/B of the whole loop.
+4. **`--floor`**: the loop's seconds per step for steps of 1 row x 8 tokens (nearly no arithmetic: what every
+   step pays whatever its size) beside steps of the batch, alternated, and the share of the floor in a batch step.
 """
 
 from __future__ import annotations
@@ -163,6 +170,83 @@ def ab_switch(switch: str, rounds: int, steps: int, batch_size: int, bf16: bool,
           f"useful tok/s; {names[1]} / {names[0]} = {new / base:.3f}x")
 
 
+def layer_compile(batch_size: int, bf16: bool, repeats: int = 20) -> None:
+    """One decoder layer, eager vs torch.compile'd, for each kind of LoRA dropout (see the module docstring)."""
+    import copy
+
+    model, _ = throughput._model(bf16, "lora", True)
+    model.train()
+    decoder = model.get_base_model().model
+    ids, _ = throughput._examples(batch_size)
+    length = max(len(x) for x in ids)
+    x = torch.randn(batch_size, length, decoder.config.hidden_size, requires_grad=True)
+    positions = torch.arange(length).unsqueeze(0).expand(batch_size, length)
+    rotary = decoder.rotary_emb(x, positions)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
+
+    def step(layer) -> None:
+        with autocast:
+            out = layer(x, attention_mask=None, position_ids=positions, position_embeddings=rotary)
+        (out[0] if isinstance(out, tuple) else out).float().pow(2).mean().backward()
+
+    def dropouts_as(layer, make) -> None:
+        for module in layer.modules():
+            dropouts = getattr(module, "lora_dropout", None)
+            if isinstance(dropouts, torch.nn.ModuleDict):
+                for name in list(dropouts):
+                    dropouts[name] = make()
+
+    print(f"one decoder layer, {batch_size} x {length} tokens, {'bf16' if bf16 else 'fp32'}, forward + backward:")
+    p = planner.MethodKnobs().dropout
+    for kind, make in (("SharedDropout (the loop's)", None), ("nn.Dropout", lambda: torch.nn.Dropout(p)),
+                       ("no dropout", torch.nn.Identity)):
+        eager = copy.deepcopy(decoder.layers[0])
+        if make is not None:
+            dropouts_as(eager, make)
+        compiled = torch.compile(copy.deepcopy(eager))  # before any forward: SharedDropout then caches no output
+        with autocast:
+            explained = torch._dynamo.explain(eager)(x, attention_mask=None, position_ids=positions,
+                                                     position_embeddings=rotary)
+        began = time.perf_counter()
+        step(compiled)
+        compile_s = time.perf_counter() - began
+        times = {"eager": [], "compiled": []}
+        for number in range(4):  # alternated; round 0 warms both up
+            for name, layer in (("eager", eager), ("compiled", compiled))[:: 1 if number % 2 else -1]:
+                seconds = timed(lambda layer=layer: step(layer), repeats)
+                if number:
+                    times[name].append(seconds)
+        e, c = (statistics.mean(v) * 1e3 for v in times.values())
+        print(f"  {kind:27s} graph breaks {explained.graph_break_count}, compile {compile_s:5.1f} s: "
+              f"eager {e:.2f} ms, compiled {c:.2f} ms, compiled {e / c:.3f}x")
+        torch._dynamo.reset()
+
+
+def step_floor(batch_size: int, bf16: bool, eager: int, steps: int = 12, rounds: int = 4) -> None:
+    """Seconds per step of the loop for 1 x 8-token steps against steps of the batch (see the module docstring)."""
+    from frugaltune.training.loop import LoopConfig, train_classifier
+
+    model, tokenizer = throughput._model(bf16, "lora", True)
+    ids, labels = throughput._examples(steps * batch_size)
+    shapes = {"1 x 8 tokens": ([x[:8] for x in ids[:steps]], labels[:steps], 1),
+              f"batch {batch_size}": (ids, labels, batch_size)}
+    per_step: dict[str, list[float]] = {name: [] for name in shapes}
+    tokens = {}
+    for number in range(rounds):  # alternated; round 0 warms up
+        for name, (rows, marks, batch) in list(shapes.items())[:: 1 if number % 2 else -1]:
+            cfg = LoopConfig(lr=1e-3, head_lr=2e-3, batch_size=batch, epochs=1, seed=42, bf16=bf16,
+                             log_every=10**6, eager_attention_max_len=eager)
+            result = train_classifier(model, rows, marks, cfg, tokenizer.pad_token_id, progress=False)
+            tokens[name] = result.tokens / steps
+            if number:
+                per_step[name].append(result.wall_seconds / steps)
+    floor, full = (statistics.mean(v) for v in per_step.values())
+    for name, values in per_step.items():
+        print(f"  {name}: {statistics.mean(values) * 1e3:.0f} ms a step ({tokens[name]:.0f} useful tokens), "
+              f"rounds {' / '.join(f'{v * 1e3:.0f}' for v in values)} ms")
+    print(f"  the floor is {floor / full:.0%} of a step of batch {batch_size}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch-size", type=int, default=16)
@@ -176,6 +260,8 @@ def main() -> None:
     parser.add_argument("--ab-steps", type=int, default=12, help="steps per model per round")
     parser.add_argument("--target-modules", nargs="+", default=None,
                         help="the A/B's LoRA targets (default: params' q/k/v/o), e.g. all seven linear layers")
+    parser.add_argument("--layer-compile", action="store_true", help="also one decoder layer eager vs compiled")
+    parser.add_argument("--floor", action="store_true", help="also a step's fixed cost (1 x 8 tokens vs the batch)")
     args = parser.parse_args()
     bf16, why, measured = throughput.planned_precision(probe())
     eager = planner.eager_attention_max_len(measured, bf16, False)
@@ -189,6 +275,10 @@ def main() -> None:
                  config["intermediate_size"], 8, torch.bfloat16 if bf16 else torch.float32, args.repeats)
     if args.ab_rounds > 1:
         ab_switch(args.ab, args.ab_rounds, args.ab_steps, args.batch_size, bf16, eager, args.target_modules)
+    if args.layer_compile:
+        layer_compile(args.batch_size, bf16)
+    if args.floor:
+        step_floor(args.batch_size, bf16, eager)
 
 
 if __name__ == "__main__":
