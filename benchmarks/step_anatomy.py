@@ -189,20 +189,13 @@ def layer_compile(batch_size: int, bf16: bool, repeats: int = 20) -> None:
             out = layer(x, attention_mask=None, position_ids=positions, position_embeddings=rotary)
         (out[0] if isinstance(out, tuple) else out).float().pow(2).mean().backward()
 
-    def dropouts_as(layer, make) -> None:
-        for module in layer.modules():
-            dropouts = getattr(module, "lora_dropout", None)
-            if isinstance(dropouts, torch.nn.ModuleDict):
-                for name in list(dropouts):
-                    dropouts[name] = make()
-
     print(f"one decoder layer, {batch_size} x {length} tokens, {'bf16' if bf16 else 'fp32'}, forward + backward:")
     p = planner.MethodKnobs().dropout
     for kind, make in (("SharedDropout (the loop's)", None), ("nn.Dropout", lambda: torch.nn.Dropout(p)),
                        ("no dropout", torch.nn.Identity)):
         eager = copy.deepcopy(decoder.layers[0])
         if make is not None:
-            dropouts_as(eager, make)
+            throughput.replace_lora_dropouts(eager, make)
         compiled = torch.compile(copy.deepcopy(eager))  # before any forward: SharedDropout then caches no output
         with autocast:
             explained = torch._dynamo.explain(eager)(x, attention_mask=None, position_ids=positions,

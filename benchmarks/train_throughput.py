@@ -84,13 +84,21 @@ def _model(bf16: bool, method: str = "lora", switches: bool = True, knobs=None):
         from frugaltune.training.fast import frozen_weights_in
 
         frozen_weights_in(model, torch.float32)  # autocast casts them at every use again
-        for module in model.modules():
-            dropouts = getattr(module, "lora_dropout", None)
-            if isinstance(dropouts, torch.nn.ModuleDict):
-                for name, d in list(dropouts.items()):
-                    if hasattr(d, "shared"):
-                        dropouts[name] = torch.nn.Dropout(MethodKnobs().dropout)
+        replace_lora_dropouts(model, lambda: torch.nn.Dropout(MethodKnobs().dropout),
+                              lambda d: hasattr(d, "shared"))
     return model, tokenizer
+
+
+def replace_lora_dropouts(model, make, which=lambda dropout: True) -> None:
+    """Put `make()` in place of each of peft's LoRA dropout modules in `model` for which `which(module)` holds."""
+    import torch
+
+    for module in model.modules():
+        dropouts = getattr(module, "lora_dropout", None)
+        if isinstance(dropouts, torch.nn.ModuleDict):
+            for name, dropout in list(dropouts.items()):
+                if which(dropout):
+                    dropouts[name] = make()
 
 
 def _cuda() -> bool:
