@@ -113,6 +113,19 @@ def matmul_table(rows: int, hidden: int, q_out: int, kv_out: int, mlp: int, rank
         print(f"{name:34s} {seconds * 1e3:8.3f} {rate}")
 
 
+def alternated(names: list[str], rounds: int, measure) -> dict[str, list[float]]:
+    """`measure(number, name)` for each name in each of `rounds` rounds, alternating which goes first (the given
+    order in even rounds); round 0 warms every variant up and is not kept. Returns each name's kept values.
+    Alternation within one process, not runs minutes apart, is what makes a few percent visible."""
+    kept: dict[str, list[float]] = {name: [] for name in names}
+    for number in range(rounds):
+        for name in names if number % 2 == 0 else list(reversed(names)):
+            value = measure(number, name)
+            if number:
+                kept[name].append(value)
+    return kept
+
+
 def ab_switch(switch: str, rounds: int, steps: int, batch_size: int, bf16: bool, eager: int,
               target_modules: list[str] | None = None) -> None:
     """One speed switch off against on, two models trained by the project's loop on the same slices of data,
@@ -147,23 +160,21 @@ def ab_switch(switch: str, rounds: int, steps: int, batch_size: int, bf16: bool,
         kinds = {str(m.weight.dtype) for m in model.modules()
                  if type(m) is torch.nn.Linear and not m.weight.requires_grad}
         print(f"{name}: frozen Linear weights in {', '.join(sorted(kinds))}")
-    rates: dict[str, list[float]] = {name: [] for name in models}
-    for number in range(rounds):
+    def measure(number: int, name: str) -> float:
         part = slice(number * steps * batch_size, (number + 1) * steps * batch_size)
-        order = list(models) if number % 2 == 0 else list(reversed(models))
-        for name in order:
-            cfg = LoopConfig(lr=1e-3, head_lr=2e-3, batch_size=batch_size, epochs=1, seed=42, bf16=bf16,
-                             log_every=10**6, eager_attention_max_len=eager, fused_siblings=fused[name],
-                             packed_weights=switch == "packed" and name != "plain bf16 weights",
-                             fused_optimizer=switch != "optimizer" or name == "AdamW fused",
-                             bf16_inputs=name == "norms hand bf16 (bf16_inputs)")
-            result = train_classifier(models[name], ids[part], labels[part], cfg, tokenizer.pad_token_id,
-                                      progress=False)
-            rate = result.tokens / result.wall_seconds
-            if number:  # the first round warms both up
-                rates[name].append(rate)
-            print(f"  round {number}{' (warm-up)' if not number else ''}: {name}: {rate:.1f} useful tok/s "
-                  f"({result.wall_seconds:.1f} s)", flush=True)
+        cfg = LoopConfig(lr=1e-3, head_lr=2e-3, batch_size=batch_size, epochs=1, seed=42, bf16=bf16,
+                         log_every=10**6, eager_attention_max_len=eager, fused_siblings=fused[name],
+                         packed_weights=switch == "packed" and name != "plain bf16 weights",
+                         fused_optimizer=switch != "optimizer" or name == "AdamW fused",
+                         bf16_inputs=name == "norms hand bf16 (bf16_inputs)")
+        result = train_classifier(models[name], ids[part], labels[part], cfg, tokenizer.pad_token_id,
+                                  progress=False)
+        rate = result.tokens / result.wall_seconds
+        print(f"  round {number}{' (warm-up)' if not number else ''}: {name}: {rate:.1f} useful tok/s "
+              f"({result.wall_seconds:.1f} s)", flush=True)
+        return rate
+
+    rates = alternated(list(models), rounds, measure)
     base, new = (statistics.mean(v) for v in rates.values())
     names = list(rates)
     print(f"mean over {rounds - 1} rounds: {' / '.join(f'{statistics.mean(v):.1f}' for v in rates.values())} "
@@ -203,13 +214,9 @@ def layer_compile(batch_size: int, bf16: bool, repeats: int = 20) -> None:
         began = time.perf_counter()
         step(compiled)
         compile_s = time.perf_counter() - began
-        times = {"eager": [], "compiled": []}
-        for number in range(4):  # alternated; round 0 warms both up
-            for name, layer in (("eager", eager), ("compiled", compiled))[:: 1 if number % 2 else -1]:
-                seconds = timed(lambda layer=layer: step(layer), repeats)
-                if number:
-                    times[name].append(seconds)
-        e, c = (statistics.mean(v) * 1e3 for v in times.values())
+        layers = {"compiled": compiled, "eager": eager}
+        times = alternated(list(layers), 4, lambda number, name: timed(lambda: step(layers[name]), repeats))
+        e, c = (statistics.mean(times[name]) * 1e3 for name in ("eager", "compiled"))
         print(f"  {kind:27s} graph breaks {explained.graph_break_count}, compile {compile_s:5.1f} s: "
               f"eager {e:.2f} ms, compiled {c:.2f} ms, compiled {e / c:.3f}x")
         torch._dynamo.reset()
@@ -221,23 +228,25 @@ def step_floor(batch_size: int, bf16: bool, eager: int, steps: int = 12, rounds:
 
     model, tokenizer = throughput._model(bf16, "lora", True)
     ids, labels = throughput._examples(steps * batch_size)
-    shapes = {"1 x 8 tokens": ([x[:8] for x in ids[:steps]], labels[:steps], 1),
-              f"batch {batch_size}": (ids, labels, batch_size)}
-    per_step: dict[str, list[float]] = {name: [] for name in shapes}
+    tiny, full = "1 x 8 tokens", f"batch {batch_size}"
+    shapes = {full: (ids, labels, batch_size), tiny: ([x[:8] for x in ids[:steps]], labels[:steps], 1)}
     tokens = {}
-    for number in range(rounds):  # alternated; round 0 warms up
-        for name, (rows, marks, batch) in list(shapes.items())[:: 1 if number % 2 else -1]:
-            cfg = LoopConfig(lr=1e-3, head_lr=2e-3, batch_size=batch, epochs=1, seed=42, bf16=bf16,
-                             log_every=10**6, eager_attention_max_len=eager)
-            result = train_classifier(model, rows, marks, cfg, tokenizer.pad_token_id, progress=False)
-            tokens[name] = result.tokens / steps
-            if number:
-                per_step[name].append(result.wall_seconds / steps)
-    floor, full = (statistics.mean(v) for v in per_step.values())
-    for name, values in per_step.items():
+
+    def measure(number: int, name: str) -> float:
+        rows, marks, batch = shapes[name]
+        cfg = LoopConfig(lr=1e-3, head_lr=2e-3, batch_size=batch, epochs=1, seed=42, bf16=bf16,
+                         log_every=10**6, eager_attention_max_len=eager)
+        result = train_classifier(model, rows, marks, cfg, tokenizer.pad_token_id, progress=False)
+        tokens[name] = result.tokens / steps
+        return result.wall_seconds / steps
+
+    per_step = alternated(list(shapes), rounds, measure)
+    floor, whole = (statistics.mean(per_step[name]) for name in (tiny, full))
+    for name in (tiny, full):
+        values = per_step[name]
         print(f"  {name}: {statistics.mean(values) * 1e3:.0f} ms a step ({tokens[name]:.0f} useful tokens), "
               f"rounds {' / '.join(f'{v * 1e3:.0f}' for v in values)} ms")
-    print(f"  the floor is {floor / full:.0%} of a step of batch {batch_size}")
+    print(f"  the floor is {floor / whole:.0%} of a step of batch {batch_size}")
 
 
 def main() -> None:
