@@ -25,9 +25,9 @@ aggregation.slice_to_rank, local.train_locally at aggregation.round_lr, aggregat
 aggregation.server_momentum_step) but without Flower: clients run one after the other in this process, sampled
 as the ServerApp samples them (the same positions in client-id order), with no per-client micro-batch. Its
 figures compare settings with each other (the first server lr and momentum given are the baseline). Prints the
-test macro-F1 after each round, and with --centralized the centralized baseline the stage computes
-(stages/federated.py: one process, the whole training split, as many examples as the clients trained on, same lr
-and batch, the train stage's schedule), and the CPU, threads and precision.
+test macro-F1 after each round, and with --centralized the centralized baseline the stage computes (the stage's
+own `centralized_baseline`: one process, the whole training split, as many examples as the clients trained on, the
+federation's LoRA, the train stage's lr, head lr, batch and schedule), and the CPU, threads and precision.
 Every flag left out takes its params.yaml `federated` value; --precision auto takes the plan's. --seeds runs the
 whole comparison once per seed (model and adapter initialisation, batch order, the clients sampled; the partitions
 stay the stage's, drawn with common.seed) and, with --centralized, prints each seed's gap and their mean and spread.
@@ -37,7 +37,8 @@ averages each row of the head over the clients in proportion to their examples o
 instead of their examples of all labels. --ema B also evaluates, after each round, the exponential average of the
 global adapters so far (B x previous + (1 - B) x this round's), a server-side smoothing that costs no round.
 --batch-size B --local-steps K changes the clients' batch and steps (the centralized baseline keeps as many
-examples: --centralized-batch-size sets its batch apart; --only-centralized runs the baseline alone). --client-state
+examples; --centralized-lr, --centralized-head-lr and --centralized-batch-size change its recipe, e.g. `0.002 0.002 8`
+for the clients' settings it trained with until 2026-11-26; --only-centralized runs the baseline alone). --client-state
 kept lets each client continue AdamW's moments and step count from its previous round instead of starting a fresh
 optimizer every round (`federated.client_state`, train_locally's `optimizer_state`). --scaffold on corrects every
 local gradient by SCAFFOLD's control variates (local.ControlVariates; the server's c updated by
@@ -62,6 +63,7 @@ from frugaltune.config import load_params  # noqa: E402
 from frugaltune.federated import aggregation, local, wire  # noqa: E402
 from frugaltune.hardware import cpu_facts  # noqa: E402
 from frugaltune.models import load_tokenizer  # noqa: E402
+from stages import federated as federated_stage  # noqa: E402  (the centralized baseline is the stage's own)
 
 
 def adaptive_step(global_tensors: dict, aggregated: dict, eta: float, state: dict, kind: str, beta1: float = 0.9,
@@ -110,7 +112,7 @@ def main() -> None:
     parser.add_argument("--fraction", type=float, default=None,
                         help="the share of clients sampled per round (federated.fraction; 1 = every client)")
     parser.add_argument("--batch-size", type=int, default=None,
-                        help="the clients' batch (and the centralized baseline's, unless --centralized-batch-size)")
+                        help="the clients' batch")
     parser.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto")
     parser.add_argument("--server-momentum", type=float, nargs="+", default=None,
                         help="FedAvgM's momentum (0 = none); with several server lrs, every pair is run")
@@ -134,13 +136,15 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=None,
                         help="training seeds, each a whole run (default: common.seed)")
     parser.add_argument("--centralized", action="store_true", help="also the stage's centralized baseline")
-    parser.add_argument("--centralized-lr", type=float, default=None, help="its lr (default: the clients' lr)")
+    parser.add_argument("--centralized-lr", type=float, default=None, help="its lr (default: train.lr)")
+    parser.add_argument("--centralized-head-lr", type=float, default=None,
+                        help="its head's lr (default: train.head_lr)")
     parser.add_argument("--client-state", choices=["fresh", "kept"], default=None,
                         help="kept: each client continues AdamW's moments from its previous round")
     parser.add_argument("--only-centralized", action="store_true",
                         help="skip the federations: the baseline alone, on the examples they would train on")
     parser.add_argument("--centralized-batch-size", type=int, default=None,
-                        help="its batch (default: the clients'); its steps cover as many examples as theirs")
+                        help="its batch (default: train.batch_size); its steps cover as many examples as theirs")
     parser.add_argument("--scaffold", choices=["on", "off"], default="off",
                         help="on: SCAFFOLD's control variates correct each client's local gradients")
     parser.add_argument("--logit-adjustment", choices=["on", "off", "params"], default="params",
@@ -275,20 +279,16 @@ def main() -> None:
                   f"{' / '.join(f'{v:.3f}' for v in curve)} ({time.perf_counter() - began:.0f} s, {steps} client steps "
                   f"= {steps * batch} examples)", flush=True)
         if args.centralized or args.only_centralized:
-            began = time.perf_counter()
-            model = local.build_model("models/base", labels, pad, seed, spec, bf16=bf16)
-            input_ids, targets = local.read_examples("data/federated/train.parquet")
-            central_lr = args.centralized_lr or lr
-            central_batch = args.centralized_batch_size or batch
-            central_steps = max(1, round(steps * batch / central_batch))  # as many examples as the clients saw
-            local.train_locally(model, input_ids, targets, pad, steps=central_steps, lr=central_lr,
-                                batch_size=central_batch,
-                                micro_batch_size=None, seed=seed, bf16=bf16, eager_attention_max_len=eager,
-                                scheduler=params.train.scheduler, warmup_ratio=params.train.warmup_ratio)
-            final = local.evaluate(model, *test, labels, pad, bf16=bf16)
-            print(f"  centralized, lr {central_lr}, {params.train.scheduler} schedule, {central_steps} steps of "
-                  f"{central_batch} ({central_steps * central_batch} examples of {len(targets)} rows): test macro-F1 "
-                  f"{final['macro_f1']:.4f} ({time.perf_counter() - began:.0f} s)", flush=True)
+            recipe = {key: value for key, value in (("lr", args.centralized_lr), ("head_lr", args.centralized_head_lr),
+                                                    ("batch_size", args.centralized_batch_size)) if value is not None}
+            central = federated_stage.centralized_baseline(
+                params.model_copy(update={"train": params.train.model_copy(update=recipe)}), labels, pad,
+                steps * batch, seed=seed, precision=(bf16, eager))  # as many examples as the clients saw
+            final = central["final"]
+            print(f"  centralized, lr {central['lr']} (head {central['head_lr']}), {central['scheduler']} schedule, "
+                  f"{central['steps']} steps of {central['batch_size']} ({central['examples']} examples of "
+                  f"{central['training_rows']} rows): test macro-F1 {final['macro_f1']:.4f} "
+                  f"({central['train_seconds']:.0f} s training)", flush=True)
             for setting, value in finals.items():
                 gaps.setdefault(setting, []).append(final["macro_f1"] - value)
                 print(f"  {setting}: gap to centralized {final['macro_f1'] - value:.4f}", flush=True)

@@ -19,8 +19,8 @@ federated_labels.csv` (per-client label counts), `reports/plots/federated_client
 `reports/figures/federated_rounds.png` (metric vs round and vs bytes) and `reports/figures/federated_clients.png`
 (each client's measured time and memory against its plan); one MLflow run with the per-round metrics.
 With `federated.centralized_baseline`, the report's `centralized` is LoRA trained in one process on as many examples
-as the first run's clients trained on (same LoRA, lr, batch, seed, test split), and each run gets its
-`macro_f1_gap_to_centralized`.
+as the first run's clients trained on (the federation's LoRA and seed, the train stage's lr, batch and schedule; the
+same test split), and each run gets its `macro_f1_gap_to_centralized`.
 """
 
 from __future__ import annotations
@@ -256,36 +256,47 @@ def examples_trained(out: Path, batch_size: int) -> int:
                for client in report.get("clients", []))
 
 
-def centralized_baseline(params: Params, labels: list[str], pad_token_id: int, examples: int) -> dict:
-    """The reference the issue compares a federation with: LoRA trained in one process on the whole training split
-    (the union of what the clients own), for as many examples as the federation's clients trained on, with the
-    federation's LoRA, lr, batch and seed, evaluated on the same test split by the same function as the server's
-    rounds. One optimizer over all the steps, with the train stage's schedule (`train.scheduler`,
-    `train.warmup_ratio`), as centralized training has: at the federation's constant lr 0.002 the 400 steps of the
-    default run collapsed to one class (macro-F1 0.273, 2026-11-25), no reference for anything."""
+def centralized_baseline(params: Params, labels: list[str], pad_token_id: int, examples: int,
+                         seed: int | None = None, precision: tuple[bool, int] | None = None) -> dict:
+    """The reference the issue compares a federation with: centralized LoRA, i.e. the train stage's own recipe
+    (`train.lr`, `train.head_lr`, `train.batch_size`, its schedule, clipping and weight decay) on the federation's
+    LoRA (`federated.lora`), trained in one process on the whole training split (the union of what the clients own)
+    for as many examples as the federation's clients trained on, and evaluated on the same test split by the same
+    function as the server's rounds. `seed` (default `common.seed`) and `precision` ((bf16?, eager attention up to),
+    default this machine's measurement) are for benchmarks/federated_rounds.py, which runs it over seeds.
+
+    Until 2026-11-26 it trained at the clients' lr and batch (0.002, 8): over seeds 42 / 1 / 2 that ended at 0.774 /
+    0.754 / 0.688 (sd 0.045), a reference that moved more than the federations it judged (0.720 / 0.710 / 0.715); the
+    train stage's recipe ends at 0.747 / 0.732 / 0.753 (sd 0.011) on the same 6,400 examples (docs/DECISIONS.md,
+    "The centralized reference is the train stage's recipe")."""
     import time
 
     import torch
 
-    from frugaltune.training.loop import peak_rss_mb
+    from frugaltune.training.loop import LoopConfig, peak_rss_mb, train_classifier
 
-    fp, seed = params.federated, params.common.seed
-    steps = max(1, round(examples / fp.batch_size))
+    fp, tp = params.federated, params.train
+    seed = params.common.seed if seed is None else seed
+    per_step = tp.batch_size * tp.grad_accum
+    steps = max(1, round(examples / per_step))
     threads = torch.get_num_threads()
     spec = local.LoraSpec(fp.lora.r, fp.lora.alpha, fp.lora.dropout, tuple(fp.lora.target_modules))
-    bf16, eager = machine_precision(params)  # as the clients train
+    bf16, eager = precision or machine_precision(params)  # as the clients train
     model = local.build_model(paths.BASE_MODEL, labels, pad_token_id, seed, spec, bf16=bf16)
     input_ids, targets = local.read_examples(DATA / "train.parquet")
+    cfg = LoopConfig(lr=tp.lr, head_lr=tp.head_lr, lora_plus_ratio=tp.lora_plus_ratio, weight_decay=tp.weight_decay,
+                     scheduler=tp.scheduler, warmup_ratio=tp.warmup_ratio, max_steps=steps, batch_size=tp.batch_size,
+                     grad_accum=tp.grad_accum, max_grad_norm=tp.max_grad_norm, bf16=bf16,
+                     group_by_length=tp.group_by_length, log_every=steps, seed=seed, checkpoint_dir=None,
+                     eager_attention_max_len=eager)
     began = time.perf_counter()
-    local.train_locally(model, input_ids, targets, pad_token_id, steps=steps, lr=fp.lr, batch_size=fp.batch_size,
-                        micro_batch_size=None, seed=seed, bf16=bf16, eager_attention_max_len=eager,
-                        scheduler=params.train.scheduler, warmup_ratio=params.train.warmup_ratio)
+    train_classifier(model, input_ids, targets, cfg, pad_token_id, progress=False)
     seconds = time.perf_counter() - began
     test_ids, test_targets = local.read_examples(DATA / "test.parquet")
     final = local.evaluate(model, test_ids, test_targets, labels, pad_token_id, bf16=bf16)
-    return {"examples": steps * fp.batch_size, "steps": steps, "batch_size": fp.batch_size, "lr": fp.lr,
-            "precision": "bf16" if bf16 else "fp32", "scheduler": params.train.scheduler,
-            "warmup_ratio": params.train.warmup_ratio, "training_rows": len(targets), "threads": threads,
+    return {"examples": steps * per_step, "steps": steps, "batch_size": per_step, "lr": tp.lr,
+            "head_lr": tp.head_lr, "precision": "bf16" if bf16 else "fp32", "scheduler": tp.scheduler,
+            "warmup_ratio": tp.warmup_ratio, "training_rows": len(targets), "threads": threads,
             "train_seconds": round(seconds, 1),
             "peak_rss_mb": round(peak_rss_mb()), "final": final}
 

@@ -125,9 +125,11 @@ def test_the_stage_runs_three_supernodes_for_two_rounds_sending_only_the_adapter
     assert sorted(c["lora_rank"] for c in report["clients"]["iid"]) == [4, 8, 8]
     assert json.loads((project / "reports/federated.json").read_text())["runs"]["fedavg_iid"] == run
     assert not leftovers(project), leftovers(project)  # the finished run's ServerApp and ClientApps are gone
-    # the centralized reference: as many examples as the clients trained on (2 rounds x 3 clients x 2 steps x 8)
+    # the centralized reference: as many examples as the clients trained on (2 rounds x 3 clients x 2 steps x 8), in
+    # the train stage's recipe (batch 16 at train.lr, head at train.head_lr), not the clients' batch of 8
     central = report["centralized"]
-    assert (central["examples"], central["steps"], central["training_rows"]) == (96, 12, 120)
+    assert (central["examples"], central["steps"], central["training_rows"]) == (96, 6, 120)
+    assert (central["batch_size"], central["lr"], central["head_lr"]) == (16, params.train.lr, params.train.head_lr)
     assert run["macro_f1_gap_to_centralized"] == pytest.approx(central["final"]["macro_f1"] - run["final"]["macro_f1"],
                                                                abs=1e-4)
     rows = (project / "reports/plots/federated_rounds.csv").read_text().splitlines()
