@@ -263,6 +263,9 @@ def main() -> None:
     parser.add_argument("--target-modules", nargs="+", default=None,
                         help="the A/B's LoRA targets (default: params' q/k/v/o), e.g. all seven linear layers")
     parser.add_argument("--layer-compile", action="store_true", help="also one decoder layer eager vs compiled")
+    parser.add_argument("--layer-repeats", type=int, default=20,
+                        help="--layer-compile's timed forward + backward passes per layer per round (--repeats is the "
+                             "matmul table's)")
     parser.add_argument("--floor", action="store_true", help="also a step's fixed cost (1 x 8 tokens vs the batch)")
     args = parser.parse_args()
     bf16, why, measured = throughput.planned_precision(probe())
@@ -278,7 +281,7 @@ def main() -> None:
     if args.ab_rounds > 1:
         ab_switch(args.ab, args.ab_rounds, args.ab_steps, args.batch_size, bf16, eager, args.target_modules)
     if args.layer_compile:
-        layer_compile(args.batch_size, bf16)
+        layer_compile(args.batch_size, bf16, args.layer_repeats)
     if args.floor:
         step_floor(args.batch_size, bf16, eager)
 

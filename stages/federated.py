@@ -44,6 +44,7 @@ from frugaltune.config import Params, load_params
 from frugaltune.federated import local, plots, profiles, rounds
 from frugaltune.federated.launch import LocalFederation
 from frugaltune.io import read_json, write_json, write_text
+from frugaltune.training import checkpoint
 from stages.train import measured_precision_inputs, resolve_threads
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,12 +112,26 @@ def round_code_sha256() -> str:
     return digest.hexdigest()
 
 
-def run_key(params: Params, scheme: str, method: str) -> str:
+def data_fingerprint(parts: Path, test: Path) -> str:
+    """The rows a federation trains and is judged on: each client's partition that `parts/partitions.json` lists (in
+    its order) and the server's test split, as token ids and labels (checkpoint.data_fingerprint, the train stage's),
+    not file bytes."""
+    digest = hashlib.sha256()
+    clients = [parts / f"client_{entry['client']}.parquet" for entry in read_json(parts / "partitions.json")["clients"]]
+    for path in clients + [test]:
+        digest.update(path.name.encode() + b"\0" + checkpoint.data_fingerprint(*local.read_examples(path)).encode())
+    return digest.hexdigest()[:16]
+
+
+def run_key(params: Params, scheme: str, method: str, data: str) -> str:
+    """The federation's identity in checkpoints/federated/: its settings, seed, base weights, round code and `data`
+    (data_fingerprint). Until 2026-11-26 the data was not in it, so new rows under the same settings (another
+    dataset, another tokenize.max_length) resumed the finished rounds of the old ones."""
     fp = params.federated
     blob = json.dumps({"federated": fp.model_dump(), "seed": params.common.seed, "scheme": scheme, "method": method,
                        "model": read_json(paths.report("import_model")).get("weights_sha256")
-                       if paths.report("import_model").exists() else None, "code": round_code_sha256()},
-                      sort_keys=True)
+                       if paths.report("import_model").exists() else None, "code": round_code_sha256(),
+                       "data": data}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -137,7 +152,8 @@ def federate(params: Params, scheme: str, method: str, plans: list[dict], parts:
                            f"min_completed {fp.min_completed}: " + "; ".join(
                                f"client {p['client']} ({p['preset']}): {p['reason']}" for p in plans if not p["fits"]))
     bf16, eager = machine_precision(params)  # every client of this stage trains on this machine
-    out = (paths.CHECKPOINTS_DIR / "federated" / run_key(params, scheme, method)).resolve()
+    out = (paths.CHECKPOINTS_DIR / "federated" / run_key(params, scheme, method,
+                                                         data_fingerprint(parts, DATA / "test.parquet"))).resolve()
     # each client's own disk, simulated: where it keeps its optimizer's moments between rounds (client_state: kept)
     nodes = [{"data": str((parts / f"client_{p['client']}.parquet").resolve()), "lora-rank": p["lora_rank"],
               "micro-batch": p["micro_batch_size"], "threads": fp.threads, "client-id": p["client"],
@@ -358,7 +374,8 @@ def run(params: Params) -> dict:
                                    step=row["round"])
         if fp.centralized_baseline and report["runs"]:
             first = next(iter(report["runs"]))
-            examples = examples_trained(paths.CHECKPOINTS_DIR / "federated" / run_key(params, *runs[0]),
+            data = data_fingerprint(DATA / f"partitions_{runs[0][0]}", DATA / "test.parquet")
+            examples = examples_trained(paths.CHECKPOINTS_DIR / "federated" / run_key(params, *runs[0], data),
                                         fp.batch_size)
             print(f"federated: centralized LoRA on {examples} examples (as many as {first}'s clients trained on)",
                   flush=True)

@@ -444,8 +444,9 @@ def test_the_federated_run_key_changes_with_the_code_that_computes_rounds(monkey
     from frugaltune.config import load_params
 
     params = load_params()
-    key = stage.run_key(params, "dirichlet", "fedavg")
-    assert stage.run_key(params, "dirichlet", "fedavg") == key
+    key = stage.run_key(params, "dirichlet", "fedavg", "rows")
+    assert stage.run_key(params, "dirichlet", "fedavg", "rows") == key
+    assert stage.run_key(params, "dirichlet", "fedavg", "other rows") != key  # new data: a new federation
     copy = tmp_path / "frugaltune" / "federated"
     copy.mkdir(parents=True)
     for entry in stage.ROUND_CODE:  # the same code elsewhere: the same key; one changed byte: another key
@@ -456,7 +457,33 @@ def test_the_federated_run_key_changes_with_the_code_that_computes_rounds(monkey
         else:
             target.write_bytes(source.read_bytes())
     monkeypatch.setattr(stage, "ROOT", tmp_path)
-    assert stage.run_key(params, "dirichlet", "fedavg") == key
+    assert stage.run_key(params, "dirichlet", "fedavg", "rows") == key
     with (tmp_path / "frugaltune/federated/aggregation.py").open("a") as handle:
         handle.write("\n# changed\n")
-    assert stage.run_key(params, "dirichlet", "fedavg") != key
+    assert stage.run_key(params, "dirichlet", "fedavg", "rows") != key
+
+
+def test_the_federated_data_fingerprint_follows_the_rows_not_the_files(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import stages.federated as stage
+
+    def write(rows: dict[str, tuple[list[list[int]], list[int]]], compression: str = "snappy") -> str:
+        parts = tmp_path / "parts"
+        parts.mkdir(exist_ok=True)
+        for name, (ids, labels) in rows.items():
+            pq.write_table(pa.table({"input_ids": ids, "labels": labels}),
+                           tmp_path / "test.parquet" if name == "test" else parts / f"{name}.parquet",
+                           compression=compression)
+        clients = [{"client": int(name.split("_")[1])} for name in rows if name != "test"]
+        (parts / "partitions.json").write_text(json.dumps({"clients": clients}))
+        return stage.data_fingerprint(parts, tmp_path / "test.parquet")
+
+    rows = {"client_0": ([[1, 2, 3], [4]], [0, 1]), "client_1": ([[5, 6]], [2]), "test": ([[7, 8]], [1])}
+    first = write(rows)
+    assert write(rows, compression="none") == first  # the same rows in other bytes: the same federation
+    assert write({**rows, "client_1": ([[5, 6]], [0])}) != first  # one label changed
+    assert write({**rows, "test": ([[7, 9]], [1])}) != first  # the server judges on other rows
+    (tmp_path / "parts" / "client_7.parquet").write_bytes(b"stale")  # a file partitions.json does not list
+    assert write(rows) == first
