@@ -9,11 +9,12 @@ tweet's own last token?
 Run from the repository root after `make pipeline` (it reads data/tokenized/, models/base and reports/plan.json).
 Each variant trains as the train stage does at params.yaml's `train.*` (stages.train.build_model, the one loop
 `train_classifier` with the train stage's lr, head lr, batch, epochs, schedule and clipping; the precision and
-attention this machine's plan measured), on the tokenized rows with the variant's token ids added (the tweet cut
-so that prompt + tweet fit `tokenize.max_length`), then predicts the test split like the evaluate stage
+attention this machine's plan measured), on the tokenized rows wrapped in the variant's template as
+`train.input_template` wraps them (frugaltune/input_template.py: the tweet cut so that prompt + tweet fit
+`tokenize.max_length`), then predicts the test split like the evaluate stage
 (`loop.predict`, batch 32) and prints test macro-F1, accuracy, training seconds and training tokens, per seed and,
 for each variant, its mean difference from the first variant. Variants run one after the other in this process,
-in the order given, for each seed. The tokenize stage itself is unchanged: this measures the lever before it is one.
+in the order given, for each seed, whatever `train.input_template` params.yaml sets.
 """
 
 from __future__ import annotations
@@ -33,26 +34,18 @@ from datasets import load_from_disk  # noqa: E402
 from frugaltune import paths  # noqa: E402
 from frugaltune.config import load_params  # noqa: E402
 from frugaltune.hardware import cpu_facts  # noqa: E402
+from frugaltune.input_template import InputTemplate, wrapped  # noqa: E402
 from frugaltune.metrics import classification_metrics  # noqa: E402
 from frugaltune.models import load_tokenizer  # noqa: E402
 from frugaltune.training.loop import LoopConfig, predict, train_classifier  # noqa: E402
 from stages.train import build_model  # noqa: E402
 
-PROMPTS = {"none": ("", ""), "suffix": ("", "\nSentiment:"), "both": ("Tweet: ", "\nSentiment:")}
-
-
-def wrapped(rows: list[list[int]], before: list[int], after: list[int], max_length: int) -> list[list[int]]:
-    """Each row as before + row + after, the row cut (from its end) so that the whole fits max_length."""
-    room = max_length - len(before) - len(after)
-    if room < 1:
-        raise ValueError(f"a prompt of {len(before) + len(after)} tokens leaves no room under tokenize.max_length "
-                         f"{max_length}")
-    return [before + list(row)[:room] + after for row in rows]
+TEMPLATES = {"none": None, "suffix": "{text}\nSentiment:", "both": "Tweet: {text}\nSentiment:"}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--variants", nargs="+", choices=sorted(PROMPTS), default=["none", "suffix"])
+    parser.add_argument("--variants", nargs="+", choices=sorted(TEMPLATES), default=["none", "suffix"])
     parser.add_argument("--seeds", type=int, nargs="+", default=None, help="default: common.seed")
     args = parser.parse_args()
     params = load_params()
@@ -71,10 +64,9 @@ def main() -> None:
     for seed in args.seeds or [params.common.seed]:
         seeded = params.model_copy(update={"common": params.common.model_copy(update={"seed": seed})})
         for variant in args.variants:
-            before, after = (tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
-                             for text in PROMPTS[variant])
-            train = wrapped(data["train"]["input_ids"], before, after, max_length)
-            test = wrapped(data["test"]["input_ids"], before, after, max_length)
+            template = InputTemplate.build(TEMPLATES[variant], tokenizer) if TEMPLATES[variant] else None
+            train = wrapped(data["train"]["input_ids"], template, max_length)
+            test = wrapped(data["test"]["input_ids"], template, max_length)
             model, lr = build_model(seeded, labels, tokenizer.pad_token_id, bf16)
             cfg = LoopConfig(lr=lr, head_lr=tp.head_lr, lora_plus_ratio=tp.lora_plus_ratio,
                              weight_decay=tp.weight_decay, scheduler=tp.scheduler, warmup_ratio=tp.warmup_ratio,
@@ -88,7 +80,7 @@ def main() -> None:
             predictions = predict(model, test, tokenizer.pad_token_id, bf16=bf16, progress=False)
             metrics = classification_metrics(np.asarray(data["test"]["labels"]), predictions, labels)
             scores.setdefault(variant, []).append(metrics["macro_f1"])
-            print(f"seed {seed} {variant} ({len(before)} + {len(after)} prompt tokens): test macro-F1 "
+            print(f"seed {seed} {variant} ({template.extra if template else 0} prompt tokens): test macro-F1 "
                   f"{metrics['macro_f1']:.4f}, accuracy {metrics['accuracy']:.4f}; {seconds:.0f} s training, "
                   f"{sum(map(len, train)):,} training tokens", flush=True)
     first = args.variants[0]

@@ -284,6 +284,12 @@ class TrainParams(Section):
         "speed as glibc, RSS near live memory instead of a fragmented heap (frugaltune/allocator.py)."
     )
     group_by_length: bool = Field(True, description="Batch sequences of similar length together (less padding).")
+    input_template: str | None = Field(
+        None, description="classification: the text around every input, `{text}` where the input goes (e.g. "
+        "\"{text}\\nSentiment:\"); null = the bare input. Wrapped on token ids, the input cut so that the whole fits "
+        "tokenize.max_length; recorded in the adapter's labels.json, from where evaluation and serving wrap their "
+        "inputs the same way (frugaltune/input_template.py). causal_lm ignores it: its prompts are the rows' own, "
+        "or task.prompt_template's.")
     log_every: int = Field(10, ge=1, description="Log loss and tokens/s every this many optimizer steps.")
     checkpoint_every: int = Field(
         50, ge=1, description="Write a resumable checkpoint (under checkpoints/, outside DVC outputs) every N steps."
@@ -300,6 +306,14 @@ class TrainParams(Section):
         default_factory=DistributedParams, description="Data-parallel training over several processes (torchrun)."
     )
 
+    @field_validator("input_template")
+    @classmethod
+    def _template_has_text(cls, template: str | None) -> str | None:
+        if template is not None:
+            from frugaltune.input_template import sides
+
+            sides(template)
+        return template
 
     @field_validator("micro_batch_size")
     @classmethod

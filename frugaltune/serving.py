@@ -17,9 +17,10 @@ A prompt -> response model (train task `causal_lm`; labels.json says so) is logg
     model.predict(pd.DataFrame({"prompt": ["2+2?"], "candidates": [["4", "5"]]}))          # the likeliest candidate
     model.predict(df, params={"max_new_tokens": 16, "temperature": 0.7})
 
-This module must import nothing from the rest of the project but `frugaltune.generation` (which imports nothing
-from it either): `log_model` pickles both by value into the logged model, so a registered version loads with
-MLflow, torch, transformers and peft alone, and keeps working after these files change.
+This module must import nothing from the rest of the project but `frugaltune.generation` and
+`frugaltune.input_template` (which import nothing from it either): `log_model` pickles them by value into the logged
+model, so a registered version loads with MLflow, torch, transformers and peft alone, and keeps working after these
+files change.
 """
 
 from __future__ import annotations
@@ -35,9 +36,10 @@ from typing import Any
 import mlflow.pyfunc
 import pandas as pd
 
-# The only project import: generation is pickled by value with this module (see log_model), so a function here
-# that calls `generation.generate` carries it along, and nothing imports `frugaltune` when the model loads.
-from frugaltune import generation
+# The only project imports: both are pickled by value with this module (see log_model), so a function here that
+# calls `generation.generate` carries it along, and nothing imports `frugaltune` when the model loads.
+from frugaltune import generation, input_template
+from frugaltune.input_template import InputTemplate
 
 LABELS_FILE = "labels.json"  # {"labels": [names in class-id order], "max_length": optional int}
 TEXT_COLUMN = "text"
@@ -113,12 +115,14 @@ def _trained_heads(adapter_dir: Path) -> list[str]:
 class Classifier:
     """A loaded base model + adapter + tokenizer that maps texts to label names."""
 
-    def __init__(self, model: Any, tokenizer: Any, labels: list[str], max_length: int, batch_size: int):
+    def __init__(self, model: Any, tokenizer: Any, labels: list[str], max_length: int, batch_size: int,
+                 template: InputTemplate | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.labels = labels
         self.max_length = max_length
         self.batch_size = batch_size
+        self.template = template  # labels.json's input_template: the inputs wrapped as in training
 
     def predict(self, texts: Sequence[str]) -> list[str]:
         """Label name per text, in input order."""
@@ -134,13 +138,21 @@ class Classifier:
         with torch.inference_mode():
             for start in range(0, len(order), self.batch_size):
                 batch = order[start:start + self.batch_size]
-                encoded = self.tokenizer(
-                    [texts[i] for i in batch],
-                    truncation=True,
-                    max_length=self.max_length,
-                    padding=True,
-                    return_tensors="pt",
-                )
+                if self.template is None:
+                    encoded = self.tokenizer(
+                        [texts[i] for i in batch],
+                        truncation=True,
+                        max_length=self.max_length,
+                        padding=True,
+                        return_tensors="pt",
+                    )
+                else:  # the ids the tokenize stage gives a text, then wrapped exactly as the training rows were
+                    ids = self.tokenizer([texts[i] for i in batch], truncation=True, max_length=self.max_length)
+                    encoded = self.tokenizer.pad(
+                        {"input_ids": self.template.wrap_all(ids["input_ids"], self.max_length)},
+                        padding=True,
+                        return_tensors="pt",
+                    )
                 class_ids = self.model(**encoded).logits.argmax(dim=-1).tolist()
                 for i, class_id in zip(batch, class_ids):
                     predictions[i] = self.labels[class_id]
@@ -213,12 +225,14 @@ def load_classifier(
             for name, tensor in load_file(str(adapter_dir / TENSORS_FILE)).items():
                 params[name].copy_(tensor)
     model.eval()
+    manifest = json.loads((adapter_dir / LABELS_FILE).read_text(encoding="utf-8"))
     return Classifier(
         model,
         tokenizer,
         labels,
         max_length=max_length or _stored_max_length(adapter_dir) or DEFAULT_MAX_LENGTH,
         batch_size=batch_size,
+        template=input_template.from_manifest(manifest, tokenizer),
     )
 
 
@@ -606,9 +620,10 @@ def log_model(
 
     `task` "classification" logs a `SequenceClassifierModel` (`text` in), "causal_lm" a `GenerativeModel`
     (`prompt` in, `example_texts` as the example prompts). The base model is stored once per sha256
-    (`log_base_model`), not per version. The model carries its own copy of this module and of
-    `frugaltune.generation` (pickled by value), so loading it never imports `frugaltune`. MLflow loads it once
-    after saving to check that the input example predicts: that load reads the local base dir.
+    (`log_base_model`), not per version. The model carries its own copy of this module, of
+    `frugaltune.generation` and of `frugaltune.input_template` (pickled by value), so loading it never imports
+    `frugaltune`. MLflow loads it once after saving to check that the input example predicts: that load reads the
+    local base dir.
     """
     import os
 
@@ -616,7 +631,7 @@ def log_model(
 
     if task not in (CLASSIFICATION, CAUSAL_LM):
         raise ValueError(f"task = {task!r}: expected {CLASSIFICATION!r} or {CAUSAL_LM!r}.")
-    modules = (sys.modules[__name__], generation)
+    modules = (sys.modules[__name__], generation, input_template)
     sha256 = dir_sha256(base_dir)
     config = {"batch_size": DEFAULT_BATCH_SIZE, "base_model_sha256": sha256,
               "base_model_uri": log_base_model(base_dir, sha256)}

@@ -1,7 +1,8 @@
 """Evaluate the base model (random head) and the fine-tuned model side by side.  Run by DVC as:  python -m stages.evaluate
 
-Reads `evaluate.*`, `common.seed`, `data/tokenized/`, `models/base/`, `models/adapter/`, and the precision the
-model trained in from `reports/train.json`.
+Reads `evaluate.*`, `common.seed`, `data/tokenized/`, `models/base/`, `models/adapter/` (with its labels.json: the
+input template the classifier was trained with, if any), and the precision the model trained in from
+`reports/train.json`.
 Writes `reports/evaluate.json` ({"baseline": {...}, "finetuned": {...}, "macro_f1_gain": ...}: accuracy, macro-F1,
 per-class precision/recall/F1, confusion matrix) and `reports/plots/evaluate_confusion.csv` (actual,predicted per
 example, for `dvc plots`' confusion template). `task.type: causal_lm`: loss/perplexity of the reference responses,
@@ -20,6 +21,7 @@ import torch
 from datasets import load_from_disk
 
 from frugaltune.faults import stage_errors
+from frugaltune.input_template import from_manifest, wrapped
 from frugaltune.io import read_json, write_json, write_metrics, write_text
 from frugaltune.metrics import classification_metrics
 from frugaltune.models import load_for_classification, load_tokenizer
@@ -138,9 +140,14 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN) -> dict:
     if attention:  # the kernels stage verified it and measured it faster than SDPA at these shapes
         model.set_attn_implementation(attention)
         print(f"evaluate: attention = {attention} (verified CUDA kernel)")
-    baseline_pred = predict(model, data["input_ids"], tokenizer.pad_token_id, ep.batch_size, bf16)
+    # The inputs as the model was trained on them: its adapter's labels.json says whether they were wrapped in a
+    # template (train.input_template), so that evaluation agrees with serving whatever params.yaml says now.
+    manifest = read_json(out.adapter_dir / "labels.json")
+    rows = wrapped(data["input_ids"], from_manifest(manifest, tokenizer), int(manifest.get("max_length") or 0)
+                   or params.tokenize.max_length)
+    baseline_pred = predict(model, rows, tokenizer.pad_token_id, ep.batch_size, bf16)
     model = load_trained(model, out.adapter_dir)
-    finetuned_pred = predict(model, data["input_ids"], tokenizer.pad_token_id, ep.batch_size, bf16)
+    finetuned_pred = predict(model, rows, tokenizer.pad_token_id, ep.batch_size, bf16)
 
     report = {
         "baseline": classification_metrics(y_true, baseline_pred, labels),

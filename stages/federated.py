@@ -279,7 +279,9 @@ def centralized_baseline(params: Params, labels: list[str], pad_token_id: int, e
     LoRA (`federated.lora`), trained in one process on the whole training split (the union of what the clients own)
     for as many examples as the federation's clients trained on, and evaluated on the same test split by the same
     function as the server's rounds. `seed` (default `common.seed`) and `precision` ((bf16?, eager attention up to),
-    default this machine's measurement) are for benchmarks/federated_rounds.py, which runs it over seeds.
+    default this machine's measurement) are for benchmarks/federated_rounds.py, which runs it over seeds. Its rows
+    are the clients' bare rows: `train.input_template` is not applied, since the federation's clients train without
+    it and the reference must see the same inputs.
 
     Until 2026-11-26 it trained at the clients' lr and batch (0.002, 8): over seeds 42 / 1 / 2 that ended at 0.774 /
     0.754 / 0.688 (sd 0.045), a reference that moved more than the federations it judged (0.720 / 0.710 / 0.715); the

@@ -2,7 +2,9 @@
 `task.type: causal_lm`).  Run by DVC as:  python -m stages.train
 
 Reads `train.*`, `common.seed`, `data/tokenized/`, the label set, `models/base/` and `reports/plan.json` (the `plan`
-stage's resolved run: precision, micro-batch, gradient checkpointing, threads).
+stage's resolved run: precision, micro-batch, gradient checkpointing, threads). With `train.input_template` each
+classification row is wrapped in it (frugaltune/input_template.py), and labels.json records it for evaluation and
+serving.
 Writes `models/adapter/` (PEFT adapter in safetensors + tokenizer + labels.json), `reports/train.json` (loss,
 useful tokens/s, wall time, peak RSS, trainable parameters, the resolved precision and threads) and the loss curve
 `reports/plots/train_loss.csv`. Each run is one MLflow run with params, step metrics and these artifacts.
@@ -39,6 +41,7 @@ from datasets import load_from_disk
 
 from frugaltune.faults import stage_errors
 from frugaltune import allocator, tracking
+from frugaltune.input_template import InputTemplate, wrapped
 from frugaltune.io import atomic_dir, read_json, write_json, write_metrics, write_text
 from frugaltune import planner
 from frugaltune.models import load_tokenizer
@@ -110,6 +113,8 @@ def build_model(params: Params, labels: list[str], pad_token_id: int, bf16: bool
 def adapter_manifest(params: Params, labels: list[str], tokenizer) -> dict:
     """`labels.json` beside the adapter: what serving needs to rebuild the model and use it as it was trained."""
     manifest = {"labels": labels, "max_length": params.tokenize.max_length, "method": params.train.method}
+    if params.train.input_template is not None and params.task.type == "classification":  # read by evaluate, serving
+        manifest["input_template"] = params.train.input_template
     if params.task.type == "causal_lm":
         from frugaltune import generation
 
@@ -173,6 +178,9 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN, use_plan: bo
     labels = read_json(paths.LABELS)["labels"]
     train_set = load_from_disk(str(paths.TOKENIZED_DIR))["train"]
     tokenizer = load_tokenizer(paths.BASE_MODEL)
+    template = (InputTemplate.build(tp.input_template, tokenizer)  # causal_lm: its prompts are its rows' own
+                if tp.input_template is not None and params.task.type == "classification" else None)
+    rows = wrapped(train_set["input_ids"], template, params.tokenize.max_length)
     model, lr = build_model(params, labels, tokenizer.pad_token_id, bf16, resolved["gradient_checkpointing"])
     trainable, total = count_parameters(model)
     # Checkpoints resume only a run of the same configuration, data and base model.
@@ -196,7 +204,7 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN, use_plan: bo
     if not world.is_main:  # the other ranks train their shares; rank 0 logs and writes everything
         try:
             if tp.method != "none":
-                train_classifier(model, train_set["input_ids"], train_set["labels"], cfg, tokenizer.pad_token_id,
+                train_classifier(model, rows, train_set["labels"], cfg, tokenizer.pad_token_id,
                                  progress=False, world=world)
             world.sum([peak_rss_mb()])  # rank 0 adds up the ranks' peaks
         finally:
@@ -223,7 +231,7 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN, use_plan: bo
                                    cores=threads, use_nvml=params.probe.nvml)
         with sampler:
             result = untrained() if tp.method == "none" else train_classifier(
-                model, train_set["input_ids"], train_set["labels"], cfg, tokenizer.pad_token_id,
+                model, rows, train_set["labels"], cfg, tokenizer.pad_token_id,
                 on_log=lambda rec: mlflow.log_metrics(
                     {k: v for k, v in rec.items() if k not in ("step", "elapsed_s")}, step=rec["step"]),
                 on_event=lambda message: mlflow.set_tag(f"event.{len(events)}", message) or events.append(message),

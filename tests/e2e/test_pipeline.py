@@ -67,8 +67,11 @@ def test_repro_builds_every_artifact_then_is_a_no_op_then_reruns_only_training(r
     assert report["train"]["steps"] == 4 and report["train"]["tokens_per_s"] > 0
     assert set(report["evaluate"]) >= {"baseline", "finetuned", "macro_f1_gain"}
     assert 0 <= report["evaluate"]["finetuned"]["macro_f1"] <= 1
-    labels = json.loads((repo / "models/adapter/labels.json").read_text())["labels"]
-    assert labels == ["negative", "neutral", "positive"]
+    manifest = json.loads((repo / "models/adapter/labels.json").read_text())
+    assert manifest["labels"] == ["negative", "neutral", "positive"]
+    # params.yaml's input template travels with the adapter, so the registered model below wraps its inputs too
+    template = yaml.safe_load((repo / "params.yaml").read_text())["train"].get("input_template")
+    assert manifest.get("input_template") == template
     assert report["register"]["version"] >= 1
     plan = json.loads((repo / "reports/plan.json").read_text())
     assert plan["fits"] and plan["configured_method"] == "lora" and "calibrated" in plan["constants"]["source"]
