@@ -3,7 +3,9 @@ own hardware, LoRA adapters + head trained where the data is and averaged by a F
 Run by DVC as:  python -m stages.federated   (make federated = dvc repro federated/dvc.yaml; not in `make pipeline`)
 
 Reads `federated.*`, `common.seed`, `data/tokenized/` (train = what the clients own, test = the server's held-out
-split), the label set and `models/base/`. Needs the Flower venv (`make flower-env`).
+split), the label set, `models/base/` and `train.input_template`: every row, the clients' and the server's, is
+wrapped in it as the train stage wraps its own (frugaltune/input_template.py), and each exported adapter records it.
+Needs the Flower venv (`make flower-env`).
 
 For every method in `federated.methods` (and, with `iid_control`, the first method on an IID partition) it starts a
 real Flower deployment on this machine, a SuperLink and one SuperNode per included client on 127.0.0.1
@@ -43,7 +45,9 @@ from frugaltune import paths, planner, tracking
 from frugaltune.config import Params, load_params
 from frugaltune.federated import local, plots, profiles, rounds
 from frugaltune.federated.launch import LocalFederation
+from frugaltune.input_template import InputTemplate, wrapped
 from frugaltune.io import read_json, write_json, write_text
+from frugaltune.models import load_tokenizer
 from frugaltune.training import checkpoint
 from stages.train import measured_precision_inputs, resolve_threads
 
@@ -60,17 +64,29 @@ CLIENTS_PNG = paths.FIGURES / "federated_clients.png"
 ADAPTERS = paths.MODELS / "federated"  # one served adapter dir per run: models/federated/<method>_<partition>/
 
 
-def write_split(split, out: Path) -> None:
+def classifier_template(params: Params, tokenizer) -> InputTemplate | None:
+    """`train.input_template`, built for this tokenizer: the federation trains the train stage's classifier, so its
+    clients, its server and its centralized reference see the rows the train stage sees (wrapped), and its adapters
+    record the template for serving. None without one (and for causal_lm, which the federation does not train)."""
+    template = params.train.input_template
+    if template is None or params.task.type != "classification":
+        return None
+    return InputTemplate.build(template, tokenizer)
+
+
+def write_split(split, out: Path, template: InputTemplate | None = None, max_length: int = 0) -> None:
+    """A tokenized split as the federation's rows (parquet): wrapped in `template` (cut to `max_length`) if any."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    table = pa.table({"input_ids": split["input_ids"], "labels": split["labels"]})
+    table = pa.table({"input_ids": wrapped(split["input_ids"], template, max_length), "labels": split["labels"]})
     pq.write_table(table, out)
 
 
 def partition(fp, seed: int, scheme: str, out: Path) -> dict:
     """flwr-datasets' partitioners run in the Flower venv (frugaltune/federated/partition.py)."""
     cmd = [str(FLOWER_BIN / "python"), "-m", "frugaltune.federated.partition", "--train",
-           str((DATA / "train.parquet").resolve()), "--out", str(out.resolve()), "--scheme", scheme, "--num-clients", str(fp.num_clients), "--alpha", str(fp.alpha),
-           "--seed", str(seed)] + (["--by", fp.partition_by] if fp.partition_by else [])
+           str((DATA / "train.parquet").resolve()), "--out", str(out.resolve()), "--scheme", scheme,
+           "--num-clients", str(fp.num_clients), "--alpha", str(fp.alpha), "--seed", str(seed)]
+    cmd += ["--by", fp.partition_by] if fp.partition_by else []
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode:
@@ -246,11 +262,12 @@ def client_rows(name: str, out: Path, plans: list[dict]) -> list[dict]:
     return rows
 
 
-def export_adapter(out: Path, params: Params, labels: list[str], pad_token_id: int, dest: Path) -> None:
+def export_adapter(out: Path, params: Params, labels: list[str], pad_token_id: int, dest: Path,
+                   template: str | None = None) -> None:
     """The run's last global adapter + head as a PEFT dir with the tokenizer and labels.json: what serving loads
-    (frugaltune/serving.py), the same layout the train stage writes to models/adapter/."""
+    (frugaltune/serving.py), the same layout the train stage writes to models/adapter/. labels.json records the input
+    `template` the clients trained with, from where serving wraps its inputs."""
     from frugaltune.io import atomic_dir
-    from frugaltune.models import load_tokenizer
     from frugaltune.training.methods import save_trained
 
     fp = params.federated
@@ -262,8 +279,9 @@ def export_adapter(out: Path, params: Params, labels: list[str], pad_token_id: i
     with atomic_dir(dest) as tmp:
         save_trained(model, "lora", tmp)
         load_tokenizer(paths.BASE_MODEL).save_pretrained(tmp)
-        write_json(tmp / "labels.json", {"labels": labels, "max_length": params.tokenize.max_length,
-                                         "method": "lora", "federated": {"run": dest.name, "round": number}})
+        manifest = {"labels": labels, "max_length": params.tokenize.max_length, "method": "lora",
+                    "federated": {"run": dest.name, "round": number}}
+        write_json(tmp / "labels.json", manifest | ({"input_template": template} if template else {}))
 
 
 def examples_trained(out: Path, batch_size: int) -> int:
@@ -280,8 +298,8 @@ def centralized_baseline(params: Params, labels: list[str], pad_token_id: int, e
     for as many examples as the federation's clients trained on, and evaluated on the same test split by the same
     function as the server's rounds. `seed` (default `common.seed`) and `precision` ((bf16?, eager attention up to),
     default this machine's measurement) are for benchmarks/federated_rounds.py, which runs it over seeds. Its rows
-    are the clients' bare rows: `train.input_template` is not applied, since the federation's clients train without
-    it and the reference must see the same inputs.
+    are the clients' rows, data/federated/train.parquet: wrapped in `train.input_template` as theirs are (bare rows
+    until 2026-11-27, when the clients did not use the template).
 
     Until 2026-11-26 it trained at the clients' lr and batch (0.002, 8): over seeds 42 / 1 / 2 that ended at 0.774 /
     0.754 / 0.688 (sd 0.045), a reference that moved more than the federations it judged (0.720 / 0.710 / 0.715); the
@@ -333,14 +351,15 @@ def run(params: Params) -> dict:
         raise RuntimeError(f"{FLOWER_BIN}: no Flower. Run `make flower-env` first (make federated does).")
     labels = read_json(paths.LABELS)["labels"]
     tokenized = load_from_disk(str(paths.TOKENIZED_DIR))
-    write_split(tokenized["train"], DATA / "train.parquet")
-    write_split(tokenized["test"], DATA / "test.parquet")
+    tokenizer = load_tokenizer(paths.BASE_MODEL)
+    max_length = params.tokenize.max_length
+    # the clients' partitions and the server's test split are cut from these rows, wrapped as the train stage wraps
+    template = classifier_template(params, tokenizer)
+    write_split(tokenized["train"], DATA / "train.parquet", template, max_length)
+    write_split(tokenized["test"], DATA / "test.parquet", template, max_length)
     pad_token_id = json.loads((paths.BASE_MODEL / "config.json").read_text()).get("pad_token_id")
     if pad_token_id is None:  # as the train stage: the tokenizer's pad id
-        from frugaltune.models import load_tokenizer
-
-        pad_token_id = load_tokenizer(paths.BASE_MODEL).pad_token_id
-    max_length = params.tokenize.max_length
+        pad_token_id = tokenizer.pad_token_id
 
     runs = [(fp.partition, method) for method in fp.methods]
     if fp.iid_control and fp.partition != "iid":
@@ -365,7 +384,8 @@ def run(params: Params) -> dict:
             out = federate(params, scheme, method, report["clients"][scheme], DATA / f"partitions_{scheme}", labels,
                            pad_token_id, paths.CHECKPOINTS_DIR / "federated" / "work" / name)
             summary, rows = summarize(out, paths.BASE_MODEL)
-            export_adapter(out, params, labels, pad_token_id, ADAPTERS / name)
+            export_adapter(out, params, labels, pad_token_id, ADAPTERS / name,
+                           template.template if template else None)
             summary["adapter_dir"] = str(ADAPTERS / name)
             summary["partition"], summary["method"] = scheme, method
             report["runs"][name] = summary
