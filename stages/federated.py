@@ -95,18 +95,51 @@ def partition(fp, seed: int, scheme: str, out: Path) -> dict:
     return json.loads((out / "partitions.json").read_text())
 
 
-def plan_clients(fp, summary: dict, model_dir: Path, num_labels: int, max_length: int, seed: int) -> list[dict]:
+def plan_calibration(bf16: bool) -> tuple[planner.Constants, int | None, str]:
+    """(constants, threads they were measured with, where from) for the clients' time estimates: the plan stage's
+    calibration (reports/plan.json) when it measured this CPU (reports/hardware.json), on a CPU, in the precision the
+    clients train in; else the planner's uncalibrated defaults, and the plans carry no time estimate."""
+    if not paths.PLAN.exists():
+        return planner.Constants(), None, f"{paths.PLAN} missing: no time estimate (dvc repro plan)"
+    plan = read_json(paths.PLAN)
+    hardware = read_json(paths.HARDWARE) if paths.HARDWARE.exists() else {}
+    device, values = plan.get("device", {}), plan.get("constants") or {}
+    precision = "bf16" if bf16 else "fp32"
+    if device.get("kind") != "cpu" or device.get("name") != hardware.get("cpu", {}).get("model"):
+        why = f"{paths.PLAN} describes {device.get('name')!r}, not this CPU"
+    elif values.get("seconds_per_token") is None:
+        why = f"{paths.PLAN} is not calibrated (probe.calibrate)"
+    elif plan.get("run", {}).get("precision") != precision:
+        why = f"{paths.PLAN} was calibrated in {plan.get('run', {}).get('precision')}, the clients train in {precision}"
+    else:
+        return planner.Constants(**values), plan.get("threads"), f"{paths.PLAN}: {values.get('source')}"
+    return planner.Constants(), None, why + ": no time estimate"
+
+
+def client_lengths(parts: Path, client: int) -> tuple[int, ...]:
+    """Token counts of a client's rows: the plan pads and batches them as its training loop will."""
+    table = pq.read_table(str(parts / f"client_{client}.parquet"), columns=["input_ids"])
+    return tuple(len(ids) for ids in table.column("input_ids").to_pylist())
+
+
+def plan_clients(fp, summary: dict, parts: Path, model_dir: Path, num_labels: int, max_length: int, seed: int,
+                 bf16: bool) -> list[dict]:
+    """Each client's plan on its declared hardware (frugaltune/federated/profiles.py): method, rank, micro-batch and
+    local steps, with the time the plan stage's calibration of this CPU predicts (`round_budget_s` caps the steps by
+    it) and the memory the planner's model predicts."""
     knobs = planner.MethodKnobs(r=fp.lora.r, alpha=fp.lora.alpha, dropout=fp.lora.dropout,
                                 target_modules=tuple(fp.lora.target_modules))
+    constants, calibrated_cores, source = plan_calibration(bf16)
     plans = []
     for entry in summary["clients"]:
         preset = fp.profiles[entry["client"] % len(fp.profiles)]
+        lengths = client_lengths(parts, entry["client"]) or (max_length,)
         run = planner.RunSpec(method="lora", batch_size=fp.batch_size, grad_accum=1, epochs=1.0,
-                              max_steps=fp.local_steps, seq_len=max_length,
-                              lengths=tuple([max_length] * max(entry["examples"], 1)), seed=seed)
-        plan = profiles.plan_client(profiles.resolve(preset), run, str(model_dir), num_labels, knobs,
-                                    planner.Constants(), fp.local_steps, fp.round_budget_s)
-        plans.append({"client": entry["client"], "preset": preset, "examples": entry["examples"], **plan})
+                              max_steps=fp.local_steps, seq_len=max_length, lengths=lengths, seed=seed)
+        plan = profiles.plan_client(profiles.resolve(preset), run, str(model_dir), num_labels, knobs, constants,
+                                    fp.local_steps, fp.round_budget_s, calibrated_cores, fp.threads)
+        plans.append({"client": entry["client"], "preset": preset, "examples": entry["examples"], **plan,
+                      "calibration": source})
     return plans
 
 
@@ -139,15 +172,18 @@ def data_fingerprint(parts: Path, test: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def run_key(params: Params, scheme: str, method: str, data: str) -> str:
-    """The federation's identity in checkpoints/federated/: its settings, seed, base weights, round code and `data`
-    (data_fingerprint). Until 2026-11-26 the data was not in it, so new rows under the same settings (another
-    dataset, another tokenize.max_length) resumed the finished rounds of the old ones."""
+def run_key(params: Params, scheme: str, method: str, data: str, plans: list[dict] | None = None) -> str:
+    """The federation's identity in checkpoints/federated/: its settings, seed, base weights, round code, `data`
+    (data_fingerprint) and the local steps each client's plan gave it (`round_budget_s` makes them the calibration's:
+    a recalibration that moves them is another federation, one that does not resumes this one). Until 2026-11-26
+    the data was not in it, so new rows under the same settings (another dataset, another tokenize.max_length)
+    resumed the finished rounds of the old ones."""
     fp = params.federated
+    steps = {str(p["client"]): p["local_steps"] for p in plans or [] if p.get("fits")}
     blob = json.dumps({"federated": fp.model_dump(), "seed": params.common.seed, "scheme": scheme, "method": method,
                        "model": read_json(paths.report("import_model")).get("weights_sha256")
                        if paths.report("import_model").exists() else None, "code": round_code_sha256(),
-                       "data": data}, sort_keys=True)
+                       "data": data, "steps": steps}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -168,11 +204,12 @@ def federate(params: Params, scheme: str, method: str, plans: list[dict], parts:
                            f"min_completed {fp.min_completed}: " + "; ".join(
                                f"client {p['client']} ({p['preset']}): {p['reason']}" for p in plans if not p["fits"]))
     bf16, eager = machine_precision(params)  # every client of this stage trains on this machine
-    out = (paths.CHECKPOINTS_DIR / "federated" / run_key(params, scheme, method,
-                                                         data_fingerprint(parts, DATA / "test.parquet"))).resolve()
+    data = data_fingerprint(parts, DATA / "test.parquet")
+    out = (paths.CHECKPOINTS_DIR / "federated" / run_key(params, scheme, method, data, plans)).resolve()
     # each client's own disk, simulated: where it keeps its optimizer's moments between rounds (client_state: kept)
     nodes = [{"data": str((parts / f"client_{p['client']}.parquet").resolve()), "lora-rank": p["lora_rank"],
-              "micro-batch": p["micro_batch_size"], "threads": fp.threads, "client-id": p["client"],
+              "micro-batch": p["micro_batch_size"], "local-steps": p["local_steps"], "threads": fp.threads,
+              "client-id": p["client"],
               "precision": "bf16" if bf16 else "fp32", "eager-attention-max-len": eager,
               "state-dir": str(out / "clients" / f"client_{p['client']}")}
              for p in included]
@@ -258,7 +295,8 @@ def client_rows(name: str, out: Path, plans: list[dict]) -> list[dict]:
                      "peak_rss_mb": max(c["peak-rss-mb"] for c in mine),
                      "predicted_peak_mb": plan.get("predicted_peak_mb"),
                      "seconds": round(sum(c["seconds"] for c in mine) / len(mine), 3),
-                     "predicted_seconds": plan.get("predicted_seconds")})
+                     "predicted_seconds": plan.get("predicted_seconds"),
+                     "predicted_seconds_here": plan.get("predicted_seconds_here")})
     return rows
 
 
@@ -377,7 +415,8 @@ def run(params: Params) -> dict:
             report["partitions"][scheme] = summary["clients"]
             label_rows += [{"partition": scheme, "client": c["client"], "label": labels[int(k)], "count": n}
                            for c in summary["clients"] for k, n in c["label_histogram"].items()]
-            report["clients"][scheme] = plan_clients(fp, summary, paths.BASE_MODEL, len(labels), max_length, seed)
+            report["clients"][scheme] = plan_clients(fp, summary, parts, paths.BASE_MODEL, len(labels), max_length,
+                                                     seed, machine_precision(params)[0])
         for scheme, method in runs:
             name = f"{method}_{scheme}"
             print(f"federated: {name}: {fp.num_rounds} rounds over {fp.num_clients} clients", flush=True)
@@ -397,7 +436,8 @@ def run(params: Params) -> dict:
         if fp.centralized_baseline and report["runs"]:
             first = next(iter(report["runs"]))
             data = data_fingerprint(DATA / f"partitions_{runs[0][0]}", DATA / "test.parquet")
-            examples = examples_trained(paths.CHECKPOINTS_DIR / "federated" / run_key(params, *runs[0], data),
+            examples = examples_trained(paths.CHECKPOINTS_DIR / "federated"
+                                        / run_key(params, *runs[0], data, report["clients"][runs[0][0]]),
                                         fp.batch_size)
             print(f"federated: centralized LoRA on {examples} examples (as many as {first}'s clients trained on)",
                   flush=True)
@@ -412,7 +452,8 @@ def run(params: Params) -> dict:
                                                      "clients_completed"]))
         write_text(LABELS_CSV, csv_text(label_rows, ["partition", "client", "label", "count"]))
         write_text(CLIENTS_CSV, csv_text(clients, ["run", "client", "preset", "rounds", "peak_rss_mb",
-                                                   "predicted_peak_mb", "seconds", "predicted_seconds"]))
+                                                   "predicted_peak_mb", "seconds", "predicted_seconds_here",
+                                                   "predicted_seconds"]))
         plots.plot_rounds(round_rows, ROUNDS_PNG)
         plots.plot_clients(clients, CLIENTS_PNG)
         for figure in (ROUNDS_PNG, CLIENTS_PNG):

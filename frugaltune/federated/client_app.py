@@ -7,7 +7,8 @@ Run by a SuperNode (the Flower venv), never directly:
 with PYTHONPATH at the project root, after the ServerApp is started by `flwr run` (see README "Federated
 fine-tuning"). The node config is what this machine owns: `data` (its tokenized rows, parquet: input_ids, labels;
 they never leave it), optionally `model-dir` (its copy of the base model; default: the server's path),
-`lora-rank` (<= the global rank; default the global rank), `micro-batch`, `threads`, `precision` (fp32 | bf16:
+`lora-rank` (<= the global rank; default the global rank), `micro-batch`, `local-steps` (its plan's, which a round
+budget may lower; default the run's), `threads`, `precision` (fp32 | bf16:
 what this machine measured faster; default fp32), `eager-attention-max-len` (its plan) and `state-dir` (where it
 keeps its optimizer's moments between rounds when the run's `client-state` is `kept`; without it the client starts
 each round fresh and says so in its metrics).
@@ -153,7 +154,8 @@ def train(msg: Message, context: Context) -> Message:
         moments = torch.load(previous, weights_only=True) if previous else {}
         resumed = bool(moments)
     result = local.train_locally(
-        model, input_ids, targets, pad_token_id, steps=int(config["local-steps"]), lr=float(config["lr"]),
+        model, input_ids, targets, pad_token_id, steps=int(node.get("local-steps", config["local-steps"])),
+        lr=float(config["lr"]),
         batch_size=int(config["batch-size"]), micro_batch_size=int(node["micro-batch"]) if "micro-batch" in node
         else None, seed=int(config["seed"]) * 1000 + int(config["round"]),
         proximal_mu=float(config.get("proximal-mu", 0.0)), bf16=bf16,

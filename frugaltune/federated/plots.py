@@ -43,7 +43,8 @@ def plot_rounds(rows: list[dict], path: Path, metric: str = "macro_f1") -> None:
 
 def plot_clients(rows: list[dict], path: Path) -> None:
     """Per client (x: run/client), peak memory measured vs the plan's prediction (left) and seconds per round
-    measured vs the plan's estimate (right; absent when the plan had no calibration to estimate from)."""
+    measured vs the plan's estimate for this host, where a simulation runs every client (right; absent when the plan
+    had no calibration of this CPU to estimate from)."""
     plt = _pyplot()
     fig, (memory, seconds) = plt.subplots(1, 2, figsize=(max(8, 0.6 * len(rows) + 4), 4))
     names = [f"{row['run']}\nclient {row['client']}" for row in rows]
@@ -53,8 +54,8 @@ def plot_clients(rows: list[dict], path: Path) -> None:
     memory.bar([x + width / 2 for x in xs], [row["predicted_peak_mb"] or 0 for row in rows], width,
                label="plan: predicted peak")
     seconds.bar([x - width / 2 for x in xs], [row["seconds"] for row in rows], width, label="measured (mean/round)")
-    seconds.bar([x + width / 2 for x in xs], [row["predicted_seconds"] or 0 for row in rows], width,
-                label="plan: estimate (0 = none)")
+    seconds.bar([x + width / 2 for x in xs], [row.get("predicted_seconds_here") or 0 for row in rows], width,
+                label="plan: estimate on this host (0 = none)")
     memory.set_ylabel("MiB")
     seconds.set_ylabel("seconds per round on the client")
     for ax in (memory, seconds):

@@ -44,11 +44,16 @@ def resolve(profile: str | HardwareProfile) -> HardwareProfile:
 
 def plan_client(profile: HardwareProfile, run: planner.RunSpec, model_config, num_labels: int,
                 knobs: planner.MethodKnobs, constants: planner.Constants, local_steps: int,
-                round_budget_s: float | None, calibrated_cores: int | None = None) -> dict:
+                round_budget_s: float | None, calibrated_cores: int | None = None,
+                host_threads: int | None = None) -> dict:
     """The client's plan: {"fits": True, method, rank, micro_batch_size, gradient_checkpointing, local_steps, ...}
     or {"fits": False, "reason": ...}. `run` is the configured run (batch size, lengths of the client's rows);
-    `constants` the calibration of the machine that measured it (`calibrated_cores` cores): a client's time is
-    scaled by cores, a rough model stated in the plan."""
+    `constants` the calibration of the CPU that measured it with `calibrated_cores` threads (the plan stage's).
+
+    Time: a CPU client's step is the calibrated step scaled by cores (calibrated_cores / its cores: a rough model,
+    stated in the plan), and `round_budget_s` caps its local steps by it; a GPU client gets no estimate from a CPU's
+    calibration and keeps the configured steps. `predicted_seconds_here` is the same steps on this host with
+    `host_threads` threads, where a simulation runs every client: the figure its measured seconds compare with."""
     rank = min(profile.lora_rank or knobs.r, knobs.r)
     knobs = replace(knobs, r=rank)
     on_gpu = profile.gpu_memory_gb is not None
@@ -65,20 +70,27 @@ def plan_client(profile: HardwareProfile, run: planner.RunSpec, model_config, nu
         if not plan["fits"]:
             reasons.append(plan["why"])
             continue
-        steps, note = local_steps, "configured local steps (no calibration: no time estimate)"
-        predicted_seconds = None
+        steps, note = local_steps, "configured local steps (no calibration of this CPU: no time estimate)"
+        predicted_seconds = predicted_here = per_step = None
         if plan["eta_seconds"] is not None:
-            per_step = plan["eta_seconds"] / max(1, plan["steps"])
-            if calibrated_cores and not on_gpu:
-                per_step *= calibrated_cores / profile.cores  # time scales ~1/cores on CPU (assumed, not measured)
-            note = f"{per_step:.2f} s/step estimated"
+            # per optimizer step, without the run's one-off startup (a client's model outlives its rounds)
+            per_step = max(0.0, plan["eta_seconds"] - constants.startup_s) / max(1, plan["steps"])
+        if per_step is not None and on_gpu:
+            note = "configured local steps (a CPU's calibration says nothing of a GPU's speed: no estimate)"
+        elif per_step is not None:
+            own = per_step * calibrated_cores / profile.cores if calibrated_cores else per_step
+            note = (f"{own:.2f} s/step estimated on {profile.cores} cores"
+                    + (f" (measured on {calibrated_cores}, time assumed ~1/cores)" if calibrated_cores else ""))
             if round_budget_s:
-                steps = max(1, min(local_steps, math.floor(round_budget_s / per_step)))
+                steps = max(1, min(local_steps, math.floor(round_budget_s / own)))
                 note += f": {steps} step(s) fit the {round_budget_s:g} s round budget"
-            predicted_seconds = round(per_step * steps, 3)
+            predicted_seconds = round(own * steps, 3)
+        if per_step is not None:
+            scale = calibrated_cores / host_threads if calibrated_cores and host_threads else 1.0
+            predicted_here = round(per_step * scale * steps, 3)
         return {"fits": True, "method": method, "lora_rank": rank, "micro_batch_size": plan["micro_batch_size"],
                 "gradient_checkpointing": plan["gradient_checkpointing"], "local_steps": steps,
                 "threads": profile.cores, "predicted_peak_mb": plan["predicted_peak_mb"],
-                "predicted_seconds": predicted_seconds, "why": plan["why"],
+                "predicted_seconds": predicted_seconds, "predicted_seconds_here": predicted_here, "why": plan["why"],
                 "time_note": note, "profile": asdict(profile)}
     return {"fits": False, "reason": "; ".join(reasons), "profile": asdict(profile)}

@@ -110,11 +110,20 @@ def test_the_stage_runs_three_supernodes_for_two_rounds_sending_only_the_adapter
     (project / "data/splits/labels.json").write_text(json.dumps({"labels": ["a", "b", "c"]}))
     monkeypatch.chdir(project)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{project / 'mlflow.db'}")
+    # the plan stage's calibration of this CPU, written as it would be: 10 s per step at 2 threads. With a 15 s round
+    # budget the small CPU box (2 cores) has time for 1 step, the laptop (4 cores, ~5 s a step) for its 2; the GPU
+    # server gets no estimate from a CPU's calibration and keeps its 2.
+    (project / "reports").mkdir(exist_ok=True)
+    (project / "reports/hardware.json").write_text(json.dumps({"cpu": {"model": "Test CPU"}}))
+    precision = "bf16" if stage.machine_precision(parse_params({}))[0] else "fp32"
+    (project / "reports/plan.json").write_text(json.dumps({
+        "device": {"kind": "cpu", "name": "Test CPU"}, "threads": 2, "run": {"precision": precision},
+        "constants": {"step_overhead_s": 10.0, "seconds_per_token": 0.0, "source": "test calibration"}}))
     # global rank 8: the presets give the laptop and the GPU server rank 8, the small CPU box rank 4
     params = parse_params({"common": {"seed": 0}, "tokenize": {"max_length": 16}, "federated": {
         "num_clients": 3, "partition": "iid", "methods": ["fedavg"], "iid_control": False, "num_rounds": 2,
-        "fraction": 1.0, "min_completed": 3, "round_timeout_s": 120, "local_steps": 2, "batch_size": 8,
-        "lora": {"r": 8, "alpha": 16}, "runtime": "deployment",
+        "fraction": 1.0, "min_completed": 3, "round_timeout_s": 120, "local_steps": 2, "round_budget_s": 15,
+        "batch_size": 8, "lora": {"r": 8, "alpha": 16}, "runtime": "deployment",
         "server_momentum": 0.5}})  # the default's server state on disk beside the rounds the stage exports from
     report = stage.run(params)
 
@@ -123,12 +132,23 @@ def test_the_stage_runs_three_supernodes_for_two_rounds_sending_only_the_adapter
     assert set(run["final"]) == {"accuracy", "macro_f1", "loss"}
     assert [c["examples"] for c in report["partitions"]["iid"]] == [40, 40, 40]
     assert sorted(c["lora_rank"] for c in report["clients"]["iid"]) == [4, 8, 8]
+    plans = {c["preset"]: c for c in report["clients"]["iid"]}
+    assert {name: plan["local_steps"] for name, plan in plans.items()} == {
+        "laptop": 2, "small_cpu_box": 1, "gpu_server": 2}, plans
+    assert plans["small_cpu_box"]["predicted_seconds"] == pytest.approx(10.0)
+    assert plans["laptop"]["predicted_seconds"] == pytest.approx(10.0)  # 2 steps at ~5 s on its 4 cores
+    assert plans["gpu_server"]["predicted_seconds"] is None and "GPU" in plans["gpu_server"]["time_note"]
+    # on this host every client trains with federated.threads (1 here): 20 s a step, twice the calibrated 10 s on 2
+    assert params.federated.threads == 1
+    assert [plans[name]["predicted_seconds_here"] for name in ("laptop", "small_cpu_box", "gpu_server")] == [
+        pytest.approx(40.0), pytest.approx(20.0), pytest.approx(40.0)]
+    assert all(plan["calibration"].endswith("test calibration") for plan in plans.values())
     assert json.loads((project / "reports/federated.json").read_text())["runs"]["fedavg_iid"] == run
     assert not leftovers(project), leftovers(project)  # the finished run's ServerApp and ClientApps are gone
-    # the centralized reference: as many examples as the clients trained on (2 rounds x 3 clients x 2 steps x 8), in
+    # the centralized reference: as many examples as the clients trained on (2 rounds x (2 + 1 + 2) steps x 8), in
     # the train stage's recipe (batch 16 at train.lr, head at train.head_lr), not the clients' batch of 8
     central = report["centralized"]
-    assert (central["examples"], central["steps"], central["training_rows"]) == (96, 6, 120)
+    assert (central["examples"], central["steps"], central["training_rows"]) == (80, 5, 120)
     assert (central["batch_size"], central["lr"], central["head_lr"]) == (16, params.train.lr, params.train.head_lr)
     assert run["macro_f1_gap_to_centralized"] == pytest.approx(central["final"]["macro_f1"] - run["final"]["macro_f1"],
                                                                abs=1e-4)
@@ -167,7 +187,8 @@ def test_the_stage_runs_three_supernodes_for_two_rounds_sending_only_the_adapter
             up = sum((t[:rank] if ".lora_A." in k else t[:, :rank] if ".lora_B." in k else t).numel() * 4
                      + NPY_HEADER for k, t in start.items())
             assert client["bytes-up"] == up and client["bytes-down"] == global_bytes
-            assert client["num-examples"] == 40 and client["steps"] == 2
+            # the steps its plan gave it: the small CPU box (client 1) 1 under the round budget, the others 2
+            assert client["num-examples"] == 40 and client["steps"] == (1 if client["client-id"] == 1 else 2)
     # only the adapter + head travel: far less than even this toy model; SmolLM2-135M: far more
     assert run["adapter_bytes"] * 5 < run["full_model_bytes"]
 

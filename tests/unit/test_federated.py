@@ -195,6 +195,43 @@ def test_the_round_budget_caps_local_steps_by_the_calibrated_speed():
     assert 1 <= slow["local_steps"] < fast["local_steps"] <= 8
 
 
+def test_a_gpu_client_gets_no_time_from_a_cpu_calibration_and_this_host_scales_by_its_threads():
+    measured = planner.Constants(step_overhead_s=2.0, seconds_per_token=0.0)  # 2 s a step on 2 threads
+    run = planner.RunSpec(method="lora", batch_size=16, grad_accum=1, epochs=1.0, max_steps=8, seq_len=128,
+                          lengths=tuple([128] * 256), seed=0)
+    gpu = profiles.plan_client(profiles.resolve("gpu_server"), run, SMALL_LLAMA, 3, planner.MethodKnobs(r=8),
+                               measured, 8, 1.0, calibrated_cores=2, host_threads=1)
+    assert gpu["local_steps"] == 8 and gpu["predicted_seconds"] is None and "GPU" in gpu["time_note"]
+    assert gpu["predicted_seconds_here"] == pytest.approx(32.0)  # simulated here: 8 steps at 4 s on 1 thread
+    box = profiles.plan_client(profiles.resolve("laptop"), run, SMALL_LLAMA, 3, planner.MethodKnobs(r=8),
+                               measured, 8, 3.0, calibrated_cores=2, host_threads=2)
+    assert box["local_steps"] == 3 and box["predicted_seconds"] == pytest.approx(3.0)  # 1 s a step on 4 cores
+    assert box["predicted_seconds_here"] == pytest.approx(6.0)
+    uncalibrated = client_plan("laptop", budget=3.0)
+    assert uncalibrated["local_steps"] == 8 and uncalibrated["predicted_seconds_here"] is None
+
+
+def test_client_plans_use_the_plan_stages_calibration_only_of_this_cpu_and_precision(monkeypatch, tmp_path):
+    import stages.federated as stage  # the stage (mlflow, datasets), only for this test
+
+    monkeypatch.chdir(tmp_path)
+    constants, cores, why = stage.plan_calibration(bf16=True)
+    assert constants == planner.Constants() and cores is None and "missing" in why
+    (tmp_path / "reports").mkdir()
+    (tmp_path / "reports/hardware.json").write_text(json.dumps({"cpu": {"model": "CPU A"}}))
+    plan = {"device": {"kind": "cpu", "name": "CPU A"}, "threads": 2, "run": {"precision": "bf16"},
+            "constants": {"step_overhead_s": 0.05, "seconds_per_token": 0.002, "startup_s": 4.0,
+                          "calibrated_method": "lora", "source": "calibrated here"}}
+    (tmp_path / "reports/plan.json").write_text(json.dumps(plan))
+    constants, cores, why = stage.plan_calibration(bf16=True)
+    assert (constants.seconds_per_token, constants.startup_s, cores) == (0.002, 4.0, 2) and "calibrated here" in why
+    constants, cores, why = stage.plan_calibration(bf16=False)  # measured in bf16, the clients train in fp32
+    assert constants.seconds_per_token is None and cores is None and "fp32" in why
+    (tmp_path / "reports/plan.json").write_text(json.dumps(plan | {"device": {"kind": "cpu", "name": "CPU B"}}))
+    constants, cores, why = stage.plan_calibration(bf16=True)  # a plan in git from another machine
+    assert constants.seconds_per_token is None and "CPU B" in why
+
+
 def test_an_unknown_preset_names_the_presets():
     with pytest.raises(ValueError, match="laptop"):
         profiles.resolve("phone")
