@@ -7,9 +7,9 @@ the train stage and the planner's calibration run on), in the same run.
 Run from the repository root after `make federated` (it reads data/federated/partitions_dirichlet/, the clients'
 plans in reports/federated.json, data/federated/test.parquet and models/base). Each allocator gets its own child
 process (frugaltune.allocator.child_env: LD_PRELOAD added or removed), which does what one simulation worker does:
-builds the model once per LoRA rank, then for each client-round loads the round's tensors, trains the client's
-planned local steps at its micro-batch (federated.batch_size, lr, bf16 as the stage decides) on its own rows, and
-every fifth client-round evaluates the server's test split. It reports per allocator the mean seconds of a
+builds the model once per LoRA rank, then for each client-round reads the client's rows and trains its planned
+local steps at its micro-batch (federated.batch_size, lr, bf16 as the stage decides) on the worker's model of its
+rank (no server: no tensors are exchanged), and every fifth client-round evaluates the server's test split. It reports per allocator the mean seconds of a
 client-round and of an evaluation, user and system CPU seconds, and peak RSS, and the ratios mimalloc / system.
 """
 
@@ -33,6 +33,7 @@ def child(args: argparse.Namespace) -> dict:
     from frugaltune.config import load_params
     from frugaltune.federated import local
     from frugaltune.io import read_json
+    from frugaltune.models import load_tokenizer
     from frugaltune.training.loop import peak_rss_mb
     from stages.federated import DATA, machine_precision
 
@@ -40,7 +41,9 @@ def child(args: argparse.Namespace) -> dict:
     fp = params.federated
     torch.set_num_threads(fp.threads)
     labels = read_json(paths.LABELS)["labels"]
-    pad = json.loads((paths.BASE_MODEL / "config.json").read_text()).get("pad_token_id") or 0
+    pad = json.loads((paths.BASE_MODEL / "config.json").read_text()).get("pad_token_id")
+    if pad is None:  # as the stage: the tokenizer's pad id
+        pad = load_tokenizer(paths.BASE_MODEL).pad_token_id
     bf16, eager = machine_precision(params)
     plans = [p for p in read_json(paths.report("federated"))["clients"]["dirichlet"] if p["fits"]]
     spec = local.LoraSpec(fp.lora.r, fp.lora.alpha, fp.lora.dropout, tuple(fp.lora.target_modules))
@@ -68,6 +71,10 @@ def child(args: argparse.Namespace) -> dict:
             "user_s": usage.ru_utime, "sys_s": usage.ru_stime, "peak_rss_mb": round(peak_rss_mb())}
 
 
+def mean(values: list[float]) -> float:
+    return sum(values) / max(len(values), 1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--client-rounds", type=int, default=10)
@@ -92,16 +99,12 @@ def main() -> None:
             raise SystemExit(f"asked for {choice}, the child ran on {result['allocator']}")
         results[choice] = result
         rounds, evals = result["client_round_s"], result["evaluation_s"]
-        print(f"{choice:8s}: client-round {sum(rounds) / len(rounds):6.2f} s (first {rounds[0]:.2f}, last "
-              f"{rounds[-1]:.2f}), evaluation {sum(evals) / max(len(evals), 1):6.2f} s, CPU user "
+        print(f"{choice:8s}: client-round {mean(rounds):6.2f} s (first {rounds[0]:.2f}, last "
+              f"{rounds[-1]:.2f}), evaluation {mean(evals):6.2f} s, CPU user "
               f"{result['user_s']:.0f} s sys {result['sys_s']:.0f} s, peak RSS {result['peak_rss_mb']} MB",
               flush=True)
     if {"system", "mimalloc"} <= results.keys():
         base, other = results["system"], results["mimalloc"]
-
-        def mean(values: list[float]) -> float:
-            return sum(values) / max(len(values), 1)
-
         print(f"mimalloc / system: client-round {mean(other['client_round_s']) / mean(base['client_round_s']):.3f}x, "
               f"evaluation {mean(other['evaluation_s']) / max(mean(base['evaluation_s']), 1e-9):.3f}x, "
               f"sys CPU {other['sys_s'] / max(base['sys_s'], 1e-9):.3f}x, "
