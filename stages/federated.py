@@ -27,6 +27,13 @@ same test split), and each run gets its `macro_f1_gap_to_centralized`.
 
 from __future__ import annotations
 
+if __name__ == "__main__":
+    # as the train stage: before the heavy imports, this process may re-execute itself on `train.allocator`
+    # (mimalloc), which the centralized reference trains on and every process of the federations inherits
+    from frugaltune import allocator as _allocator
+
+    _allocator.reexec_early()
+
 import csv
 import hashlib
 import io
@@ -233,8 +240,10 @@ def federate(params: Params, scheme: str, method: str, plans: list[dict], parts:
               "secure-max-weight": float(max(p["examples"] for p in included))}
     # Simulation Engine: one Ray worker per `threads` physical cores, so clients train side by side without
     # oversubscribing (2 workers on this project's 2-core machines)
+    # every process of the federation on train.allocator, the malloc the plan's calibration ran on
     with LocalFederation(FLOWER_BIN, workdir, nodes, ROOT, threads=fp.threads, runtime=fp.runtime,
-                         workers=max(1, resolve_threads(None) // fp.threads)) as fed:
+                         workers=max(1, resolve_threads(None) // fp.threads),
+                         allocator=params.train.allocator) as fed:
         result = fed.submit(APP, config, timeout=None)
     if not (out / "done.json").exists():  # `flwr run` exits 0 even when the ServerApp raised
         raise RuntimeError(f"federated {scheme}/{method}: the ServerApp did not finish{serverapp_status(workdir)}:"
@@ -375,6 +384,48 @@ def centralized_baseline(params: Params, labels: list[str], pad_token_id: int, e
             "peak_rss_mb": round(peak_rss_mb()), "final": final}
 
 
+# the train stage's recipe fields the reference trains with (centralized_baseline)
+REFERENCE_RECIPE = ("lr", "head_lr", "lora_plus_ratio", "weight_decay", "scheduler", "warmup_ratio", "batch_size",
+                    "grad_accum", "max_grad_norm", "group_by_length")
+
+
+def reference_key(params: Params, examples: int, pad_token_id: int, bf16: bool, eager: int, threads: int) -> str:
+    """The centralized reference's identity: what its numbers depend on (the recipe, the federation's LoRA, seed,
+    examples, pad id, precision, threads, base weights, the training and evaluation code with centralized_baseline's own
+    source, and the rows of data/federated/train.parquet and test.parquet). The run keys' rule, for one run."""
+    import inspect
+
+    digest = hashlib.sha256()
+    for path in (DATA / "train.parquet", DATA / "test.parquet"):
+        digest.update(path.name.encode() + b"\0" + checkpoint.data_fingerprint(*local.read_examples(path)).encode())
+    blob = json.dumps({"recipe": {k: getattr(params.train, k) for k in REFERENCE_RECIPE},
+                       "lora": params.federated.lora.model_dump(), "seed": params.common.seed, "examples": examples,
+                       "pad_token_id": pad_token_id, "bf16": bf16, "eager": eager, "threads": threads,
+                       "model": read_json(paths.report("import_model")).get("weights_sha256")
+                       if paths.report("import_model").exists() else None,
+                       "code": round_code_sha256(), "function": inspect.getsource(centralized_baseline),
+                       "data": digest.hexdigest()}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def reference(params: Params, labels: list[str], pad_token_id: int, examples: int) -> dict:
+    """centralized_baseline, trained once per reference_key: kept in checkpoints/federated/centralized/<key>.json,
+    so a rerun whose federations all resume (a new boot rewrites hardware.json, a dependency) does not train the
+    ~9 minutes of reference again. A reused result says so (`reused_from`); its seconds are those it was trained in."""
+    import torch
+
+    bf16, eager = machine_precision(params)
+    kept = paths.CHECKPOINTS_DIR / "federated" / "centralized" / (
+        reference_key(params, examples, pad_token_id, bf16, eager, torch.get_num_threads()) + ".json")
+    if kept.exists():
+        print(f"federated: centralized LoRA reused from {kept} (trained in {read_json(kept)['train_seconds']} s)",
+              flush=True)
+        return {**read_json(kept), "reused_from": str(kept)}
+    central = centralized_baseline(params, labels, pad_token_id, examples, precision=(bf16, eager))
+    write_json(kept, central)  # atomic (frugaltune.io): a killed stage leaves none, not half of one
+    return central
+
+
 def csv_text(rows: list[dict], fields: list[str]) -> str:
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=fields, lineterminator="\n", extrasaction="ignore")
@@ -404,6 +455,7 @@ def run(params: Params) -> dict:
         runs.append(("iid", fp.methods[0]))
     report = {"runs": {}, "partitions": {}, "clients": {}}
     round_rows, label_rows, clients = [], [], []
+    outs: dict[str, Path] = {}  # run name -> its rounds (checkpoints/federated/<run key>)
     tracking.setup("federated")
     with mlflow.start_run(run_name="federated", tags=tracking.run_tags()) as mlrun:
         report["mlflow_run_id"] = mlrun.info.run_id  # stages/federated_register.py registers into this run
@@ -420,8 +472,9 @@ def run(params: Params) -> dict:
         for scheme, method in runs:
             name = f"{method}_{scheme}"
             print(f"federated: {name}: {fp.num_rounds} rounds over {fp.num_clients} clients", flush=True)
-            out = federate(params, scheme, method, report["clients"][scheme], DATA / f"partitions_{scheme}", labels,
-                           pad_token_id, paths.CHECKPOINTS_DIR / "federated" / "work" / name)
+            out = outs[name] = federate(params, scheme, method, report["clients"][scheme],
+                                        DATA / f"partitions_{scheme}", labels, pad_token_id,
+                                        paths.CHECKPOINTS_DIR / "federated" / "work" / name)
             summary, rows = summarize(out, paths.BASE_MODEL)
             export_adapter(out, params, labels, pad_token_id, ADAPTERS / name,
                            template.template if template else None)
@@ -435,13 +488,10 @@ def run(params: Params) -> dict:
                                    step=row["round"])
         if fp.centralized_baseline and report["runs"]:
             first = next(iter(report["runs"]))
-            data = data_fingerprint(DATA / f"partitions_{runs[0][0]}", DATA / "test.parquet")
-            examples = examples_trained(paths.CHECKPOINTS_DIR / "federated"
-                                        / run_key(params, *runs[0], data, report["clients"][runs[0][0]]),
-                                        fp.batch_size)
+            examples = examples_trained(outs[first], fp.batch_size)
             print(f"federated: centralized LoRA on {examples} examples (as many as {first}'s clients trained on)",
                   flush=True)
-            central = report["centralized"] = centralized_baseline(params, labels, pad_token_id, examples)
+            central = report["centralized"] = reference(params, labels, pad_token_id, examples)
             central["examples_of"] = first
             for summary in report["runs"].values():
                 summary["macro_f1_gap_to_centralized"] = round(central["final"]["macro_f1"]

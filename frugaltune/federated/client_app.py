@@ -25,10 +25,10 @@ the plan it is (its `client-id` or `partition-id`), so the server samples the sa
 Each train message carries the global adapter (ArrayRecord "arrays") and the round's settings (ConfigRecord
 "config"). The reply carries the trained tensors and MetricRecord "metrics": num-examples (the FedAvg weight),
 train-loss, bytes-down / bytes-up (the serialized Array payloads, exactly what the record carries; halved with
-`transmit-dtype` bf16, both ways), seconds,
-peak RSS; with `dp-epsilon` > 0 the update is clipped and noised first (frugaltune/federated/privacy.py) and
-dp-update-norm / dp-noise-std say how. With the run's `secure-aggregation` on, the round arrives as Flower's SecAgg+
-protocol messages (frugaltune/federated/secure.py): the same training, the reply masked by secaggplus_mod.
+`transmit-dtype` bf16, both ways), seconds, peak RSS, mimalloc (1 when the process runs on it); with
+`dp-epsilon` > 0 the update is clipped and noised first (frugaltune/federated/privacy.py) and dp-update-norm /
+dp-noise-std say how. With the run's `secure-aggregation` on, the round arrives as Flower's SecAgg+ protocol
+messages (frugaltune/federated/secure.py): the same training, the reply masked by secaggplus_mod.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ import torch
 from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from frugaltune import allocator
 from frugaltune.federated import aggregation, local, rounds, secure, wire
 from frugaltune.federated.privacy import privatize
 from frugaltune.training.loop import peak_rss_mb
@@ -176,6 +177,8 @@ def train(msg: Message, context: Context) -> Message:
         "bytes-down": bytes_down, "lora-rank": rank, "model-reused": int(reused),
         "seconds": round(time.perf_counter() - started, 3), "peak-rss-mb": round(peak_rss_mb(), 1),
         "client-state-kept": int(kept), "client-state-resumed": int(resumed),
+        # which malloc this client trained on (its time and memory depend on it; the launcher sets it)
+        "mimalloc": int(allocator.active() == "mimalloc"),
         # which client of the stage's plan this is (node ids are Flower's own), for the plan-vs-measured report
         **({"client-id": int(node["client-id"])} if "client-id" in node else {})}
     if legacy:  # zero-padded to the global rank: SecAgg+ sums vectors of one shape

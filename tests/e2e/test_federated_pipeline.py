@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from frugaltune.allocator import resolve
 from frugaltune.federated.launch import LocalFederation, flower_processes
 
 pytestmark = pytest.mark.slow
@@ -152,6 +153,11 @@ def test_the_stage_runs_three_supernodes_for_two_rounds_sending_only_the_adapter
     assert (central["batch_size"], central["lr"], central["head_lr"]) == (16, params.train.lr, params.train.head_lr)
     assert run["macro_f1_gap_to_centralized"] == pytest.approx(central["final"]["macro_f1"] - run["final"]["macro_f1"],
                                                                abs=1e-4)
+    # trained once per reference key: the same reference again is read back, not retrained
+    pad_token_id = json.loads((project / "models/base/config.json").read_text()).get("pad_token_id")
+    pad_token_id = smol_tokenizer.pad_token_id if pad_token_id is None else pad_token_id  # as the stage
+    again = stage.reference(params, ["a", "b", "c"], pad_token_id, 80)
+    assert again.get("reused_from") and again["final"] == central["final"], again
     rows = (project / "reports/plots/federated_rounds.csv").read_text().splitlines()
     assert rows[0].startswith("run,round,accuracy,macro_f1,loss,bytes_total") and len(rows) == 4  # rounds 0, 1, 2
     assert (project / "reports/plots/federated_labels.csv").read_text().count("\n") > 3
@@ -189,6 +195,8 @@ def test_the_stage_runs_three_supernodes_for_two_rounds_sending_only_the_adapter
             assert client["bytes-up"] == up and client["bytes-down"] == global_bytes
             # the steps its plan gave it: the small CPU box (client 1) 1 under the round budget, the others 2
             assert client["num-examples"] == 40 and client["steps"] == (1 if client["client-id"] == 1 else 2)
+            # every process of the federation runs on train.allocator (auto: mimalloc where it is installed)
+            assert client["mimalloc"] == int(resolve("auto") == "mimalloc")
     # only the adapter + head travel: far less than even this toy model; SmolLM2-135M: far more
     assert run["adapter_bytes"] * 5 < run["full_model_bytes"]
 

@@ -524,3 +524,44 @@ def test_the_federated_data_fingerprint_follows_the_rows_not_the_files(tmp_path)
     assert write({**rows, "test": ([[7, 9]], [1])}) != first  # the server judges on other rows
     (tmp_path / "parts" / "client_7.parquet").write_bytes(b"stale")  # a file partitions.json does not list
     assert write(rows) == first
+
+
+def test_the_centralized_reference_key_follows_what_the_reference_trains_on(monkeypatch, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import stages.federated as stage
+    from frugaltune.config import load_params
+
+    params = load_params()
+    monkeypatch.setattr(stage, "DATA", tmp_path)
+
+    def write(train_labels: list[int]) -> None:
+        pq.write_table(pa.table({"input_ids": [[1, 2], [3]], "labels": train_labels}), tmp_path / "train.parquet")
+        pq.write_table(pa.table({"input_ids": [[4]], "labels": [0]}), tmp_path / "test.parquet")
+
+    write([0, 1])
+    key = stage.reference_key(params, 6400, 2, True, 512, 2)
+    assert stage.reference_key(params, 6400, 2, True, 512, 2) == key
+    changed = [stage.reference_key(params, 3200, 2, True, 512, 2),  # fewer examples
+               stage.reference_key(params, 6400, 0, True, 512, 2),  # another pad id
+               stage.reference_key(params, 6400, 2, False, 512, 2),  # fp32
+               stage.reference_key(params, 6400, 2, True, 512, 1),  # 1 thread: other bf16 sums
+               stage.reference_key(params.model_copy(update={"train": params.train.model_copy(update={"lr": 1e-3})}),
+                                   6400, 2, True, 512, 2)]  # the recipe
+    assert key not in changed and len(set(changed)) == len(changed)
+    write([0, 2])  # one label of the union of the clients' rows
+    assert stage.reference_key(params, 6400, 2, True, 512, 2) != key
+
+
+def test_every_process_of_a_local_federation_gets_the_allocator_asked_for(tmp_path):
+    from frugaltune import allocator
+    from frugaltune.federated.launch import LocalFederation
+
+    if allocator.mimalloc_library() is None:
+        pytest.skip("cmeel-mimalloc is not installed here")
+    fed = LocalFederation(tmp_path / "bin", tmp_path / "work", [], tmp_path, allocator="auto")
+    assert str(allocator.mimalloc_library()) in fed.env()["LD_PRELOAD"]
+    assert fed.env()["MIMALLOC_PURGE_DELAY"] == "-1"
+    fed.allocator = "system"  # the default: a preload inherited from the caller is removed
+    assert "libmimalloc" not in fed.env().get("LD_PRELOAD", "")
