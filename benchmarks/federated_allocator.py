@@ -1,5 +1,5 @@
-"""A federated client's rounds on glibc's malloc (what the federation's Ray workers run on) against mimalloc (what
-the train stage and the planner's calibration run on), in the same run.
+"""A federated client's rounds on glibc's malloc against mimalloc (what the train stage and the planner's calibration
+run on, and, since 2026-11-27, every process of the stage's federations: `train.allocator`), in the same run.
 
     python benchmarks/federated_allocator.py                      # 10 client-rounds + 2 server evaluations each
     python benchmarks/federated_allocator.py --client-rounds 20 --order mimalloc system

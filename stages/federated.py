@@ -240,15 +240,30 @@ def federate(params: Params, scheme: str, method: str, plans: list[dict], parts:
               "secure-max-weight": float(max(p["examples"] for p in included))}
     # Simulation Engine: one Ray worker per `threads` physical cores, so clients train side by side without
     # oversubscribing (2 workers on this project's 2-core machines)
-    # every process of the federation on train.allocator, the malloc the plan's calibration ran on
-    with LocalFederation(FLOWER_BIN, workdir, nodes, ROOT, threads=fp.threads, runtime=fp.runtime,
-                         workers=max(1, resolve_threads(None) // fp.threads),
-                         allocator=params.train.allocator) as fed:
-        result = fed.submit(APP, config, timeout=None)
-    if not (out / "done.json").exists():  # `flwr run` exits 0 even when the ServerApp raised
-        raise RuntimeError(f"federated {scheme}/{method}: the ServerApp did not finish{serverapp_status(workdir)}:"
-                           f"\n{result.stdout[-4000:]}")
-    return out
+    attempt = 1
+    while True:
+        before = rounds.last_completed_round(out)
+        # the stage starts every SuperNode anew with its SuperLink: a database kept from an earlier start would only
+        # add the nodes of that start, which a round then samples and waits for in vain
+        for stale in Path(workdir).glob("superlink.db*"):
+            stale.unlink()
+        # every process of the federation on train.allocator, the malloc the plan's calibration ran on
+        with LocalFederation(FLOWER_BIN, workdir, nodes, ROOT, threads=fp.threads, runtime=fp.runtime,
+                             workers=max(1, resolve_threads(None) // fp.threads),
+                             allocator=params.train.allocator) as fed:
+            result = fed.submit(APP, config, timeout=None)
+        if (out / "done.json").exists():  # `flwr run` exits 0 even when the ServerApp raised
+            return out
+        failure = f"the ServerApp did not finish{serverapp_status(workdir)}:\n{result.stdout[-4000:]}"
+        # A run that ended without completing a round is started once more, from the last completed round: Ray's
+        # node can time out during startup on this 2-core machine (2026-11-27: "The current node timed out
+        # during startup", the third federation of a stage, no raylet log), and the rounds on disk make a second
+        # start cheap. A run that made progress, or fails twice, stops the stage with the reason.
+        if attempt > 1 or rounds.last_completed_round(out) != before:
+            raise RuntimeError(f"federated {scheme}/{method}: {failure}")
+        print(f"federated {scheme}/{method}: ended before completing a round; starting it once more from round "
+              f"{before or 0}. First attempt: {failure[-1500:]}", flush=True)
+        attempt += 1
 
 
 def serverapp_status(workdir: Path) -> str:

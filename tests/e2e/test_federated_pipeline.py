@@ -126,7 +126,19 @@ def test_the_stage_runs_three_supernodes_for_two_rounds_sending_only_the_adapter
         "fraction": 1.0, "min_completed": 3, "round_timeout_s": 120, "local_steps": 2, "round_budget_s": 15,
         "batch_size": 8, "lora": {"r": 8, "alpha": 16}, "runtime": "deployment",
         "server_momentum": 0.5}})  # the default's server state on disk beside the rounds the stage exports from
+    submitted = []
+
+    def first_start_fails(self, app_dir, run_config, timeout):  # the stage's LocalFederation.submit, once broken
+        submitted.append(run_config["out-dir"])
+        if len(submitted) == 1:  # a ServerApp that dies before its first round (a real one: it cannot parse this)
+            run_config = {**run_config, "threads": "not a number"}
+        return real_submit(self, app_dir, run_config, timeout)
+
+    real_submit = LocalFederation.submit
+    monkeypatch.setattr(LocalFederation, "submit", first_start_fails)
     report = stage.run(params)
+    # a run that ended without completing a round is started once more, and that one finished it
+    assert len(submitted) == 2 and submitted[0] == submitted[1]
 
     run = report["runs"]["fedavg_iid"]
     assert run["rounds"] == 2 and run["failures"] == 0
