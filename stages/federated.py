@@ -255,13 +255,14 @@ def federate(params: Params, scheme: str, method: str, plans: list[dict], parts:
         if (out / "done.json").exists():  # `flwr run` exits 0 even when the ServerApp raised
             return out
         failure = f"the ServerApp did not finish{serverapp_status(workdir)}:\n{result.stdout[-4000:]}"
-        # A run that ended without completing a round is started once more, from the last completed round: Ray's
-        # node can time out during startup on this 2-core machine (2026-11-27: "The current node timed out
-        # during startup", the third federation of a stage, no raylet log), and the rounds on disk make a second
-        # start cheap. A run that made progress, or fails twice, stops the stage with the reason.
-        if attempt > 1 or rounds.last_completed_round(out) != before:
+        # A run that ended without completing a training round is started once more, from the last completed
+        # round: Ray's node can time out during startup on this 2-core machine (2026-11-27: "The current node timed
+        # out during startup", the third federation of a stage, no raylet log; the ServerApp had written round 0,
+        # the seeded start, which is no training), and the rounds on disk make a second start cheap. A run that
+        # trained a round, or fails twice, stops the stage with the reason.
+        if attempt > 1 or (rounds.last_completed_round(out) or 0) > (before or 0):
             raise RuntimeError(f"federated {scheme}/{method}: {failure}")
-        print(f"federated {scheme}/{method}: ended before completing a round; starting it once more from round "
+        print(f"federated {scheme}/{method}: ended before training a round; starting it once more from round "
               f"{before or 0}. First attempt: {failure[-1500:]}", flush=True)
         attempt += 1
 

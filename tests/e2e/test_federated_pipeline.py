@@ -130,14 +130,14 @@ def test_the_stage_runs_three_supernodes_for_two_rounds_sending_only_the_adapter
 
     def first_start_fails(self, app_dir, run_config, timeout):  # the stage's LocalFederation.submit, once broken
         submitted.append(run_config["out-dir"])
-        if len(submitted) == 1:  # a ServerApp that dies before its first round (a real one: it cannot parse this)
-            run_config = {**run_config, "threads": "not a number"}
+        if len(submitted) == 1:  # a ServerApp that writes round 0 (the seeded start), then dies before round 1
+            run_config = {**run_config, "round-timeout": "not a number"}  # a real failure: it cannot parse this
         return real_submit(self, app_dir, run_config, timeout)
 
     real_submit = LocalFederation.submit
     monkeypatch.setattr(LocalFederation, "submit", first_start_fails)
     report = stage.run(params)
-    # a run that ended without completing a round is started once more, and that one finished it
+    # a run that ended without training a round is started once more, and that one finished it
     assert len(submitted) == 2 and submitted[0] == submitted[1]
 
     run = report["runs"]["fedavg_iid"]
