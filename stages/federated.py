@@ -172,11 +172,22 @@ def data_fingerprint(parts: Path, test: Path) -> str:
     """The rows a federation trains and is judged on: each client's partition that `parts/partitions.json` lists (in
     its order) and the server's test split, as token ids and labels (checkpoint.data_fingerprint, the train stage's),
     not file bytes."""
-    digest = hashlib.sha256()
     clients = [parts / f"client_{entry['client']}.parquet" for entry in read_json(parts / "partitions.json")["clients"]]
-    for path in clients + [test]:
+    return rows_fingerprint(clients + [test])[:16]
+
+
+def rows_fingerprint(files: list[Path]) -> str:
+    """sha256 over the files' names and rows (token ids and labels, checkpoint.data_fingerprint), in this order."""
+    digest = hashlib.sha256()
+    for path in files:
         digest.update(path.name.encode() + b"\0" + checkpoint.data_fingerprint(*local.read_examples(path)).encode())
-    return digest.hexdigest()[:16]
+    return digest.hexdigest()
+
+
+def base_weights_sha() -> str | None:
+    """The base model's weights as the import_model stage hashed them (None before it ran)."""
+    report = paths.report("import_model")
+    return read_json(report).get("weights_sha256") if report.exists() else None
 
 
 def run_key(params: Params, scheme: str, method: str, data: str, plans: list[dict] | None = None) -> str:
@@ -188,9 +199,8 @@ def run_key(params: Params, scheme: str, method: str, data: str, plans: list[dic
     fp = params.federated
     steps = {str(p["client"]): p["local_steps"] for p in plans or [] if p.get("fits")}
     blob = json.dumps({"federated": fp.model_dump(), "seed": params.common.seed, "scheme": scheme, "method": method,
-                       "model": read_json(paths.report("import_model")).get("weights_sha256")
-                       if paths.report("import_model").exists() else None, "code": round_code_sha256(),
-                       "data": data, "steps": steps}, sort_keys=True)
+                       "model": base_weights_sha(), "code": round_code_sha256(), "data": data, "steps": steps},
+                      sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -411,16 +421,13 @@ def reference_key(params: Params, examples: int, pad_token_id: int, bf16: bool, 
     source, and the rows of data/federated/train.parquet and test.parquet). The run keys' rule, for one run."""
     import inspect
 
-    digest = hashlib.sha256()
-    for path in (DATA / "train.parquet", DATA / "test.parquet"):
-        digest.update(path.name.encode() + b"\0" + checkpoint.data_fingerprint(*local.read_examples(path)).encode())
     blob = json.dumps({"recipe": {k: getattr(params.train, k) for k in REFERENCE_RECIPE},
                        "lora": params.federated.lora.model_dump(), "seed": params.common.seed, "examples": examples,
                        "pad_token_id": pad_token_id, "bf16": bf16, "eager": eager, "threads": threads,
-                       "model": read_json(paths.report("import_model")).get("weights_sha256")
-                       if paths.report("import_model").exists() else None,
-                       "code": round_code_sha256(), "function": inspect.getsource(centralized_baseline),
-                       "data": digest.hexdigest()}, sort_keys=True, default=str)
+                       "model": base_weights_sha(), "code": round_code_sha256(),
+                       "function": inspect.getsource(centralized_baseline),
+                       "data": rows_fingerprint([DATA / "train.parquet", DATA / "test.parquet"])},
+                      sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -434,9 +441,9 @@ def reference(params: Params, labels: list[str], pad_token_id: int, examples: in
     kept = paths.CHECKPOINTS_DIR / "federated" / "centralized" / (
         reference_key(params, examples, pad_token_id, bf16, eager, torch.get_num_threads()) + ".json")
     if kept.exists():
-        print(f"federated: centralized LoRA reused from {kept} (trained in {read_json(kept)['train_seconds']} s)",
-              flush=True)
-        return {**read_json(kept), "reused_from": str(kept)}
+        central = read_json(kept)
+        print(f"federated: centralized LoRA reused from {kept} (trained in {central['train_seconds']} s)", flush=True)
+        return {**central, "reused_from": str(kept)}
     central = centralized_baseline(params, labels, pad_token_id, examples, precision=(bf16, eager))
     write_json(kept, central)  # atomic (frugaltune.io): a killed stage leaves none, not half of one
     return central
