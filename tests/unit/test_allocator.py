@@ -77,3 +77,15 @@ def test_a_failed_reexec_is_not_retried(monkeypatch):
     monkeypatch.setattr(allocator.os, "execve", lambda *a: pytest.fail("exec attempted twice"))
     assert allocator.reexec_with("auto") == allocator.active()
     assert "FRUGALTUNE_ALLOCATOR_REEXEC" not in os.environ
+
+
+@needs_mimalloc
+def test_every_process_of_a_local_federation_gets_the_allocator_asked_for(tmp_path, monkeypatch):
+    from frugaltune.federated.launch import LocalFederation
+
+    fed = LocalFederation(tmp_path / "bin", tmp_path / "work", [], tmp_path, allocator="auto")
+    assert str(allocator.mimalloc_library()) in fed.env()["LD_PRELOAD"]
+    assert fed.env()["MIMALLOC_PURGE_DELAY"] == "-1"
+    monkeypatch.setenv("LD_PRELOAD", str(allocator.mimalloc_library()))  # the caller runs on mimalloc
+    fed.allocator = "system"  # the default: the preload it inherits is removed
+    assert "libmimalloc" not in fed.env().get("LD_PRELOAD", "")

@@ -553,15 +553,3 @@ def test_the_centralized_reference_key_follows_what_the_reference_trains_on(monk
     write([0, 2])  # one label of the union of the clients' rows
     assert stage.reference_key(params, 6400, 2, True, 512, 2) != key
 
-
-def test_every_process_of_a_local_federation_gets_the_allocator_asked_for(tmp_path):
-    from frugaltune import allocator
-    from frugaltune.federated.launch import LocalFederation
-
-    if allocator.mimalloc_library() is None:
-        pytest.skip("cmeel-mimalloc is not installed here")
-    fed = LocalFederation(tmp_path / "bin", tmp_path / "work", [], tmp_path, allocator="auto")
-    assert str(allocator.mimalloc_library()) in fed.env()["LD_PRELOAD"]
-    assert fed.env()["MIMALLOC_PURGE_DELAY"] == "-1"
-    fed.allocator = "system"  # the default: a preload inherited from the caller is removed
-    assert "libmimalloc" not in fed.env().get("LD_PRELOAD", "")
