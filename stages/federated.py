@@ -40,6 +40,7 @@ import io
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import mlflow
@@ -378,7 +379,6 @@ def centralized_baseline(params: Params, labels: list[str], pad_token_id: int, e
     0.754 / 0.688 (sd 0.045), a reference that moved more than the federations it judged (0.720 / 0.710 / 0.715); the
     train stage's recipe ends at 0.747 / 0.732 / 0.753 (sd 0.011) on the same 6,400 examples (docs/DECISIONS.md,
     "The centralized reference is the train stage's recipe")."""
-    import time
 
     import torch
 
@@ -458,6 +458,7 @@ def csv_text(rows: list[dict], fields: list[str]) -> str:
 
 
 def run(params: Params) -> dict:
+    began = time.perf_counter()  # the report's wall_seconds: what this invocation took (resumed runs take less)
     fp, seed = params.federated, params.common.seed
     if not (FLOWER_BIN / "flower-superlink").exists():
         raise RuntimeError(f"{FLOWER_BIN}: no Flower. Run `make flower-env` first (make federated does).")
@@ -495,6 +496,7 @@ def run(params: Params) -> dict:
         for scheme, method in runs:
             name = f"{method}_{scheme}"
             print(f"federated: {name}: {fp.num_rounds} rounds over {fp.num_clients} clients", flush=True)
+            run_began = time.perf_counter()
             out = outs[name] = federate(params, scheme, method, report["clients"][scheme],
                                         DATA / f"partitions_{scheme}", labels, pad_token_id,
                                         paths.CHECKPOINTS_DIR / "federated" / "work" / name)
@@ -503,6 +505,7 @@ def run(params: Params) -> dict:
                            template.template if template else None)
             summary["adapter_dir"] = str(ADAPTERS / name)
             summary["partition"], summary["method"] = scheme, method
+            summary["wall_seconds"] = round(time.perf_counter() - run_began, 1)
             report["runs"][name] = summary
             clients += client_rows(name, out, report["clients"][scheme])
             for row in rows:
@@ -520,6 +523,7 @@ def run(params: Params) -> dict:
                 summary["macro_f1_gap_to_centralized"] = round(central["final"]["macro_f1"]
                                                                - summary["final"]["macro_f1"], 4)
             mlflow.log_metrics({f"centralized.{k}": v for k, v in central["final"].items()})
+        report["wall_seconds"] = round(time.perf_counter() - began, 1)
         write_json(REPORT, report)
         write_text(ROUNDS_CSV, csv_text(round_rows, ["run", "round", "accuracy", "macro_f1", "loss", "bytes_total",
                                                      "clients_completed"]))
@@ -544,6 +548,8 @@ def run(params: Params) -> dict:
         print(f"federated: centralized LoRA, {central['examples']} examples ({central['steps']} steps of "
               f"{central['batch_size']}): test macro-F1 {central['final']['macro_f1']:.4f} accuracy "
               f"{central['final']['accuracy']:.4f}")
+    print(f"federated: {report['wall_seconds']:.0f} s in all; each run "
+          + ", ".join(f"{name} {summary['wall_seconds']:.0f} s" for name, summary in report["runs"].items()))
     return report
 
 

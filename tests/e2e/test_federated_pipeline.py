@@ -142,6 +142,8 @@ def test_the_stage_runs_three_supernodes_for_two_rounds_sending_only_the_adapter
 
     run = report["runs"]["fedavg_iid"]
     assert run["rounds"] == 2 and run["failures"] == 0
+    # what this invocation took: the run (both of its starts) inside the stage's whole
+    assert 0 < run["wall_seconds"] < report["wall_seconds"]
     assert set(run["final"]) == {"accuracy", "macro_f1", "loss"}
     assert [c["examples"] for c in report["partitions"]["iid"]] == [40, 40, 40]
     assert sorted(c["lora_rank"] for c in report["clients"]["iid"]) == [4, 8, 8]
