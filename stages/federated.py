@@ -379,6 +379,7 @@ def centralized_baseline(params: Params, labels: list[str], pad_token_id: int, e
     0.754 / 0.688 (sd 0.045), a reference that moved more than the federations it judged (0.720 / 0.710 / 0.715); the
     train stage's recipe ends at 0.747 / 0.732 / 0.753 (sd 0.011) on the same 6,400 examples (docs/DECISIONS.md,
     "The centralized reference is the train stage's recipe")."""
+    import time
 
     import torch
 
