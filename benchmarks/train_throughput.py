@@ -17,7 +17,8 @@ steps x batch-size examples of the training split, one pass), with AdamW at the 
 - frugaltune: `frugaltune.training.loop.train_classifier` as `dvc repro train` runs it: length-grouped batches,
   dynamic padding, the precision the kernels stage chose, and the speed switches of `frugaltune.training.fast`
   (LoRA dropout from fewer random words, shared by q/k/v; eager attention up to the measured crossover length;
-  frozen weights stored in bf16 when bf16 was measured faster; AdamW as one fused kernel);
+  frozen weights stored in bf16 when bf16 was measured faster; AdamW as one fused kernel; the frozen products in
+  int8 where `train.int8_products` resolves on, as in the train stage: frugaltune/int8.py);
 - frugaltune, switches off: the same loop with peft's `nn.Dropout`, SDPA attention, fp32 frozen weights and torch's
   default AdamW (the default before the switches);
 - (a) the common recipe: HF `Trainer` + peft, `padding="max_length", max_length=128`, fp32;
@@ -37,6 +38,8 @@ included for all alike), the padding share, peak RSS, and MFU = useful-token FLO
                                                4 L s h forward for QK^T and AV, x3 with backward; s: mean length)
     measured peak = the best of torch.matmul at the model's shapes (tokens x hidden x {hidden, intermediate} and
                     back) in the recipe's precision, on the same threads, measured in this run;
+                    (int8's, torch._int_mm, for a run whose frozen products ran in int8; its MFU against the
+                    bf16 peak, what recipe (b) is charged against, is printed beside it);
     nominal peak  = cores x clock x fp32 FLOPs/cycle (frugaltune.hardware.cpu_peak_flops), printed beside it.
 
 Padded tokens are computed but not useful: MFU over useful tokens charges padding to the recipe that adds it.
@@ -133,13 +136,23 @@ def run_recipe(recipe: str, steps: int, batch_size: int, lr: float, threads: int
 
             keep_sdpa_off_cudnn()
         model, tokenizer = _model(bf16_ours, method, switches)
+        int8_products = {"on": False}
+        if switches:  # the train stage's int8 decision (train.int8_products, frugaltune/int8.py), made here alike
+            from frugaltune import int8
+
+            config = model.config
+            int8_products = int8.decide(load_params().train.int8_products, method, bf16_ours, config.hidden_size,
+                                        config.intermediate_size, torch.cuda.is_available())
+            if int8_products["on"]:
+                int8.to_int8(model, keep_weights=method == "dora")  # as the train stage does
+                int8_products["compiled"] = int8.status()["compiled"]
         cfg = LoopConfig(lr=lr, head_lr=2 * lr, batch_size=batch_size, epochs=1, seed=42, bf16=bf16_ours,
                          log_every=steps, eager_attention_max_len=eager_max if switches else 0,
                          fused_optimizer=switches)
         result = train_classifier(model, ids, labels, cfg, tokenizer.pad_token_id, progress=False)
         return {"seconds": result.wall_seconds, "useful_tokens": result.tokens, "padded_tokens": result.padded_tokens,
                 "steps": result.steps, **_memory(), "bf16": bf16_ours, "final_loss": result.final_loss,
-                "allocator": allocator.active()}
+                "allocator": allocator.active(), "int8_products": int8_products}
 
     from datasets import Dataset
     from transformers import DataCollatorWithPadding, Trainer, TrainerCallback, TrainingArguments
@@ -218,6 +231,17 @@ def measured_peaks(threads: int, tokens: int = 2048, repeats: int = 5) -> dict[s
                     torch.cuda.synchronize()
                 best = max(best, 2 * tokens * k * n * calls / (_time.perf_counter() - start))
         peaks[name] = best
+    if device == "cpu" and hasattr(torch, "_int_mm"):  # the int8 products' own peak (train.int8_products)
+        best = 0.0
+        for k, n in ((h, h), (h, i), (i, h)):
+            a = torch.randint(-127, 128, (tokens, k), dtype=torch.int8)
+            b = torch.randint(-127, 128, (n, k), dtype=torch.int8).t()  # the layout frugaltune/int8.py multiplies
+            torch._int_mm(a, b)
+            for _ in range(repeats):
+                start = _time.perf_counter()
+                torch._int_mm(a, b)
+                best = max(best, 2 * tokens * k * n / (_time.perf_counter() - start))
+        peaks["int8"] = best
     return peaks
 
 
@@ -337,7 +361,8 @@ def main() -> None:
     print(f"frugaltune precision: {'bf16' if bf16_ours else 'fp32'} ({why}); eager attention up to {eager_max} "
           f"tokens (kernels stage)")
     print(f"Measured matmul peak on {threads} threads: fp32 {peaks['fp32'] / 1e9:.0f} GFLOP/s, bf16 "
-          f"{peaks['bf16'] / 1e9:.0f} GFLOP/s. Nominal: {formula}.")
+          f"{peaks['bf16'] / 1e9:.0f} GFLOP/s" + (f", int8 {peaks['int8'] / 1e9:.0f} GOP/s" if "int8" in peaks else "")
+          + f". Nominal: {formula}.")
     print(f"FLOPs per useful token: 4N + 12 L s h = {per_token / 1e6:.0f} MFLOP (LoRA; DoRA and QLoRA do more "
           "per token: their MFU is counted on the same FLOPs)\n")
     print(f"{'recipe':44s} {'steps':>5s} {'seconds':>8s} {'useful tok/s':>12s} {'padding':>8s} {'peak RSS MB':>11s} "
@@ -345,12 +370,14 @@ def main() -> None:
     ours = results[f"frugaltune:{methods[0]}"]["rate"]
     for recipe, r in results.items():
         rate = r["rate"]
-        peak = peaks["bf16" if r["bf16"] else "fp32"]
+        # The peak of the precision the products ran in: int8's where the frozen products ran in int8.
+        peak = peaks["int8" if r.get("int8_products", {}).get("on") else "bf16" if r["bf16"] else "fp32"]
         reference = results.get(f"frugaltune:{recipe.split(':')[1]}", {}).get("rate", ours) if ":" in recipe else ours
         r.update(useful_tokens_per_s=round(rate, 1), padding=round(1 - r["useful_tokens"] / r["padded_tokens"], 4),
                  mfu_measured_peak=round(rate * per_token / peak, 4), mfu_nominal=round(rate * per_token / nominal, 4),
                  frugaltune_speedup=round(reference / rate, 2))
-        label = f"{recipe}{' (bf16' if r['bf16'] else ' (fp32'}, {r['allocator']})"
+        products = "int8+bf16" if r.get("int8_products", {}).get("on") else "bf16" if r["bf16"] else "fp32"
+        label = f"{recipe} ({products}, {r['allocator']})"
         print(f"{label:44s} {r['steps']:5d} {r['seconds']:8.1f} {rate:12.1f} {r['padding']:8.1%} "
               f"{r['peak_rss_mb']:11.0f} {r['mfu_measured_peak']:9.1%} {r['mfu_nominal']:8.1%} "
               f"{r['frugaltune_speedup']:11.2f}x"
@@ -361,6 +388,11 @@ def main() -> None:
     for m in methods:
         on, off = results[f"frugaltune:{m}"]["rate"], results[f"frugaltune-off:{m}"]["rate"]
         print(f"{m}: speed switches on vs off: {on / off:.2f}x useful tokens/s")
+        int8_products = results[f"frugaltune:{m}"].get("int8_products", {})
+        if int8_products.get("on"):  # the same run charged against the bf16 peak, as recipe (b) is
+            bf16_mfu = on * per_token / peaks["bf16" if bf16_ours else "fp32"]
+            print(f"{m}: int8 products ({int8_products['why']}): MFU {bf16_mfu:.1%} of the measured "
+                  f"{'bf16' if bf16_ours else 'fp32'} peak, {on * per_token / peaks['int8']:.1%} of the int8 peak")
     out = Path("reports/benchmarks/train_throughput.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"cpu": hw["cpu"].get("model"), "gpu": torch_device_name() if cuda else None,

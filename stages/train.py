@@ -110,6 +110,23 @@ def build_model(params: Params, labels: list[str], pad_token_id: int, bf16: bool
     return model, lr
 
 
+def int8_decision(params: Params, model: torch.nn.Module, bf16: bool, world) -> dict:
+    """`train.int8_products` resolved on this machine, and applied to `model` when on (frugaltune/int8.py). Ranks of
+    one run agree: it is on only where every rank measured it on, so they all compute the same products."""
+    from frugaltune import int8
+
+    config = model.config
+    decision = int8.decide(params.train.int8_products, params.train.method, bf16,
+                           getattr(config, "hidden_size", 0), getattr(config, "intermediate_size", 0),
+                           torch.cuda.is_available())
+    if world.distributed and world.sum([float(decision["on"])])[0] < world.size:
+        decision = {**decision, "on": False, "why": decision["why"] + "; another rank measured it off"}
+    if decision["on"]:
+        decision["modules"] = int8.to_int8(model, keep_weights=params.train.method == "dora")  # DoRA reads them
+        decision["compiled"] = int8.status()["compiled"]
+    return decision
+
+
 def adapter_manifest(params: Params, labels: list[str], tokenizer) -> dict:
     """`labels.json` beside the adapter: what serving needs to rebuild the model and use it as it was trained."""
     manifest = {"labels": labels, "max_length": params.tokenize.max_length, "method": params.train.method}
@@ -182,13 +199,15 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN, use_plan: bo
                 if tp.input_template is not None and params.task.type == "classification" else None)
     rows = wrapped(train_set["input_ids"], template, params.tokenize.max_length)
     model, lr = build_model(params, labels, tokenizer.pad_token_id, bf16, resolved["gradient_checkpointing"])
+    int8_products = int8_decision(params, model, bf16, world)
     trainable, total = count_parameters(model)
     # Checkpoints resume only a run of the same configuration, data and base model.
     base_sha = read_json(paths.report("import_model")).get("weights_sha256") if paths.report(
         "import_model").exists() else None
     volatile = {"resume", "checkpoint_every", "keep_checkpoints", "log_every", "threads", "experiment",
                 "micro_batch_size", "gradient_checkpointing", "allocator", "distributed"}  # how a step is computed
-    key = checkpoint.run_key({k: v for k, v in tp.model_dump().items() if k not in volatile}, seed, bf16, base_sha,
+    key = checkpoint.run_key({k: v for k, v in tp.model_dump().items() if k not in volatile}
+                             | {"int8_products": int8_products["on"]}, seed, bf16, base_sha,
                              checkpoint.data_fingerprint(train_set["input_ids"], train_set["labels"]))
     checkpoint_dir = paths.CHECKPOINTS_DIR / "train" / key
     cfg = LoopConfig(
@@ -213,7 +232,8 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN, use_plan: bo
     print(f"train: {tp.method} on {len(train_set)} examples, {trainable:,} of {total:,} parameters "
           f"trainable ({100 * trainable / total:.2f}%), precision {'bf16 autocast' if bf16 else 'fp32'}, "
           f"{threads} threads, micro-batch {resolved['micro_batch_size']} of {tp.batch_size}, gradient checkpointing "
-          f"{'on' if resolved['gradient_checkpointing'] else 'off'}, malloc {allocator.active()}"
+          f"{'on' if resolved['gradient_checkpointing'] else 'off'}, malloc {allocator.active()}, int8 products "
+          f"{'on' if int8_products['on'] else 'off'} ({int8_products['why']})"
           + (f", {world.size} ranks (data parallel, {threads} threads each)" if world.distributed else ""))
 
     events: list[str] = []
@@ -223,7 +243,7 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN, use_plan: bo
         mlflow.log_params({"resolved.precision": "bf16" if bf16 else "fp32", "resolved.threads": threads,
                            "resolved.micro_batch_size": resolved["micro_batch_size"],
                            "resolved.gradient_checkpointing": resolved["gradient_checkpointing"],
-                           "resolved.allocator": allocator.active(),
+                           "resolved.allocator": allocator.active(), "resolved.int8_products": int8_products["on"],
                            "data.train_rows": len(train_set), "model.source": params.model.source})
         timer = StepTimer(sync=torch.cuda.synchronize if torch.cuda.is_available() else None,
                           extra_phases=("all_reduce",) if world.distributed else ())
@@ -266,6 +286,7 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN, use_plan: bo
             "resumed_from_step": result.resumed_from_step,
             "micro_batch_size": result.micro_batch_size,
             "gradient_checkpointing": int(resolved["gradient_checkpointing"]),
+            "int8_products": int8_products,
             "plan": {k: resolved[k] for k in ("predicted_peak_mb", "eta_seconds") if resolved[k] is not None},
             "telemetry": {k: v for k, v in telemetry.items() if isinstance(v, int | float) and not isinstance(v, bool)},
         }

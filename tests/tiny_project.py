@@ -44,7 +44,8 @@ def build(repo: Path, model_dir: Path, calibrate: bool = True) -> Path:
     params["validate"]["min_class_fraction"] = 0.05
     params["kernels"]["enabled"] = False  # compiled and verified by tests/unit/test_kernels.py
     params["probe"]["calibrate"] = calibrate
-    params["train"].update({"max_steps": 4, "batch_size": 8, "log_every": 1, "threads": 1})
+    # int8 products off: each training process would compile its quantize step (tests/unit/test_int8.py has it)
+    params["train"].update({"max_steps": 4, "batch_size": 8, "log_every": 1, "threads": 1, "int8_products": False})
     params["evaluate"]["batch_size"] = 16
     params["compare"]["max_steps"] = 2
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))

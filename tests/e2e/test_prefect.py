@@ -93,8 +93,10 @@ def make_project(root: Path, model_dir: Path, data_source: str) -> Path:
     params["kernels"].update({"enabled": False,  # compiled and verified by tests/unit/test_kernels.py
                               "bench_batch": 1, "bench_seq_len": 16, "model_hidden": 32, "model_heads": 4,
                               "model_intermediate": 64, "timing_repeats": 3})
-    # fp32, not `auto`: auto follows a timing (kernels' bf16-vs-fp32), which could differ between the two projects.
-    params["train"].update({"max_steps": 4, "batch_size": 8, "log_every": 1, "threads": 1, "precision": "fp32"})
+    # fp32, not `auto`: auto follows a timing (kernels' bf16-vs-fp32), which could differ between the two projects;
+    # int8 products off for the same reason (their `auto` times int8 against the precision's products).
+    params["train"].update({"max_steps": 4, "batch_size": 8, "log_every": 1, "threads": 1, "precision": "fp32",
+                            "int8_products": False})
     params["evaluate"]["batch_size"] = 16
     params["schedule"].update({"cron": CRON, "register_retries": 1, "retry_delay_s": 1})
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))

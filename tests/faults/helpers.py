@@ -71,8 +71,9 @@ def make_project(repo: Path, model_dir: Path, **train) -> Path:
     params["validate"]["min_class_fraction"] = 0.05
     params["kernels"]["enabled"] = False
     params["probe"]["calibrate"] = False  # the planner's own tests calibrate; here only the faults matter
+    # int8 products off: each training process would compile its quantize step (tests/unit/test_int8.py has it)
     params["train"].update({"max_steps": 6, "batch_size": 8, "log_every": 1, "threads": 1, "checkpoint_every": 2,
-                            **train})
+                            "int8_products": False, **train})
     params["evaluate"]["batch_size"] = 16
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     for cmd in (["git", "init", "-q"], ["git", "config", "user.email", "ci@example.com"],

@@ -1,0 +1,169 @@
+"""LoRA's frozen base products in int8 (the CPU's VNNI dot products) against bf16: a lever for issue 12, measured.
+
+    python benchmarks/int8_products.py                         # GEMMs, numerics, loop A/B (3 rounds): ~4 min
+    python benchmarks/int8_products.py --ab-rounds 5 --ab-steps 12
+    python benchmarks/int8_products.py --quality NAME [key=value ...]   # through the train + evaluate stages
+
+Under LoRA the base weights never change, so every product with them (q/k/v/o and the MLP's gate/up/down, forward
+and the input gradient of backward) can run on int8 operands (frugaltune/int8.py says how). AVX512-VNNI multiplies
+int8 at twice bf16's rate per instruction, and `torch._int_mm` reaches that on this kind of CPU.
+
+Four parts, on this machine's threads:
+1. GEMMs at the model's shapes: fp32, bf16 and int8 (`torch._int_mm`) GFLOP/s (int8: GOP/s), one table.
+2. Numerics on one batch of 16 training rows (dropout off): the relative error of the logits and of every LoRA
+   gradient against fp32, for bf16 autocast (the default) and for int8 products.
+3. `--ab-rounds N` (default 3): the project's loop (`train_classifier`) with bf16 products against int8 products,
+   two models on the same slices, alternated, round 0 a warm-up (it includes the compilation).
+4. `--quality NAME [overrides]`: `benchmarks/quality_sweep.py NAME train.int8_products=true [overrides]` (the
+   same `stages.train.run`, then `stages.evaluate.run` on the bf16 base, as serving loads the adapter); the row
+   lands in reports/sweep/quality_sweep.jsonl.
+
+The train stage's switch is `train.int8_products` (DECISIONS, "int8 products"). Results of parts 1-3 go to
+reports/benchmarks/int8_products.json. Needs `models/base` and `data/tokenized` (`make pipeline`).
+"""
+
+from __future__ import annotations
+
+if __name__ == "__main__":
+    from frugaltune import allocator as _allocator
+
+    _allocator.reexec_early()  # the train stage's malloc (mimalloc where installed), as quality_sweep runs
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import train_throughput as throughput  # noqa: E402
+from step_anatomy import alternated, timed  # noqa: E402
+
+from frugaltune.hardware import cpu_facts  # noqa: E402
+from frugaltune.int8 import status, to_int8  # noqa: E402
+
+
+def gemm_table(rows: int, hidden: int, mlp: int) -> list[dict]:
+    table = []
+    for m, k, n in [(rows, hidden, hidden), (rows, hidden, mlp), (rows, mlp, hidden)]:
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        ai = torch.randint(-127, 128, (m, k), dtype=torch.int8)
+        bi = torch.randint(-127, 128, (n, k), dtype=torch.int8).t()  # the layout the module multiplies by
+        flops = 2 * m * k * n
+        a16, b16 = a.bfloat16(), b.bfloat16()
+        row = {"shape": f"{m}x{k}x{n}", "fp32": flops / timed(lambda: a @ b, 30) / 1e9,
+               "bf16": flops / timed(lambda: a16 @ b16, 30) / 1e9,
+               "int8": flops / timed(lambda: torch._int_mm(ai, bi), 30) / 1e9}
+        table.append(row)
+        print(f"  {row['shape']:>16s}: fp32 {row['fp32']:6.0f}  bf16 {row['bf16']:6.0f}  int8 {row['int8']:6.0f} "
+              f"G(FL)OP/s; int8 / bf16 {row['int8'] / row['bf16']:.2f}x")
+    return table
+
+
+def numerics(batch_size: int) -> dict:
+    """Relative errors of logits and LoRA gradients on one batch against fp32 products (dropout off)."""
+    from frugaltune.training.batching import collate
+    from frugaltune.training.fast import frozen_weights_in
+    from frugaltune.training.loop import autocast
+
+    ids, labels = throughput._examples(1000 + batch_size)
+    reference, tokenizer = throughput._model(True, "lora", True)
+    frozen_weights_in(reference, torch.float32)
+    batch = collate(ids[1000:], tokenizer.pad_token_id)  # past the first rows, which share one label
+    target = torch.tensor(labels[1000:])
+
+    def run(model, bf16: bool):
+        model.eval()
+        model.zero_grad(set_to_none=True)
+        with autocast(bf16, torch.device("cpu")):
+            logits = model(**batch).logits
+        torch.nn.functional.cross_entropy(logits.float(), target).backward()
+        return logits.detach().float(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    ref_logits, ref_grads = run(reference, False)
+    result = {}
+    for name in ("bf16", "int8"):
+        model, _ = throughput._model(True, "lora", True)
+        model.load_state_dict(reference.state_dict())
+        if name == "int8":
+            to_int8(model, keep_weights=False)  # LoRA: as the train stage does
+        logits, grads = run(model, True)
+        errors = sorted(((grads[n] - g).norm() / g.norm()).item() for n, g in ref_grads.items() if g.norm() > 0)
+        result[name] = {"logits": ((logits - ref_logits).norm() / ref_logits.norm()).item(),
+                        "grad_median": statistics.median(errors), "grad_p90": errors[int(0.9 * len(errors))]}
+        print(f"  {name}: logits {result[name]['logits']:.4f}, LoRA gradients median {result[name]['grad_median']:.4f}"
+              f" / p90 {result[name]['grad_p90']:.4f} (relative to fp32 products, batch of {len(target)} rows)")
+    return result
+
+
+def loop_ab(rounds: int, steps: int, batch_size: int) -> dict:
+    from frugaltune.training.loop import LoopConfig, train_classifier
+
+    ids, labels = throughput._examples(steps * batch_size * rounds)
+    models = {}
+    for name in ("bf16 products", "int8 products"):
+        model, tokenizer = throughput._model(True, "lora", True)
+        if name.startswith("int8"):
+            to_int8(model, keep_weights=False)  # LoRA: as the train stage does
+        models[name] = model
+
+    def measure(number: int, name: str) -> float:
+        part = slice(number * steps * batch_size, (number + 1) * steps * batch_size)
+        cfg = LoopConfig(lr=1e-3, head_lr=2e-3, batch_size=batch_size, epochs=1, seed=42, bf16=True,
+                         log_every=10**6, eager_attention_max_len=512)
+        result = train_classifier(models[name], ids[part], labels[part], cfg, tokenizer.pad_token_id, progress=False)
+        rate = result.tokens / result.wall_seconds
+        print(f"  round {number}{' (warm-up)' if not number else ''}: {name}: {rate:.1f} useful tok/s "
+              f"({result.wall_seconds:.1f} s)", flush=True)
+        return rate
+
+    rates = alternated(list(models), rounds, measure)
+    base, new = (statistics.mean(v) for v in rates.values())
+    print(f"  mean over {rounds - 1} rounds: {base:.1f} / {new:.1f} useful tok/s; int8 / bf16 = {new / base:.3f}x")
+    return {"rates": rates, "ratio": new / base}
+
+
+def quality(name: str, overrides: list[str]) -> None:
+    """One quality_sweep variant with `train.int8_products=true` (the train stage's switch) before `overrides`."""
+    import quality_sweep
+
+    sys.argv = [sys.argv[0], name, "train.int8_products=true", *overrides]
+    quality_sweep.main()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--ab-rounds", type=int, default=3)
+    parser.add_argument("--ab-steps", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--quality", nargs="+", metavar="NAME [key=value]")
+    args = parser.parse_args()
+    if not hasattr(torch, "_int_mm"):
+        raise SystemExit("int8_products: this torch has no torch._int_mm")
+    if args.quality:
+        quality(args.quality[0], args.quality[1:])
+        return
+    config = json.loads((throughput.BASE / "config.json").read_text())
+    print(f"{cpu_facts()['model']}, {torch.get_num_threads()} threads")
+    print("1. GEMMs at the model's shapes (M = batch 16 x 32 tokens):")
+    table = gemm_table(512, config["hidden_size"], config["intermediate_size"])
+    print("2. Numerics:")
+    errors = numerics(args.batch_size)
+    print("3. The loop, alternated:")
+    started = time.perf_counter()
+    ab = loop_ab(args.ab_rounds, args.ab_steps, args.batch_size)
+    print(f"quantize / rescale: {status()['why']}")
+    out = Path("reports/benchmarks/int8_products.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"cpu": cpu_facts()["model"], "threads": torch.get_num_threads(), "gemms": table,
+                               "numerics": errors, "loop": ab, "steps": status(),
+                               "loop_seconds": time.perf_counter() - started},
+                              indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,186 @@
+"""int8 products with frozen linear weights (LoRA's base) on CPUs whose int8 dot products outrun bf16 (VNNI).
+
+    from frugaltune import int8
+    decision = int8.decide(setting, method, bf16, hidden, intermediate, on_gpu)   # {"on": ..., "why": ...}
+    if decision["on"]:
+        int8.to_int8(model)      # every frozen nn.Linear, in place; the trainable head and adapters are untouched
+
+Run by the train stage (stages/train.py, `train.int8_products`: auto | true | false); measured by
+`python benchmarks/int8_products.py` (GEMMs, numerics against fp32, the loop alternated, and the stages' quality).
+
+Under LoRA the base weights never change, so every product with them (q/k/v/o and the MLP's gate/up/down, in
+forward and in the input gradient of backward) can run on int8 operands, as SwitchBack does (Wortsman et al. 2023)
+without its weight gradient, which LoRA never needs:
+- the weight is quantized once per output row (forward, y = x W^T) and once per input column (backward, g W): one
+  copy serving both (g diag(s) quantized per row) cost ~0.02 macro-F1 on two seeds (DECISIONS, "int8 products");
+- activations and output gradients are quantized per row (token) at every call, each row with its own scale;
+- `torch._int_mm` accumulates in int32, and one rescale gives the autocast dtype (bf16) or the input's dtype.
+The quantize and rescale steps are `torch.compile`d once each (dynamic shapes): eager, they are ~9 aten calls
+apiece and eat most of the gain. Where inductor cannot compile (no C++ compiler), they run eager and `status()`
+says so. q/k/v (and gate/up) receive the same input tensor; it is quantized once.
+
+Only the products change: the adapters, the head, the optimizer and the saved adapter are what they were, and
+evaluation and serving load the adapter onto the bf16 base as before.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+# int8 must multiply at least this much faster than the products it replaces before `auto` turns it on: the rest of
+# a step (quantizing, rescaling, everything that is not a product) does not speed up, so a 1.9x GEMM gave ~1.2x a
+# step on the Zen 4 where it was measured (DECISIONS, "int8 products").
+MIN_GEMM_RATIO = 1.5
+# `auto` covers the method it was measured on; `true` applies it to any method with frozen nn.Linear weights.
+AUTO_METHODS = ("lora",)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 values and fp32 scales [rows, 1] of a 2-D tensor, symmetric per row."""
+    scale = x.abs().amax(-1, keepdim=True).float().clamp_min(1e-12) / 127.0
+    return (x.float() / scale).round().to(torch.int8), scale
+
+
+
+def rescale(acc: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (acc.float() * row_scale * col_scale).to(dtype)
+
+
+_STEPS: dict[str, object] = {}
+_STATUS = {"compiled": None, "why": "not used yet"}
+
+
+def _prepare_steps() -> None:
+    """Compile quantize and rescale once per process and run them on a small tensor, so that a missing compiler
+    shows here (then both run eager) and not in the middle of a training step."""
+    if _STEPS:
+        return
+    try:
+        quantize, scale = torch.compile(quantize_rows, dynamic=True), torch.compile(rescale, dynamic=True)
+        q, s = quantize(torch.randn(3, 8))
+        scale(torch._int_mm(q, q.t()), s, s.t(), torch.float32)
+        _STEPS.update(quantize=quantize, rescale=scale)
+        _STATUS.update(compiled=True, why="quantize and rescale compiled by inductor")
+    except Exception as exc:  # noqa: BLE001 - any compiler failure: the same arithmetic, eager
+        torch._dynamo.reset()
+        _STEPS.update(quantize=quantize_rows, rescale=rescale)
+        first_line = str(exc).splitlines()[0][:160] if str(exc) else ""
+        _STATUS.update(compiled=False, why=f"eager quantize and rescale (torch.compile failed: {type(exc).__name__}: "
+                                           f"{first_line})")
+
+
+def status() -> dict:
+    return dict(_STATUS)
+
+
+_SHARED: dict[str, object] = {}  # the input quantized last: q/k/v (and gate/up) are called with one tensor
+
+
+def _output_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else x.dtype
+
+
+class _Int8Product(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w_rows, s_rows, w_cols, s_cols):
+        lead, k = x.shape[:-1], x.shape[-1]
+        # The same tensor object, unchanged since (its version): q's input again, for k and v. _SHARED holds it, so
+        # its memory cannot be reused by another tensor while the entry stands.
+        if _SHARED.get("input") is x and _SHARED.get("version") == x._version:
+            xq, sx = _SHARED["value"]
+        else:
+            xq, sx = _STEPS["quantize"](x.reshape(-1, k))
+            _SHARED.update(input=x, version=x._version, value=(xq, sx))
+        y = _STEPS["rescale"](torch._int_mm(xq, w_rows.t()), sx, s_rows, _output_dtype(x))
+        ctx.save_for_backward(w_cols, s_cols)
+        ctx.input_dtype = x.dtype
+        return y.reshape(*lead, w_rows.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        w_cols, s_cols = ctx.saved_tensors
+        lead, n = grad.shape[:-1], grad.shape[-1]
+        gq, sg = _STEPS["quantize"](grad.reshape(-1, n))
+        grad_x = _STEPS["rescale"](torch._int_mm(gq, w_cols), sg, s_cols, ctx.input_dtype)
+        return grad_x.reshape(*lead, w_cols.shape[1]), None, None, None, None
+
+
+class Int8FrozenLinear(torch.nn.Module):
+    """A frozen nn.Linear whose products run in int8.
+
+    `keep_weight=False` puts a meta tensor of the weight's shape and dtype in place of the weight (peft's LoRA reads
+    no more than that in its forward), so the int8 copies replace the bf16 weight in memory instead of adding to it;
+    DoRA reads the weight's norm and keeps it. Anything that would compute with the meta weight fails loudly."""
+
+    def __init__(self, linear: torch.nn.Linear, keep_weight: bool = True):
+        super().__init__()
+        w = linear.weight.detach().float()
+        rows = w.abs().amax(1, keepdim=True).clamp_min(1e-12) / 127.0  # [N, 1]
+        cols = w.abs().amax(0, keepdim=True).clamp_min(1e-12) / 127.0  # [1, K]
+        self.register_buffer("w_rows", (w / rows).round().to(torch.int8), persistent=False)
+        self.register_buffer("s_rows", rows.t().contiguous(), persistent=False)
+        self.register_buffer("w_cols", (w / cols).round().to(torch.int8), persistent=False)
+        self.register_buffer("s_cols", cols, persistent=False)
+        self.weight = linear.weight if keep_weight else torch.nn.Parameter(
+            torch.empty_like(linear.weight, device="meta"), requires_grad=False)
+        self.bias = linear.bias
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = _Int8Product.apply(x, self.w_rows, self.s_rows, self.w_cols, self.s_cols)
+        return y if self.bias is None else y + self.bias
+
+
+def to_int8(model: torch.nn.Module, keep_weights: bool = True) -> int:
+    """Every frozen nn.Linear of `model` replaced in place by an Int8FrozenLinear; returns how many.
+    `keep_weights=False` (LoRA, not DoRA) drops their bf16/fp32 weights: see Int8FrozenLinear."""
+    _prepare_steps()
+    swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+             if type(child) is torch.nn.Linear and not child.weight.requires_grad]
+    for parent, name, child in swaps:
+        setattr(parent, name, Int8FrozenLinear(child, keep_weight=keep_weights))
+    return len(swaps)
+
+
+def _seconds(fn, repeats: int) -> float:
+    for _ in range(3):
+        fn()
+    began = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - began) / repeats
+
+
+def gemm_ratio(hidden: int, intermediate: int, bf16: bool, rows: int = 512, repeats: int = 10) -> float:
+    """int8 products against the precision's own (bf16 or fp32), on this machine's threads: the best of the
+    model's two MLP shapes each way, ~0.3 s on a 2-core CPU."""
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    ratios = []
+    for k, n in ((hidden, intermediate), (intermediate, hidden)):
+        a, b = torch.randn(rows, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+        ai = torch.randint(-127, 128, (rows, k), dtype=torch.int8)
+        bi = torch.randint(-127, 128, (n, k), dtype=torch.int8).t()
+        ratios.append(_seconds(lambda: a @ b, repeats) / _seconds(lambda: torch._int_mm(ai, bi), repeats))
+    return max(ratios)
+
+
+def decide(setting: str | bool, method: str, bf16: bool, hidden: int, intermediate: int, on_gpu: bool) -> dict:
+    """Whether to train with int8 products: `true`/`false` as set; `auto` on a CPU, for AUTO_METHODS, where int8
+    multiplies at least MIN_GEMM_RATIO x faster than the precision in use, measured here and now."""
+    if setting is False or setting == "false":
+        return {"on": False, "why": "train.int8_products is false"}
+    if on_gpu:
+        return {"on": False, "why": "a GPU trains with its own bf16 tensor cores (int8 products are a CPU path)"}
+    if not hasattr(torch, "_int_mm"):
+        return {"on": False, "why": "this torch has no torch._int_mm"}
+    if setting is True or setting == "true":
+        return {"on": True, "why": "train.int8_products is true"}
+    if method not in AUTO_METHODS:
+        return {"on": False, "why": f"auto covers {', '.join(AUTO_METHODS)} (measured there), not {method}"}
+    ratio = gemm_ratio(hidden, intermediate, bf16)
+    precision = "bf16" if bf16 else "fp32"
+    return {"on": ratio >= MIN_GEMM_RATIO, "gemm_ratio": round(ratio, 2),
+            "why": f"int8 products measured {ratio:.2f}x {precision}'s here "
+                   f"({'>=' if ratio >= MIN_GEMM_RATIO else '<'} {MIN_GEMM_RATIO})"}

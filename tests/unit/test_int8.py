@@ -1,0 +1,155 @@
+"""int8 products with frozen weights (frugaltune/int8.py): the same products to int8's precision, gradients included.
+
+    pytest tests/unit/test_int8.py
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from frugaltune import int8
+from frugaltune.planner import MethodKnobs
+from frugaltune.training.methods import prepare_model
+
+pytestmark = pytest.mark.skipif(not hasattr(torch, "_int_mm"), reason="this torch has no torch._int_mm")
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def frozen_linear(k: int, n: int, bias: bool = False) -> torch.nn.Linear:
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(k, n, bias=bias)
+    linear.weight.requires_grad_(False)
+    return linear
+
+
+@pytest.mark.slow  # compiles quantize and rescale (inductor) on first use
+@pytest.mark.parametrize("bias", [False, True])
+def test_forward_and_input_gradient_match_fp32_to_int8_precision(bias):
+    linear = frozen_linear(96, 160, bias)
+    quantized = int8.Int8FrozenLinear(linear)
+    int8._prepare_steps()
+    x = torch.randn(3, 37, 96, requires_grad=True)
+    reference = linear(x)
+    grad = torch.randn_like(reference)
+    reference.backward(grad)
+    expected = x.grad.clone()
+    x.grad = None
+    out = quantized(x)
+    out.backward(grad)
+    assert out.shape == reference.shape and out.dtype == torch.float32  # no autocast: the input's dtype
+    assert relative(out, reference) < 0.02, relative(out, reference)
+    assert relative(x.grad, expected) < 0.02, relative(x.grad, expected)
+    assert linear.weight.grad is None  # the weight stays frozen
+    broken = int8.Int8FrozenLinear(frozen_linear(96, 160, bias))
+    broken.s_rows.mul_(2)  # a wrong scale is caught by the same bound
+    assert relative(broken(x), reference) > 0.5
+
+
+@pytest.mark.slow
+def test_autocast_gives_bf16_and_the_gradient_keeps_the_input_dtype():
+    quantized = int8.Int8FrozenLinear(frozen_linear(64, 32))
+    int8._prepare_steps()
+    x = torch.randn(5, 64, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = quantized(x)
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert x.grad.dtype == torch.float32
+
+
+@pytest.mark.slow
+def test_one_input_is_quantized_once_and_a_changed_input_again():
+    first, second = int8.Int8FrozenLinear(frozen_linear(64, 32)), int8.Int8FrozenLinear(frozen_linear(64, 48))
+    int8._prepare_steps()
+    x = torch.randn(7, 64)
+    with torch.no_grad():
+        a = first(x)
+        assert int8._SHARED["input"] is x
+        b = second(x)  # q's quantized input reused for k
+        assert relative(b, x @ second.weight.t()) < 0.02
+        x.mul_(2)  # in place: a new version, so quantized anew
+        assert relative(first(x), 2 * a) < 1e-5
+        assert relative(first(x.clone()), 2 * a) < 1e-5  # another tensor: its own quantization
+
+
+@pytest.mark.slow
+def test_to_int8_replaces_only_frozen_linears_and_lora_still_trains_and_saves(tiny_model_dir, smol_tokenizer,
+                                                                              tmp_path):
+    from frugaltune.training.methods import load_trained, save_trained
+
+    model = prepare_model(tiny_model_dir, ["a", "b", "c"], smol_tokenizer.pad_token_id, 0, "lora",
+                          MethodKnobs(r=4, alpha=8, dropout=0.0), bf16=False)
+    frozen = sum(1 for m in model.modules() if type(m) is torch.nn.Linear and not m.weight.requires_grad)
+    assert int8.to_int8(model, keep_weights=False) == frozen > 0
+    assert all(m.weight.is_meta for m in model.modules() if isinstance(m, int8.Int8FrozenLinear))
+    assert not any(type(m) is torch.nn.Linear and not m.weight.requires_grad for m in model.modules())
+    assert any(type(m) is torch.nn.Linear and m.weight.requires_grad for m in model.modules())  # the head
+    ids = torch.randint(5, 500, (4, 10))
+    out = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+    torch.nn.functional.cross_entropy(out, torch.tensor([0, 1, 2, 0])).backward()
+    lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
+    assert lora_b and all(p.grad is not None for p in lora_b)
+    assert sum(p.grad.abs().sum().item() for p in lora_b) > 0  # gradients reach the adapters through int8 products
+    with torch.no_grad():
+        lora_b[0].add_(1.0)
+    save_trained(model, "lora", tmp_path)  # the adapter alone: the meta weights are not part of it
+    fresh = prepare_model(tiny_model_dir, ["a", "b", "c"], smol_tokenizer.pad_token_id, 0, "none", MethodKnobs(),
+                          bf16=False)
+    loaded = dict(load_trained(fresh, tmp_path).named_parameters())
+    name = next(n for n, p in model.named_parameters() if p is lora_b[0])
+    assert torch.equal(loaded[name].detach(), lora_b[0].detach())
+
+
+def test_decide_follows_the_setting_the_device_and_the_method():
+    assert int8.decide(False, "lora", True, 64, 128, False)["on"] is False
+    assert int8.decide(True, "dora", True, 64, 128, False)["on"] is True
+    assert int8.decide(True, "lora", True, 64, 128, True)["on"] is False  # a GPU keeps its tensor cores
+    assert int8.decide("auto", "full", True, 64, 128, False)["on"] is False  # auto covers what was measured
+    measured = int8.decide("auto", "lora", True, 64, 128, False)
+    assert measured["on"] == (measured["gemm_ratio"] >= int8.MIN_GEMM_RATIO)
+    assert f"{measured['gemm_ratio']:.2f}x bf16" in measured["why"]
+
+
+@pytest.mark.slow
+def test_without_a_compiler_quantize_and_rescale_run_eager(tmp_path):
+    """A real compiler failure (a C++ compiler that does not exist, no cached kernels): same products, eager."""
+    code = (
+        "import torch, torch._inductor.config as c\n"
+        "c.cpp.cxx = ('/nonexistent/c++',)\n"
+        "from frugaltune import int8\n"
+        "lin = torch.nn.Linear(32, 16).requires_grad_(False)\n"
+        "m = int8.Int8FrozenLinear(lin); int8._prepare_steps()\n"
+        "x = torch.randn(4, 32)\n"
+        "err = ((m(x) - lin(x)).norm() / lin(x).norm()).item()\n"
+        "print(int8.status()['compiled'], err < 0.02)\n"
+    )
+    env = dict(os.environ, TORCHINDUCTOR_FX_GRAPH_CACHE="0", TORCHINDUCTOR_CACHE_DIR=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-2:] == ["False", "True"], out.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setting", [True, False])
+def test_the_train_stage_applies_its_decision_and_records_it(tiny_model_dir, smol_tokenizer, setting):
+    from frugaltune.config import Params
+    from frugaltune.training.distributed import World
+    from stages.train import int8_decision
+
+    params = Params.model_validate({"train": {"int8_products": setting}})
+    model = prepare_model(tiny_model_dir, ["a", "b"], smol_tokenizer.pad_token_id, 0, "lora", MethodKnobs(r=4),
+                          bf16=False)
+    decision = int8_decision(params, model, False, World())
+    swapped = sum(isinstance(m, int8.Int8FrozenLinear) for m in model.modules())
+    assert decision["on"] is setting and swapped == decision.get("modules", 0)
+    assert (swapped > 0) is setting
+    if setting:
+        assert decision["compiled"] is True  # this machine has a compiler: the fast path, not the fallback
