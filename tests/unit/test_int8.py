@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -151,5 +152,5 @@ def test_the_train_stage_applies_its_decision_and_records_it(tiny_model_dir, smo
     swapped = sum(isinstance(m, int8.Int8FrozenLinear) for m in model.modules())
     assert decision["on"] is setting and swapped == decision.get("modules", 0)
     assert (swapped > 0) is setting
-    if setting:
-        assert decision["compiled"] is True  # this machine has a compiler: the fast path, not the fallback
+    if setting and any(shutil.which(cxx) for cxx in ("g++", "clang++", "c++")):
+        assert decision["compiled"] is True  # a compiler is here: the fast path, not the fallback
