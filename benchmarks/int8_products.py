@@ -40,7 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_throughput as throughput  # noqa: E402
-from step_anatomy import alternated, timed  # noqa: E402
+from step_anatomy import alternated, loop_round, timed  # noqa: E402
 
 from frugaltune.hardware import cpu_facts  # noqa: E402
 from frugaltune.int8 import status, to_int8  # noqa: E402
@@ -100,7 +100,7 @@ def numerics(batch_size: int) -> dict:
 
 
 def loop_ab(rounds: int, steps: int, batch_size: int) -> dict:
-    from frugaltune.training.loop import LoopConfig, train_classifier
+    from frugaltune.training.loop import LoopConfig
 
     ids, labels = throughput._examples(steps * batch_size * rounds)
     models = {}
@@ -114,11 +114,7 @@ def loop_ab(rounds: int, steps: int, batch_size: int) -> dict:
         part = slice(number * steps * batch_size, (number + 1) * steps * batch_size)
         cfg = LoopConfig(lr=1e-3, head_lr=2e-3, batch_size=batch_size, epochs=1, seed=42, bf16=True,
                          log_every=10**6, eager_attention_max_len=512)
-        result = train_classifier(models[name], ids[part], labels[part], cfg, tokenizer.pad_token_id, progress=False)
-        rate = result.tokens / result.wall_seconds
-        print(f"  round {number}{' (warm-up)' if not number else ''}: {name}: {rate:.1f} useful tok/s "
-              f"({result.wall_seconds:.1f} s)", flush=True)
-        return rate
+        return loop_round(models[name], ids[part], labels[part], cfg, tokenizer.pad_token_id, number, name)
 
     rates = alternated(list(models), rounds, measure)
     base, new = (statistics.mean(v) for v in rates.values())

@@ -126,12 +126,23 @@ def alternated(names: list[str], rounds: int, measure) -> dict[str, list[float]]
     return kept
 
 
+def loop_round(model, ids: list, labels: list, cfg, pad_token_id: int, number: int, name: str) -> float:
+    """One round of an alternated A/B: the project's loop on these rows; prints and returns useful tokens/s."""
+    from frugaltune.training.loop import train_classifier
+
+    result = train_classifier(model, ids, labels, cfg, pad_token_id, progress=False)
+    rate = result.tokens / result.wall_seconds
+    print(f"  round {number}{' (warm-up)' if not number else ''}: {name}: {rate:.1f} useful tok/s "
+          f"({result.wall_seconds:.1f} s)", flush=True)
+    return rate
+
+
 def ab_switch(switch: str, rounds: int, steps: int, batch_size: int, bf16: bool, eager: int,
               target_modules: list[str] | None = None) -> None:
     """One speed switch off against on, two models trained by the project's loop on the same slices of data,
     alternating which goes first; the first round warms both up and is not counted."""
     from frugaltune.training.fast import frozen_weights_in
-    from frugaltune.training.loop import LoopConfig, train_classifier
+    from frugaltune.training.loop import LoopConfig
 
     ids, labels = throughput._examples(steps * batch_size * rounds)
     if torch.cuda.is_available():  # as the train stage and train_throughput's frugaltune recipe do on a GPU
@@ -167,12 +178,7 @@ def ab_switch(switch: str, rounds: int, steps: int, batch_size: int, bf16: bool,
                          packed_weights=switch == "packed" and name != "plain bf16 weights",
                          fused_optimizer=switch != "optimizer" or name == "AdamW fused",
                          bf16_inputs=name == "norms hand bf16 (bf16_inputs)")
-        result = train_classifier(models[name], ids[part], labels[part], cfg, tokenizer.pad_token_id,
-                                  progress=False)
-        rate = result.tokens / result.wall_seconds
-        print(f"  round {number}{' (warm-up)' if not number else ''}: {name}: {rate:.1f} useful tok/s "
-              f"({result.wall_seconds:.1f} s)", flush=True)
-        return rate
+        return loop_round(models[name], ids[part], labels[part], cfg, tokenizer.pad_token_id, number, name)
 
     rates = alternated(list(models), rounds, measure)
     base, new = (statistics.mean(v) for v in rates.values())
