@@ -143,9 +143,7 @@ def run_recipe(recipe: str, steps: int, batch_size: int, lr: float, threads: int
             config = model.config
             int8_products = int8.decide(load_params().train.int8_products, method, bf16_ours, config.hidden_size,
                                         config.intermediate_size, torch.cuda.is_available())
-            if int8_products["on"]:
-                int8.to_int8(model, keep_weights=method == "dora")  # as the train stage does
-                int8_products["compiled"] = int8.status()["compiled"]
+            int8_products = int8.apply(model, int8_products, method)
         cfg = LoopConfig(lr=lr, head_lr=2 * lr, batch_size=batch_size, epochs=1, seed=42, bf16=bf16_ours,
                          log_every=steps, eager_attention_max_len=eager_max if switches else 0,
                          fused_optimizer=switches)

@@ -2,8 +2,7 @@
 
     from frugaltune import int8
     decision = int8.decide(setting, method, bf16, hidden, intermediate, on_gpu)   # {"on": ..., "why": ...}
-    if decision["on"]:
-        int8.to_int8(model)      # every frozen nn.Linear, in place; the trainable head and adapters are untouched
+    decision = int8.apply(model, decision, method)   # when on: every frozen nn.Linear in int8, in place
 
 Run by the train stage (stages/train.py, `train.int8_products`: auto | true | false); measured by
 `python benchmarks/int8_products.py` (GEMMs, numerics against fp32, the loop alternated, and the stages' quality).
@@ -142,6 +141,14 @@ def to_int8(model: torch.nn.Module, keep_weights: bool = True) -> int:
     for parent, name, child in swaps:
         setattr(parent, name, Int8FrozenLinear(child, keep_weight=keep_weights))
     return len(swaps)
+
+
+def apply(model: torch.nn.Module, decision: dict, method: str) -> dict:
+    """`decision` (from `decide`) carried out on `model`: when on, its frozen Linears in int8 (DoRA keeps their
+    weights, it reads their norm); returns the decision with how many modules changed and whether it compiled."""
+    if not decision["on"]:
+        return decision
+    return {**decision, "modules": to_int8(model, keep_weights=method == "dora"), "compiled": status()["compiled"]}
 
 
 def _seconds(fn, repeats: int) -> float:

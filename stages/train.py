@@ -121,10 +121,7 @@ def int8_decision(params: Params, model: torch.nn.Module, bf16: bool, world) -> 
                            torch.cuda.is_available())
     if world.distributed and world.sum([float(decision["on"])])[0] < world.size:
         decision = {**decision, "on": False, "why": decision["why"] + "; another rank measured it off"}
-    if decision["on"]:
-        decision["modules"] = int8.to_int8(model, keep_weights=params.train.method == "dora")  # DoRA reads them
-        decision["compiled"] = int8.status()["compiled"]
-    return decision
+    return int8.apply(model, decision, params.train.method)
 
 
 def adapter_manifest(params: Params, labels: list[str], tokenizer) -> dict:
