@@ -2,6 +2,7 @@
 
     python benchmarks/int8_products.py                         # GEMMs, numerics, loop A/B (3 rounds): ~4 min
     python benchmarks/int8_products.py --ab-rounds 5 --ab-steps 12
+    python benchmarks/int8_products.py --method dora          # or qlora: that method's numerics and loop
     python benchmarks/int8_products.py --quality NAME [key=value ...]   # through the train + evaluate stages
 
 Under LoRA the base weights never change, so every product with them (q/k/v/o and the MLP's gate/up/down, forward
@@ -18,8 +19,11 @@ Four parts, on this machine's threads:
    same `stages.train.run`, then `stages.evaluate.run` on the bf16 base, as serving loads the adapter); the row
    lands in reports/sweep/quality_sweep.jsonl.
 
+`--method dora|qlora` runs parts 2-3 on that method as the train stage builds it (DoRA keeps its bf16 weights for
+its norm; QLoRA's int8 copies are made from its dequantized NF4 blocks, and the 4-bit weights are dropped).
 The train stage's switch is `train.int8_products` (DECISIONS, "int8 products"). Results of parts 1-3 go to
-reports/benchmarks/int8_products.json. Needs `models/base` and `data/tokenized` (`make pipeline`).
+reports/benchmarks/int8_products.json (int8_products_<method>.json for DoRA and QLoRA). Needs `models/base` and
+`data/tokenized` (`make pipeline`).
 """
 
 from __future__ import annotations
@@ -43,7 +47,12 @@ import train_throughput as throughput  # noqa: E402
 from step_anatomy import alternated, loop_round, timed  # noqa: E402
 
 from frugaltune.hardware import cpu_facts  # noqa: E402
-from frugaltune.int8 import status, to_int8  # noqa: E402
+from frugaltune.int8 import apply, status  # noqa: E402
+
+
+def to_int8(model, method: str) -> None:
+    """As the train stage does for `method` (DoRA keeps its weights; QLoRA's copies come from its NF4 blocks)."""
+    apply(model, {"on": True, "why": "benchmark"}, method)
 
 
 def gemm_table(rows: int, hidden: int, mlp: int) -> list[dict]:
@@ -63,15 +72,15 @@ def gemm_table(rows: int, hidden: int, mlp: int) -> list[dict]:
     return table
 
 
-def numerics(batch_size: int) -> dict:
+def numerics(batch_size: int, method: str) -> dict:
     """Relative errors of logits and LoRA gradients on one batch against fp32 products (dropout off)."""
     from frugaltune.training.batching import collate
     from frugaltune.training.fast import frozen_weights_in
     from frugaltune.training.loop import autocast
 
     ids, labels = throughput._examples(1000 + batch_size)
-    reference, tokenizer = throughput._model(True, "lora", True)
-    frozen_weights_in(reference, torch.float32)
+    reference, tokenizer = throughput._model(True, method, True)
+    frozen_weights_in(reference, torch.float32)  # QLoRA's NF4 weights are not nn.Linear's: they stay 4-bit
     batch = collate(ids[1000:], tokenizer.pad_token_id)  # past the first rows, which share one label
     target = torch.tensor(labels[1000:])
 
@@ -86,10 +95,10 @@ def numerics(batch_size: int) -> dict:
     ref_logits, ref_grads = run(reference, False)
     result = {}
     for name in ("bf16", "int8"):
-        model, _ = throughput._model(True, "lora", True)
-        model.load_state_dict(reference.state_dict())
+        model, _ = throughput._model(True, method, True)
+        model.load_state_dict(reference.state_dict(), strict=method != "qlora")  # NF4 quant states: as built
         if name == "int8":
-            to_int8(model, keep_weights=False)  # LoRA: as the train stage does
+            to_int8(model, method)
         logits, grads = run(model, True)
         errors = sorted(((grads[n] - g).norm() / g.norm()).item() for n, g in ref_grads.items() if g.norm() > 0)
         result[name] = {"logits": ((logits - ref_logits).norm() / ref_logits.norm()).item(),
@@ -99,15 +108,15 @@ def numerics(batch_size: int) -> dict:
     return result
 
 
-def loop_ab(rounds: int, steps: int, batch_size: int) -> dict:
+def loop_ab(rounds: int, steps: int, batch_size: int, method: str) -> dict:
     from frugaltune.training.loop import LoopConfig
 
     ids, labels = throughput._examples(steps * batch_size * rounds)
     models = {}
     for name in ("bf16 products", "int8 products"):
-        model, tokenizer = throughput._model(True, "lora", True)
+        model, tokenizer = throughput._model(True, method, True)
         if name.startswith("int8"):
-            to_int8(model, keep_weights=False)  # LoRA: as the train stage does
+            to_int8(model, method)
         models[name] = model
 
     def measure(number: int, name: str) -> float:
@@ -135,6 +144,7 @@ def main() -> None:
     parser.add_argument("--ab-rounds", type=int, default=3)
     parser.add_argument("--ab-steps", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--method", default="lora", choices=("lora", "dora", "qlora"))
     parser.add_argument("--quality", nargs="+", metavar="NAME [key=value]")
     args = parser.parse_args()
     if not hasattr(torch, "_int_mm"):
@@ -147,14 +157,17 @@ def main() -> None:
     print("1. GEMMs at the model's shapes (M = batch 16 x 32 tokens):")
     table = gemm_table(512, config["hidden_size"], config["intermediate_size"])
     print("2. Numerics:")
-    errors = numerics(args.batch_size)
+    print(f"method: {args.method}")
+    errors = numerics(args.batch_size, args.method)
     print("3. The loop, alternated:")
     started = time.perf_counter()
-    ab = loop_ab(args.ab_rounds, args.ab_steps, args.batch_size)
+    ab = loop_ab(args.ab_rounds, args.ab_steps, args.batch_size, args.method)
     print(f"quantize / rescale: {status()['why']}")
-    out = Path("reports/benchmarks/int8_products.json")
+    suffix = "" if args.method == "lora" else f"_{args.method}"  # LoRA's file keeps its name
+    out = Path(f"reports/benchmarks/int8_products{suffix}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"cpu": cpu_facts()["model"], "threads": torch.get_num_threads(), "gemms": table,
+    out.write_text(json.dumps({"cpu": cpu_facts()["model"], "threads": torch.get_num_threads(),
+                               "method": args.method, "gemms": table,
                                "numerics": errors, "loop": ab, "steps": status(),
                                "loop_seconds": time.perf_counter() - started},
                               indent=2) + "\n")

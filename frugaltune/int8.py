@@ -32,8 +32,9 @@ import torch
 # a step (quantizing, rescaling, everything that is not a product) does not speed up, so a 1.9x GEMM gave ~1.2x a
 # step on the Zen 4 where it was measured (DECISIONS, "int8 products").
 MIN_GEMM_RATIO = 1.5
-# `auto` covers the method it was measured on; `true` applies it to any method with frozen nn.Linear weights.
-AUTO_METHODS = ("lora",)
+# `auto` covers the methods it was measured on (DECISIONS, "int8 products": the loop and the method table);
+# `true` applies it to any method with frozen nn.Linear (or bitsandbytes Linear4bit) weights.
+AUTO_METHODS = ("lora", "dora", "qlora")
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,15 +116,17 @@ class Int8FrozenLinear(torch.nn.Module):
 
     def __init__(self, linear: torch.nn.Linear, keep_weight: bool = True):
         super().__init__()
-        w = linear.weight.detach().float()
+        _prepare_steps()  # once per process: a module built on its own computes too
+        w = _dense_weight(linear).float()
         rows = w.abs().amax(1, keepdim=True).clamp_min(1e-12) / 127.0  # [N, 1]
         cols = w.abs().amax(0, keepdim=True).clamp_min(1e-12) / 127.0  # [1, K]
         self.register_buffer("w_rows", (w / rows).round().to(torch.int8), persistent=False)
         self.register_buffer("s_rows", rows.t().contiguous(), persistent=False)
         self.register_buffer("w_cols", (w / cols).round().to(torch.int8), persistent=False)
         self.register_buffer("s_cols", cols, persistent=False)
+        # torch.empty, not empty_like: a 4-bit weight is a bitsandbytes Params4bit, whose subclass would follow
         self.weight = linear.weight if keep_weight else torch.nn.Parameter(
-            torch.empty_like(linear.weight, device="meta"), requires_grad=False)
+            torch.empty(linear.weight.shape, dtype=linear.weight.dtype, device="meta"), requires_grad=False)
         self.bias = linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
@@ -132,12 +135,34 @@ class Int8FrozenLinear(torch.nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+def _is_4bit(module: torch.nn.Module) -> bool:
+    """A bitsandbytes Linear4bit (QLoRA's NF4 base), recognised without importing bitsandbytes where it is absent."""
+    return type(module).__name__ == "Linear4bit" and type(module).__module__.startswith("bitsandbytes")
+
+
+def _dense_weight(linear: torch.nn.Module) -> torch.Tensor:
+    """The weight as a dense [out, in] tensor: an nn.Linear's own, or a Linear4bit's NF4 blocks dequantized, so
+    QLoRA's int8 copies hold the 4-bit values (to int8's per-row precision), not the original bf16 weights."""
+    if _is_4bit(linear):
+        import bitsandbytes.functional as bnbf
+
+        data, state = linear.weight.data, linear.weight.quant_state
+        if getattr(state, "packing_format_for_cpu", False):
+            # A Linear4bit that ran once in eval without grad repacked itself for bitsandbytes' AVX512-BF16 kernel;
+            # dequantize_4bit reads the standard layout only (read wrongly: ~140% error). bitsandbytes undoes its
+            # own packing this way when it saves; the module is left as it is.
+            data, state = bnbf._convert_weight_packed_for_cpu_inverse(data, state)
+        return bnbf.dequantize_4bit(data, state).detach()
+    return linear.weight.detach()
+
+
 def to_int8(model: torch.nn.Module, keep_weights: bool = True) -> int:
-    """Every frozen nn.Linear of `model` replaced in place by an Int8FrozenLinear; returns how many.
-    `keep_weights=False` (LoRA, not DoRA) drops their bf16/fp32 weights: see Int8FrozenLinear."""
+    """Every frozen nn.Linear (or QLoRA's bitsandbytes Linear4bit) of `model` replaced in place by an
+    Int8FrozenLinear; returns how many. `keep_weights=False` (LoRA and QLoRA, not DoRA) drops their weights: see
+    Int8FrozenLinear."""
     _prepare_steps()
     swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-             if type(child) is torch.nn.Linear and not child.weight.requires_grad]
+             if (type(child) is torch.nn.Linear or _is_4bit(child)) and not child.weight.requires_grad]
     for parent, name, child in swaps:
         setattr(parent, name, Int8FrozenLinear(child, keep_weight=keep_weights))
     return len(swaps)

@@ -109,11 +109,39 @@ def test_to_int8_replaces_only_frozen_linears_and_lora_still_trains_and_saves(ti
     assert torch.equal(loaded[name].detach(), lora_b[0].detach())
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["qlora", "dora", "lora"])
+def test_qlora_and_dora_train_through_int8_products_close_to_their_own(tiny_model_dir, smol_tokenizer, method):
+    """QLoRA's NF4 Linear4bit layers become int8 (copies of their dequantized blocks, the 4-bit weights dropped, also
+    after bitsandbytes repacked them); DoRA's Linears keep their weights for the norm it reads; LoRA's are dropped.
+    Each stays close to its own model and still trains."""
+    model = prepare_model(tiny_model_dir, ["a", "b", "c"], smol_tokenizer.pad_token_id, 0, method,
+                          MethodKnobs(r=4, alpha=8, dropout=0.0), bf16=False)
+    model.eval()
+    ids = torch.randint(5, 500, (4, 10))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    with torch.no_grad():  # in eval without grad bitsandbytes repacks its NF4 weights for its CPU kernel
+        before = model(**batch).logits.float()
+    frozen = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and not m.weight.requires_grad]
+    decision = int8.apply(model, {"on": True, "why": "test"}, method)
+    assert decision["modules"] == len(frozen) > 0
+    swapped = [m for m in model.modules() if isinstance(m, int8.Int8FrozenLinear)]
+    assert len(swapped) == len(frozen)
+    assert all(m.weight.is_meta for m in swapped) == (method != "dora")
+    assert not any(int8._is_4bit(m) for m in model.modules())  # none of bitsandbytes' NF4 layers left
+    after = model(**batch).logits.float()
+    assert ((after - before).norm() / before.norm()).item() < 0.05  # int8's per-row precision, not another model
+    torch.nn.functional.cross_entropy(after, torch.tensor([0, 1, 2, 0])).backward()
+    lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
+    assert lora_b and sum(p.grad.abs().sum().item() for p in lora_b) > 0  # through the int8 products
+
+
 def test_decide_follows_the_setting_the_device_and_the_method():
     assert int8.decide(False, "lora", True, 64, 128, False)["on"] is False
     assert int8.decide(True, "dora", True, 64, 128, False)["on"] is True
     assert int8.decide(True, "lora", True, 64, 128, True)["on"] is False  # a GPU keeps its tensor cores
     assert int8.decide("auto", "full", True, 64, 128, False)["on"] is False  # auto covers what was measured
+    assert int8.decide("auto", "prelayer", True, 64, 128, False)["on"] is False
     measured = int8.decide("auto", "lora", True, 64, 128, False)
     assert measured["on"] == (measured["gemm_ratio"] >= int8.MIN_GEMM_RATIO)
     assert f"{measured['gemm_ratio']:.2f}x bf16" in measured["why"]
