@@ -32,9 +32,10 @@ import torch
 # a step (quantizing, rescaling, everything that is not a product) does not speed up, so a 1.9x GEMM gave ~1.2x a
 # step on the Zen 4 where it was measured (DECISIONS, "int8 products").
 MIN_GEMM_RATIO = 1.5
-# `auto` covers the methods it was measured on (DECISIONS, "int8 products": the loop and the method table);
+# `auto` covers the methods where it was measured to keep their quality (DECISIONS, "int8 products": the loop and
+# the method table); QLoRA's NF4 values quantized again to int8 lost 0.0125 macro-F1 there, so QLoRA needs `true`.
 # `true` applies it to any method with frozen nn.Linear (or bitsandbytes Linear4bit) weights.
-AUTO_METHODS = ("lora", "dora", "qlora")
+AUTO_METHODS = ("lora", "dora")
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,16 +118,19 @@ class Int8FrozenLinear(torch.nn.Module):
     def __init__(self, linear: torch.nn.Linear, keep_weight: bool = True):
         super().__init__()
         _prepare_steps()  # once per process: a module built on its own computes too
-        w = _dense_weight(linear).float()
+        dense = _dense_weight(linear)
+        w = dense.float()
         rows = w.abs().amax(1, keepdim=True).clamp_min(1e-12) / 127.0  # [N, 1]
         cols = w.abs().amax(0, keepdim=True).clamp_min(1e-12) / 127.0  # [1, K]
         self.register_buffer("w_rows", (w / rows).round().to(torch.int8), persistent=False)
         self.register_buffer("s_rows", rows.t().contiguous(), persistent=False)
         self.register_buffer("w_cols", (w / cols).round().to(torch.int8), persistent=False)
         self.register_buffer("s_cols", cols, persistent=False)
-        # torch.empty, not empty_like: a 4-bit weight is a bitsandbytes Params4bit, whose subclass would follow
+        # A 4-bit weight is stored packed (two values a byte, [out * in / 2, 1]); its placeholder takes the dense
+        # shape and dtype, so that counts of the model's parameters stay what they were.
         self.weight = linear.weight if keep_weight else torch.nn.Parameter(
-            torch.empty(linear.weight.shape, dtype=linear.weight.dtype, device="meta"), requires_grad=False)
+            torch.empty(dense.shape, dtype=dense.dtype, device="meta"),
+            requires_grad=False)
         self.bias = linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
 

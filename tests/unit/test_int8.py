@@ -15,6 +15,7 @@ import torch
 
 from frugaltune import int8
 from frugaltune.planner import MethodKnobs
+from frugaltune.training.loop import count_parameters
 from frugaltune.training.methods import prepare_model
 
 pytestmark = pytest.mark.skipif(not hasattr(torch, "_int_mm"), reason="this torch has no torch._int_mm")
@@ -123,7 +124,9 @@ def test_qlora_and_dora_train_through_int8_products_close_to_their_own(tiny_mode
     with torch.no_grad():  # in eval without grad bitsandbytes repacks its NF4 weights for its CPU kernel
         before = model(**batch).logits.float()
     frozen = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and not m.weight.requires_grad]
+    counts = count_parameters(model)
     decision = int8.apply(model, {"on": True, "why": "test"}, method)
+    assert count_parameters(model) == counts  # the reports' trainable % stays the model's (4-bit packed or not)
     assert decision["modules"] == len(frozen) > 0
     swapped = [m for m in model.modules() if isinstance(m, int8.Int8FrozenLinear)]
     assert len(swapped) == len(frozen)
@@ -142,6 +145,7 @@ def test_decide_follows_the_setting_the_device_and_the_method():
     assert int8.decide(True, "lora", True, 64, 128, True)["on"] is False  # a GPU keeps its tensor cores
     assert int8.decide("auto", "full", True, 64, 128, False)["on"] is False  # auto covers what was measured
     assert int8.decide("auto", "prelayer", True, 64, 128, False)["on"] is False
+    assert int8.decide("auto", "qlora", True, 64, 128, False)["on"] is False  # measured, lost quality: true only
     measured = int8.decide("auto", "lora", True, 64, 128, False)
     assert measured["on"] == (measured["gemm_ratio"] >= int8.MIN_GEMM_RATIO)
     assert f"{measured['gemm_ratio']:.2f}x bf16" in measured["why"]
