@@ -24,6 +24,7 @@ evaluation and serving load the adapter onto the bf16 base as before.
 
 from __future__ import annotations
 
+import copy
 import time
 
 import torch
@@ -129,8 +130,7 @@ class Int8FrozenLinear(torch.nn.Module):
         # A 4-bit weight is stored packed (two values a byte, [out * in / 2, 1]); its placeholder takes the dense
         # shape and dtype, so that counts of the model's parameters stay what they were.
         self.weight = linear.weight if keep_weight else torch.nn.Parameter(
-            torch.empty(dense.shape, dtype=dense.dtype, device="meta"),
-            requires_grad=False)
+            torch.empty(dense.shape, dtype=dense.dtype, device="meta"), requires_grad=False)
         self.bias = linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
@@ -154,8 +154,9 @@ def _dense_weight(linear: torch.nn.Module) -> torch.Tensor:
         if getattr(state, "packing_format_for_cpu", False):
             # A Linear4bit that ran once in eval without grad repacked itself for bitsandbytes' AVX512-BF16 kernel;
             # dequantize_4bit reads the standard layout only (read wrongly: ~140% error). bitsandbytes undoes its
-            # own packing this way when it saves; the module is left as it is.
-            data, state = bnbf._convert_weight_packed_for_cpu_inverse(data, state)
+            # own packing this way when it saves. The inverse rewrites the state it is given, so it gets a copy and
+            # the module stays consistent.
+            data, state = bnbf._convert_weight_packed_for_cpu_inverse(data, copy.deepcopy(state))
         return bnbf.dequantize_4bit(data, state).detach()
     return linear.weight.detach()
 
@@ -164,7 +165,6 @@ def to_int8(model: torch.nn.Module, keep_weights: bool = True) -> int:
     """Every frozen nn.Linear (or QLoRA's bitsandbytes Linear4bit) of `model` replaced in place by an
     Int8FrozenLinear; returns how many. `keep_weights=False` (LoRA and QLoRA, not DoRA) drops their weights: see
     Int8FrozenLinear."""
-    _prepare_steps()
     swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
              if (type(child) is torch.nn.Linear or _is_4bit(child)) and not child.weight.requires_grad]
     for parent, name, child in swaps:
