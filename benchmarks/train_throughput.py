@@ -1,9 +1,9 @@
 """Training throughput: frugaltune's LoRA training against two Hugging Face `Trainer` recipes, and each of its speed
 switches against the previous default, in one run.
 
-    python benchmarks/train_throughput.py                  # default model + data of the pipeline, 20 steps each
+    python benchmarks/train_throughput.py                  # the pipeline's model + data: 20 warm-up + 20 timed steps
     python benchmarks/train_throughput.py --methods lora,qlora,dora --rounds 2
-    python benchmarks/train_throughput.py --steps 10 --batch-size 8
+    python benchmarks/train_throughput.py --steps 10 --batch-size 8 --warmup 0   # time from the first step
 
 On a machine where torch drives a CUDA GPU every recipe trains on it (the Trainer recipes without `use_cpu`), the
 precision is the planner's (bf16 from compute capability 8.0), attention is SDPA, the measured peak is torch.matmul
@@ -12,7 +12,11 @@ frugaltune.kernels.cuda.device_peaks at the boost clock; peak GPU memory is prin
 
 Needs `models/base` and `data/tokenized` (run `make pipeline`, or `dvc repro tokenize`). Every recipe trains the
 same adapter (peft, r=8 on q/k/v/o, dropout 0.05, the seeded classification head) on the same sequences (the first
-steps x batch-size examples of the training split, one pass), with AdamW at the same rate, on the same threads:
+(warmup + steps) x batch-size examples of the training split, one pass), with AdamW at the same rate, on the same
+threads. The first `--warmup` steps (20) of every recipe are not timed: a process's first steps pay one-off costs
+(torch.compile's tracing of the int8 steps, oneDNN's first call at each new batch shape), which the pipeline's
+178 steps amortize. On a Zen 5 the train stage ran its first 20 steps at 555-619 useful tok/s and the rest at
+~1,100, so a 20-step window measured the warm-up. The whole runs' rates, warm-up included, are printed beside.
 
 - frugaltune: `frugaltune.training.loop.train_classifier` as `dvc repro train` runs it: length-grouped batches,
   dynamic padding, the precision the kernels stage chose, and the speed switches of `frugaltune.training.fast`
@@ -30,8 +34,8 @@ Each recipe runs in its own subprocess, so its peak RSS is its own. The frugaltu
 train stage runs on (`train.allocator`: mimalloc where installed, frugaltune.allocator), the Trainer recipes on the
 system's, as their users get it (`--allocator system`: every recipe on the system's). With `--rounds N` the recipes
 run round-robin N times and each reports its median, so a slow spell of a shared machine does not land on one recipe.
-Reported per recipe: useful (non-pad) tokens/s over the training loop (model loading excluded; the first step
-included for all alike), the padding share, peak RSS, and MFU = useful-token FLOPs/s / peak, where
+Reported per recipe: useful (non-pad) tokens/s over the timed steps (model loading and the warm-up excluded, for
+all alike; over the whole run beside it), the padding share, peak RSS, and MFU = useful-token FLOPs/s / peak, where
 
     FLOPs per useful token = 4 N + 12 L s h   (N: matmul parameters; LoRA trains no base weight, so backward is
                                                one input-gradient pass, 2N, on top of the 2N forward; attention:
@@ -120,11 +124,12 @@ def _memory() -> dict:
 
 
 def run_recipe(recipe: str, steps: int, batch_size: int, lr: float, threads: int, bf16_ours: bool,
-               eager_max: int) -> dict:
+               eager_max: int, warmup: int = 0) -> dict:
+    """One recipe on (warmup + steps) x batch_size rows; the last `steps` steps are timed ("cold_": the whole run)."""
     import torch
 
     torch.set_num_threads(threads)
-    ids, labels = _examples(steps * batch_size)
+    ids, labels = _examples((warmup + steps) * batch_size)
     useful = sum(len(x) for x in ids)
     if recipe.startswith("frugaltune"):  # frugaltune[-off]:<method>
         from frugaltune.training.loop import LoopConfig, train_classifier
@@ -145,12 +150,18 @@ def run_recipe(recipe: str, steps: int, batch_size: int, lr: float, threads: int
                                         config.intermediate_size, torch.cuda.is_available())
             int8_products = int8.apply(model, int8_products, method)
         cfg = LoopConfig(lr=lr, head_lr=2 * lr, batch_size=batch_size, epochs=1, seed=42, bf16=bf16_ours,
-                         log_every=steps, eager_attention_max_len=eager_max if switches else 0,
+                         log_every=1, eager_attention_max_len=eager_max if switches else 0,
                          fused_optimizer=switches)
-        result = train_classifier(model, ids, labels, cfg, tokenizer.pad_token_id, progress=False)
-        return {"seconds": result.wall_seconds, "useful_tokens": result.tokens, "padded_tokens": result.padded_tokens,
-                "steps": result.steps, **_memory(), "bf16": bf16_ours, "final_loss": result.final_loss,
-                "allocator": allocator.active(), "int8_products": int8_products}
+        records: list[dict] = []  # one per step: its end (elapsed_s) and its useful tokens/s
+        result = train_classifier(model, ids, labels, cfg, tokenizer.pad_token_id, progress=False,
+                                  on_log=records.append)
+        ends = [0.0] + [r["elapsed_s"] for r in records]
+        step_tokens = [round(r["tokens_per_s"] * (ends[i + 1] - ends[i])) for i, r in enumerate(records)]
+        return {"seconds": ends[-1] - ends[warmup], "useful_tokens": sum(step_tokens[warmup:]),
+                "steps": len(records) - warmup, "cold_seconds": result.wall_seconds,
+                "cold_useful_tokens": result.tokens,
+                "padded_tokens": result.padded_tokens, "all_tokens": result.tokens, **_memory(), "bf16": bf16_ours,
+                "final_loss": result.final_loss, "allocator": allocator.active(), "int8_products": int8_products}
 
     from datasets import Dataset
     from transformers import DataCollatorWithPadding, Trainer, TrainerCallback, TrainingArguments
@@ -167,18 +178,22 @@ def run_recipe(recipe: str, steps: int, batch_size: int, lr: float, threads: int
         rows = {"input_ids": ids, "attention_mask": [[1] * len(x) for x in ids], "labels": labels}
         collator = DataCollatorWithPadding(tokenizer)
     dataset = Dataset.from_dict(rows)
-    padded = {"tokens": 0}
+    padded = {"tokens": 0, "timed_useful": 0}
 
-    class Clock(TrainerCallback):  # times the training loop only, as for frugaltune
-        def on_train_begin(self, args, state, control, **kwargs):
-            padded["start"] = time.perf_counter()
+    class Clock(TrainerCallback):  # times the training steps only, as for frugaltune: the end of the warm-up's
+        def on_train_begin(self, args, state, control, **kwargs):  # last step to the end of the last step
+            padded["start"] = padded["warm"] = time.perf_counter()
 
-        def on_train_end(self, args, state, control, **kwargs):
+        def on_step_end(self, args, state, control, **kwargs):
             padded["end"] = time.perf_counter()
+            if state.global_step == warmup:
+                padded["warm"] = padded["end"]
 
     class CountingTrainer(Trainer):
         def compute_loss(self, model, inputs, *args, **kwargs):
             padded["tokens"] += int(inputs["input_ids"].numel())
+            if self.state.global_step >= warmup:  # global_step counts the steps finished before this one
+                padded["timed_useful"] += int(inputs["attention_mask"].sum())
             return super().compute_loss(model, inputs, *args, **kwargs)
 
     with tempfile.TemporaryDirectory() as out:
@@ -193,8 +208,10 @@ def run_recipe(recipe: str, steps: int, batch_size: int, lr: float, threads: int
         trainer = CountingTrainer(model=model, args=args, train_dataset=dataset, data_collator=collator,
                                   callbacks=[Clock()])
         state = trainer.train()
-    return {"seconds": padded["end"] - padded["start"], "useful_tokens": useful, "padded_tokens": padded["tokens"],
-            "steps": state.global_step, **_memory(), "bf16": bf16, "allocator": allocator.active()}
+    return {"seconds": padded["end"] - padded["warm"], "useful_tokens": padded["timed_useful"],
+            "steps": state.global_step - warmup, "cold_seconds": padded["end"] - padded["start"],
+            "cold_useful_tokens": useful, "padded_tokens": padded["tokens"], "all_tokens": useful, **_memory(),
+            "bf16": bf16, "allocator": allocator.active()}
 
 
 def measured_peaks(threads: int, tokens: int = 2048, repeats: int = 5) -> dict[str, float]:
@@ -295,7 +312,10 @@ def main() -> None:
     import statistics
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per recipe")
+    parser.add_argument("--warmup", type=int, default=20,
+                        help="untimed steps before them, alike for every recipe (compilation, oneDNN's first calls "
+                        "at each new shape); 0: time from the first step")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--threads", type=int, default=None, help="default: physical cores")
@@ -316,7 +336,7 @@ def main() -> None:
     threads = args.threads or hw["cpu"]["physical_cores"] or os.cpu_count()
     if args.recipe:
         print(json.dumps(run_recipe(args.recipe, args.steps, args.batch_size, args.lr, threads, args.bf16_ours,
-                                    args.eager_max)))
+                                    args.eager_max, args.warmup)))
         return
     for needed in (BASE, TOKENIZED, LABELS_FILE):
         if not needed.exists():
@@ -333,7 +353,8 @@ def main() -> None:
     runs: dict[str, list[dict]] = {r: [] for r in recipes}
     for round_ in range(args.rounds):
         for recipe in recipes:
-            cmd = [sys.executable, __file__, "--recipe", recipe, "--steps", str(args.steps), "--batch-size",
+            cmd = [sys.executable, __file__, "--recipe", recipe, "--steps", str(args.steps), "--warmup",
+                   str(args.warmup), "--batch-size",
                    str(args.batch_size), "--lr", str(args.lr), "--threads", str(threads),
                    "--eager-max", str(eager_max)] + (["--bf16-ours"] if bf16_ours else [])
             print(f"round {round_ + 1}/{args.rounds}: {recipe} ...", flush=True)
@@ -348,14 +369,16 @@ def main() -> None:
     for recipe, rs in runs.items():
         rates = [r["useful_tokens"] / r["seconds"] for r in rs]
         median = sorted(rs, key=lambda r: r["useful_tokens"] / r["seconds"])[len(rs) // 2]
-        results[recipe] = {**median, "rates": [round(x, 1) for x in rates], "rate": statistics.median(rates)}
+        cold = [r["cold_useful_tokens"] / r["cold_seconds"] for r in rs]
+        results[recipe] = {**median, "rates": [round(x, 1) for x in rates], "rate": statistics.median(rates),
+                           "cold_rate": statistics.median(cold)}
 
-    ids, _ = _examples(args.steps * args.batch_size)
+    ids, _ = _examples((args.warmup + args.steps) * args.batch_size)
     per_token = flops_per_token(sum(len(x) for x in ids) / len(ids))
     where = f"GPU {torch_device_name()}, " if cuda else ""
-    print(f"\nr=8 adapters on {BASE}, {args.steps * args.batch_size} training sequences (one pass, batch "
-          f"{args.batch_size}), {where}{threads} threads, {args.rounds} round(s) (median), "
-          f"CPU {hw['cpu'].get('model')}.")
+    print(f"\nr=8 adapters on {BASE}, {(args.warmup + args.steps) * args.batch_size} training sequences (one pass, "
+          f"batch {args.batch_size}; {args.warmup} warm-up steps, then {args.steps} timed), {where}{threads} threads, "
+          f"{args.rounds} round(s) (median), CPU {hw['cpu'].get('model')}.")
     print(f"frugaltune precision: {'bf16' if bf16_ours else 'fp32'} ({why}); eager attention up to {eager_max} "
           f"tokens (kernels stage)")
     print(f"Measured matmul peak on {threads} threads: fp32 {peaks['fp32'] / 1e9:.0f} GFLOP/s, bf16 "
@@ -364,25 +387,29 @@ def main() -> None:
     print(f"FLOPs per useful token: 4N + 12 L s h = {per_token / 1e6:.0f} MFLOP (LoRA; DoRA and QLoRA do more "
           "per token: their MFU is counted on the same FLOPs)\n")
     print(f"{'recipe':44s} {'steps':>5s} {'seconds':>8s} {'useful tok/s':>12s} {'padding':>8s} {'peak RSS MB':>11s} "
-          f"{'MFU meas.':>9s} {'MFU nom.':>8s} {'frugaltune x':>12s}")
+          f"{'MFU meas.':>9s} {'MFU nom.':>8s} {'frugaltune x':>12s} {'whole run tok/s':>15s}")
     ours = results[f"frugaltune:{methods[0]}"]["rate"]
     for recipe, r in results.items():
         rate = r["rate"]
         # The peak of the precision the products ran in: int8's where the frozen products ran in int8.
         peak = peaks["int8" if r.get("int8_products", {}).get("on") else "bf16" if r["bf16"] else "fp32"]
         reference = results.get(f"frugaltune:{recipe.split(':')[1]}", {}).get("rate", ours) if ":" in recipe else ours
-        r.update(useful_tokens_per_s=round(rate, 1), padding=round(1 - r["useful_tokens"] / r["padded_tokens"], 4),
+        r.update(useful_tokens_per_s=round(rate, 1), padding=round(1 - r["all_tokens"] / r["padded_tokens"], 4),
                  mfu_measured_peak=round(rate * per_token / peak, 4), mfu_nominal=round(rate * per_token / nominal, 4),
                  frugaltune_speedup=round(reference / rate, 2))
         products = "int8+bf16" if r.get("int8_products", {}).get("on") else "bf16" if r["bf16"] else "fp32"
         label = f"{recipe} ({products}, {r['allocator']})"
         print(f"{label:44s} {r['steps']:5d} {r['seconds']:8.1f} {rate:12.1f} {r['padding']:8.1%} "
               f"{r['peak_rss_mb']:11.0f} {r['mfu_measured_peak']:9.1%} {r['mfu_nominal']:8.1%} "
-              f"{r['frugaltune_speedup']:11.2f}x"
+              f"{r['frugaltune_speedup']:11.2f}x {r['cold_rate']:15.1f}"
               + (f"  GPU peak {r['cuda_peak_allocated_mb']:.0f} MB" if "cuda_peak_allocated_mb" in r else ""))
     a, b = results["hf_max_length_fp32"], results["hf_group_by_length_bf16"]
     print(f"\nfrugaltune vs (a) HF Trainer, max_length=128, fp32:        {a['frugaltune_speedup']:.2f}x useful tokens/s")
     print(f"frugaltune vs (b) HF Trainer, group_by_length, dynamic, bf16: {b['frugaltune_speedup']:.2f}x useful tokens/s")
+    if args.warmup:  # the same ratios over the whole runs, warm-up included
+        cold = results[f"frugaltune:{methods[0]}"]["cold_rate"]
+        print(f"whole runs, the {args.warmup} warm-up steps included: {cold / a['cold_rate']:.2f}x (a), "
+              f"{cold / b['cold_rate']:.2f}x (b)")
     for m in methods:
         on, off = results[f"frugaltune:{m}"]["rate"], results[f"frugaltune-off:{m}"]["rate"]
         print(f"{m}: speed switches on vs off: {on / off:.2f}x useful tokens/s")
@@ -396,7 +423,8 @@ def main() -> None:
     out.write_text(json.dumps({"cpu": hw["cpu"].get("model"), "gpu": torch_device_name() if cuda else None,
                                "nominal_peak": formula, "nominal_peak_flops": nominal,
                                "measured_peak_flops": peaks, "flops_per_token": per_token, "threads": threads,
-                               "steps": args.steps, "batch_size": args.batch_size, "rounds": args.rounds,
+                               "steps": args.steps, "warmup": args.warmup, "batch_size": args.batch_size,
+                               "rounds": args.rounds,
                                "precision": "bf16" if bf16_ours else "fp32", "eager_attention_max_len": eager_max,
                                "results": results}, indent=2))
     print(f"wrote {out}")
