@@ -152,16 +152,18 @@ def run_recipe(recipe: str, steps: int, batch_size: int, lr: float, threads: int
         cfg = LoopConfig(lr=lr, head_lr=2 * lr, batch_size=batch_size, epochs=1, seed=42, bf16=bf16_ours,
                          log_every=1, eager_attention_max_len=eager_max if switches else 0,
                          fused_optimizer=switches)
-        records: list[dict] = []  # one per step: its end (elapsed_s) and its useful tokens/s
+        # One record per step: its end (elapsed_s) and its useful tokens/s, from which its tokens follow (the loop's
+        # records carry no token count, and frugaltune/training is part of every federation's run key).
+        records: list[dict] = []
         result = train_classifier(model, ids, labels, cfg, tokenizer.pad_token_id, progress=False,
                                   on_log=records.append)
         ends = [0.0] + [r["elapsed_s"] for r in records]
         step_tokens = [round(r["tokens_per_s"] * (ends[i + 1] - ends[i])) for i, r in enumerate(records)]
         return {"seconds": ends[-1] - ends[warmup], "useful_tokens": sum(step_tokens[warmup:]),
                 "steps": len(records) - warmup, "cold_seconds": result.wall_seconds,
-                "cold_useful_tokens": result.tokens,
-                "padded_tokens": result.padded_tokens, "all_tokens": result.tokens, **_memory(), "bf16": bf16_ours,
-                "final_loss": result.final_loss, "allocator": allocator.active(), "int8_products": int8_products}
+                "cold_useful_tokens": result.tokens, "padded_tokens": result.padded_tokens, **_memory(),
+                "bf16": bf16_ours, "final_loss": result.final_loss, "allocator": allocator.active(),
+                "int8_products": int8_products}
 
     from datasets import Dataset
     from transformers import DataCollatorWithPadding, Trainer, TrainerCallback, TrainingArguments
@@ -210,8 +212,8 @@ def run_recipe(recipe: str, steps: int, batch_size: int, lr: float, threads: int
         state = trainer.train()
     return {"seconds": padded["end"] - padded["warm"], "useful_tokens": padded["timed_useful"],
             "steps": state.global_step - warmup, "cold_seconds": padded["end"] - padded["start"],
-            "cold_useful_tokens": useful, "padded_tokens": padded["tokens"], "all_tokens": useful, **_memory(),
-            "bf16": bf16, "allocator": allocator.active()}
+            "cold_useful_tokens": useful, "padded_tokens": padded["tokens"], **_memory(), "bf16": bf16,
+            "allocator": allocator.active()}
 
 
 def measured_peaks(threads: int, tokens: int = 2048, repeats: int = 5) -> dict[str, float]:
@@ -394,7 +396,7 @@ def main() -> None:
         # The peak of the precision the products ran in: int8's where the frozen products ran in int8.
         peak = peaks["int8" if r.get("int8_products", {}).get("on") else "bf16" if r["bf16"] else "fp32"]
         reference = results.get(f"frugaltune:{recipe.split(':')[1]}", {}).get("rate", ours) if ":" in recipe else ours
-        r.update(useful_tokens_per_s=round(rate, 1), padding=round(1 - r["all_tokens"] / r["padded_tokens"], 4),
+        r.update(useful_tokens_per_s=round(rate, 1), padding=round(1 - r["cold_useful_tokens"] / r["padded_tokens"], 4),
                  mfu_measured_peak=round(rate * per_token / peak, 4), mfu_nominal=round(rate * per_token / nominal, 4),
                  frugaltune_speedup=round(reference / rate, 2))
         products = "int8+bf16" if r.get("int8_products", {}).get("on") else "bf16" if r["bf16"] else "fp32"
