@@ -61,8 +61,12 @@ def _prepare_steps() -> None:
         return
     try:
         quantize, scale = torch.compile(quantize_rows, dynamic=True), torch.compile(rescale, dynamic=True)
-        q, s = quantize(torch.randn(3, 8))
-        scale(torch._int_mm(q, q.t()), s, s.t(), torch.float32)
+        # The grad mode and the scales' layouts _Int8Product calls them with ([rows, 1] and [1, N] with strides (N, 1)):
+        # torch.compile guards on both, so these graphs serve fp32 training as they are.
+        with torch.no_grad():
+            q, s = quantize(torch.randn(3, 8))
+            w, sw = quantize(torch.randn(5, 8))
+            scale(torch._int_mm(q, w.t()), s, sw.flatten().unsqueeze(0), torch.float32)
         _STEPS.update(quantize=quantize, rescale=scale)
         _STATUS.update(compiled=True, why="quantize and rescale compiled by inductor")
     except Exception as exc:  # noqa: BLE001 - any compiler failure: the same arithmetic, eager
@@ -85,7 +89,12 @@ def _output_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 class _Int8Product(torch.autograd.Function):
+    # torch.compile guards on grad mode and autocast: autograd runs forward and backward without grad, and backward
+    # outside autocast unless told (custom_bwd: the forward's autocast state), which compiled every step once more
+    # per state, 10 graphs on the first two steps of a bf16 run instead of 4 (one per input dtype). Autocast
+    # changes none of these ops (quantize, rescale, _int_mm are not on its lists), so the results are the same.
     @staticmethod
+    @torch.amp.custom_fwd(device_type="cpu")
     def forward(ctx, x, w_rows, s_rows, w_cols, s_cols):
         lead, k = x.shape[:-1], x.shape[-1]
         # The same tensor object, unchanged since (its version): q's input again, for k and v. _SHARED holds it, so
@@ -93,7 +102,7 @@ class _Int8Product(torch.autograd.Function):
         if _SHARED.get("input") is x and _SHARED.get("version") == x._version:
             xq, sx = _SHARED["value"]
         else:
-            xq, sx = _STEPS["quantize"](x.reshape(-1, k))
+            xq, sx = _STEPS["quantize"](x.detach().reshape(-1, k))  # detached: one graph, whatever requires grad
             _SHARED.update(input=x, version=x._version, value=(xq, sx))
         y = _STEPS["rescale"](torch._int_mm(xq, w_rows.t()), sx, s_rows, _output_dtype(x))
         ctx.save_for_backward(w_cols, s_cols)
@@ -101,6 +110,7 @@ class _Int8Product(torch.autograd.Function):
         return y.reshape(*lead, w_rows.shape[0])
 
     @staticmethod
+    @torch.amp.custom_bwd(device_type="cpu")
     def backward(ctx, grad):
         w_cols, s_cols = ctx.saved_tensors
         lead, n = grad.shape[:-1], grad.shape[-1]
@@ -124,7 +134,9 @@ class Int8FrozenLinear(torch.nn.Module):
         rows = w.abs().amax(1, keepdim=True).clamp_min(1e-12) / 127.0  # [N, 1]
         cols = w.abs().amax(0, keepdim=True).clamp_min(1e-12) / 127.0  # [1, K]
         self.register_buffer("w_rows", (w / rows).round().to(torch.int8), persistent=False)
-        self.register_buffer("s_rows", rows.t().contiguous(), persistent=False)
+        # [1, N] with strides (N, 1), as s_cols has: rows.t().contiguous() would keep (1, 1) (a size-1 dimension's
+        # stride does not count for contiguity), and torch.compile guards on strides: one more graph.
+        self.register_buffer("s_rows", rows.flatten().unsqueeze(0), persistent=False)
         self.register_buffer("w_cols", (w / cols).round().to(torch.int8), persistent=False)
         self.register_buffer("s_cols", cols, persistent=False)
         # A 4-bit weight is stored packed (two values a byte, [out * in / 2, 1]); its placeholder takes the dense

@@ -186,3 +186,31 @@ def test_the_train_stage_applies_its_decision_and_records_it(tiny_model_dir, smo
     assert (swapped > 0) is setting
     if setting and any(shutil.which(cxx) for cxx in ("g++", "clang++", "c++")):
         assert decision["compiled"] is True  # a compiler is here: the fast path, not the fallback
+
+
+@pytest.mark.slow  # compiles quantize and rescale (inductor)
+def test_one_compiled_graph_per_input_dtype_in_a_bf16_step():
+    """torch.compile guards on grad mode, autocast, requires_grad and strides; a bf16 LoRA step calls the steps in
+    forward (autocast on) and backward, with inputs that do and do not require grad, in fp32 (after a norm) and bf16
+    (o_proj's, down_proj's input), at each batch's length. Every recompilation is seconds of a run's first steps:
+    10 graphs in the loop before this was pinned down, where only the input's and the output's dtype must differ."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    int8._STEPS.clear()
+    int8._prepare_steps()  # 2 graphs: quantize and rescale as fp32 training calls them (autocast off)
+    before = counters["stats"]["unique_graphs"]
+    first, second = int8.Int8FrozenLinear(frozen_linear(96, 160)), int8.Int8FrozenLinear(frozen_linear(160, 96))
+    for length in (37, 21, 50):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            x = torch.randn(2, length, 96)  # the first layer's input: no gradient wanted
+            h = torch.randn(2, length, 96, requires_grad=True)
+            out = second(first(x).float().relu() + first(h).float())  # second's input in fp32, first's output bf16
+            out = out + second(first(h).to(torch.bfloat16).float())  # a bf16 input would go the same way
+            hb = torch.randn(2, length, 160, dtype=torch.bfloat16, requires_grad=True)
+            out = out + second(hb)
+        out.float().sum().backward()
+    # quantize: fp32 and bf16 inputs; rescale: to bf16 (forward) and to fp32 (an fp32 input's gradient), a bf16
+    # input's gradient in bf16 sharing the forward's graph; and one more of rescale that torch 2.13 makes at its
+    # second call whatever the layouts (a guard failing on "'NoneType' object has no attribute 'size'"). 7 before.
+    assert counters["stats"]["unique_graphs"] - before <= 5, counters["stats"]
