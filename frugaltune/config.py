@@ -270,6 +270,12 @@ class TrainParams(Section):
         "auto", description="Sequences per forward pass: `auto` = the plan's (the largest part of batch_size that fits "
         "in memory); a smaller value splits each batch and accumulates, keeping the effective batch and data order."
     )
+    micro_batch_tokens: int | None = Field(
+        None, ge=1, description="Padded tokens per forward pass at most (rows x the batch's longest row): a wider "
+        "batch runs in as few equal parts as keep under it and accumulates (the same gradient up to rounding); "
+        "null = no cap. Length-grouped batches are mostly short: this bounds the peak memory the few long ones set "
+        "and splits only those."
+    )
     gradient_checkpointing: Literal["auto"] | bool = Field(
         "auto", description="Recompute activations in backward: `auto` = the plan's (on only when memory requires it; "
         "it costs ~1/3 more compute)."

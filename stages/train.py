@@ -202,7 +202,8 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN, use_plan: bo
     base_sha = read_json(paths.report("import_model")).get("weights_sha256") if paths.report(
         "import_model").exists() else None
     volatile = {"resume", "checkpoint_every", "keep_checkpoints", "log_every", "threads", "experiment",
-                "micro_batch_size", "gradient_checkpointing", "allocator", "distributed"}  # how a step is computed
+                "micro_batch_size", "micro_batch_tokens", "gradient_checkpointing", "allocator",
+                "distributed"}  # how a step is computed
     key = checkpoint.run_key({k: v for k, v in tp.model_dump().items() if k not in volatile}
                              | {"int8_products": int8_products["on"]}, seed, bf16, base_sha,
                              checkpoint.data_fingerprint(train_set["input_ids"], train_set["labels"]))
@@ -215,7 +216,7 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN, use_plan: bo
         warmup_ratio=tp.warmup_ratio, epochs=tp.epochs, max_steps=tp.max_steps, batch_size=tp.batch_size,
         grad_accum=tp.grad_accum, max_grad_norm=tp.max_grad_norm, bf16=bf16, group_by_length=tp.group_by_length,
         log_every=tp.log_every, seed=seed, micro_batch_size=resolved["micro_batch_size"],
-        eager_attention_max_len=resolved["eager_attention_max_len"],
+        micro_batch_tokens=tp.micro_batch_tokens, eager_attention_max_len=resolved["eager_attention_max_len"],
     )
     if not world.is_main:  # the other ranks train their shares; rank 0 logs and writes everything
         try:

@@ -69,6 +69,10 @@ class LoopConfig:
     keep_checkpoints: int = 2
     resume: bool = True
     micro_batch_size: int | None = None  # None = batch_size; smaller: each batch runs in parts (same gradient)
+    # A part's padded tokens at most (rows x the batch's longest row): a wider batch runs in as few equal parts as
+    # keep under it, accumulated like micro_batch_size's. None: no cap. Length-grouped batches are mostly short, so
+    # this bounds the peak memory that the few long ones set, at the cost of splitting only those.
+    micro_batch_tokens: int | None = None
     # Batches padded to at most this many tokens use eager attention, longer ones SDPA (0: SDPA always); the
     # crossover is measured by the kernels stage and resolved by the plan (frugaltune.training.fast)
     eager_attention_max_len: int = 0
@@ -385,15 +389,20 @@ def train_classifier(
         while step <= total_steps:
             out_of_memory: BaseException | None = None
             try:
-                step_loss, step_tokens, step_padded, step_sequences, step_shared = 0.0, 0, 0, 0, 0
+                step_loss, step_tokens, step_padded, step_sequences, step_shared, step_micros = 0.0, 0, 0, 0, 0, 0
                 for micro in range(cfg.grad_accum):
                     batch_index = order[state["position"] + micro]
                     mine = world.shard(batch_index)
                     # Each micro-batch may run in `micro_split` chunks after an out-of-memory error: the
                     # gradient is the same, only the peak memory is lower.
                     chunk = max(1, math.ceil(len(mine) / state["micro_split"]))
+                    if cfg.micro_batch_tokens and mine:
+                        rows = max(1, cfg.micro_batch_tokens // max(len(input_ids[i]) for i in mine))
+                        if chunk > rows:  # equal parts, none over `rows`: 16 rows of 65 tokens in 1,024 -> 8 + 8
+                            chunk = math.ceil(len(mine) / math.ceil(len(mine) / rows))
                     for c in range(0, len(mine), chunk):
                         part = mine[c:c + chunk]
+                        step_micros += 1
                         if step in oom_steps:
                             oom_steps.discard(step)
                             raise torch.OutOfMemoryError("injected by FRUGALTUNE_TEST_OOM_AT_STEPS")
@@ -460,7 +469,7 @@ def train_classifier(
             state["padded"] += step_padded
             state["sequences"] += step_sequences
             state["shared"] += step_shared
-            state["micros"] += cfg.grad_accum * state["micro_split"]
+            state["micros"] += step_micros
             state["losses"].append(step_loss)
             state["window"].append(step_loss)
             window_tokens += step_tokens

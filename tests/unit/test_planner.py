@@ -218,6 +218,29 @@ def test_split_micro_batches_compute_the_same_training(tiny_model_dir):
                                rtol=1e-4, atol=1e-4)
 
 
+def test_a_token_cap_splits_only_the_wide_batches_and_computes_the_same_training(tiny_model_dir):
+    """micro_batch_tokens: a batch whose rows x longest row exceed the cap runs in equal parts; narrow ones whole."""
+    tokenizer = load_tokenizer(tiny_model_dir)
+    ids = [tokenizer(f"text number {i}" + " word" * (40 if i < 8 else 0))["input_ids"] for i in range(32)]
+    labels = [i % 3 for i in range(32)]
+    wide, narrow = max(len(x) for x in ids[:8]), max(len(x) for x in ids[8:])
+    cap = max(8 * narrow, 2 * wide)  # a batch of 8 short rows fits; the 8 long rows take 2-4 parts
+
+    def train(tokens):
+        model = prepare_model(tiny_model_dir, LABELS, tokenizer.pad_token_id, 0, "lora",
+                              planner.MethodKnobs(r=4, dropout=0.0))
+        return train_classifier(model, ids, labels, LoopConfig(lr=1e-2, batch_size=8, epochs=1, seed=1,
+                                                               log_every=1, micro_batch_tokens=tokens),
+                                tokenizer.pad_token_id, progress=False)
+
+    whole, capped = train(None), train(cap)
+    assert whole.micro_batches == 4
+    parts = math.ceil(8 / (cap // wide))
+    assert parts > 1 and capped.micro_batches == 3 + parts  # length grouping keeps the long rows in one batch
+    torch.testing.assert_close([h["loss"] for h in capped.history], [h["loss"] for h in whole.history],
+                               rtol=1e-4, atol=1e-4)
+
+
 def test_gradient_checkpointing_gives_the_same_loss(tiny_model_dir):
     tokenizer = load_tokenizer(tiny_model_dir)
     batch = tokenizer(["a short one", "a somewhat longer sentence here"], padding=True, return_tensors="pt")
