@@ -50,10 +50,15 @@ def test_meta_shapes_count_exactly_what_the_real_model_trains(method, tiny_model
     assert shape.total_params == sum(p.numel() for p in model.parameters())
 
 
-def test_smollm2_shapes_match_the_default_run_report():
-    """923,328 trainable of 135,440,064: what reports/train.json recorded for the default LoRA run."""
+def test_smollm2_shapes_match_the_default_run_reports():
+    """What reports/train.json recorded for the default LoRA run: 923,328 trainable of 135,440,064 on q/k/v/o (until
+    2026-11-28), 2,443,968 of 136,960,704 on all seven linear layers (the default since)."""
     shape = planner.model_shape(smollm2_config(), 3, "lora")
     assert (shape.trainable_params, shape.total_params) == (923_328, 135_440_064)
+    seven = planner.MethodKnobs(target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                "down_proj"))
+    shape = planner.model_shape(smollm2_config(), 3, "lora", seven)
+    assert (shape.trainable_params, shape.total_params) == (2_443_968, 136_960_704)
 
 
 def test_memory_model_orders_qlora_below_lora_below_full_and_checkpointing_saves_activations():
