@@ -138,9 +138,10 @@ def loop_round(model, ids: list, labels: list, cfg, pad_token_id: int, number: i
 
 
 def ab_switch(switch: str, rounds: int, steps: int, batch_size: int, bf16: bool, eager: int,
-              target_modules: list[str] | None = None) -> None:
+              target_modules: list[str] | None = None, int8_products: bool = False) -> None:
     """One speed switch off against on, two models trained by the project's loop on the same slices of data,
-    alternating which goes first; the first round warms both up and is not counted."""
+    alternating which goes first; the first round warms both up and is not counted. `int8_products`: both models'
+    frozen products in int8 where `train.int8_products` resolves on here, as the train stage does."""
     from frugaltune.training.fast import frozen_weights_in
     from frugaltune.training.loop import LoopConfig
 
@@ -163,6 +164,13 @@ def ab_switch(switch: str, rounds: int, steps: int, batch_size: int, bf16: bool,
         model, tokenizer = throughput._model(bf16, "lora", True, knobs)  # bf16 frozen weights when bf16
         if dtype is not None:
             frozen_weights_in(model, dtype)
+        if int8_products:
+            from frugaltune import int8
+            from frugaltune.config import load_params
+
+            decision = int8.decide(load_params().train.int8_products, "lora", bf16, model.config.hidden_size,
+                                   model.config.intermediate_size, torch.cuda.is_available())
+            print(f"{name}: int8 products {int8.apply(model, decision, 'lora')}")
         if switch == "compiled" and name != "eager":
             for module in model.modules():  # regional: each decoder layer, not the whole model and the loop
                 if type(module).__name__.endswith("DecoderLayer"):
@@ -268,6 +276,8 @@ def main() -> None:
     parser.add_argument("--ab-steps", type=int, default=12, help="steps per model per round")
     parser.add_argument("--target-modules", nargs="+", default=None,
                         help="the A/B's LoRA targets (default: params' q/k/v/o), e.g. all seven linear layers")
+    parser.add_argument("--int8", action="store_true",
+                        help="the A/B's models with int8 frozen products where train.int8_products resolves on")
     parser.add_argument("--layer-compile", action="store_true", help="also one decoder layer eager vs compiled")
     parser.add_argument("--layer-repeats", type=int, default=20,
                         help="--layer-compile's timed forward + backward passes per layer per round (--repeats is the "
@@ -285,7 +295,8 @@ def main() -> None:
     matmul_table(rows, hidden, heads * head_dim, config["num_key_value_heads"] * head_dim,
                  config["intermediate_size"], 8, torch.bfloat16 if bf16 else torch.float32, args.repeats)
     if args.ab_rounds > 1:
-        ab_switch(args.ab, args.ab_rounds, args.ab_steps, args.batch_size, bf16, eager, args.target_modules)
+        ab_switch(args.ab, args.ab_rounds, args.ab_steps, args.batch_size, bf16, eager, args.target_modules,
+                  args.int8)
     if args.layer_compile:
         layer_compile(args.batch_size, bf16, args.layer_repeats)
     if args.floor:

@@ -11,12 +11,13 @@ on the GPU at the model's shapes and the nominal one the tensor-core (bf16) or C
 frugaltune.kernels.cuda.device_peaks at the boost clock; peak GPU memory is printed beside peak RSS.
 
 Needs `models/base` and `data/tokenized` (run `make pipeline`, or `dvc repro tokenize`). Every recipe trains the
-same adapter (peft, r=8 on q/k/v/o, dropout 0.05, the seeded classification head) on the same sequences (the first
-(warmup + steps) x batch-size examples of the training split, one pass), with AdamW at the same rate, on the same
-threads. The first `--warmup` steps (20) of every recipe are not timed: a process's first steps pay one-off costs
-(torch.compile's tracing of the int8 steps, oneDNN's first call at each new batch shape), which the pipeline's
-178 steps amortize. On a Zen 5 the train stage ran its first 20 steps at 555-619 useful tok/s and the rest at
-~1,100, so a 20-step window measured the warm-up. The whole runs' rates, warm-up included, are printed beside.
+same adapter (peft, r=8 on q/k/v/o, dropout 0.05, the seeded classification head) on the same sequences ((warmup +
+steps) x batch-size rows sampled across the training split with seed 42 and wrapped in `train.input_template` as the
+train stage wraps them; one pass), with AdamW at the same rate, on the same threads. The first `--warmup` steps
+(20) of every recipe are not timed: a process's first steps pay one-off costs (torch.compile's compilation of the
+int8 steps, 1-10 s over the first two steps on a Zen 5 depending on inductor's cache; oneDNN's first call at each
+new batch shape), which the pipeline's 178 steps amortize. The whole runs' rates, warm-up included, are printed
+beside.
 
 - frugaltune: `frugaltune.training.loop.train_classifier` as `dvc repro train` runs it: length-grouped batches,
   dynamic padding, the precision the kernels stage chose, and the speed switches of `frugaltune.training.fast`
@@ -71,10 +72,28 @@ TOKENIZED = Path("data/tokenized")
 
 
 def _examples(count: int) -> tuple[list[list[int]], list[int]]:
+    """`count` rows of the training split as the train stage feeds them: a seeded sample across the split, each row
+    wrapped in `train.input_template` (frugaltune/input_template.py), as `stages/train.py` wraps it.
+
+    Not the split's first rows: it is stored grouped by label (the first 640 were all one class, ~2 tokens shorter
+    than the split's mean), and bare rows are ~4 tokens shorter than the pipeline's templated ones."""
+    import random
+
     from datasets import load_from_disk
 
-    train = load_from_disk(str(TOKENIZED))["train"].select(range(count))
-    return [list(ids) for ids in train["input_ids"]], list(train["labels"])
+    from frugaltune.input_template import InputTemplate, wrapped
+    from frugaltune.models import load_tokenizer
+
+    train = load_from_disk(str(TOKENIZED))["train"]
+    if count > len(train):
+        raise SystemExit(f"{TOKENIZED}: the training split has {len(train)} rows and this run needs {count} "
+                         "((--warmup + --steps) x --batch-size, x rounds for step_anatomy's A/B): ask for fewer")
+    train = train.select(sorted(random.Random(42).sample(range(len(train)), count)))
+    params = load_params()
+    template = (InputTemplate.build(params.train.input_template, load_tokenizer(BASE))
+                if params.train.input_template is not None and params.task.type == "classification" else None)
+    ids = wrapped([list(row) for row in train["input_ids"]], template, params.tokenize.max_length)
+    return [list(row) for row in ids], list(train["labels"])
 
 
 def _model(bf16: bool, method: str = "lora", switches: bool = True, knobs=None):
