@@ -203,20 +203,20 @@ def test_cpu_precision_follows_this_machines_measurement_never_its_flags():
     assert planner.measured_on(hardware, other) is None
 
 
+def train_tiny_lora(model_dir, tokenizer, ids, labels, **loop):
+    """A rank-4 LoRA without dropout (no masks drawn per part) on the tiny model, batches of 8, seed 1."""
+    model = prepare_model(model_dir, LABELS, tokenizer.pad_token_id, 0, "lora", planner.MethodKnobs(r=4, dropout=0.0))
+    return train_classifier(model, ids, labels, LoopConfig(lr=1e-2, batch_size=8, seed=1, log_every=1, **loop),
+                            tokenizer.pad_token_id, progress=False)
+
+
 def test_split_micro_batches_compute_the_same_training(tiny_model_dir):
     """micro_batch_size < batch_size: each batch runs in parts and accumulates; same losses, same data."""
     tokenizer = load_tokenizer(tiny_model_dir)
     ids = [tokenizer(f"text number {i} {'!' * (i % 5)}")["input_ids"] for i in range(32)]
     labels = [i % 3 for i in range(32)]
-
-    def train(micro):
-        model = prepare_model(tiny_model_dir, LABELS, tokenizer.pad_token_id, 0, "lora",
-                              planner.MethodKnobs(r=4, dropout=0.0))
-        return train_classifier(model, ids, labels, LoopConfig(lr=1e-2, batch_size=8, max_steps=3, seed=1,
-                                                               log_every=1, micro_batch_size=micro),
-                                tokenizer.pad_token_id, progress=False)
-
-    whole, parts = train(None), train(2)
+    whole, parts = (train_tiny_lora(tiny_model_dir, tokenizer, ids, labels, max_steps=3, micro_batch_size=micro)
+                    for micro in (None, 2))
     assert parts.micro_batch_size == 2 and whole.micro_batch_size == 8
     assert parts.micro_batches == 4 * whole.micro_batches
     torch.testing.assert_close([h["loss"] for h in parts.history], [h["loss"] for h in whole.history],
@@ -231,14 +231,8 @@ def test_a_token_cap_splits_only_the_wide_batches_and_computes_the_same_training
     wide, narrow = max(len(x) for x in ids[:8]), max(len(x) for x in ids[8:])
     cap = max(8 * narrow, 2 * wide)  # a batch of 8 short rows fits; the 8 long rows take 2-4 parts
 
-    def train(tokens):
-        model = prepare_model(tiny_model_dir, LABELS, tokenizer.pad_token_id, 0, "lora",
-                              planner.MethodKnobs(r=4, dropout=0.0))
-        return train_classifier(model, ids, labels, LoopConfig(lr=1e-2, batch_size=8, epochs=1, seed=1,
-                                                               log_every=1, micro_batch_tokens=tokens),
-                                tokenizer.pad_token_id, progress=False)
-
-    whole, capped = train(None), train(cap)
+    whole, capped = (train_tiny_lora(tiny_model_dir, tokenizer, ids, labels, epochs=1, micro_batch_tokens=tokens)
+                     for tokens in (None, cap))
     assert whole.micro_batches == 4
     parts = math.ceil(8 / (cap // wide))
     assert parts > 1 and capped.micro_batches == 3 + parts  # length grouping keeps the long rows in one batch
