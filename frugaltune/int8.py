@@ -61,8 +61,8 @@ def _prepare_steps() -> None:
         return
     try:
         quantize, scale = torch.compile(quantize_rows, dynamic=True), torch.compile(rescale, dynamic=True)
-        # The grad mode and the scales' layouts _Int8Product calls them with ([rows, 1] and [1, N] with strides (N, 1)):
-        # torch.compile guards on both, so these graphs serve fp32 training as they are.
+        # The grad mode and the scales' layouts _Int8Product calls them with ([rows, 1], and [1, N] with strides
+        # (N, 1)): torch.compile guards on both, so these graphs serve fp32 training as they are.
         with torch.no_grad():
             q, s = quantize(torch.randn(3, 8))
             w, sw = quantize(torch.randn(5, 8))
@@ -91,7 +91,7 @@ def _output_dtype(x: torch.Tensor) -> torch.dtype:
 class _Int8Product(torch.autograd.Function):
     # torch.compile guards on grad mode and autocast: autograd runs forward and backward without grad, and backward
     # outside autocast unless told (custom_bwd: the forward's autocast state), which compiled every step once more
-    # per state, 10 graphs on the first two steps of a bf16 run instead of 4 (one per input dtype). Autocast
+    # per state: 10 graphs on the first two steps of a bf16 run, now 5 (tests/unit/test_int8.py counts them). Autocast
     # changes none of these ops (quantize, rescale, _int_mm are not on its lists), so the results are the same.
     @staticmethod
     @torch.amp.custom_fwd(device_type="cpu")
