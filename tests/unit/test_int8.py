@@ -139,6 +139,41 @@ def test_qlora_and_dora_train_through_int8_products_close_to_their_own(tiny_mode
     assert lora_b and sum(p.grad.abs().sum().item() for p in lora_b) > 0  # through the int8 products
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["lora", "dora"])
+def test_grouped_siblings_compute_what_each_product_alone_does(tiny_model_dir, smol_tokenizer, method):
+    """q/k/v and gate/up as one int8 product each: the same logits and adapter gradients as the products one by
+    one (forward: the same scales; backward: each output gradient keeps its own), and no second copy of a weight."""
+    def build(grouped: bool):
+        torch.manual_seed(3)
+        model = prepare_model(tiny_model_dir, ["a", "b", "c"], smol_tokenizer.pad_token_id, 0, method,
+                              MethodKnobs(r=4, alpha=8, dropout=0.0), bf16=False)
+        decision = int8.apply(model, {"on": True, "why": "test"}, method, grouped=grouped)
+        torch.manual_seed(4)  # the first int8 model compiles its steps on random tensors
+        with torch.no_grad():  # B starts at zero: A's gradients would be zero, whatever the products did
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(std=0.1)
+        ids = torch.randint(5, 500, (4, 10))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.float()
+        torch.nn.functional.cross_entropy(logits, torch.tensor([0, 1, 2, 0])).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if "lora_" in n and p.grad is not None}
+        return model, decision, logits, grads
+
+    alone, decision_alone, logits_alone, grads_alone = build(False)
+    grouped, decision, logits, grads = build(True)
+    layers = grouped.config.num_hidden_layers
+    assert decision_alone["groups"] == 0 and decision["groups"] == 2 * layers  # q/k/v and gate/up per layer
+    assert torch.equal(logits, logits_alone)
+    assert grads.keys() == grads_alone.keys() and len(grads) > 0
+    for name, grad in grads.items():  # an fp32 sum in another order: rounding, nothing more
+        assert grad.abs().sum() > 0 and relative(grad, grads_alone[name]) < 1e-3, name
+    q = next(m for n, m in grouped.named_modules() if n.endswith("q_proj.base_layer"))
+    assert q.group is not None and q.w_rows.data_ptr() == q.group.w_rows.data_ptr()  # a view of the stacked rows
+    assert not q.group.pending  # every member served: nothing held after the forward
+
+
 def test_decide_follows_the_setting_the_device_and_the_method():
     assert int8.decide(False, "lora", True, 64, 128, False)["on"] is False
     assert int8.decide(True, "dora", True, 64, 128, False)["on"] is True
