@@ -7,6 +7,9 @@
     python benchmarks/step_anatomy.py --ab-rounds 5 --ab packed     # + frozen weights pre-reordered for oneDNN
     python benchmarks/step_anatomy.py --ab-rounds 5 --ab optimizer  # + AdamW as one fused kernel vs torch's default
     python benchmarks/step_anatomy.py --ab-rounds 5 --ab inputs     # + norms handing bf16 to the projections
+    python benchmarks/step_anatomy.py --ab-rounds 5 --ab grouped    # + int8 siblings as one product (int8 on)
+    python benchmarks/step_anatomy.py --ab-rounds 5 --ab addmm --int8  # + LoRA's add inside B's product
+    python benchmarks/step_anatomy.py --ab-rounds 5 --ab norms --int8  # + RMSNorm compiled vs eager
 
 Needs `models/base` and `data/tokenized` (`make pipeline`). Two parts, both on this machine's threads and the
 precision the plan measured faster (reports/kernels.json, as `dvc repro train`):
@@ -28,8 +31,11 @@ precision the plan measured faster (reports/kernels.json, as `dvc repro train`):
    (the frozen bf16 weights reordered once into oneDNN's layout, forward and transposed for the input gradient).
    `--ab optimizer` compares AdamW fused (one kernel over all trainable tensors, the default since 2026-11-26)
    with torch's default per-tensor loop; `--ab inputs` compares `bf16_inputs` (the norms hand the projections
-   bf16 once) with each projection casting its fp32 input under autocast. Every other variant uses the loop's
-   default optimizer.
+   bf16 once) with each projection casting its fp32 input under autocast; `--ab grouped` (int8 products on, as
+   `--int8`) compares q/k/v and gate/up as one int8 product each (`int8.apply`'s default since 2026-11-28) with
+   each product on its own; `--ab addmm` compares `lora_addmm` (on by default since 2026-11-28) with peft's own
+   LoRA forward; `--ab norms` compares `compiled_norms` (on by default since 2026-11-28) with eager RMSNorms. Every
+   other variant uses the loop's defaults (fused optimizer, lora_addmm, compiled_norms).
 3. **`--layer-compile`**: one decoder layer of the LoRA model (the first `--batch-size` training rows, padded to
    their longest), forward + backward under the planned precision, eager against `torch.compile` (inductor,
    static shapes), with LoRA's dropout as the project's `SharedDropout`, as `nn.Dropout` and as none. Prints the
@@ -157,7 +163,12 @@ def ab_switch(switch: str, rounds: int, steps: int, batch_size: int, bf16: bool,
                 "optimizer": {"AdamW, torch's default": (None, False), "AdamW fused": (None, False)},
                 "inputs": {"projections cast their inputs": (None, False),
                            "norms hand bf16 (bf16_inputs)": (None, False)},
+                "grouped": {"each int8 product alone": (None, False),
+                            "int8 siblings grouped": (None, False)},
+                "addmm": {"peft's LoRA forward": (None, False), "LoRA added in addmm (lora_addmm)": (None, False)},
+                "norms": {"eager RMSNorm": (None, False), "compiled RMSNorm (compiled_norms)": (None, False)},
                 }[switch]
+    int8_products = int8_products or switch == "grouped"
     models, fused = {}, {}
     for name, (dtype, fuse) in variants.items():
         knobs = planner.MethodKnobs(target_modules=tuple(target_modules)) if target_modules else None
@@ -170,7 +181,8 @@ def ab_switch(switch: str, rounds: int, steps: int, batch_size: int, bf16: bool,
 
             decision = int8.decide(load_params().train.int8_products, "lora", bf16, model.config.hidden_size,
                                    model.config.intermediate_size, torch.cuda.is_available())
-            print(f"{name}: int8 products {int8.apply(model, decision, 'lora')}")
+            grouped = name != "each int8 product alone"  # int8.apply groups siblings by default
+            print(f"{name}: int8 products {int8.apply(model, decision, 'lora', grouped=grouped)}")
         if switch == "compiled" and name != "eager":
             for module in model.modules():  # regional: each decoder layer, not the whole model and the loop
                 if type(module).__name__.endswith("DecoderLayer"):
@@ -185,7 +197,8 @@ def ab_switch(switch: str, rounds: int, steps: int, batch_size: int, bf16: bool,
                          log_every=10**6, eager_attention_max_len=eager, fused_siblings=fused[name],
                          packed_weights=switch == "packed" and name != "plain bf16 weights",
                          fused_optimizer=switch != "optimizer" or name == "AdamW fused",
-                         bf16_inputs=name == "norms hand bf16 (bf16_inputs)")
+                         bf16_inputs=name == "norms hand bf16 (bf16_inputs)",
+                         lora_addmm=name != "peft's LoRA forward", compiled_norms=name != "eager RMSNorm")
         return loop_round(models[name], ids[part], labels[part], cfg, tokenizer.pad_token_id, number, name)
 
     rates = alternated(list(models), rounds, measure)
@@ -269,10 +282,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--ab-rounds", type=int, default=0, help="> 1: also an A/B of a switch, this many rounds")
     parser.add_argument("--ab", default="frozen",
-                        choices=["frozen", "fused", "compiled", "packed", "optimizer", "inputs"],
+                        choices=["frozen", "fused", "compiled", "packed", "optimizer", "inputs", "grouped", "addmm", "norms"],
                         help="frozen: bf16-stored frozen weights vs autocast casts; fused: fused_siblings off vs on; "
                              "compiled: decoder layers under torch.compile vs eager; packed: packed_weights off vs on; "
-                             "optimizer: AdamW fused vs torch's default; inputs: bf16_inputs off vs on")
+                             "optimizer: AdamW fused vs torch's default; inputs: bf16_inputs off vs on; "
+                             "grouped: int8 siblings alone vs grouped; addmm: peft's LoRA forward vs lora_addmm; "
+                             "norms: eager vs compiled RMSNorm")
     parser.add_argument("--ab-steps", type=int, default=12, help="steps per model per round")
     parser.add_argument("--target-modules", nargs="+", default=None,
                         help="the A/B's LoRA targets (default: params' q/k/v/o), e.g. all seven linear layers")

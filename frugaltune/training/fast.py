@@ -53,6 +53,22 @@ with the crossover length the kernels stage measured on this machine (plan `run.
   `LoopConfig.bf16_inputs`, off: on a 2-core Zen 4 (`benchmarks/step_anatomy.py --ab inputs`, 4 alternated rounds
   after a warm-up) 1.085x at batch 16 on q/k/v/o, 0.984x at batch 8, 0.989x at batch 16 on all seven linear layers:
   inside the machine's round-to-round spread (±15% that day), so not a measured win.
+- `lora_addmm(model)`: peft's vanilla LoRA computes `result + lora_B(lora_A(dropout(x))) * scaling`: B's
+  product, then a multiply and an add over the whole [tokens, out_features] output, and in backward a multiply
+  of the output gradient again, seven times per decoder layer with all linear layers adapted. Inside the block
+  each such layer scales the rank-r activations instead (r = 8 values a token, not out_features) and adds B's
+  product to the base output in the product itself (`torch.addmm`): two elementwise passes and their
+  temporaries fewer in forward, one in backward. The same sums: scaling is linear, and alpha / r = 2 is a power
+  of two (exact in any float); the sum is rounded once (to bf16 under autocast) instead of twice, so outputs
+  differ from peft's by rounding (~2e-3 relative in bf16), gradients not at all on bare layers.
+  `LoopConfig.lora_addmm`, on: measured in `benchmarks/step_anatomy.py --ab addmm` (DECISIONS, "Issue 12, third
+  day").
+- `compiled_norms(model)`: a Llama-family RMSNorm is six eager ops in forward (cast, pow, mean, add, rsqrt, two
+  multiplies) and about as many in backward, each a pass over the fp32 residual stream, twice per decoder layer:
+  ~0.9 ms forward + backward at 16 x 35 x 576 on a 2-core Zen 5, where the same function compiled by inductor
+  (dynamic shapes) is one loop each way, ~0.2 ms, to 6e-8 relative. Inside the block every RMSNorm runs its
+  class's forward through one `torch.compile`d function; a machine where inductor cannot compile keeps eager
+  norms (`norm_status()` says why). `LoopConfig.compiled_norms`, on (DECISIONS, "Issue 12, third day").
 """
 
 from __future__ import annotations
@@ -237,6 +253,101 @@ def fused_siblings(model: torch.nn.Module, enabled: bool = True) -> Iterator[int
             for linear in group.linears:
                 del linear.forward  # the class's forward again
             group.separate()
+
+
+def _addmm_lora(module: torch.nn.Module) -> bool:
+    """A peft LoRA Linear (vanilla: no DoRA or other variant; no bias on B) whose forward lora_addmm can take."""
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    return (type(module) is LoraLinear and not getattr(module, "lora_variant", {})
+            and all(b.bias is None for b in module.lora_B.values()) and "forward" not in vars(module))
+
+
+def _addmm_lora_forward(module: torch.nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """peft's forward of a vanilla LoRA layer with B's product and the add as one addmm (module docstring). Any
+    call that is not a plain training forward (extra arguments, adapters disabled or merged) goes to peft's."""
+    if args or kwargs or module.disable_adapters or module.merged:
+        return type(module).forward(module, x, *args, **kwargs)
+    result = module.base_layer(x)
+    result_dtype = result.dtype
+    for adapter in module.active_adapters:
+        if adapter not in module.lora_A:
+            continue
+        lora_a, lora_b = module.lora_A[adapter], module.lora_B[adapter]
+        h = lora_a(module.lora_dropout[adapter](module._cast_input_dtype(x, lora_a.weight.dtype)))
+        h = h * module.scaling[adapter]  # r values a token
+        shape = result.shape
+        if result.dtype != h.dtype and not torch.is_autocast_enabled(result.device.type):
+            result = result + lora_b(h)  # mixed dtypes outside autocast: addmm would refuse them
+            continue
+        result = torch.addmm(result.reshape(-1, shape[-1]), h.reshape(-1, h.shape[-1]), lora_b.weight.t())
+        result = result.view(*shape[:-1], shape[-1])
+    return result.to(result_dtype)
+
+
+@contextlib.contextmanager
+def lora_addmm(model: torch.nn.Module, enabled: bool = True) -> Iterator[int]:
+    """Within the block, vanilla LoRA layers add B's product to the base output in one addmm (module docstring);
+    yields how many layers. Each gets an instance `forward`, removed on exit: nothing saved or served differs."""
+    layers = [m for m in model.modules() if _addmm_lora(m)] if enabled else []
+    for layer in layers:
+        layer.forward = functools.partial(_addmm_lora_forward, layer)
+    try:
+        yield len(layers)
+    finally:
+        for layer in layers:
+            del layer.forward
+
+
+_COMPILED_NORMS: dict[type, object] = {}  # norm class -> its forward compiled once per process (or eager)
+_NORM_STATUS = {"compiled": None, "why": "not used yet"}
+
+
+def _is_rms_norm(module: torch.nn.Module) -> bool:
+    """LlamaRMSNorm and its copies in other architectures (Qwen2RMSNorm, MistralRMSNorm, ...): a leaf with a weight."""
+    return type(module).__name__.endswith("RMSNorm") and isinstance(getattr(module, "weight", None), torch.Tensor)
+
+
+def _compiled_norm_forward(norm: torch.nn.Module):
+    """The class forward of `norm` compiled (dynamic shapes), tried once on a small input without grad so that a
+    missing compiler shows here, not in a training step; None when it cannot compile."""
+    cls = type(norm)
+    if cls not in _COMPILED_NORMS:
+        compiled = torch.compile(cls.forward, dynamic=True)
+        try:
+            with torch.no_grad():  # not random: the loop has seeded the generator its dropout masks come from
+                compiled(norm, torch.ones(2, 3, norm.weight.shape[-1], dtype=norm.weight.dtype,
+                                          device=norm.weight.device))
+            _COMPILED_NORMS[cls] = compiled
+            _NORM_STATUS.update(compiled=True, why=f"{cls.__name__} compiled by inductor")
+        except Exception as exc:  # noqa: BLE001 - any compiler failure: the class's own eager forward
+            _COMPILED_NORMS[cls] = None
+            first_line = str(exc).splitlines()[0][:160] if str(exc) else ""
+            _NORM_STATUS.update(compiled=False, why=f"eager {cls.__name__} (torch.compile failed: "
+                                                    f"{type(exc).__name__}: {first_line})")
+    return _COMPILED_NORMS[cls]
+
+
+def norm_status() -> dict:
+    return dict(_NORM_STATUS)
+
+
+@contextlib.contextmanager
+def compiled_norms(model: torch.nn.Module, enabled: bool = True) -> Iterator[int]:
+    """Within the block, every RMSNorm of `model` runs its class's forward compiled (module docstring); yields how
+    many norms. Each gets an instance `forward`, removed on exit: evaluation and serving see the model as it was."""
+    norms = [m for m in model.modules() if _is_rms_norm(m) and "forward" not in vars(m)] if enabled else []
+    patched = []
+    for norm in norms:
+        compiled = _compiled_norm_forward(norm)
+        if compiled is not None:
+            norm.forward = functools.partial(compiled, norm)
+            patched.append(norm)
+    try:
+        yield len(patched)
+    finally:
+        for norm in patched:
+            del norm.forward
 
 
 def _register(max_len: int) -> str:

@@ -28,8 +28,8 @@ from frugaltune.training import checkpoint
 from frugaltune.training.batching import (IGNORE_INDEX, collate, collate_targets, length_grouped_batches, sorted_batches,
                                           target_counts)
 from frugaltune.training.distributed import World
-from frugaltune.training.fast import (bf16_projection_inputs, fused_siblings, packed_frozen_weights,
-                                     short_sequence_attention)
+from frugaltune.training.fast import (bf16_projection_inputs, compiled_norms, fused_siblings, lora_addmm,
+                                     packed_frozen_weights, short_sequence_attention)
 
 
 class DivergenceError(RuntimeError):
@@ -96,6 +96,12 @@ class LoopConfig:
     # fp32 residual stream itself (frugaltune.training.fast.bf16_projection_inputs). Off: 1.085x / 0.984x / 0.989x
     # (batch 16 / batch 8 / all-linear batch 16) on a 2-core Zen 4, within that machine's spread
     bf16_inputs: bool = False
+    # vanilla LoRA layers scale their rank-r activations and add B's product to the base output in one addmm,
+    # instead of a multiply and an add over the whole output (frugaltune.training.fast.lora_addmm)
+    lora_addmm: bool = True
+    # every RMSNorm's forward (and so its backward) compiled by inductor: one loop each way instead of ~6 eager ops
+    # over the residual stream (frugaltune.training.fast.compiled_norms); eager where inductor cannot compile
+    compiled_norms: bool = True
 
 
 @dataclass
@@ -384,7 +390,8 @@ def train_classifier(
           fused_siblings(model, cfg.fused_siblings),
           packed_frozen_weights(model, cfg.packed_weights and not cfg.fused_siblings,  # rows: ~32 tokens a tweet
                                 rows=(cfg.micro_batch_size or cfg.batch_size) * 32),
-          bf16_projection_inputs(model, cfg.bf16_inputs and cfg.bf16)):
+          bf16_projection_inputs(model, cfg.bf16_inputs and cfg.bf16), lora_addmm(model, cfg.lora_addmm),
+          compiled_norms(model, cfg.compiled_norms)):
         step = first_step
         while step <= total_steps:
             out_of_memory: BaseException | None = None

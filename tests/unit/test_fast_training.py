@@ -301,3 +301,58 @@ def test_bf16_projection_inputs_leave_dora_alone(tiny_model_dir, smol_tokenizer)
     with bf16_projection_inputs(model) as norms:
         assert norms == 0
         assert sum(len(m._forward_hooks) for m in model.modules()) == hooks_before
+
+
+def test_lora_addmm_gives_the_same_loss_and_gradients_and_restores_peft_forward(lora_model, tiny_model_dir,
+                                                                               smol_tokenizer):
+    """Vanilla LoRA layers add B's product inside one addmm, scaling the rank-r activations: in fp32 the same loss
+    and gradients as peft's forward (to rounding), with B non-zero so that the adapters' path counts; DoRA is left
+    to peft; on exit peft's own forward again."""
+    from frugaltune.training.fast import lora_addmm
+
+    with torch.no_grad():  # B starts at zero, which would hide a wrong scaling or a missing add
+        torch.manual_seed(1)
+        for name, param in lora_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.2)
+    pad = smol_tokenizer.pad_token_id
+    ids, labels = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16]], [0, 1, 2]
+    plain = _seeded_losses_and_grads(lora_model, ids, labels, pad)
+    adapted = sum(1 for m in lora_model.modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer"))
+    with lora_addmm(lora_model) as layers:
+        assert layers == adapted > 0
+        ours = _seeded_losses_and_grads(lora_model, ids, labels, pad)
+    torch.testing.assert_close(ours[0], plain[0], rtol=1e-5, atol=1e-6)
+    for name, grad in plain[1].items():
+        torch.testing.assert_close(ours[1][name], grad, rtol=1e-4, atol=1e-6)
+    assert not any("forward" in vars(m) for m in lora_model.modules())
+    with lora_addmm(lora_model, enabled=False) as layers:
+        assert layers == 0
+    dora = prepare_model(tiny_model_dir, ["a", "b"], pad, 0, "dora", MethodKnobs(r=4, alpha=8), bf16=False)
+    with lora_addmm(dora) as layers:
+        assert layers == 0  # DoRA computes on its base weight in its own forward
+
+
+def test_compiled_norms_give_the_same_loss_and_gradients_and_leave_the_model_as_it_was(lora_model, smol_tokenizer):
+    """Every RMSNorm (two a decoder layer, one at the top) runs its forward compiled inside the block: the same loss
+    and gradients as eager to rounding, nothing of the model's random state consumed (the next test run's dropout
+    masks stay the same), and on exit the class's forward again."""
+    import shutil
+
+    from frugaltune.training.fast import compiled_norms, norm_status
+
+    pad = smol_tokenizer.pad_token_id
+    ids, labels = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16]], [0, 1, 2]
+    plain = _seeded_losses_and_grads(lora_model, ids, labels, pad)
+    with compiled_norms(lora_model) as norms:
+        compiled = norm_status()["compiled"]
+        assert norms == (2 * lora_model.config.num_hidden_layers + 1 if compiled else 0)
+        ours = _seeded_losses_and_grads(lora_model, ids, labels, pad)
+    if any(shutil.which(cxx) for cxx in ("g++", "clang++", "c++")):
+        assert compiled is True, norm_status()
+    torch.testing.assert_close(ours[0], plain[0], rtol=1e-5, atol=1e-6)
+    for name, grad in plain[1].items():
+        torch.testing.assert_close(ours[1][name], grad, rtol=1e-4, atol=1e-6)
+    assert not any("forward" in vars(m) for m in lora_model.modules())
+    with compiled_norms(lora_model, enabled=False) as norms:
+        assert norms == 0
