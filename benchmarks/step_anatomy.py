@@ -282,7 +282,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--ab-rounds", type=int, default=0, help="> 1: also an A/B of a switch, this many rounds")
     parser.add_argument("--ab", default="frozen",
-                        choices=["frozen", "fused", "compiled", "packed", "optimizer", "inputs", "grouped", "addmm", "norms"],
+                        choices=["frozen", "fused", "compiled", "packed", "optimizer", "inputs", "grouped", "addmm",
+                                 "norms"],
                         help="frozen: bf16-stored frozen weights vs autocast casts; fused: fused_siblings off vs on; "
                              "compiled: decoder layers under torch.compile vs eager; packed: packed_weights off vs on; "
                              "optimizer: AdamW fused vs torch's default; inputs: bf16_inputs off vs on; "
