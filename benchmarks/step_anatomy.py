@@ -33,9 +33,9 @@ precision the plan measured faster (reports/kernels.json, as `dvc repro train`):
    with torch's default per-tensor loop; `--ab inputs` compares `bf16_inputs` (the norms hand the projections
    bf16 once) with each projection casting its fp32 input under autocast; `--ab grouped` (int8 products on, as
    `--int8`) compares q/k/v and gate/up as one int8 product each (`int8.apply`'s default since 2026-11-28) with
-   each product on its own; `--ab addmm` compares `lora_addmm` (on by default since 2026-11-28) with peft's own
-   LoRA forward; `--ab norms` compares `compiled_norms` (on by default since 2026-11-28) with eager RMSNorms. Every
-   other variant uses the loop's defaults (fused optimizer, lora_addmm, compiled_norms).
+   each product on its own; `--ab addmm` compares `lora_addmm` (off by default) with peft's own
+   LoRA forward; `--ab norms` compares `compiled_norms` (off by default) with eager RMSNorms. Every other
+   variant uses the loop's defaults (fused optimizer on; lora_addmm and compiled_norms off).
 3. **`--layer-compile`**: one decoder layer of the LoRA model (the first `--batch-size` training rows, padded to
    their longest), forward + backward under the planned precision, eager against `torch.compile` (inductor,
    static shapes), with LoRA's dropout as the project's `SharedDropout`, as `nn.Dropout` and as none. Prints the
@@ -198,7 +198,8 @@ def ab_switch(switch: str, rounds: int, steps: int, batch_size: int, bf16: bool,
                          packed_weights=switch == "packed" and name != "plain bf16 weights",
                          fused_optimizer=switch != "optimizer" or name == "AdamW fused",
                          bf16_inputs=name == "norms hand bf16 (bf16_inputs)",
-                         lora_addmm=name != "peft's LoRA forward", compiled_norms=name != "eager RMSNorm")
+                         lora_addmm=name == "LoRA added in addmm (lora_addmm)",
+                         compiled_norms=name == "compiled RMSNorm (compiled_norms)")
         return loop_round(models[name], ids[part], labels[part], cfg, tokenizer.pad_token_id, number, name)
 
     rates = alternated(list(models), rounds, measure)

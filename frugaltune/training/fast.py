@@ -61,14 +61,17 @@ with the crossover length the kernels stage measured on this machine (plan `run.
   temporaries fewer in forward, one in backward. The same sums: scaling is linear, and alpha / r = 2 is a power
   of two (exact in any float); the sum is rounded once (to bf16 under autocast) instead of twice, so outputs
   differ from peft's by rounding (~2e-3 relative in bf16), gradients not at all on bare layers.
-  `LoopConfig.lora_addmm`, on: measured in `benchmarks/step_anatomy.py --ab addmm` (DECISIONS, "Issue 12, third
-  day").
+  `LoopConfig.lora_addmm`, off: 1.10-1.20x a bare adapted layer at K = 576 but 0.92-1.22x at K = 1536, and 1.029x
+  a step in `benchmarks/step_anatomy.py --ab addmm --int8` (4 alternated rounds, 2-core Zen 5): inside the spread
+  (DECISIONS, "Issue 12 on the Zen 5, third day").
 - `compiled_norms(model)`: a Llama-family RMSNorm is six eager ops in forward (cast, pow, mean, add, rsqrt, two
   multiplies) and about as many in backward, each a pass over the fp32 residual stream, twice per decoder layer:
   ~0.9 ms forward + backward at 16 x 35 x 576 on a 2-core Zen 5, where the same function compiled by inductor
   (dynamic shapes) is one loop each way, ~0.2 ms, to 6e-8 relative. Inside the block every RMSNorm runs its
   class's forward through one `torch.compile`d function; a machine where inductor cannot compile keeps eager
-  norms (`norm_status()` says why). `LoopConfig.compiled_norms`, on (DECISIONS, "Issue 12, third day").
+  norms (`norm_status()` says why). `LoopConfig.compiled_norms`, off: a whole step measured 0.963x in
+  `benchmarks/step_anatomy.py --ab norms --int8` (4 alternated rounds, 2-core Zen 5; DECISIONS, "Issue 12 on the
+  Zen 5, third day").
 """
 
 from __future__ import annotations

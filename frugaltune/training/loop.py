@@ -97,11 +97,13 @@ class LoopConfig:
     # (batch 16 / batch 8 / all-linear batch 16) on a 2-core Zen 4, within that machine's spread
     bf16_inputs: bool = False
     # vanilla LoRA layers scale their rank-r activations and add B's product to the base output in one addmm,
-    # instead of a multiply and an add over the whole output (frugaltune.training.fast.lora_addmm)
-    lora_addmm: bool = True
+    # instead of a multiply and an add over the whole output (frugaltune.training.fast.lora_addmm). Off: 1.029x
+    # in an alternated A/B on a 2-core Zen 5 (benchmarks/step_anatomy.py --ab addmm --int8), inside its spread
+    lora_addmm: bool = False
     # every RMSNorm's forward (and so its backward) compiled by inductor: one loop each way instead of ~6 eager ops
-    # over the residual stream (frugaltune.training.fast.compiled_norms); eager where inductor cannot compile
-    compiled_norms: bool = True
+    # over the residual stream (frugaltune.training.fast.compiled_norms). Off: 4-5x on the norm alone, but 0.963x
+    # a step in an alternated A/B on a 2-core Zen 5 (benchmarks/step_anatomy.py --ab norms --int8)
+    compiled_norms: bool = False
 
 
 @dataclass
