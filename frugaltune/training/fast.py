@@ -289,17 +289,23 @@ def _addmm_lora_forward(module: torch.nn.Module, x: torch.Tensor, *args, **kwarg
 
 
 @contextlib.contextmanager
-def lora_addmm(model: torch.nn.Module, enabled: bool = True) -> Iterator[int]:
+def _instance_forwards(forwards: dict[torch.nn.Module, object]) -> Iterator[int]:
+    """Each module runs its given forward within the block (an instance attribute, which nn.Module's __call__ reads
+    before the class's), removed on exit; yields how many modules."""
+    for module, forward in forwards.items():
+        module.forward = forward
+    try:
+        yield len(forwards)
+    finally:
+        for module in forwards:
+            del module.forward
+
+
+def lora_addmm(model: torch.nn.Module, enabled: bool = True) -> contextlib.AbstractContextManager[int]:
     """Within the block, vanilla LoRA layers add B's product to the base output in one addmm (module docstring);
     yields how many layers. Each gets an instance `forward`, removed on exit: nothing saved or served differs."""
     layers = [m for m in model.modules() if _addmm_lora(m)] if enabled else []
-    for layer in layers:
-        layer.forward = functools.partial(_addmm_lora_forward, layer)
-    try:
-        yield len(layers)
-    finally:
-        for layer in layers:
-            del layer.forward
+    return _instance_forwards({layer: functools.partial(_addmm_lora_forward, layer) for layer in layers})
 
 
 _COMPILED_NORMS: dict[type, object] = {}  # norm class -> its forward compiled once per process (or eager)
@@ -335,22 +341,12 @@ def norm_status() -> dict:
     return dict(_NORM_STATUS)
 
 
-@contextlib.contextmanager
-def compiled_norms(model: torch.nn.Module, enabled: bool = True) -> Iterator[int]:
+def compiled_norms(model: torch.nn.Module, enabled: bool = True) -> contextlib.AbstractContextManager[int]:
     """Within the block, every RMSNorm of `model` runs its class's forward compiled (module docstring); yields how
     many norms. Each gets an instance `forward`, removed on exit: evaluation and serving see the model as it was."""
     norms = [m for m in model.modules() if _is_rms_norm(m) and "forward" not in vars(m)] if enabled else []
-    patched = []
-    for norm in norms:
-        compiled = _compiled_norm_forward(norm)
-        if compiled is not None:
-            norm.forward = functools.partial(compiled, norm)
-            patched.append(norm)
-    try:
-        yield len(patched)
-    finally:
-        for norm in patched:
-            del norm.forward
+    compiled = {norm: _compiled_norm_forward(norm) for norm in norms}
+    return _instance_forwards({norm: functools.partial(fn, norm) for norm, fn in compiled.items() if fn is not None})
 
 
 def _register(max_len: int) -> str:

@@ -159,6 +159,13 @@ def _seeded_losses_and_grads(model, ids, labels, pad):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
+def _assert_same_losses_and_grads(ours, plain):
+    """`_seeded_losses_and_grads` of a switch against the plain model: the same loss and gradients to rounding."""
+    torch.testing.assert_close(ours[0], plain[0], rtol=1e-5, atol=1e-6)
+    for name, grad in plain[1].items():
+        torch.testing.assert_close(ours[1][name], grad, rtol=1e-4, atol=1e-6)
+
+
 def test_fused_siblings_gives_the_same_loss_and_gradients_keeps_names_and_restores_the_layers(lora_model,
                                                                                                smol_tokenizer):
     """q/k/v base projections, q/k/v's LoRA A (one shared dropout) and gate/up run as one matmul per group inside
@@ -178,9 +185,7 @@ def test_fused_siblings_gives_the_same_loss_and_gradients_keeps_names_and_restor
         assert attention.k_proj.base_layer.weight.data_ptr() == (  # views of one concatenated weight
             attention.q_proj.base_layer.weight.data_ptr() + attention.q_proj.base_layer.weight.numel() * 4)
         fused_run = _seeded_losses_and_grads(lora_model, ids, labels, pad)
-    torch.testing.assert_close(fused_run[0], plain[0], rtol=1e-5, atol=1e-6)
-    for name, grad in plain[1].items():
-        torch.testing.assert_close(fused_run[1][name], grad, rtol=1e-4, atol=1e-6)
+    _assert_same_losses_and_grads(fused_run, plain)
     assert "forward" not in attention.q_proj.base_layer.__dict__  # the class's forward again
     pointers = [m.weight.data_ptr() for m in lora_model.modules() if type(m) is torch.nn.Linear]
     assert len(pointers) == len(set(pointers))
@@ -322,9 +327,7 @@ def test_lora_addmm_gives_the_same_loss_and_gradients_and_restores_peft_forward(
     with lora_addmm(lora_model) as layers:
         assert layers == adapted > 0
         ours = _seeded_losses_and_grads(lora_model, ids, labels, pad)
-    torch.testing.assert_close(ours[0], plain[0], rtol=1e-5, atol=1e-6)
-    for name, grad in plain[1].items():
-        torch.testing.assert_close(ours[1][name], grad, rtol=1e-4, atol=1e-6)
+    _assert_same_losses_and_grads(ours, plain)
     assert not any("forward" in vars(m) for m in lora_model.modules())
     with lora_addmm(lora_model, enabled=False) as layers:
         assert layers == 0
@@ -350,9 +353,7 @@ def test_compiled_norms_give_the_same_loss_and_gradients_and_leave_the_model_as_
         ours = _seeded_losses_and_grads(lora_model, ids, labels, pad)
     if any(shutil.which(cxx) for cxx in ("g++", "clang++", "c++")):
         assert compiled is True, norm_status()
-    torch.testing.assert_close(ours[0], plain[0], rtol=1e-5, atol=1e-6)
-    for name, grad in plain[1].items():
-        torch.testing.assert_close(ours[1][name], grad, rtol=1e-4, atol=1e-6)
+    _assert_same_losses_and_grads(ours, plain)
     assert not any("forward" in vars(m) for m in lora_model.modules())
     with compiled_norms(lora_model, enabled=False) as norms:
         assert norms == 0
