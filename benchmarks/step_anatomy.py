@@ -10,6 +10,8 @@
     python benchmarks/step_anatomy.py --ab-rounds 5 --ab grouped    # + int8 siblings as one product (int8 on)
     python benchmarks/step_anatomy.py --ab-rounds 5 --ab addmm --int8  # + LoRA's add inside B's product
     python benchmarks/step_anatomy.py --ab-rounds 5 --ab norms --int8  # + RMSNorm compiled vs eager
+    python benchmarks/step_anatomy.py --ab-paired 60 --ab int8lora  # + LoRA over int8 as one node, steps paired
+    python benchmarks/step_anatomy.py --ab-paired 60 --ab same --int8  # the paired A/B's A/A (its bias)
 
 Needs `models/base` and `data/tokenized` (`make pipeline`). Two parts, both on this machine's threads and the
 precision the plan measured faster (reports/kernels.json, as `dvc repro train`):
@@ -34,8 +36,13 @@ precision the plan measured faster (reports/kernels.json, as `dvc repro train`):
    bf16 once) with each projection casting its fp32 input under autocast; `--ab grouped` (int8 products on, as
    `--int8`) compares q/k/v and gate/up as one int8 product each (`int8.apply`'s default since 2026-11-28) with
    each product on its own; `--ab addmm` compares `lora_addmm` (off by default) with peft's own
-   LoRA forward; `--ab norms` compares `compiled_norms` (off by default) with eager RMSNorms. Every other
-   variant uses the loop's defaults (fused optimizer on; lora_addmm and compiled_norms off).
+   LoRA forward; `--ab norms` compares `compiled_norms` (off by default) with eager RMSNorms; `--ab int8lora`
+   (int8 products on) compares `fused_int8_lora` (LoRA over each int8 product as one autograd node) with peft's
+   layers. Every other variant uses the loop's defaults (fused optimizer and fused_int8_lora on; lora_addmm and
+   compiled_norms off). `--ab-paired N` runs the chosen A/B as N steps of each model taking turns step by step
+   (two threads, one computing at a time; pairs alternate which goes first) and prints per-step speed ratios;
+   `--ab same` is its A/A (the defaults against themselves), which shows what the method reads where nothing
+   differs.
 3. **`--layer-compile`**: one decoder layer of the LoRA model (the first `--batch-size` training rows, padded to
    their longest), forward + backward under the planned precision, eager against `torch.compile` (inductor,
    static shapes), with LoRA's dropout as the project's `SharedDropout`, as `nn.Dropout` and as none. Prints the
@@ -48,6 +55,7 @@ precision the plan measured faster (reports/kernels.json, as `dvc repro train`):
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -143,15 +151,89 @@ def loop_round(model, ids: list, labels: list, cfg, pad_token_id: int, number: i
     return rate
 
 
+def paired_steps(runs: dict[str, object], warmup: int = 3) -> dict[str, list[float]]:
+    """Each of two runs (`run(on_log=...)`: the project's loop with `log_every=1`) in its own thread, taking turns
+    step by step on the same batches, in pairs whose order alternates (A B, B A, A B, ...): step i of one is timed
+    seconds from step i of the other, on the same machine state, and whatever favours the first (or the second) of
+    a pair falls on each run equally often. Returns each run's step seconds after `warmup`, without the last step
+    (the other thread's wrap-up may overlap it)."""
+    import threading
+
+    names = list(runs)
+    turn = threading.Condition()
+    state = {"position": 0, "done": set()}
+    seconds: dict[str, list[float]] = {name: [] for name in names}
+    errors: list[BaseException] = []
+
+    def whose(position: int) -> str:  # pairs A B, B A, A B, ...: position 2k + j -> names[j] or names[1 - j]
+        pair, j = divmod(position, 2)
+        return names[j if pair % 2 == 0 else 1 - j]
+
+    def wait_turn(name: str) -> None:
+        with turn:
+            turn.wait_for(lambda: whose(state["position"]) == name or set(names) - {name} <= state["done"])
+
+    def worker(name: str) -> None:
+        started = [0.0]
+
+        def on_log(_record: dict) -> None:
+            seconds[name].append(time.perf_counter() - started[0])
+            with turn:
+                state["position"] += 1
+                turn.notify_all()
+            wait_turn(name)
+            started[0] = time.perf_counter()
+
+        wait_turn(name)
+        started[0] = time.perf_counter()
+        try:
+            runs[name](on_log=on_log)
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+        finally:
+            with turn:
+                state["done"].add(name)
+                turn.notify_all()
+
+    threads = [threading.Thread(target=worker, args=(name,)) for name in names]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return {name: values[warmup:-1] for name, values in seconds.items()}
+
+
+def report_pairs(seconds: dict[str, list[float]], warmup: int = 3) -> float:
+    """Per-step speed ratios of two paired runs (the first's seconds over the second's: > 1, the second is faster).
+    Pairs where the first ran first and pairs where the second did are summarised apart (their medians), and the
+    estimate is the geometric mean of the two medians: a bias for the first or the second of a pair cancels in it
+    (an A/A run shows how large that bias is). Returns the estimate."""
+    (base, base_s), (new, new_s) = seconds.items()
+    ratios = [a / b for a, b in zip(base_s, new_s)]
+    # pair k (counted from 0 before the warm-up was cut) ran the first run first when k is even
+    first = [r for k, r in enumerate(ratios, start=warmup) if k % 2 == 0]
+    second = [r for k, r in enumerate(ratios, start=warmup) if k % 2 == 1]
+    estimate = (statistics.median(first) * statistics.median(second)) ** 0.5
+    q1, _, q3 = statistics.quantiles(ratios, n=4)
+    print(f"{len(ratios)} paired steps: {base} {sum(base_s):.1f} s, {new} {sum(new_s):.1f} s "
+          f"({sum(base_s) / sum(new_s):.3f}x); per step, {new} / {base} speed: median {statistics.median(first):.3f}x "
+          f"where {base} ran first ({len(first)} pairs), {statistics.median(second):.3f}x where {new} did "
+          f"({len(second)}); estimate {estimate:.3f}x (quartiles of all pairs {q1:.3f}-{q3:.3f}x)")
+    return estimate
+
+
 def ab_switch(switch: str, rounds: int, steps: int, batch_size: int, bf16: bool, eager: int,
-              target_modules: list[str] | None = None, int8_products: bool = False) -> None:
+              target_modules: list[str] | None = None, int8_products: bool = False, paired: int = 0) -> None:
     """One speed switch off against on, two models trained by the project's loop on the same slices of data,
     alternating which goes first; the first round warms both up and is not counted. `int8_products`: both models'
-    frozen products in int8 where `train.int8_products` resolves on here, as the train stage does."""
+    frozen products in int8 where `train.int8_products` resolves on here, as the train stage does. `paired` > 0:
+    instead, both loops over the same `paired` batches, taking turns step by step (paired_steps)."""
     from frugaltune.training.fast import frozen_weights_in
     from frugaltune.training.loop import LoopConfig
 
-    ids, labels = throughput._examples(steps * batch_size * rounds)
+    ids, labels = throughput._examples(max(steps * rounds, paired) * batch_size)
     if torch.cuda.is_available():  # as the train stage and train_throughput's frugaltune recipe do on a GPU
         planner.keep_sdpa_off_cudnn()
     variants = {"frozen": {"fp32 weights, autocast casts": (torch.float32, False),  # fused_siblings as the default
@@ -167,8 +249,11 @@ def ab_switch(switch: str, rounds: int, steps: int, batch_size: int, bf16: bool,
                             "int8 siblings grouped": (None, False)},
                 "addmm": {"peft's LoRA forward": (None, False), "LoRA added in addmm (lora_addmm)": (None, False)},
                 "norms": {"eager RMSNorm": (None, False), "compiled RMSNorm (compiled_norms)": (None, False)},
+                "same": {"the defaults": (None, False), "the defaults again": (None, False)},  # A/A: the method's bias
+                "int8lora": {"peft's LoRA layers": (None, False),
+                             "one node per int8 product (fused_int8_lora)": (None, False)},
                 }[switch]
-    int8_products = int8_products or switch == "grouped"
+    int8_products = int8_products or switch in ("grouped", "int8lora")
     models, fused = {}, {}
     for name, (dtype, fuse) in variants.items():
         knobs = planner.MethodKnobs(target_modules=tuple(target_modules)) if target_modules else None
@@ -191,16 +276,30 @@ def ab_switch(switch: str, rounds: int, steps: int, batch_size: int, bf16: bool,
         kinds = {str(m.weight.dtype) for m in model.modules()
                  if type(m) is torch.nn.Linear and not m.weight.requires_grad}
         print(f"{name}: frozen Linear weights in {', '.join(sorted(kinds))}")
-    def measure(number: int, name: str) -> float:
-        part = slice(number * steps * batch_size, (number + 1) * steps * batch_size)
-        cfg = LoopConfig(lr=1e-3, head_lr=2e-3, batch_size=batch_size, epochs=1, seed=42, bf16=bf16,
-                         log_every=10**6, eager_attention_max_len=eager, fused_siblings=fused[name],
+    def config(name: str, log_every: int) -> LoopConfig:
+        return LoopConfig(lr=1e-3, head_lr=2e-3, batch_size=batch_size, epochs=1, seed=42, bf16=bf16,
+                         log_every=log_every, eager_attention_max_len=eager, fused_siblings=fused[name],
                          packed_weights=switch == "packed" and name != "plain bf16 weights",
                          fused_optimizer=switch != "optimizer" or name == "AdamW fused",
                          bf16_inputs=name == "norms hand bf16 (bf16_inputs)",
                          lora_addmm=name == "LoRA added in addmm (lora_addmm)",
-                         compiled_norms=name == "compiled RMSNorm (compiled_norms)")
-        return loop_round(models[name], ids[part], labels[part], cfg, tokenizer.pad_token_id, number, name)
+                         compiled_norms=name == "compiled RMSNorm (compiled_norms)",
+                         fused_int8_lora=(name == "one node per int8 product (fused_int8_lora)"
+                                          if switch == "int8lora" else LoopConfig.fused_int8_lora))
+
+    if paired:
+        from frugaltune.training.loop import train_classifier
+
+        rows = slice(0, paired * batch_size)
+        runs = {name: functools.partial(train_classifier, models[name], ids[rows], labels[rows], config(name, 1),
+                                        tokenizer.pad_token_id, progress=False) for name in models}
+        report_pairs(paired_steps(runs))
+        return
+
+    def measure(number: int, name: str) -> float:
+        part = slice(number * steps * batch_size, (number + 1) * steps * batch_size)
+        return loop_round(models[name], ids[part], labels[part], config(name, 10**6), tokenizer.pad_token_id,
+                          number, name)
 
     rates = alternated(list(models), rounds, measure)
     base, new = (statistics.mean(v) for v in rates.values())
@@ -284,13 +383,18 @@ def main() -> None:
     parser.add_argument("--ab-rounds", type=int, default=0, help="> 1: also an A/B of a switch, this many rounds")
     parser.add_argument("--ab", default="frozen",
                         choices=["frozen", "fused", "compiled", "packed", "optimizer", "inputs", "grouped", "addmm",
-                                 "norms"],
+                                 "norms", "int8lora", "same"],
                         help="frozen: bf16-stored frozen weights vs autocast casts; fused: fused_siblings off vs on; "
                              "compiled: decoder layers under torch.compile vs eager; packed: packed_weights off vs on; "
                              "optimizer: AdamW fused vs torch's default; inputs: bf16_inputs off vs on; "
                              "grouped: int8 siblings alone vs grouped; addmm: peft's LoRA forward vs lora_addmm; "
-                             "norms: eager vs compiled RMSNorm")
+                             "norms: eager vs compiled RMSNorm; int8lora: peft's LoRA layers vs fused_int8_lora; "
+                             "same: the defaults against themselves (an A/A: what the method reads where nothing "
+                             "differs)")
     parser.add_argument("--ab-steps", type=int, default=12, help="steps per model per round")
+    parser.add_argument("--ab-paired", type=int, default=0,
+                        help="N > 0: the A/B as N steps per model taking turns step by step (per-step ratios), "
+                             "instead of alternated rounds")
     parser.add_argument("--target-modules", nargs="+", default=None,
                         help="the A/B's LoRA targets (default: params' q/k/v/o), e.g. all seven linear layers")
     parser.add_argument("--int8", action="store_true",
@@ -311,9 +415,9 @@ def main() -> None:
     print(f"{cpu_facts()['model']}; {'bf16' if bf16 else 'fp32'} ({why})")
     matmul_table(rows, hidden, heads * head_dim, config["num_key_value_heads"] * head_dim,
                  config["intermediate_size"], 8, torch.bfloat16 if bf16 else torch.float32, args.repeats)
-    if args.ab_rounds > 1:
-        ab_switch(args.ab, args.ab_rounds, args.ab_steps, args.batch_size, bf16, eager, args.target_modules,
-                  args.int8)
+    if args.ab_rounds > 1 or args.ab_paired:
+        ab_switch(args.ab, max(args.ab_rounds, 1), args.ab_steps, args.batch_size, bf16, eager, args.target_modules,
+                  args.int8, args.ab_paired)
     if args.layer_compile:
         layer_compile(args.batch_size, bf16, args.layer_repeats)
     if args.floor:

@@ -170,7 +170,7 @@ def run_recipe(recipe: str, steps: int, batch_size: int, lr: float, threads: int
             int8_products = int8.apply(model, int8_products, method)
         cfg = LoopConfig(lr=lr, head_lr=2 * lr, batch_size=batch_size, epochs=1, seed=42, bf16=bf16_ours,
                          log_every=1, eager_attention_max_len=eager_max if switches else 0,
-                         fused_optimizer=switches)
+                         fused_optimizer=switches, fused_int8_lora=switches)
         # One record per step: its end (elapsed_s) and its useful tokens/s, from which its tokens follow (the loop's
         # records carry no token count, and frugaltune/training is part of every federation's run key).
         records: list[dict] = []

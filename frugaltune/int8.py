@@ -65,6 +65,26 @@ def rescale_sum(accs: list[torch.Tensor], row_scales: list[torch.Tensor], col_sc
     return total.to(dtype)
 
 
+def rescale_sum_plus(accs: list[torch.Tensor], row_scales: list[torch.Tensor], col_scales: list[torch.Tensor],
+                     extra: torch.Tensor, keep: torch.Tensor | None, keep_scale: float,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """rescale_sum plus one more input gradient (LoRA's, training.int8_lora) through its dropout mask `keep` (None:
+    no dropout) and 1 / (1 - p), all in fp32 and one cast: one pass where eager takes four."""
+    total = None
+    for acc, row_scale, col_scale in zip(accs, row_scales, col_scales):
+        part = acc.float() * row_scale * col_scale
+        total = part if total is None else total + part
+    extra = extra.float()
+    if keep is not None:
+        extra = extra * keep * keep_scale
+    return (total + extra).to(dtype)
+
+
+def dropout_cast(x: torch.Tensor, keep: torch.Tensor, keep_scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """x * mask * 1 / (1 - p) (training.fast.SharedDropout's arithmetic) cast to the products' dtype: one pass."""
+    return (x * keep * keep_scale).to(dtype)
+
+
 _STEPS: dict[str, object] = {}
 _STATUS = {"compiled": None, "why": "not used yet"}
 
@@ -77,6 +97,7 @@ def _prepare_steps() -> None:
     try:
         quantize, scale = torch.compile(quantize_rows, dynamic=True), torch.compile(rescale, dynamic=True)
         summed = torch.compile(rescale_sum, dynamic=True)
+        plus, dropped = torch.compile(rescale_sum_plus, dynamic=True), torch.compile(dropout_cast, dynamic=True)
         # The grad mode and the scales' layouts _Int8Product calls them with ([rows, 1], and [1, N] with strides
         # (N, 1)): torch.compile guards on both, so these graphs serve fp32 training as they are.
         with torch.no_grad():
@@ -85,11 +106,16 @@ def _prepare_steps() -> None:
             scale(torch._int_mm(q, w.t()), s, sw.flatten().unsqueeze(0), torch.float32)
             acc = torch._int_mm(q, w.t())
             summed([acc] * 2, [s] * 2, [torch.rand(1, 5)] * 2, torch.float32)  # the scales' layouts of backward
-        _STEPS.update(quantize=quantize, rescale=scale, rescale_sum=summed)
+            keep = torch.ones(3, 5, dtype=torch.bool)
+            plus([acc], [s], [torch.rand(1, 5)], torch.ones(3, 5), keep, 2.0, torch.float32)
+            dropped(torch.ones(3, 5), keep, 2.0, torch.float32)
+        _STEPS.update(quantize=quantize, rescale=scale, rescale_sum=summed, rescale_sum_plus=plus,
+                      dropout_cast=dropped)
         _STATUS.update(compiled=True, why="quantize and rescale compiled by inductor")
     except Exception as exc:  # noqa: BLE001 - any compiler failure: the same arithmetic, eager
         torch._dynamo.reset()
-        _STEPS.update(quantize=quantize_rows, rescale=rescale, rescale_sum=rescale_sum)
+        _STEPS.update(quantize=quantize_rows, rescale=rescale, rescale_sum=rescale_sum,
+                      rescale_sum_plus=rescale_sum_plus, dropout_cast=dropout_cast)
         first_line = str(exc).splitlines()[0][:160] if str(exc) else ""
         _STATUS.update(compiled=False, why=f"eager quantize and rescale (torch.compile failed: {type(exc).__name__}: "
                                            f"{first_line})")
@@ -97,6 +123,12 @@ def _prepare_steps() -> None:
 
 def status() -> dict:
     return dict(_STATUS)
+
+
+def steps() -> dict[str, object]:
+    """quantize, rescale and rescale_sum as this process runs them (compiled, or eager where inductor failed)."""
+    _prepare_steps()
+    return _STEPS
 
 
 _SHARED: dict[str, object] = {}  # the input quantized last: q/k/v (and gate/up) are called with one tensor

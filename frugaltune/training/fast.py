@@ -90,6 +90,15 @@ SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 _BITS = 15  # random bits per element used: the low 15 of each 16-bit lane (the top lane of an int64 has only 15)
 
 
+def keep_mask(x: torch.Tensor, threshold: int) -> torch.Tensor:
+    """SharedDropout's mask for `x` (True: kept), dropping with probability threshold / SharedDropout.LEVELS: 16
+    random bits per element from 64-bit words, the low 15 used. training.int8_lora draws its masks here too, so
+    that both paths drop the same elements from the same generator state."""
+    n = x.numel()
+    words = torch.empty(math.ceil(n / 4), dtype=torch.int64, device=x.device).random_()
+    return (words.view(torch.int16)[:n].view(x.shape) & ((1 << _BITS) - 1)) >= threshold
+
+
 class SharedDropout(torch.nn.Module):
     """Dropout that reuses its result when called again on the same tensor (the sibling projections' input).
 
@@ -100,10 +109,12 @@ class SharedDropout(torch.nn.Module):
     recomputed mask equals the first one, as with `nn.Dropout`.
     """
 
+    LEVELS = 1 << _BITS  # the drop probability is threshold / LEVELS
+
     def __init__(self, p: float, shared: dict):
         super().__init__()
-        self.threshold = round(p * (1 << _BITS))
-        self.p = self.threshold / (1 << _BITS)  # the probability actually used
+        self.threshold = round(p * self.LEVELS)
+        self.p = self.threshold / self.LEVELS  # the probability actually used
         self.shared = shared
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -111,10 +122,7 @@ class SharedDropout(torch.nn.Module):
             return x
         if self.shared.get("input") is x and self.shared.get("p") == self.p:
             return self.shared["output"]
-        n = x.numel()
-        words = torch.empty(math.ceil(n / 4), dtype=torch.int64, device=x.device).random_()
-        lanes = words.view(torch.int16)[:n].view(x.shape) & ((1 << _BITS) - 1)
-        out = x * (lanes >= self.threshold) * (1.0 / (1.0 - self.p))
+        out = x * keep_mask(x, self.threshold) * (1.0 / (1.0 - self.p))
         self.shared.update(input=x, output=out, p=self.p)
         return out
 

@@ -30,6 +30,7 @@ from frugaltune.training.batching import (IGNORE_INDEX, collate, collate_targets
 from frugaltune.training.distributed import World
 from frugaltune.training.fast import (bf16_projection_inputs, compiled_norms, fused_siblings, lora_addmm,
                                      packed_frozen_weights, short_sequence_attention)
+from frugaltune.training.int8_lora import fused_int8_lora
 
 
 class DivergenceError(RuntimeError):
@@ -104,6 +105,11 @@ class LoopConfig:
     # over the residual stream (frugaltune.training.fast.compiled_norms). Off: 4-5x on the norm alone, but 0.963x
     # a step in an alternated A/B on a 2-core Zen 5 (benchmarks/step_anatomy.py --ab norms --int8)
     compiled_norms: bool = False
+    # LoRA layers over int8 frozen products run as one autograd node per product (q/k/v, gate/up, o, down): one
+    # dropout, one cast, A's products stacked, B's added in addmm (frugaltune.training.int8_lora). On: 1.084x a
+    # step where an A/A reads 1.010x, steps paired one by one on a 2-core Zen 5 (benchmarks/step_anatomy.py
+    # --ab-paired 60 --ab int8lora); a model without int8 products has nothing it takes
+    fused_int8_lora: bool = True
 
 
 @dataclass
@@ -392,7 +398,9 @@ def train_classifier(
           fused_siblings(model, cfg.fused_siblings),
           packed_frozen_weights(model, cfg.packed_weights and not cfg.fused_siblings,  # rows: ~32 tokens a tweet
                                 rows=(cfg.micro_batch_size or cfg.batch_size) * 32),
-          bf16_projection_inputs(model, cfg.bf16_inputs and cfg.bf16), lora_addmm(model, cfg.lora_addmm),
+          bf16_projection_inputs(model, cfg.bf16_inputs and cfg.bf16),
+          fused_int8_lora(model, cfg.fused_int8_lora),  # before lora_addmm: the layers it takes are not addmm's
+          lora_addmm(model, cfg.lora_addmm),
           compiled_norms(model, cfg.compiled_norms)):
         step = first_step
         while step <= total_steps:
