@@ -196,6 +196,23 @@ class _Int8GroupProduct(torch.autograd.Function):
         return grad_x.reshape(*lead, grad_x.shape[-1]), None
 
 
+def shared_output(pending: dict, index: int, x: torch.Tensor, compute) -> torch.Tensor:
+    """Member `index`'s output of a computation that serves every member of a group reading one input: the first
+    member called runs `compute()` (one output per member) and `pending` keeps the others' for their own calls with
+    the same tensor (identity and version). A member called with another input computes again, so a model that
+    does not feed them one tensor stays correct, only slower. Used by Int8Siblings and training.int8_lora."""
+    if pending.get("input") is x and pending.get("version") == x._version and index in pending["outputs"]:
+        out = pending["outputs"].pop(index)
+        if not pending["outputs"]:
+            pending.clear()  # every member served: hold no activation past its layer
+        return out
+    outs = compute()
+    pending.clear()
+    if len(outs) > 1:
+        pending.update(input=x, version=x._version, outputs={i: o for i, o in enumerate(outs) if i != index})
+    return outs[index]
+
+
 class Int8Siblings:
     """Int8FrozenLinear siblings that read one input, computed together (see _Int8GroupProduct): whichever member
     is called first computes every member's output and keeps the others' for their own calls with the same tensor
@@ -216,16 +233,7 @@ class Int8Siblings:
         self.pending: dict = {}
 
     def output(self, index: int, x: torch.Tensor) -> torch.Tensor:
-        pending = self.pending
-        if pending.get("input") is x and pending.get("version") == x._version and index in pending["outputs"]:
-            out = pending["outputs"].pop(index)
-            if not pending["outputs"]:
-                pending.clear()  # every member served: hold no activation past its layer
-            return out
-        outs = _Int8GroupProduct.apply(x, self)
-        pending.clear()
-        pending.update(input=x, version=x._version, outputs={i: o for i, o in enumerate(outs) if i != index})
-        return outs[index]
+        return shared_output(self.pending, index, x, lambda: _Int8GroupProduct.apply(x, self))
 
 
 class Int8FrozenLinear(torch.nn.Module):

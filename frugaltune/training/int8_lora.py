@@ -109,8 +109,7 @@ class _Int8LoraProduct(torch.autograd.Function):
 
 class _Fused:
     """The LoRA layers over one int8 product (a sibling group, or one layer): whichever member is called first
-    computes every member's output and keeps the others' for their own calls with the same tensor (identity and
-    version, as int8.Int8Siblings), so a model that does not feed them one tensor stays correct, only slower."""
+    computes every member's output, the others take theirs (int8.shared_output)."""
 
     def __init__(self, layers: list[torch.nn.Module], adapter: str):
         self.layers, self.adapter = layers, adapter
@@ -135,19 +134,12 @@ class _Fused:
         return mask
 
     def output(self, index: int, x: torch.Tensor) -> torch.Tensor:
-        pending = self.pending
-        if pending.get("input") is x and pending.get("version") == x._version and index in pending["outputs"]:
-            out = pending["outputs"].pop(index)
-            if not pending["outputs"]:
-                pending.clear()  # every member served: hold no activation past its layer
-            return out
+        return int8.shared_output(self.pending, index, x, lambda: self.compute(x))
+
+    def compute(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         weights = [layer.lora_A[self.adapter].weight for layer in self.layers]
         weights += [layer.lora_B[self.adapter].weight for layer in self.layers]
-        outs = _Int8LoraProduct.apply(x, self, self.keep(x), *weights)
-        pending.clear()
-        if len(outs) > 1:
-            pending.update(input=x, version=x._version, outputs={i: o for i, o in enumerate(outs) if i != index})
-        return outs[index]
+        return _Int8LoraProduct.apply(x, self, self.keep(x), *weights)
 
 
 def _eligible(layer: torch.nn.Module) -> str | None:
