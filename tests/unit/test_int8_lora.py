@@ -106,3 +106,39 @@ def test_fused_int8_lora_takes_only_vanilla_lora_over_int8_products(tiny_model_d
         assert nodes == qv.config.num_hidden_layers  # o_proj alone; q/v's group has a plain member
     with fused_int8_lora(qv, enabled=False) as nodes:
         assert nodes == 0
+
+
+def test_fused_int8_lora_trains_a_causal_lm_as_peft_under_gradient_checkpointing(tiny_model_dir, smol_tokenizer):
+    """Generative fine-tuning (the causal_lm task: the model's own LM head) with gradient checkpointing: the
+    recomputed forward of each layer draws the same dropout masks from the restored generator, so the loss and the
+    gradients are peft's, in fp32, to rounding."""
+    pad = smol_tokenizer.pad_token_id
+    torch.manual_seed(3)
+    model = prepare_model(tiny_model_dir, [], pad, 0, "lora", MethodKnobs(r=4, alpha=8, dropout=0.1,
+                                                                          target_modules=SEVEN),
+                          bf16=False, gradient_checkpointing=True, task="causal_lm")
+    int8.apply(model, {"on": True, "why": "test"}, "lora", grouped=True)
+    with torch.no_grad():
+        torch.manual_seed(1)
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.2)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16]])
+
+    def step():
+        model.train()
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(7)
+        loss = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    plain = step()
+    with fused_int8_lora(model) as nodes:
+        assert nodes == 4 * model.config.num_hidden_layers
+        ours = step()
+    torch.testing.assert_close(ours[0], plain[0], rtol=1e-5, atol=1e-6)
+    assert plain[1].keys() == ours[1].keys() and len(plain[1]) > 0
+    for name, grad in plain[1].items():
+        assert grad.abs().sum() > 0, name
+        torch.testing.assert_close(ours[1][name], grad, rtol=1e-4, atol=1e-6, msg=name)
