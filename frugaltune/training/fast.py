@@ -217,6 +217,12 @@ def _plain_lora(module: torch.nn.Module) -> bool:
             and not getattr(module, "lora_variant", {}) and _is_frozen_linear(getattr(module, "base_layer", None)))
 
 
+def share_one_dropout(dropouts: list[torch.nn.Module]) -> bool:
+    """Sibling LoRA layers' dropouts that give them one input: none at all, or one SharedDropout cache."""
+    return (all(isinstance(d, torch.nn.Identity) for d in dropouts)
+            or all(isinstance(d, SharedDropout) and d.shared is dropouts[0].shared for d in dropouts))
+
+
 def _groups(model: torch.nn.Module) -> list[list[torch.nn.Linear]]:
     """The sibling layers `fused_siblings` can fuse: frozen base projections, and LoRA A matrices whose layers
     share one dropout output (SharedDropout) or have none."""
@@ -235,10 +241,7 @@ def _groups(model: torch.nn.Module) -> list[list[torch.nn.Linear]]:
             found.append([child.base_layer for _, child in children])
             adapters = set.intersection(*(set(child.lora_A) for _, child in children))
             for adapter in sorted(adapters):
-                dropouts = [child.lora_dropout[adapter] for _, child in children]
-                shared = (all(isinstance(d, torch.nn.Identity) for d in dropouts)
-                          or all(isinstance(d, SharedDropout) and d.shared is dropouts[0].shared for d in dropouts))
-                if shared:
+                if share_one_dropout([child.lora_dropout[adapter] for _, child in children]):
                     found.append([child.lora_A[adapter] for _, child in children])
     # one product needs one dtype and device, and a bias on all or none; a layer whose forward is already replaced
     # on the instance (accelerate's offload hooks do that) is left to it
@@ -297,7 +300,7 @@ def _addmm_lora_forward(module: torch.nn.Module, x: torch.Tensor, *args, **kwarg
 
 
 @contextlib.contextmanager
-def _instance_forwards(forwards: dict[torch.nn.Module, object]) -> Iterator[int]:
+def instance_forwards(forwards: dict[torch.nn.Module, object]) -> Iterator[int]:
     """Each module runs its given forward within the block (an instance attribute, which nn.Module's __call__ reads
     before the class's), removed on exit; yields how many modules."""
     for module, forward in forwards.items():
@@ -313,7 +316,7 @@ def lora_addmm(model: torch.nn.Module, enabled: bool = True) -> contextlib.Abstr
     """Within the block, vanilla LoRA layers add B's product to the base output in one addmm (module docstring);
     yields how many layers. Each gets an instance `forward`, removed on exit: nothing saved or served differs."""
     layers = [m for m in model.modules() if _addmm_lora(m)] if enabled else []
-    return _instance_forwards({layer: functools.partial(_addmm_lora_forward, layer) for layer in layers})
+    return instance_forwards({layer: functools.partial(_addmm_lora_forward, layer) for layer in layers})
 
 
 _COMPILED_NORMS: dict[type, object] = {}  # norm class -> its forward compiled once per process (or eager)
@@ -354,7 +357,7 @@ def compiled_norms(model: torch.nn.Module, enabled: bool = True) -> contextlib.A
     many norms. Each gets an instance `forward`, removed on exit: evaluation and serving see the model as it was."""
     norms = [m for m in model.modules() if _is_rms_norm(m) and "forward" not in vars(m)] if enabled else []
     compiled = {norm: _compiled_norm_forward(norm) for norm in norms}
-    return _instance_forwards({norm: functools.partial(fn, norm) for norm, fn in compiled.items() if fn is not None})
+    return instance_forwards({norm: functools.partial(fn, norm) for norm, fn in compiled.items() if fn is not None})
 
 
 def _register(max_len: int) -> str:

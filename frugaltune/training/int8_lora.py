@@ -36,7 +36,7 @@ from collections.abc import Iterator
 import torch
 
 from frugaltune import int8
-from frugaltune.training.fast import SharedDropout, keep_mask
+from frugaltune.training.fast import SharedDropout, instance_forwards, keep_mask, share_one_dropout
 
 
 class _Base:
@@ -179,9 +179,7 @@ def _fused_groups(model: torch.nn.Module) -> list[_Fused]:
         base = layers[0].base_layer
         expected = len(base.group.members) if base.group is not None else 1
         adapters = {adapter for _, _, adapter in entries}
-        dropouts = [layer.lora_dropout[entries[0][2]] for layer in layers]
-        same_dropout = (all(isinstance(d, torch.nn.Identity) for d in dropouts)
-                        or all(isinstance(d, SharedDropout) and d.shared is dropouts[0].shared for d in dropouts))
+        same_dropout = share_one_dropout([layer.lora_dropout[entries[0][2]] for layer in layers])
         if (len(layers) != expected or len(adapters) != 1 or not same_dropout
                 or len({layer.scaling[entries[0][2]] for layer in layers}) != 1):
             continue  # a group with a plain member, two adapters or two dropouts: peft's forward, as it was
@@ -202,12 +200,6 @@ def fused_int8_lora(model: torch.nn.Module, enabled: bool = True) -> Iterator[in
     yields how many nodes (groups and lone layers). Each layer gets an instance `forward`, removed on exit: what is
     saved, evaluated or served afterwards is peft's model as it was."""
     groups = _fused_groups(model) if enabled else []
-    layers = [(layer, functools.partial(_forward, group, index, layer))
-              for group in groups for index, layer in enumerate(group.layers)]
-    for layer, forward in layers:
-        layer.forward = forward
-    try:
+    with instance_forwards({layer: functools.partial(_forward, group, index, layer)
+                            for group in groups for index, layer in enumerate(group.layers)}):
         yield len(groups)
-    finally:
-        for layer, _ in layers:
-            del layer.forward
