@@ -151,12 +151,12 @@ def loop_round(model, ids: list, labels: list, cfg, pad_token_id: int, number: i
     return rate
 
 
-def paired_steps(runs: dict[str, object], warmup: int = 3) -> dict[str, list[float]]:
+def paired_steps(runs: dict[str, object]) -> dict[str, list[float]]:
     """Each of two runs (`run(on_log=...)`: the project's loop with `log_every=1`) in its own thread, taking turns
     step by step on the same batches, in pairs whose order alternates (A B, B A, A B, ...): step i of one is timed
     seconds from step i of the other, on the same machine state, and whatever favours the first (or the second) of
-    a pair falls on each run equally often. Returns each run's step seconds after `warmup`, without the last step
-    (the other thread's wrap-up may overlap it)."""
+    a pair falls on each run equally often. Returns each run's step seconds, pair k at index k, without the last
+    step (the other thread's wrap-up may overlap it)."""
     import threading
 
     names = list(runs)
@@ -202,15 +202,15 @@ def paired_steps(runs: dict[str, object], warmup: int = 3) -> dict[str, list[flo
         thread.join()
     if errors:
         raise errors[0]
-    return {name: values[warmup:-1] for name, values in seconds.items()}
+    return {name: values[:-1] for name, values in seconds.items()}
 
 
 def report_pairs(seconds: dict[str, list[float]], warmup: int = 3) -> float:
-    """Per-step speed ratios of two paired runs (the first's seconds over the second's: > 1, the second is faster).
-    Pairs where the first ran first and pairs where the second did are summarised apart (their medians), and the
-    estimate is the geometric mean of the two medians: a bias for the first or the second of a pair cancels in it
-    (an A/A run shows how large that bias is). Returns the estimate."""
-    (base, base_s), (new, new_s) = seconds.items()
+    """Per-step speed ratios of two paired runs (the first's seconds over the second's: > 1, the second is faster),
+    after the first `warmup` pairs. Pairs where the first ran first and pairs where the second did are summarised
+    apart (their medians), and the estimate is the geometric mean of the two medians: a bias for the first or the
+    second of a pair cancels in it (an A/A run shows how large that bias is). Returns the estimate."""
+    (base, base_s), (new, new_s) = ((name, values[warmup:]) for name, values in seconds.items())
     ratios = [a / b for a, b in zip(base_s, new_s)]
     # pair k (counted from 0 before the warm-up was cut) ran the first run first when k is even
     first = [r for k, r in enumerate(ratios, start=warmup) if k % 2 == 0]

@@ -106,7 +106,7 @@ class LoopConfig:
     # a step in an alternated A/B on a 2-core Zen 5 (benchmarks/step_anatomy.py --ab norms --int8)
     compiled_norms: bool = False
     # LoRA layers over int8 frozen products run as one autograd node per product (q/k/v, gate/up, o, down): one
-    # dropout, one cast, A's products stacked, B's added in addmm (frugaltune.training.int8_lora). On: 1.084x a
+    # dropout, one cast, A's products stacked, B's added in addmm (frugaltune.training.int8_lora). On: 1.134x a
     # step where an A/A reads 1.010x, steps paired one by one on a 2-core Zen 5 (benchmarks/step_anatomy.py
     # --ab-paired 60 --ab int8lora); a model without int8 products has nothing it takes
     fused_int8_lora: bool = True

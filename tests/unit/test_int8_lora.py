@@ -47,6 +47,15 @@ def losses_and_grads(model, pad, bf16=False):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
+def assert_same_as_peft(ours, plain):
+    """fp32: the same loss and the same (non-zero) gradient for every trainable tensor, to rounding."""
+    torch.testing.assert_close(ours[0], plain[0], rtol=1e-5, atol=1e-6)
+    assert plain[1].keys() == ours[1].keys() and len(plain[1]) > 0
+    for name, grad in plain[1].items():
+        assert grad.abs().sum() > 0, name
+        torch.testing.assert_close(ours[1][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 @pytest.mark.parametrize(("dropout", "grouped"), [(0.1, True), (0.0, True), (0.1, False)])
 def test_fused_int8_lora_trains_as_peft_with_the_same_dropout_masks_and_restores_peft(tiny_model_dir, smol_tokenizer,
                                                                                        dropout, grouped):
@@ -63,11 +72,7 @@ def test_fused_int8_lora_trains_as_peft_with_the_same_dropout_masks_and_restores
         with torch.no_grad():  # evaluation: peft's forward, the same logits as outside the block
             model.eval()
             inside = model(**collate(IDS, pad)).logits
-    torch.testing.assert_close(ours[0], plain[0], rtol=1e-5, atol=1e-6)
-    assert plain[1].keys() == ours[1].keys()
-    for name, grad in plain[1].items():
-        assert grad.abs().sum() > 0, name
-        torch.testing.assert_close(ours[1][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert_same_as_peft(ours, plain)
     assert not any("forward" in vars(m) for m in model.modules())
     with torch.no_grad():
         assert torch.equal(model(**collate(IDS, pad)).logits, inside)
@@ -137,8 +142,4 @@ def test_fused_int8_lora_trains_a_causal_lm_as_peft_under_gradient_checkpointing
     with fused_int8_lora(model) as nodes:
         assert nodes == 4 * model.config.num_hidden_layers
         ours = step()
-    torch.testing.assert_close(ours[0], plain[0], rtol=1e-5, atol=1e-6)
-    assert plain[1].keys() == ours[1].keys() and len(plain[1]) > 0
-    for name, grad in plain[1].items():
-        assert grad.abs().sum() > 0, name
-        torch.testing.assert_close(ours[1][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert_same_as_peft(ours, plain)
