@@ -152,10 +152,13 @@ class ProbeParams(Section):
         "(a GPU's own memory when training runs on one). The plan keeps 10% of it free."
     )
     calibrate: bool = Field(
-        True, description="Time and measure a few real training steps of train.method at two micro-batch sizes to "
-        "fit this machine's memory and time constants (an ETA needs it); false = analytic estimates only."
+        True, description="Run the train stage's own loop over a few of the run's own micro-batches to fit this "
+        "machine's memory and time constants (an ETA needs it); false = analytic estimates only."
     )
-    calibration_steps: int = Field(2, ge=1, le=20, description="Timed steps per calibration point (after one warm-up).")
+    calibration_steps: int = Field(
+        6, ge=2, le=20, description="Micro-batches of the run the calibration times, at evenly spaced sizes (plus a "
+        "warm-up step and the run's largest part twice)."
+    )
 
 
 class KernelsParams(Section):

@@ -358,9 +358,11 @@ def gemm_ratio(hidden: int, intermediate: int, bf16: bool, rows: int = 512, repe
     return max(ratios)
 
 
-def decide(setting: str | bool, method: str, bf16: bool, hidden: int, intermediate: int, on_gpu: bool) -> dict:
+def decide(setting: str | bool, method: str, bf16: bool, hidden: int, intermediate: int, on_gpu: bool,
+           measured: dict | None = None) -> dict:
     """Whether to train with int8 products: `true`/`false` as set; `auto` on a CPU, for AUTO_METHODS, where int8
-    multiplies at least MIN_GEMM_RATIO x faster than the precision in use, measured here and now."""
+    multiplies at least MIN_GEMM_RATIO x faster than the precision in use, measured here and now. Called by the
+    plan alone (frugaltune.planner.decide_machine); `measured`, when given, keeps the timing for the next call."""
     if setting is False or setting == "false":
         return {"on": False, "why": "train.int8_products is false"}
     if on_gpu:
@@ -371,7 +373,10 @@ def decide(setting: str | bool, method: str, bf16: bool, hidden: int, intermedia
         return {"on": True, "why": "train.int8_products is true"}
     if method not in AUTO_METHODS:
         return {"on": False, "why": f"auto covers {', '.join(AUTO_METHODS)} (measured there), not {method}"}
-    ratio = gemm_ratio(hidden, intermediate, bf16)
+    if measured is None or "ratio" not in measured:
+        measured = {} if measured is None else measured
+        measured["ratio"] = gemm_ratio(hidden, intermediate, bf16)
+    ratio = measured["ratio"]
     precision = "bf16" if bf16 else "fp32"
     return {"on": ratio >= MIN_GEMM_RATIO, "gemm_ratio": round(ratio, 2),
             "why": f"int8 products measured {ratio:.2f}x {precision}'s here "

@@ -205,92 +205,68 @@ def memory_estimate(shape: ModelShape, method: str, *, bf16: bool, micro_batch: 
 
 
 # ---------------------------------------------------------------------------------------------- the run's batches
-def planned_batches(lengths: list[int], batch_size: int, grad_accum: int, epochs: float, max_steps: int | None,
-                    seed: int, group_by_length: bool = True) -> tuple[int, list[tuple[int, int]]]:
-    """(optimizer steps, [(sequences, longest length)] of every micro-batch the training loop will run).
-
-    The same order as `frugaltune.training.loop` (seeded, length-grouped), so the largest batch and the padded
-    token count are exact, not averages.
-    """
-    import torch
-
-    from frugaltune.training.batching import length_grouped_batches
+def planned_order(lengths: list[int], batch_size: int, grad_accum: int, epochs: float, max_steps: int | None,
+                  seed: int, group_by_length: bool = True) -> tuple[int, list[list[int]]]:
+    """(optimizer steps, every micro-batch of the run as example indices) in the training loop's own order
+    (frugaltune.training.batching.run_batches), so the largest part and the padded tokens are exact."""
+    from frugaltune.training.batching import run_batches
 
     per_epoch = math.ceil(len(lengths) / batch_size)
     steps = max_steps or max(1, math.ceil(epochs * math.ceil(per_epoch / grad_accum)))
-    micro = steps * grad_accum
-    batches: list[tuple[int, int]] = []
-    epoch = 0
-    while len(batches) < micro:
-        generator = torch.Generator().manual_seed(seed * 1000 + epoch)
-        for batch in length_grouped_batches(lengths, batch_size, generator, group_by_length):
-            batches.append((len(batch), max(lengths[i] for i in batch)))
-        epoch += 1
-    return steps, batches[:micro]
+    return steps, run_batches(lengths, batch_size, seed, steps * grad_accum, group_by_length)
+
+
+def planned_batches(lengths: list[int], batch_size: int, grad_accum: int, epochs: float, max_steps: int | None,
+                    seed: int, group_by_length: bool = True) -> tuple[int, list[tuple[int, int]]]:
+    """(optimizer steps, [(sequences, longest length)] of every micro-batch the training loop will run)."""
+    steps, order = planned_order(lengths, batch_size, grad_accum, epochs, max_steps, seed, group_by_length)
+    return steps, [(len(batch), max(lengths[i] for i in batch)) for batch in order]
 
 
 # ---------------------------------------------------------------------------------------------- calibration
 def _calibration_point(spec: dict) -> dict:
-    """Run in a fresh process: load the model for `spec['method']`, time a few training steps, report peak RSS."""
+    """Run in a fresh process (a clean peak RSS): the train stage's own loop (frugaltune.training.loop, the plan's
+    LoopConfig and int8 decision) over the run's own micro-batches that `spec` names; per step its seconds, its
+    padded tokens and the peak RSS so far."""
     import resource
 
     import torch
 
-    from frugaltune.training.batching import IGNORE_INDEX
-    from frugaltune.training.loop import autocast, model_loss
+    from frugaltune import allocator
+    from frugaltune.training.batching import part_rows
+    from frugaltune.training.loop import LoopConfig, train_classifier
     from frugaltune.training.methods import prepare_model
+    from frugaltune.training.setup import apply_int8
 
     torch.set_num_threads(spec["threads"])
-    rss = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # noqa: E731
-    causal = spec.get("task") == "causal_lm"
+    peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # noqa: E731
+    data = json.loads(Path(spec["rows_file"]).read_text())
+    rows, targets, batches = data["rows"], data["targets"], data["batches"]
     model = prepare_model(spec["model_dir"], spec["labels"], spec["pad_token_id"], spec["seed"], spec["method"],
-                          spec["knobs"], spec["bf16"], spec["gradient_checkpointing"], task=spec.get("task",
-                                                                                                  "classification"))
-    loaded_rss = rss()
-    device = next(model.parameters()).device
-    generator = torch.Generator().manual_seed(spec["seed"])
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-5)
-    model.train()
-
-    def timed_step(rows: int, length: int) -> float:
-        """One training step (forward, backward, clipping, AdamW) on a random batch of this shape; its seconds."""
-        ids = torch.randint(3, spec["vocab_size"], (rows, length), generator=generator).to(device)
-        if causal:  # the run's targets: each row's last `response_tokens` (its response), the rest masked
-            labels = ids.clone()
-            labels[:, :max(0, length - (spec.get("response_tokens") or length))] = IGNORE_INDEX
-        else:
-            labels = torch.randint(0, len(spec["labels"]), (rows,), generator=generator).to(device)
-        start = time.perf_counter()
-        with autocast(spec["bf16"], device):
-            loss = model_loss(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, labels)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter() - start
-
-    from frugaltune.training.fast import use_short_sequence_attention
-
-    # the attention the run will use (measured crossover), so that what is timed is what trains
-    use_short_sequence_attention(model, spec.get("eager_attention_max_len", 0))
-    batch, length = spec["micro_batch"], spec["seq_len"]
-    first = timed_step(batch, length)  # warm-up: page faults for the peak memory, kernel selection
-    times = sorted(timed_step(batch, length) for _ in range(spec["steps"]))
-    from frugaltune import allocator
-
-    result = {"micro_batch": batch, "seq_len": length, "loaded_rss_bytes": loaded_rss, "peak_rss_bytes": rss(),
-              "step_seconds": times[len(times) // 2], "first_step_seconds": first, "timed": [],
-              "allocator": allocator.active()}
-    if device.type == "cuda":
-        result["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
-        result["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
-    # Time: batches shaped like the run's own (smaller than the memory point, so the peak above stands). Each
-    # shape runs once, as in training, where a new shape costs fresh allocations and page faults.
-    result["timed"] = [[rows * length, timed_step(rows, length)] for rows, length in spec.get("time_shapes", [])]
-    return result
+                          MethodKnobs(**{k: tuple(v) if isinstance(v, list) else v for k, v in spec["knobs"].items()}),
+                          spec["loop"]["bf16"], spec["gradient_checkpointing"],
+                          task=spec["task"])
+    loaded_rss = peak()
+    int8 = apply_int8(model, spec["int8"], spec["method"])
+    cfg = LoopConfig(**{**spec["loop"], "checkpoint_dir": None, "resume": False, "max_steps": None, "grad_accum": 1,
+                        "log_every": 1, "warmup_ratio": 0.0})
+    marks: list[tuple[float, int]] = []
+    cpu_start, wall_start = time.process_time(), time.perf_counter()
+    train_classifier(model, rows, targets, cfg, spec["pad_token_id"], progress=False, batches=batches,
+                     on_log=lambda record: marks.append((record["elapsed_s"], peak())))
+    busy = (time.process_time() - cpu_start) / max((time.perf_counter() - wall_start) * spec["threads"], 1e-9)
+    steps, previous = [], 0.0
+    for batch, (elapsed, rss) in zip(batches, marks):
+        longest = max(len(rows[i]) for i in batch)
+        split = math.ceil(cfg.batch_size / (cfg.micro_batch_size or cfg.batch_size))
+        chunk = part_rows(len(batch), longest, split, cfg.micro_batch_tokens)
+        padded = sum(len(part) * max(len(rows[i]) for i in part)
+                     for part in (batch[c:c + chunk] for c in range(0, len(batch), chunk)))
+        steps.append({"seconds": elapsed - previous, "padded_tokens": padded, "part_tokens": chunk * longest,
+                      "peak_rss_bytes": rss})
+        previous = elapsed
+    return {"loaded_rss_bytes": loaded_rss, "steps": steps, "int8_products": bool(int8["on"]),
+            "cpu_share": round(busy, 3), "allocator": allocator.active()}
 
 
 def _run_point(spec: dict, timeout_s: float) -> dict:
@@ -301,18 +277,26 @@ def _run_point(spec: dict, timeout_s: float) -> dict:
                           capture_output=True, text=True, timeout=timeout_s,
                           env={**allocator.child_env(spec.get("allocator", "auto")), "TQDM_DISABLE": "1"})
     if proc.returncode != 0:
-        raise RuntimeError(f"calibration step failed (micro-batch {spec['micro_batch']}, length {spec['seq_len']}):"
-                           f"\n{proc.stderr[-2000:]}")
+        raise RuntimeError(f"calibration of {spec['method']} failed:\n{proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _time_shapes(batches: list[tuple[int, int]], count: int) -> list[tuple[int, int]]:
-    """`count` of the run's micro-batches at evenly spaced quantiles of their size (tokens incl. padding)."""
-    if not batches:
+def calibration_batches(order: list[list[int]], lengths: list[int], part_tokens, time_samples: int) -> list[int]:
+    """Positions in `order` (the run's micro-batches) that the calibration runs: the median batch first (its first
+    step pays the one-time warm-up: page faults, oneDNN and compiled kernels), then `time_samples` batches at
+    evenly spaced quantiles of their padded tokens, smallest first, and last the batch with the largest part, which
+    sets the run's peak memory (`part_tokens(batch)`: its part's padded tokens as the loop splits it)."""
+    if not order:
         return []
-    ranked = sorted(set(batches), key=lambda b: b[0] * b[1])
-    picks = {ranked[min(len(ranked) - 1, round(q * (len(ranked) - 1) / max(count - 1, 1)))] for q in range(count)}
-    return sorted(picks, key=lambda b: b[0] * b[1])
+    by_size = sorted(range(len(order)), key=lambda i: len(order[i]) * max(lengths[j] for j in order[i]))
+    worst = max(range(len(order)), key=lambda i: part_tokens(order[i]))
+    picks = [by_size[len(by_size) // 2]]
+    count = max(2, time_samples)
+    for q in range(count):
+        position = by_size[round(q * (len(by_size) - 1) / (count - 1))]
+        if position not in picks and position != worst:
+            picks.append(position)
+    return picks + [worst, worst]  # twice: the second shows what the allocator keeps at the peak shape
 
 
 def _fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -333,54 +317,83 @@ def _fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
 
 
 def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, method: str, knobs: MethodKnobs,
-              shape: ModelShape, *, bf16: bool, gradient_checkpointing: bool, micro_batches: tuple[int, int],
-              seq_len: int, threads: int, seed: int = 0, steps: int = 2, timeout_s: float = 900,
-              batches: list[tuple[int, int]] | None = None, time_samples: int = 6,
-              allocator: str = "auto", task: str = "classification",
-              response_tokens: int | None = None, eager_attention_max_len: int = 0) -> tuple[Constants, dict]:
-    """Measure real training steps of `method` on this machine and fit its memory and time constants.
+              shape: ModelShape, *, rows: list[list[int]], targets: list, order: list[list[int]], loop: dict,
+              int8: dict, gradient_checkpointing: bool, threads: int, seed: int = 0, time_samples: int = 6,
+              timeout_s: float = 900, allocator: str = "auto", task: str = "classification") -> tuple[Constants, dict]:
+    """Time the train stage's own loop on this machine over a few of the run's own micro-batches and fit the
+    memory and time constants.
 
-    Memory: `steps` steps (after one warm-up) at two micro-batch sizes of length `seq_len`, each in a fresh process;
-    the peak RSS after them includes what the allocator keeps across steps. Time: `time_samples` of the run's own
-    micro-batch shapes (`batches`, from `planned_batches`), each once, fitted by least squares. The steps run on
-    `allocator` (`train.allocator`), the malloc the training process will have. causal_lm: the last
-    `response_tokens` tokens of each row are the targets, as the run's responses are (None: every token).
+    `order` is the run's micro-batches (planned_order), `loop` the run's LoopConfig fields
+    (frugaltune.training.setup.loop_config) and `int8` the plan's int8 decision, so the steps timed are the steps
+    that train: the same int8 products and fused LoRA, micro-batch and token cap, attention crossover and malloc
+    (`allocator`). One fresh process runs them (calibration_batches): its first step is the run's one-time
+    warm-up, the others fit `step = overhead + per_token x padded tokens`, and the peak RSS after each step, the
+    steps ordered by size, fits `peak = static + per_token x part tokens`.
     """
-    from transformers import AutoConfig
+    import tempfile
 
-    vocab = AutoConfig.from_pretrained(str(model_dir)).vocab_size
+    from frugaltune.training.batching import part_rows
+
+    lengths = [len(r) for r in rows]
+    split = math.ceil(loop["batch_size"] / (loop.get("micro_batch_size") or loop["batch_size"]))
+
+    def part_tokens(batch: list[int]) -> int:
+        longest = max(lengths[i] for i in batch)
+        return part_rows(len(batch), longest, split, loop.get("micro_batch_tokens")) * longest
+
+    picks = calibration_batches(order, lengths, part_tokens, time_samples)
+    used = sorted({i for p in picks for i in order[p]})
+    index = {old: new for new, old in enumerate(used)}
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
+        json.dump({"rows": [list(rows[i]) for i in used], "targets": [targets[i] for i in used],
+                   "batches": [[index[i] for i in order[p]] for p in picks]}, handle)
     spec = {"model_dir": str(model_dir), "labels": labels, "pad_token_id": pad_token_id, "seed": seed,
-            "method": method, "knobs": asdict(knobs), "bf16": bf16, "gradient_checkpointing": gradient_checkpointing,
-            "seq_len": seq_len, "threads": threads, "steps": steps, "vocab_size": vocab, "allocator": allocator,
-            "task": task, "response_tokens": response_tokens, "eager_attention_max_len": eager_attention_max_len}
-    small, large = sorted(set(micro_batches))[:2] if len(set(micro_batches)) > 1 else (micro_batches[0],
-                                                                                     micro_batches[0] + 1)
-    shapes_to_time = _time_shapes(batches or [(large, seq_len), (small, seq_len)], time_samples)
-    points = [_run_point({**spec, "micro_batch": small}, timeout_s),
-              _run_point({**spec, "micro_batch": large, "time_shapes": shapes_to_time}, timeout_s)]
-    per_token = activation_bytes_per_token(shape, bf16, gradient_checkpointing)
-    static = sum(v for k, v in memory_estimate(shape, method, bf16=bf16, micro_batch=0, seq_len=seq_len,
+            "method": method, "knobs": asdict(knobs), "gradient_checkpointing": gradient_checkpointing,
+            "threads": threads, "allocator": allocator, "task": task, "int8": int8, "rows_file": handle.name,
+            "loop": {k: v for k, v in loop.items() if k != "checkpoint_dir"}}
+    started = time.perf_counter()
+    try:
+        point = _run_point(spec, timeout_s)
+    finally:
+        Path(handle.name).unlink(missing_ok=True)
+    seconds = time.perf_counter() - started
+    steps = point["steps"]
+    warm, timed, peak_steps = steps[0], steps[1:-2], steps[-2:]
+    overhead, per_token_s = _fit_line([(s["padded_tokens"], s["seconds"]) for s in timed + peak_steps[1:]])
+    # The first step's excess over a warm step of its size is paid once per run.
+    startup = max(0.0, warm["seconds"] - (overhead + per_token_s * warm["padded_tokens"]))
+    # Memory: the peak after the warm-up step, then after each larger part (steps run smallest first).
+    points, top = [], 0
+    for s in steps:
+        if s["part_tokens"] > top:
+            points.append((s["part_tokens"], s["peak_rss_bytes"]))
+            top = s["part_tokens"]
+    points[-1] = (points[-1][0], steps[-1]["peak_rss_bytes"])  # the peak shape twice: what the allocator keeps
+    per_token = activation_bytes_per_token(shape, bool(loop["bf16"]), gradient_checkpointing)
+    static = sum(v for k, v in memory_estimate(shape, method, bf16=bool(loop["bf16"]), micro_batch=0, seq_len=1,
                                                gradient_checkpointing=gradient_checkpointing, knobs=knobs,
                                                constants=Constants(runtime_bytes=0)).items() if k != "peak")
-    p1, p2 = points
-    tokens1, tokens2 = p1["micro_batch"] * seq_len, p2["micro_batch"] * seq_len
-    slope = (p2["peak_rss_bytes"] - p1["peak_rss_bytes"]) / (tokens2 - tokens1)
-    # A non-positive slope means RSS noise swamped the activations (tiny models): keep the analytic constant.
-    scale = slope / per_token if slope > 0 else 1.0
-    runtime = p1["peak_rss_bytes"] - scale * per_token * tokens1 - static
-    timed = p2["timed"] or [[tokens1, p1["step_seconds"]], [tokens2, p2["step_seconds"]]]
-    overhead, per_token_s = _fit_line([(x, y) for x, y in timed])
-    # What the first step at the peak shape costs beyond a warm one: paid once by the run (a fresh process too).
-    startup = max(0.0, p2.get("first_step_seconds", p2["step_seconds"]) - p2["step_seconds"])
+    _, slope = _fit_line(points) if len(points) > 1 else (0.0, 0.0)
+    # A slope of zero means RSS noise swamped the activations (tiny models): keep the analytic constant.
+    scale = slope / per_token if slope > 0 and len(points) > 1 else 1.0
+    largest_tokens, largest_rss = points[-1]
+    runtime = largest_rss - scale * per_token * largest_tokens - static
+    if runtime + static < 0.9 * point["loaded_rss_bytes"]:  # the slope read RSS noise (tiny models): analytic
+        scale, runtime = 1.0, largest_rss - per_token * largest_tokens - static
     constants = Constants(runtime_bytes=max(0, int(runtime)), activation_scale=round(scale, 4),
                           step_overhead_s=overhead, seconds_per_token=per_token_s, startup_s=round(startup, 3),
                           calibrated_method=method,
-                          source=f"calibrated: {steps} {method} steps at micro-batch {small} and {large}, length "
-                                 f"{seq_len} (memory), {len(timed)} of the run's batch shapes (time), {threads} threads, "
-                                 f"malloc {p2['allocator']}")
-    return constants, {"points": points, "method": method, "seq_len": seq_len, "bf16": bf16,
-                       "allocator": p2["allocator"],
-                       "gradient_checkpointing": gradient_checkpointing}
+                          source=f"calibrated: the run's own loop over {len(steps)} of its micro-batches ({method}, "
+                                 f"int8 products {'on' if point['int8_products'] else 'off'}, {threads} threads, "
+                                 f"malloc {point['allocator']}) in {seconds:.0f} s")
+    busy = point["cpu_share"] < 0.8
+    return constants, {"method": method, "steps": steps, "memory_points": points, "seconds": round(seconds, 1),
+                       "loaded_rss_bytes": point["loaded_rss_bytes"], "bf16": bool(loop["bf16"]),
+                       "allocator": point["allocator"], "gradient_checkpointing": gradient_checkpointing,
+                       "int8_products": point["int8_products"], "cpu_share": point["cpu_share"],
+                       "machine_busy": busy,
+                       "busy_note": (f"the machine was busy: calibration got {point['cpu_share']:.0%} of {threads} "
+                                     "cores; the ETA assumes the same load" if busy else None)}
 
 
 # ---------------------------------------------------------------------------------------------- the plan
@@ -403,6 +416,7 @@ class RunSpec:
     threads: int | None = None
     knobs: dict[str, MethodKnobs] = field(default_factory=dict)
     ranks: int = 1  # train.distributed.nproc_per_node: data-parallel processes on this host
+    micro_batch_tokens: int | None = None  # train.micro_batch_tokens: the loop splits wider batches (part_rows)
     # causal_lm: leading tokens every training row has in common (its prompt template), read once per micro-batch
     # part by the training loop (LoopConfig.shared_prefix_min): the ETA does not count them per row
     shared_prefix: int = 0
@@ -474,6 +488,46 @@ def keep_sdpa_off_cudnn() -> bool:
     return True
 
 
+def decide_machine(hardware: dict, measured: dict | None, precision_setting: str = "auto",
+                   int8_setting: str | bool = "auto", methods: tuple[str, ...] = TRAINED_METHODS,
+                   dims: tuple[int, int] | None = None, threads: int | None = None, ranks: int = 1) -> dict:
+    """Every machine-dependent setting of a run, decided here and only here (the plan stage writes the result to
+    reports/plan.json's `machine` section; frugaltune.resolve reads it for every consumer).
+
+    - precision: `recommend_precision` (the kernels stage's measurement, a GPU's compute capability, or as set);
+    - the attention crossover: `eager_attention_max_len`, measured by the kernels stage in that precision;
+    - threads: physical cores, split between the ranks on one host;
+    - int8 products, per method in `methods`: `frugaltune.int8.decide`, which times int8 products against the
+      precision's on this machine now (`dims`: the model's hidden and intermediate sizes; None: no int8).
+    """
+    import torch
+
+    bf16, precision_why = recommend_precision(hardware, precision_setting, measured)
+    gpus = hardware.get("gpus") or []
+    cores = hardware.get("cpu", {}).get("physical_cores") or os.cpu_count() or 1
+    decided = {
+        "bf16": bf16, "precision": "bf16" if bf16 else "fp32", "precision_why": precision_why,
+        "precision_setting": precision_setting,
+        "eager_attention_max_len": eager_attention_max_len(measured, bf16, bool(gpus)),
+        "threads": threads or max(1, cores // ranks),
+        "threads_why": ("as configured (train.threads)" if threads else
+                        "physical cores: a second hyperthread adds contention, not FLOPs, to these matmuls"
+                        + (f"; {ranks} processes share them" if ranks > 1 else "")),
+        "int8": {},
+    }
+    if dims and methods:
+        from frugaltune import int8
+
+        ratio: dict = {}  # one timing serves every method: it depends on the precision and shapes alone
+        for method in methods:
+            if method == "none":
+                decided["int8"][method] = {"on": False, "why": "nothing trains"}
+                continue
+            decided["int8"][method] = int8.decide(int8_setting, method, bf16, dims[0], dims[1],
+                                                  bool(gpus) and torch.cuda.is_available(), ratio)
+    return decided
+
+
 def memory_limit(hardware: dict, limit_gb: float | None) -> tuple[int, str]:
     if limit_gb:
         return int(limit_gb * GiB), f"probe.memory_limit_gb = {limit_gb:g}"
@@ -503,8 +557,10 @@ def plan_method(method: str, run: RunSpec, hardware: dict, shape: ModelShape, co
                                                  run.max_steps, run.seed, run.group_by_length)
     if method == "none":
         steps, batches = 0, []
-    # The largest micro-batch, in tokens, decides the peak; a batch of sequences at the cap bounds it.
-    worst = max(batches, key=lambda b: b[0] * b[1]) if batches else (run.batch_size, run.seq_len)
+    from frugaltune.training.batching import part_rows
+
+    # The largest part the loop runs, in tokens, decides the peak; a batch of sequences at the cap bounds it.
+    batches_or_cap = batches or [(run.batch_size, run.seq_len)]
     budget = int(limit_bytes * HEADROOM)
     # On CPU the ranks share the host's RAM, each with its own copy of the weights; a GPU rank has its own memory
     host_ranks = run.ranks if devices[0]["kind"] == "cpu" else 1
@@ -522,9 +578,10 @@ def plan_method(method: str, run: RunSpec, hardware: dict, shape: ModelShape, co
     for ckpt in ckpt_options:
         for micro in micro_options:
             split = math.ceil(run.batch_size / micro)
-            # each rank computes its share of a batch (every ranks-th sequence), in `split` parts
-            worst_rows = math.ceil(math.ceil(worst[0] / run.ranks) / split)
-            est = memory_estimate(shape, method, bf16=bf16, micro_batch=worst_rows, seq_len=worst[1],
+            # each rank computes its share of a batch (every ranks-th sequence), in parts as the loop splits it
+            worst = max(((part_rows(math.ceil(rows / run.ranks), longest, split, run.micro_batch_tokens), longest)
+                         for rows, longest in batches_or_cap), key=lambda part: part[0] * part[1])
+            est = memory_estimate(shape, method, bf16=bf16, micro_batch=worst[0], seq_len=worst[1],
                                   gradient_checkpointing=ckpt, constants=constants, device=devices[0]["kind"],
                                   knobs=knobs)
             tried.append((micro, ckpt, est["peak"] * host_ranks))
@@ -579,7 +636,7 @@ def plan_method(method: str, run: RunSpec, hardware: dict, shape: ModelShape, co
         "gradient_checkpointing": ckpt,
         "precision": "bf16" if bf16 else "fp32",
         "seq_len": run.seq_len,
-        "largest_batch": {"sequences": math.ceil(math.ceil(worst[0] / run.ranks) / split), "length": worst[1]},
+        "largest_batch": {"sequences": worst[0], "length": worst[1]},  # the largest part the loop runs
         "steps": steps,
         "padded_tokens": padded,  # the tokens the model computes: padding counted, shared prefixes once per part
         "shared_prefix": run.shared_prefix if not ckpt else 0,
@@ -600,46 +657,51 @@ def _does_not_fit(method: str, tried: list, budget: int, limit: int) -> str:
 
 def make_plan(run: RunSpec, hardware: dict, shapes: dict[str, ModelShape], constants: Constants,
               limit_gb: float | None = None, calibration: dict | None = None,
-              measured_precision: dict | None = None) -> dict:
+              measured_precision: dict | None = None, decided: dict | None = None) -> dict:
     """The plan for every method in `shapes`; `run.method` is the configured one.
 
+    `decided`: the machine decisions (`decide_machine`; decided here without int8 products when None).
     `measured_precision`: the `cpu` section of reports/kernels.json (see `recommend_precision`). The plan's `run`
     section is what the configured run resolves to; the train stage depends on exactly those keys, so a
     recalibration that changes only the ETA or the predicted peak retrains nothing.
     """
+    decided = decided or decide_machine(hardware, measured_precision, run.precision, "false", (),
+                                        threads=run.threads, ranks=run.ranks)
     limit, limit_source = memory_limit(hardware, limit_gb)
-    bf16, precision_why = recommend_precision(hardware, run.precision, measured_precision)
+    bf16 = decided["bf16"]
     gpus = hardware.get("gpus") or []
     devices = [{"kind": "cuda", "name": g["name"], "memory_bytes": g["memory_total_bytes"]} for g in gpus] or [
         {"kind": "cpu", "name": hardware.get("cpu", {}).get("model", "CPU"), "memory_bytes": limit}]
     if gpus:  # weights and activations live on the first GPU; its memory is the limit that matters
         limit, limit_source = int(gpus[0]["memory_total_bytes"]), f"{gpus[0]['name']} memory"
-    cores = hardware.get("cpu", {}).get("physical_cores") or os.cpu_count() or 1
-    threads = run.threads or max(1, cores // run.ranks)  # per process: ranks on one CPU split its cores
     schedule = planned_batches(list(run.lengths), run.batch_size, run.grad_accum, run.epochs, run.max_steps,
                                run.seed, run.group_by_length)
     methods = {m: plan_method(m, run, hardware, s, constants, limit, bf16, devices, schedule)
                for m, s in shapes.items()}
+    for method, entry in methods.items():
+        entry["int8_products"] = bool(decided["int8"].get(method, {}).get("on", False))
     configured = methods.get(run.method)
     fitting = [m for m, p in methods.items() if p["fits"] and m != "none"]
     return {
         "configured_method": run.method,
         "fits": bool(configured and configured["fits"]),
         # What the configured run resolves to: the train and evaluate stages depend on these keys alone.
-        "run": {"method": run.method, "precision": "bf16" if bf16 else "fp32",
+        "run": {"method": run.method, "precision": decided["precision"],
                 "micro_batch_size": configured["micro_batch_size"] if configured else run.batch_size,
                 "gradient_checkpointing": bool(configured["gradient_checkpointing"]) if configured else False,
-                "eager_attention_max_len": eager_attention_max_len(measured_precision, bf16, bool(gpus))},
+                "eager_attention_max_len": decided["eager_attention_max_len"],
+                "int8_products": bool(configured and configured["int8_products"])},
+        # Every machine decision, made once (decide_machine): frugaltune.resolve reads them for every consumer
+        "machine": decided,
         "device": devices[0],
         "memory_limit_bytes": limit,
         "memory_limit_source": limit_source,
         "budget_bytes": int(limit * HEADROOM),
-        "threads": threads,
-        "threads_why": ("physical cores: a second hyperthread adds contention, not FLOPs, to these matmuls" +
-                        (f"; {run.ranks} processes share them" if run.ranks > 1 and not run.threads else "")),
+        "threads": decided["threads"],
+        "threads_why": decided["threads_why"],
         "ranks": run.ranks,
-        "precision": "bf16" if bf16 else "fp32",
-        "precision_why": precision_why,
+        "precision": decided["precision"],
+        "precision_why": decided["precision_why"],
         "constants": asdict(constants),
         "calibration": calibration,
         "methods": methods,
@@ -692,7 +754,7 @@ def run_spec(params: "Params", lengths: list[int]) -> RunSpec:
         max_steps=tp.max_steps, seq_len=params.tokenize.max_length, lengths=tuple(lengths), seed=params.common.seed,
         group_by_length=tp.group_by_length, precision=tp.precision, micro_batch_size=tp.micro_batch_size,
         gradient_checkpointing=tp.gradient_checkpointing, threads=tp.threads, knobs=method_knobs(params),
-        ranks=tp.distributed.nproc_per_node,
+        ranks=tp.distributed.nproc_per_node, micro_batch_tokens=tp.micro_batch_tokens,
     )
 
 
@@ -725,7 +787,8 @@ def build_plan(params: "Params", hardware: dict[str, Any], measured_precision: d
     from datasets import load_from_disk
 
     from frugaltune import paths
-    from frugaltune.training.batching import target_counts
+    from frugaltune.models import load_tokenizer
+    from frugaltune.training import setup
 
     for needed, stage in ((paths.BASE_MODEL, "import_model"), (paths.TOKENIZED_DIR, "tokenize"),
                           (paths.LABELS, "ingest")):
@@ -733,20 +796,23 @@ def build_plan(params: "Params", hardware: dict[str, Any], measured_precision: d
             raise FileNotFoundError(f"{needed} is missing: run `dvc repro {stage}` first (the plan needs it).")
     labels = json.loads(paths.LABELS.read_text())["labels"]
     train_split = load_from_disk(str(paths.TOKENIZED_DIR))["train"]
-    lengths = [len(ids) for ids in train_split["input_ids"]]
+    tokenizer = load_tokenizer(paths.BASE_MODEL)
+    rows = setup.training_rows(params, train_split["input_ids"], tokenizer)  # as the model sees them (template)
+    lengths = [len(ids) for ids in rows]
     spec = run_spec(params, lengths)
     if params.task.type == "causal_lm":
         spec = replace(spec, shared_prefix=common_prompt_prefix(train_split["input_ids"], train_split["labels"]))
-    # causal_lm: the loss (and so the LM head) runs on the response tokens only; the calibration steps do the same
-    response_tokens = (math.ceil(sum(target_counts(train_split["labels"])) / max(len(lengths), 1))
-                       if params.task.type == "causal_lm" else None)
     knobs = spec.knobs
     methods = methods or ("none", *TRAINED_METHODS)
     task = params.task.type
     shapes = {m: model_shape(paths.BASE_MODEL, max(len(labels), 1), m, knobs.get(m, MethodKnobs()), task)
               for m in methods}
     limit_gb = memory_limit_gb if memory_limit_gb is not None else params.probe.memory_limit_gb
-    draft = make_plan(spec, hardware, shapes, Constants(), limit_gb, measured_precision=measured_precision)
+    some_shape = next(iter(shapes.values()))
+    decided = decide_machine(hardware, measured_precision, spec.precision, params.train.int8_products, methods,
+                             (some_shape.hidden, some_shape.intermediate), spec.threads, spec.ranks)
+    draft = make_plan(spec, hardware, shapes, Constants(), limit_gb, measured_precision=measured_precision,
+                      decided=decided)
     run_calibration = params.probe.calibrate if run_calibration is None else run_calibration
     method = spec.method
     if not run_calibration or method == "none" or not draft["methods"][method]["fits"]:
@@ -754,24 +820,22 @@ def build_plan(params: "Params", hardware: dict[str, Any], measured_precision: d
             log(f"plan: not calibrating: {method} does not fit by the analytic model")
         return draft
     entry = draft["methods"][method]
-    from frugaltune.models import load_tokenizer
-
-    large = entry["largest_batch"]["sequences"]
-    split = math.ceil(spec.batch_size / entry["micro_batch_size"])  # the plan's parts of each batch
-    log(f"plan: calibrating {method} in {entry['precision']}: {params.probe.calibration_steps} steps at micro-batch "
-        f"{max(1, large // 2)} and {large}, length {entry['largest_batch']['length']} ...")
+    loop = setup.loop_config(params, method=method, bf16=decided["bf16"], micro_batch_size=entry["micro_batch_size"],
+                             eager_attention_max_len=decided["eager_attention_max_len"])
+    log(f"plan: calibrating {method} in {entry['precision']}: the run's own loop over "
+        f"{params.probe.calibration_steps + 3} of its micro-batches ...")
+    _, order = planned_order(lengths, spec.batch_size, spec.grad_accum, spec.epochs, spec.max_steps, spec.seed,
+                             spec.group_by_length)
     constants, calibration = calibrate(
-        paths.BASE_MODEL, labels, load_tokenizer(paths.BASE_MODEL).pad_token_id, method,
-        knobs.get(method, MethodKnobs()), shapes[method], bf16=entry["precision"] == "bf16",
-        gradient_checkpointing=entry["gradient_checkpointing"],
-        micro_batches=(max(1, large // 2), large) if large > 1 else (1, 2),
-        seq_len=entry["largest_batch"]["length"], threads=draft["threads"], seed=params.common.seed,
-        steps=params.probe.calibration_steps, allocator=params.train.allocator, task=task,
-        response_tokens=response_tokens, eager_attention_max_len=draft["run"]["eager_attention_max_len"], batches=[
-            (math.ceil(rows / split), length) for rows, length in planned_batches(
-                lengths, spec.batch_size, spec.grad_accum, spec.epochs, spec.max_steps, spec.seed,
-                spec.group_by_length)[1]])
-    return make_plan(spec, hardware, shapes, constants, limit_gb, calibration, measured_precision=measured_precision)
+        paths.BASE_MODEL, labels, tokenizer.pad_token_id, method, knobs.get(method, MethodKnobs()), shapes[method],
+        rows=rows, targets=list(train_split["labels"]), order=order, loop=asdict(loop),
+        int8=decided["int8"].get(method, {"on": False, "why": "not decided"}),
+        gradient_checkpointing=entry["gradient_checkpointing"], threads=decided["threads"], seed=params.common.seed,
+        time_samples=params.probe.calibration_steps, allocator=params.train.allocator, task=task)
+    if calibration["busy_note"]:
+        log(f"plan: {calibration['busy_note']}")
+    return make_plan(spec, hardware, shapes, constants, limit_gb, calibration, measured_precision=measured_precision,
+                     decided=decided)
 
 
 def render(plan: dict) -> str:
@@ -810,7 +874,6 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) == 2 and argv[0] == "--calibration-point":
         spec = json.loads(argv[1])
-        spec["knobs"] = MethodKnobs(**{k: tuple(v) if isinstance(v, list) else v for k, v in spec["knobs"].items()})
         print(json.dumps(_calibration_point(spec)))
         return
     sys.exit("usage: frugaltune plan   (this module's own entry point is internal: --calibration-point SPEC)")

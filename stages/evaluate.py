@@ -30,16 +30,14 @@ from frugaltune.training.methods import load_trained
 from frugaltune import paths
 from frugaltune.config import Params, ParamsError, load_params
 from frugaltune.kernels.attention import register_if_used
-from stages.train import device, measured_precision_inputs, resolve_threads
-from frugaltune import planner
+from frugaltune import planner, resolve
 
 
 def trained_precision(params: Params, out: paths.RunOutputs) -> bool:
     """bf16? The precision the model was trained in (its train report), so that evaluation sees what training did."""
     if out.train_report.exists() and "bf16" in (report := read_json(out.train_report)):
         return bool(report["bf16"])
-    hardware, measured = measured_precision_inputs()
-    return planner.recommend_precision(hardware, params.train.precision, measured)[0]
+    return resolve.machine(params.train.precision, plan=resolve.read_plan())["bf16"]
 
 
 def generative_metrics(model, tokenizer, data, params: Params, bf16: bool, labels: list[str], name: str) -> tuple[
@@ -98,12 +96,12 @@ def run_sft(params: Params, out: paths.RunOutputs) -> dict:
 
     ep, seed = params.evaluate, params.common.seed
     bf16 = trained_precision(params, out)
-    torch.set_num_threads(resolve_threads(params.train.threads))
+    torch.set_num_threads(resolve.physical_threads(params.train.threads))
     planner.keep_sdpa_off_cudnn()  # as in training: cuDNN's attention cost ~4 ms of host time per call
     labels = read_json(paths.LABELS)["labels"] if params.task.prompt_template is not None else []
     data = load_from_disk(str(paths.TOKENIZED_DIR))[ep.split]
     tokenizer = load_tokenizer(paths.BASE_MODEL)
-    model = load_for_causal_lm(paths.BASE_MODEL, tokenizer.pad_token_id, seed).to(device())
+    model = load_for_causal_lm(paths.BASE_MODEL, tokenizer.pad_token_id, seed).to(resolve.device())
     baseline, _ = generative_metrics(model, tokenizer, data, params, bf16, labels, "baseline")
     model = load_trained(model, out.adapter_dir)
     finetuned, answers = generative_metrics(model, tokenizer, data, params, bf16, labels, "finetuned")
@@ -128,14 +126,14 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN) -> dict:
         return run_sft(params, out)
     ep, seed = params.evaluate, params.common.seed
     bf16 = trained_precision(params, out)
-    torch.set_num_threads(resolve_threads(params.train.threads))
+    torch.set_num_threads(resolve.physical_threads(params.train.threads))
     planner.keep_sdpa_off_cudnn()  # as in training: cuDNN's attention cost ~4 ms of host time per call
     labels = read_json(paths.LABELS)["labels"]
     data = load_from_disk(str(paths.TOKENIZED_DIR))[ep.split]
     y_true = np.asarray(data["labels"])
     tokenizer = load_tokenizer(paths.BASE_MODEL)
 
-    model = load_for_classification(paths.BASE_MODEL, labels, tokenizer.pad_token_id, seed).to(device())
+    model = load_for_classification(paths.BASE_MODEL, labels, tokenizer.pad_token_id, seed).to(resolve.device())
     attention = register_if_used(paths.report("kernels"), paths.KERNEL_BUILD_DIR)
     if attention:  # the kernels stage verified it and measured it faster than SDPA at these shapes
         model.set_attn_implementation(attention)

@@ -49,7 +49,7 @@ import pyarrow.parquet as pq
 from datasets import load_from_disk
 from safetensors.torch import load_file
 
-from frugaltune import paths, planner, tracking
+from frugaltune import paths, planner, resolve, tracking
 from frugaltune.config import Params, load_params
 from frugaltune.federated import local, plots, profiles, rounds
 from frugaltune.federated.launch import LocalFederation
@@ -57,7 +57,6 @@ from frugaltune.input_template import InputTemplate, wrapped
 from frugaltune.io import read_json, write_json, write_text
 from frugaltune.models import load_tokenizer
 from frugaltune.training import checkpoint
-from stages.train import measured_precision_inputs, resolve_threads
 
 ROOT = Path(__file__).resolve().parents[1]
 FLOWER_BIN = ROOT / ".venv-flower" / "bin"
@@ -206,11 +205,10 @@ def run_key(params: Params, scheme: str, method: str, data: str, plans: list[dic
 
 
 def machine_precision(params: Params) -> tuple[bool, int]:
-    """(bf16?, eager attention up to this many tokens) for training on this machine, decided as the train stage
-    decides without a plan: the kernels stage's measurement on this CPU (`federated.precision: auto`)."""
-    hardware, measured = measured_precision_inputs()
-    bf16, _ = planner.recommend_precision(hardware, params.federated.precision, measured)
-    return bool(bf16), planner.eager_attention_max_len(measured, bf16, bool(hardware.get("gpus")))
+    """(bf16?, eager attention up to this many tokens) for the clients on this machine: the plan's machine decisions
+    (frugaltune.resolve), or `federated.precision` when it is set."""
+    decided = resolve.machine(params.federated.precision, plan=resolve.read_plan())
+    return bool(decided["bf16"]), int(decided["eager_attention_max_len"])
 
 
 def federate(params: Params, scheme: str, method: str, plans: list[dict], parts: Path, labels: list[str],
@@ -241,7 +239,7 @@ def federate(params: Params, scheme: str, method: str, plans: list[dict], parts:
               "lr": fp.lr, "server-lr": fp.server_lr, "server-momentum": fp.server_momentum,
               "lr-schedule": fp.lr_schedule, "batch-size": fp.batch_size, "seed": params.common.seed,
               # the server evaluates between rounds, while this host's clients wait: it may use every core
-              "threads": resolve_threads(None),
+              "threads": resolve.physical_threads(),
               "dp-epsilon": fp.dp.epsilon if fp.dp.enabled else 0.0, "dp-delta": fp.dp.delta,
               "dp-clip": fp.dp.clipping_norm, "proximal-mu": fp.proximal_mu,
               "logit-adjustment": fp.logit_adjustment, "client-state": fp.client_state,
@@ -260,7 +258,7 @@ def federate(params: Params, scheme: str, method: str, plans: list[dict], parts:
             stale.unlink()
         # every process of the federation on train.allocator, the malloc the plan's calibration ran on
         with LocalFederation(FLOWER_BIN, workdir, nodes, ROOT, threads=fp.threads, runtime=fp.runtime,
-                             workers=max(1, resolve_threads(None) // fp.threads),
+                             workers=max(1, resolve.physical_threads() // fp.threads),
                              allocator=params.train.allocator) as fed:
             result = fed.submit(APP, config, timeout=None)
         if (out / "done.json").exists():  # `flwr run` exits 0 even when the ServerApp raised

@@ -35,21 +35,18 @@ import shutil
 import sys
 
 import mlflow
-import psutil
 import torch
 from datasets import load_from_disk
 
 from frugaltune.faults import stage_errors
 from frugaltune import allocator, tracking
-from frugaltune.input_template import InputTemplate, wrapped
 from frugaltune.io import atomic_dir, read_json, write_json, write_metrics, write_text
-from frugaltune import planner
+from frugaltune import planner, resolve
 from frugaltune.models import load_tokenizer
 from frugaltune.telemetry import StepTimer, TelemetrySampler
-from frugaltune.training import checkpoint, distributed
+from frugaltune.training import checkpoint, distributed, setup
 from frugaltune.training.loop import (
     DivergenceError,
-    LoopConfig,
     OutOfMemoryAtBatchOne,
     TrainingInterrupted,
     TrainResult,
@@ -57,7 +54,7 @@ from frugaltune.training.loop import (
     peak_rss_mb,
     train_classifier,
 )
-from frugaltune.training.methods import prepare_model, save_trained
+from frugaltune.training.methods import save_trained
 from frugaltune import paths
 from frugaltune.config import Params, ParamsError, load_params
 
@@ -67,22 +64,6 @@ RUN_CONFIG_KEYS = ("trainable_params", "total_params", "trainable_percent", "bf1
                    "micro_batch_size", "gradient_checkpointing", "ranks")
 # reports/metrics/train.json: the columns `dvc exp show` compares across experiments
 TRAIN_METRICS = ("final_loss", "tokens_per_s", "wall_seconds", "peak_rss_mb", "steps")
-
-
-def measured_precision_inputs() -> tuple[dict, dict | None]:
-    """This machine's facts and the kernels stage's bf16/fp32 measurement (None if it measured another CPU)."""
-    hardware = read_json(paths.HARDWARE) if paths.HARDWARE.exists() else {}
-    kernels_report = read_json(paths.report("kernels")) if paths.report("kernels").exists() else None
-    return hardware, planner.measured_on(hardware, kernels_report)
-
-
-def device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def resolve_threads(requested: int | None) -> int:
-    # Physical cores: a second hyperthread per core adds contention, not FLOPs, to these GEMMs.
-    return requested or psutil.cpu_count(logical=False) or torch.get_num_threads()
 
 
 def flatten(prefix: str, value) -> dict:
@@ -98,30 +79,6 @@ def untrained() -> TrainResult:
     """`train.method: none`: the base model and its fresh head go to evaluation as they are."""
     return TrainResult(steps=0, micro_batches=0, sequences=0, tokens=0, padded_tokens=0, wall_seconds=0.0,
                        final_loss=float("nan"), mean_loss=float("nan"), peak_rss_mb=peak_rss_mb())
-
-
-def build_model(params: Params, labels: list[str], pad_token_id: int, bf16: bool,
-                gradient_checkpointing: bool = False) -> tuple[torch.nn.Module, float]:
-    """The base model with a fresh head, prepared for `train.method`; and the body's learning rate."""
-    tp = params.train
-    model = prepare_model(paths.BASE_MODEL, labels, pad_token_id, params.common.seed, tp.method,
-                          getattr(tp, tp.method), bf16, gradient_checkpointing, task=params.task.type)
-    lr = {"full": tp.full.lr, "prelayer": tp.prelayer.lr or tp.lr}.get(tp.method, tp.lr)
-    return model, lr
-
-
-def int8_decision(params: Params, model: torch.nn.Module, bf16: bool, world) -> dict:
-    """`train.int8_products` resolved on this machine, and applied to `model` when on (frugaltune/int8.py). Ranks of
-    one run agree: it is on only where every rank measured it on, so they all compute the same products."""
-    from frugaltune import int8
-
-    config = model.config
-    decision = int8.decide(params.train.int8_products, params.train.method, bf16,
-                           getattr(config, "hidden_size", 0), getattr(config, "intermediate_size", 0),
-                           torch.cuda.is_available())
-    if world.distributed and world.sum([float(decision["on"])])[0] < world.size:
-        decision = {**decision, "on": False, "why": decision["why"] + "; another rank measured it off"}
-    return int8.apply(model, decision, params.train.method)
 
 
 def adapter_manifest(params: Params, labels: list[str], tokenizer) -> dict:
@@ -140,32 +97,6 @@ def adapter_manifest(params: Params, labels: list[str], tokenizer) -> dict:
     return manifest
 
 
-def resolve_plan(params: Params, use_plan: bool) -> dict:
-    """`auto` micro-batch, gradient checkpointing and threads, from reports/plan.json (the plan stage).
-
-    Raises PlanError before anything loads when the plan says the configured method cannot fit.
-    Without a plan (or `use_plan=False`: the method comparison runs every method on the same batches), `auto`
-    means the configured batch, no checkpointing and physical cores.
-    """
-    tp = params.train
-    plan = read_json(paths.PLAN) if use_plan and paths.PLAN.exists() else None
-    entry = planner.check_fits(plan, tp.method) if plan else {}
-    if plan and plan.get("run", {}).get("method") == tp.method:
-        bf16 = plan["run"]["precision"] == "bf16"  # decided once, by the plan stage, from this machine's measurement
-        eager_max = int(plan["run"].get("eager_attention_max_len", 0))
-    else:
-        hardware, measured = measured_precision_inputs()
-        bf16, _ = planner.recommend_precision(hardware, tp.precision, measured)
-        eager_max = planner.eager_attention_max_len(measured, bf16, bool(hardware.get("gpus")))
-    micro = tp.micro_batch_size if tp.micro_batch_size != "auto" else entry.get("micro_batch_size", tp.batch_size)
-    ckpt = (tp.gradient_checkpointing if tp.gradient_checkpointing != "auto"
-            else entry.get("gradient_checkpointing", False))
-    return {"bf16": bool(bf16), "micro_batch_size": int(micro), "gradient_checkpointing": bool(ckpt),
-            "eager_attention_max_len": eager_max,
-            "threads": tp.threads or (plan or {}).get("threads") or resolve_threads(None),
-            "predicted_peak_mb": entry.get("predicted_peak_mb"), "eta_seconds": entry.get("eta_seconds")}
-
-
 def loss_curve_csv(history: list[dict]) -> str:
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=["step", "loss", "lr", "tokens_per_s"], lineterminator="\n")
@@ -178,12 +109,10 @@ def loss_curve_csv(history: list[dict]) -> str:
 
 def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN, use_plan: bool = True) -> dict:
     tp, seed = params.train, params.common.seed
-    resolved = resolve_plan(params, use_plan)  # before any loading: a run that cannot fit stops here
-    bf16 = resolved["bf16"]
+    resolved = resolve.resolve_run(params, use_plan)  # before any loading: a run that cannot fit stops here
+    bf16 = resolved.bf16
     world = distributed.init(tp.distributed.backend)  # World() unless torchrun started this process
-    threads = resolved["threads"]
-    if world.distributed and not tp.threads and not (use_plan and paths.PLAN.exists()):
-        threads = max(1, threads // world.size)  # no plan: the ranks on this host split its cores
+    threads = resolved.threads
     torch.set_num_threads(threads)
     if planner.keep_sdpa_off_cudnn():
         print("train: SDPA without its cuDNN backend on this GPU (planner.keep_sdpa_off_cudnn: 1.51x on an H100)",
@@ -192,11 +121,9 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN, use_plan: bo
     labels = read_json(paths.LABELS)["labels"]
     train_set = load_from_disk(str(paths.TOKENIZED_DIR))["train"]
     tokenizer = load_tokenizer(paths.BASE_MODEL)
-    template = (InputTemplate.build(tp.input_template, tokenizer)  # causal_lm: its prompts are its rows' own
-                if tp.input_template is not None and params.task.type == "classification" else None)
-    rows = wrapped(train_set["input_ids"], template, params.tokenize.max_length)
-    model, lr = build_model(params, labels, tokenizer.pad_token_id, bf16, resolved["gradient_checkpointing"])
-    int8_products = int8_decision(params, model, bf16, world)
+    rows = setup.training_rows(params, train_set["input_ids"], tokenizer)
+    model = setup.build_model(params, labels, tokenizer.pad_token_id, bf16, resolved.gradient_checkpointing)
+    int8_products = setup.apply_int8(model, resolved.int8, tp.method, world)
     trainable, total = count_parameters(model)
     # Checkpoints resume only a run of the same configuration, data and base model.
     base_sha = read_json(paths.report("import_model")).get("weights_sha256") if paths.report(
@@ -208,16 +135,8 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN, use_plan: bo
                              | {"int8_products": int8_products["on"]}, seed, bf16, base_sha,
                              checkpoint.data_fingerprint(train_set["input_ids"], train_set["labels"]))
     checkpoint_dir = paths.CHECKPOINTS_DIR / "train" / key
-    cfg = LoopConfig(
-        checkpoint_dir=checkpoint_dir, checkpoint_every=tp.checkpoint_every, keep_checkpoints=tp.keep_checkpoints,
-        resume=tp.resume == "auto",
-        lr=lr, head_lr=tp.head_lr, lora_plus_ratio=tp.lora_plus_ratio, weight_decay=tp.weight_decay,
-        scheduler=tp.scheduler,
-        warmup_ratio=tp.warmup_ratio, epochs=tp.epochs, max_steps=tp.max_steps, batch_size=tp.batch_size,
-        grad_accum=tp.grad_accum, max_grad_norm=tp.max_grad_norm, bf16=bf16, group_by_length=tp.group_by_length,
-        log_every=tp.log_every, seed=seed, micro_batch_size=resolved["micro_batch_size"],
-        micro_batch_tokens=tp.micro_batch_tokens, eager_attention_max_len=resolved["eager_attention_max_len"],
-    )
+    cfg = setup.loop_config(params, method=tp.method, bf16=bf16, micro_batch_size=resolved.micro_batch_size,
+                            eager_attention_max_len=resolved.eager_attention_max_len, checkpoint_dir=checkpoint_dir)
     if not world.is_main:  # the other ranks train their shares; rank 0 logs and writes everything
         try:
             if tp.method != "none":
@@ -229,8 +148,8 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN, use_plan: bo
         return {}
     print(f"train: {tp.method} on {len(train_set)} examples, {trainable:,} of {total:,} parameters "
           f"trainable ({100 * trainable / total:.2f}%), precision {'bf16 autocast' if bf16 else 'fp32'}, "
-          f"{threads} threads, micro-batch {resolved['micro_batch_size']} of {tp.batch_size}, gradient checkpointing "
-          f"{'on' if resolved['gradient_checkpointing'] else 'off'}, malloc {allocator.active()}, int8 products "
+          f"{threads} threads, micro-batch {resolved.micro_batch_size} of {tp.batch_size}, gradient checkpointing "
+          f"{'on' if resolved.gradient_checkpointing else 'off'}, malloc {allocator.active()}, int8 products "
           f"{'on' if int8_products['on'] else 'off'} ({int8_products['why']})"
           + (f", {world.size} ranks (data parallel, {threads} threads each)" if world.distributed else ""))
 
@@ -239,8 +158,8 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN, use_plan: bo
     with mlflow.start_run(tags=tracking.run_tags()) as mlrun:
         mlflow.log_params(flatten("train", tp.model_dump()))
         mlflow.log_params({"resolved.precision": "bf16" if bf16 else "fp32", "resolved.threads": threads,
-                           "resolved.micro_batch_size": resolved["micro_batch_size"],
-                           "resolved.gradient_checkpointing": resolved["gradient_checkpointing"],
+                           "resolved.micro_batch_size": resolved.micro_batch_size,
+                           "resolved.gradient_checkpointing": resolved.gradient_checkpointing,
                            "resolved.allocator": allocator.active(), "resolved.int8_products": int8_products["on"],
                            "data.train_rows": len(train_set), "model.source": params.model.source})
         timer = StepTimer(sync=torch.cuda.synchronize if torch.cuda.is_available() else None,
@@ -283,9 +202,10 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN, use_plan: bo
             "threads": threads,
             "resumed_from_step": result.resumed_from_step,
             "micro_batch_size": result.micro_batch_size,
-            "gradient_checkpointing": int(resolved["gradient_checkpointing"]),
+            "gradient_checkpointing": int(resolved.gradient_checkpointing),
             "int8_products": int8_products,
-            "plan": {k: resolved[k] for k in ("predicted_peak_mb", "eta_seconds") if resolved[k] is not None},
+            "plan": {k: getattr(resolved, k) for k in ("predicted_peak_mb", "eta_seconds")
+                     if getattr(resolved, k) is not None},
             "telemetry": {k: v for k, v in telemetry.items() if isinstance(v, int | float) and not isinstance(v, bool)},
         }
         if world.distributed:  # every rank holds its own copy of the model: what the host held at most, all ranks

@@ -5,6 +5,7 @@ Library code used by `frugaltune.training.loop` and evaluation.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -29,6 +30,38 @@ def length_grouped_batches(
         batches.extend(chunk[i:i + batch_size] for i in range(0, len(chunk), batch_size))
     permutation = torch.randperm(len(batches), generator=generator).tolist()
     return [batches[i] for i in permutation]
+
+
+def epoch_batches(lengths: Sequence[int], batch_size: int, seed: int, epoch: int,
+                  group_by_length: bool = True) -> list[list[int]]:
+    """Epoch `epoch`'s batches of a run seeded `seed`: recomputable from the seed alone, so a resumed run needs only
+    its position, and the plan knows every batch of the run before it starts."""
+    generator = torch.Generator().manual_seed(seed * 1000 + epoch)
+    return length_grouped_batches(lengths, batch_size, generator, group_by_length)
+
+
+def run_batches(lengths: Sequence[int], batch_size: int, seed: int, count: int,
+                group_by_length: bool = True) -> list[list[int]]:
+    """The first `count` batches of the run, epoch after epoch, in the training loop's order."""
+    batches: list[list[int]] = []
+    epoch = 0
+    while len(batches) < count and lengths:
+        batches.extend(epoch_batches(lengths, batch_size, seed, epoch, group_by_length))
+        epoch += 1
+    return batches[:count]
+
+
+def part_rows(rows: int, longest: int, micro_split: int, micro_batch_tokens: int | None) -> int:
+    """Rows in each part of a micro-batch of `rows` sequences whose longest has `longest` tokens, as the training
+    loop runs it: `micro_split` equal parts (the planned micro-batch, halved again after an out-of-memory error),
+    and with `micro_batch_tokens` as few equal parts as keep each part's padded tokens under the cap (16 rows of
+    65 tokens in 1,024 -> 8 + 8). The plan calls this too, so that the part it predicts is the part that runs."""
+    chunk = max(1, math.ceil(rows / micro_split))
+    if micro_batch_tokens and rows:
+        cap = max(1, micro_batch_tokens // max(longest, 1))
+        if chunk > cap:
+            chunk = math.ceil(rows / math.ceil(rows / cap))
+    return chunk
 
 
 def sorted_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:

@@ -14,7 +14,7 @@ import resource
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,11 +25,10 @@ from transformers import get_scheduler
 
 from frugaltune.telemetry import StepTimer
 from frugaltune.training import checkpoint
-from frugaltune.training.batching import (IGNORE_INDEX, collate, collate_targets, length_grouped_batches, sorted_batches,
-                                          target_counts)
+from frugaltune.training.batching import (IGNORE_INDEX, collate, collate_targets, epoch_batches, part_rows,
+                                          sorted_batches, target_counts)
 from frugaltune.training.distributed import World
-from frugaltune.training.fast import (bf16_projection_inputs, compiled_norms, fused_siblings, lora_addmm,
-                                     packed_frozen_weights, short_sequence_attention)
+from frugaltune.training.fast import short_sequence_attention
 from frugaltune.training.int8_lora import fused_int8_lora
 
 
@@ -77,38 +76,17 @@ class LoopConfig:
     # Batches padded to at most this many tokens use eager attention, longer ones SDPA (0: SDPA always); the
     # crossover is measured by the kernels stage and resolved by the plan (frugaltune.training.fast)
     eager_attention_max_len: int = 0
-    # q/k/v and gate/up (and LoRA's A of q/k/v) as one matmul each: one cast of their input, not one per
-    # projection (frugaltune.training.fast.fused_siblings). Off: measured 0.95x (with LoRA's A) and 0.99x (base
-    # projections only) of separate projections on a 2-core Zen 5 (benchmarks/step_anatomy.py --ab fused)
-    fused_siblings: bool = False
-    # frozen bf16 projections on oneDNN-reordered weights, forward and input gradient, reordered once instead of
-    # at every product (frugaltune.training.fast.packed_frozen_weights); bit-identical products. Off: a LoRA step
-    # 1.07x at batch 8 but 0.97-1.00x at batch 16 on a 2-core Zen 4, +170 MB (benchmarks/step_anatomy.py --ab packed)
-    packed_weights: bool = False
     # causal_lm: a batch whose rows start with at least this many equal tokens reads them once (model_loss's
     # `shared`); 0: never. Off by itself under gradient checkpointing, which cannot carry a KV cache.
     shared_prefix_min: int = 8
     # AdamW as one fused kernel over every trainable tensor (torch's `fused=True`, CPU and CUDA) instead of the
     # per-tensor loop: LoRA has ~240 small tensors, so the loop is dispatch, not arithmetic. Same update to
-    # rounding (1e-8 after 30 steps). benchmarks/step_anatomy.py --ab optimizer: 1.069x at batch 8 and 1.019x at
-    # batch 16 on a 2-core Zen 4, 1.06x on an H100; the optimizer alone 8 ms -> 1.7 ms per step on the Zen 4
+    # rounding; measured faster on every machine tried (docs/DECISIONS.md, benchmarks/step_anatomy.py --ab optimizer)
     fused_optimizer: bool = True
-    # bf16 autocast: the norms before the projections hand them bf16 once, instead of each projection casting the
-    # fp32 residual stream itself (frugaltune.training.fast.bf16_projection_inputs). Off: 1.085x / 0.984x / 0.989x
-    # (batch 16 / batch 8 / all-linear batch 16) on a 2-core Zen 4, within that machine's spread
-    bf16_inputs: bool = False
-    # vanilla LoRA layers scale their rank-r activations and add B's product to the base output in one addmm,
-    # instead of a multiply and an add over the whole output (frugaltune.training.fast.lora_addmm). Off: 1.029x
-    # in an alternated A/B on a 2-core Zen 5 (benchmarks/step_anatomy.py --ab addmm --int8), inside its spread
-    lora_addmm: bool = False
-    # every RMSNorm's forward (and so its backward) compiled by inductor: one loop each way instead of ~6 eager ops
-    # over the residual stream (frugaltune.training.fast.compiled_norms). Off: 4-5x on the norm alone, but 0.963x
-    # a step in an alternated A/B on a 2-core Zen 5 (benchmarks/step_anatomy.py --ab norms --int8)
-    compiled_norms: bool = False
     # LoRA layers over int8 frozen products run as one autograd node per product (q/k/v, gate/up, o, down): one
-    # dropout, one cast, A's products stacked, B's added in addmm (frugaltune.training.int8_lora). On: 1.134x a
-    # step where an A/A reads 1.010x, steps paired one by one on a 2-core Zen 5 (benchmarks/step_anatomy.py
-    # --ab-paired 60 --ab int8lora); a model without int8 products has nothing it takes
+    # dropout, one cast, A's products stacked, B's added in addmm (frugaltune.training.int8_lora); a model without
+    # int8 products has nothing it takes. Measured faster in paired steps (docs/DECISIONS.md,
+    # benchmarks/step_anatomy.py --ab-paired 60 --ab int8lora)
     fused_int8_lora: bool = True
 
 
@@ -237,9 +215,8 @@ class _EpochOrder:
     def __getitem__(self, position: int) -> list[int]:
         epoch, index = divmod(position, self.per_epoch)
         if epoch != self._epoch:
-            generator = torch.Generator().manual_seed(self.cfg.seed * 1000 + epoch)
-            self._batches = length_grouped_batches(self.lengths, self.cfg.batch_size, generator,
-                                                   self.cfg.group_by_length)
+            self._batches = epoch_batches(self.lengths, self.cfg.batch_size, self.cfg.seed, epoch,
+                                          self.cfg.group_by_length)
             self._epoch = epoch
         return self._batches[index]
 
@@ -312,6 +289,7 @@ def train_classifier(
     world: World = World(),
     regularizer: Callable[[], torch.Tensor] | None = None,
     optimizer_state: dict | None = None,
+    batches: Sequence[list[int]] | None = None,
 ) -> TrainResult:
     """Train `model` (already wrapped by its method) on tokenized examples; return counts, losses and timings.
 
@@ -327,6 +305,9 @@ def train_classifier(
     batch's gradients, so micro-batch splits and ranks do not scale it); the reported loss stays the task loss.
     The federated client uses it for FedProx's proximal term (frugaltune/federated/local.py).
 
+    `batches`, when given, are the micro-batches (example indices) to run in that order, `cfg.grad_accum` a step,
+    instead of the seeded length-grouped epochs: the planner's calibration runs the run's own batches it picked.
+
     `optimizer_state`, when given, is AdamW's per-parameter state (moments and step counts, keyed as
     `optimizer.state_dict()["state"]`): a non-empty one is where this run's optimizer starts instead of zero
     moments, and on return the dict holds the final state. The learning rates and schedule stay this run's. A
@@ -338,7 +319,7 @@ def train_classifier(
     # Each part of a batch weighs what it adds to the batch's mean loss: sequences for a classifier, response
     # tokens for a causal LM; so that micro-batch splits and ranks add up to the one-process, whole-batch loss.
     counts = target_counts(labels)
-    total_steps = plan_steps(len(input_ids), cfg)
+    total_steps = len(batches) // cfg.grad_accum if batches is not None else plan_steps(len(input_ids), cfg)
     optimizer = torch.optim.AdamW(_param_groups(model, cfg), weight_decay=cfg.weight_decay,
                                   fused=cfg.fused_optimizer or None)  # None: torch's own choice (foreach on CUDA)
     if optimizer_state:
@@ -347,7 +328,7 @@ def train_classifier(
         optimizer.load_state_dict(restored)
     scheduler = get_scheduler(cfg.scheduler, optimizer, num_warmup_steps=int(cfg.warmup_ratio * total_steps),
                               num_training_steps=total_steps)
-    order = _EpochOrder(lengths, cfg)
+    order = batches if batches is not None else _EpochOrder(lengths, cfg)
     trainable = [p for p in model.parameters() if p.requires_grad]
     world.broadcast_parameters(trainable)
     torch.manual_seed(cfg.seed + world.rank)  # dropout: each rank draws its own masks
@@ -395,13 +376,7 @@ def train_classifier(
     bar = tqdm(total=total_steps, initial=first_step - 1, desc="train", unit="step", disable=not progress,
                dynamic_ncols=True)
     with (_stop_on_signals(stop), short_sequence_attention(model, cfg.eager_attention_max_len),
-          fused_siblings(model, cfg.fused_siblings),
-          packed_frozen_weights(model, cfg.packed_weights and not cfg.fused_siblings,  # rows: ~32 tokens a tweet
-                                rows=(cfg.micro_batch_size or cfg.batch_size) * 32),
-          bf16_projection_inputs(model, cfg.bf16_inputs and cfg.bf16),
-          fused_int8_lora(model, cfg.fused_int8_lora),  # before lora_addmm: the layers it takes are not addmm's
-          lora_addmm(model, cfg.lora_addmm),
-          compiled_norms(model, cfg.compiled_norms)):
+          fused_int8_lora(model, cfg.fused_int8_lora)):
         step = first_step
         while step <= total_steps:
             out_of_memory: BaseException | None = None
@@ -412,11 +387,8 @@ def train_classifier(
                     mine = world.shard(batch_index)
                     # Each micro-batch may run in `micro_split` chunks after an out-of-memory error: the
                     # gradient is the same, only the peak memory is lower.
-                    chunk = max(1, math.ceil(len(mine) / state["micro_split"]))
-                    if cfg.micro_batch_tokens and mine:
-                        rows = max(1, cfg.micro_batch_tokens // max(len(input_ids[i]) for i in mine))
-                        if chunk > rows:  # equal parts, none over `rows`: 16 rows of 65 tokens in 1,024 -> 8 + 8
-                            chunk = math.ceil(len(mine) / math.ceil(len(mine) / rows))
+                    chunk = part_rows(len(mine), max((lengths[i] for i in mine), default=0), state["micro_split"],
+                                      cfg.micro_batch_tokens)
                     for c in range(0, len(mine), chunk):
                         part = mine[c:c + chunk]
                         step_micros += 1

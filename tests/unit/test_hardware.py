@@ -177,7 +177,8 @@ def test_plan_stage_calibrates_in_the_precision_this_machine_measured(tmp_path, 
     (tmp_path / "data/splits/labels.json").write_text(json.dumps({"labels": ["negative", "neutral", "positive"]}))
     DatasetDict({"train": Dataset.from_dict({"input_ids": [[1, 2, 3] * (1 + i % 5) for i in range(40)],
                                              "labels": [i % 3 for i in range(40)]})}).save_to_disk("data/tokenized")
-    params = parse_params({"probe": {"nvml": False, "calibrate": False}, "train": {"batch_size": 8}})
+    params = parse_params({"probe": {"nvml": False, "calibrate": False},
+                           "train": {"batch_size": 8, "int8_products": False}})
     probe_stage.run(params)
     model = json.loads((tmp_path / "reports/hardware.json").read_text())["cpu"]["model"]
 
@@ -190,7 +191,8 @@ def test_plan_stage_calibrates_in_the_precision_this_machine_measured(tmp_path, 
 
     unmeasured = plan_with(None)
     assert unmeasured["run"] == {"method": "lora", "precision": "fp32", "micro_batch_size": 8,
-                                 "gradient_checkpointing": False, "eager_attention_max_len": 0}
+                                 "gradient_checkpointing": False, "eager_attention_max_len": 0,
+                                 "int8_products": False}
     assert "not measured" in unmeasured["precision_why"]
     assert unmeasured["methods"]["lora"]["largest_batch"] == {"sequences": 8, "length": 15}
     measured = plan_with({"preferred_precision": "bf16", "reason": "bf16 2.29x fp32", "cpu_model": model,

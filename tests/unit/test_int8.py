@@ -207,15 +207,15 @@ def test_without_a_compiler_quantize_and_rescale_run_eager(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("setting", [True, False])
-def test_the_train_stage_applies_its_decision_and_records_it(tiny_model_dir, smol_tokenizer, setting):
-    from frugaltune.config import Params
+def test_the_plans_decision_is_applied_and_recorded(tiny_model_dir, smol_tokenizer, setting):
+    from frugaltune.planner import decide_machine
     from frugaltune.training.distributed import World
-    from stages.train import int8_decision
+    from frugaltune.training.setup import apply_int8
 
-    params = Params.model_validate({"train": {"int8_products": setting}})
+    decided = decide_machine({}, None, "fp32", setting, ("lora",), (32, 64))
     model = prepare_model(tiny_model_dir, ["a", "b"], smol_tokenizer.pad_token_id, 0, "lora", MethodKnobs(r=4),
                           bf16=False)
-    decision = int8_decision(params, model, False, World())
+    decision = apply_int8(model, decided["int8"]["lora"], "lora", World())
     swapped = sum(isinstance(m, int8.Int8FrozenLinear) for m in model.modules())
     assert decision["on"] is setting and swapped == decision.get("modules", 0)
     assert (swapped > 0) is setting

@@ -257,57 +257,79 @@ def test_gradient_checkpointing_gives_the_same_loss(tiny_model_dir):
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-6)
 
 
-def test_calibration_fits_constants_from_real_steps_and_gives_an_eta(tiny_model_dir):
+def test_calibration_times_the_runs_own_loop_and_gives_an_eta(tiny_model_dir):
+    """The calibration runs training's own loop (LoopConfig, token cap) over the run's own micro-batches: a warm-up,
+    the sampled sizes smallest first, and the part that sets the peak last, twice."""
+    from dataclasses import asdict
+
+    from frugaltune.training.loop import LoopConfig
+
     tokenizer = load_tokenizer(tiny_model_dir)
     shape = planner.model_shape(tiny_model_dir, len(LABELS), "lora")
+    lengths = [8 + (i * 7) % 25 for i in range(64)]
+    rows = [[5 + j % 50 for j in range(n)] for n in lengths]
+    steps, order = planner.planned_order(lengths, 8, 1, 1.0, None, seed=0)
+    loop = asdict(LoopConfig(lr=1e-3, batch_size=8, micro_batch_tokens=96))
     constants, calibration = planner.calibrate(
-        tiny_model_dir, LABELS, tokenizer.pad_token_id, "lora", planner.MethodKnobs(), shape, bf16=False,
-        gradient_checkpointing=False, micro_batches=(2, 8), seq_len=32, threads=1, steps=2)
-    assert [p["micro_batch"] for p in calibration["points"]] == [2, 8]
-    assert all(p["peak_rss_bytes"] >= p["loaded_rss_bytes"] > 100 * 2**20 for p in calibration["points"])
-    assert constants.seconds_per_token > 0 and constants.step_overhead_s >= 0
+        tiny_model_dir, LABELS, tokenizer.pad_token_id, "lora", planner.MethodKnobs(), shape, rows=rows,
+        targets=[i % 3 for i in range(64)], order=order, loop=loop, int8={"on": False, "why": "test"},
+        gradient_checkpointing=False, threads=1, time_samples=4)
+    timed = calibration["steps"]
+    assert len(timed) == 1 + 3 + 2  # warm-up, the sampled sizes but the largest, the largest part twice
+    assert timed[-1]["part_tokens"] == max(s["part_tokens"] for s in timed) <= 96
+    assert all(s["seconds"] > 0 and s["peak_rss_bytes"] > 100 * 2**20 for s in timed)
+    assert [s["padded_tokens"] for s in timed[1:-2]] == sorted(s["padded_tokens"] for s in timed[1:-2])
+    assert constants.seconds_per_token > 0 and constants.step_overhead_s >= 0 and constants.startup_s >= 0
     assert constants.runtime_bytes > 100 * 2**20  # a Python process with torch loaded
-    assert constants.calibrated_method == "lora" and "calibrated" in constants.source
-    plan = planner.make_plan(run_spec("lora", lengths=[20] * 40, seq_len=32), cpu_hardware(),
+    assert constants.calibrated_method == "lora" and "the run's own loop" in constants.source
+    assert calibration["allocator"] in ("mimalloc", "system") and 0 < calibration["cpu_share"] <= 1.5
+    plan = planner.make_plan(run_spec("lora", lengths=lengths, seq_len=32), cpu_hardware(),
                              {"lora": shape, "full": planner.model_shape(tiny_model_dir, 3, "full")}, constants)
     lora, full = plan["methods"]["lora"], plan["methods"]["full"]
     padded = lora["padded_tokens"]
-    assert padded == 40 * 20
-    assert all(p["first_step_seconds"] > 0 and p["allocator"] in ("mimalloc", "system")
-               for p in calibration["points"])
-    assert constants.startup_s >= 0
     expected = constants.startup_s + lora["steps"] * constants.step_overhead_s + padded * constants.seconds_per_token
     assert lora["eta_seconds"] == pytest.approx(expected, abs=0.1)
-    assert full["eta_seconds"] == pytest.approx(constants.startup_s + lora["steps"] * constants.step_overhead_s
-                                                + padded * constants.seconds_per_token * 1.5, abs=0.1)
     assert "x 1.50" in full["eta_note"]
     json.dumps(plan)  # the plan is written as JSON: nothing in it may be unserialisable
 
 
-def test_resolve_plan_refuses_before_loading_and_fills_auto_values(tmp_path, monkeypatch):
-    from frugaltune import paths
+def test_the_plan_predicts_the_part_the_loop_runs_under_the_token_cap():
+    """train.micro_batch_tokens splits wide batches in the loop; the plan's peak is that part's, not the batch's."""
+    lengths = [128] * 16 + [20] * 48
+    capped = planner.make_plan(run_spec("lora", lengths=lengths, micro_batch_tokens=1024), cpu_hardware(24),
+                               shapes(smollm2_config()), planner.Constants())
+    whole = planner.make_plan(run_spec("lora", lengths=lengths), cpu_hardware(24), shapes(smollm2_config()),
+                              planner.Constants())
+    assert capped["methods"]["lora"]["largest_batch"] == {"sequences": 8, "length": 128}
+    assert whole["methods"]["lora"]["largest_batch"] == {"sequences": 16, "length": 128}
+    assert capped["methods"]["lora"]["predicted_peak_bytes"] < whole["methods"]["lora"]["predicted_peak_bytes"]
+
+
+def test_resolve_run_refuses_before_loading_and_reads_every_decision_from_the_plan(tmp_path, monkeypatch):
+    from frugaltune import paths, resolve
     from frugaltune.config import Params
-    from stages import train
 
     monkeypatch.chdir(tmp_path)
+    decided = planner.decide_machine(cpu_hardware(24), None, int8_setting="true", dims=(576, 1536))
     plan = planner.make_plan(run_spec("full"), cpu_hardware(24), shapes(smollm2_config()), planner.Constants(),
-                             limit_gb=1.5)
+                             limit_gb=1.5, decided=decided)
     paths.PLAN.parent.mkdir(parents=True)
     paths.PLAN.write_text(json.dumps(plan))
     params = Params.model_validate({"train": {"method": "full"}})
     with pytest.raises(planner.PlanError, match="cannot fit"):
-        train.resolve_plan(params, use_plan=True)
+        resolve.resolve_run(params, use_plan=True)
     lora = Params.model_validate({"train": {"method": "lora"}})
-    resolved = train.resolve_plan(lora, use_plan=True)
-    assert resolved["micro_batch_size"] == plan["methods"]["lora"]["micro_batch_size"]
-    assert resolved["gradient_checkpointing"] == plan["methods"]["lora"]["gradient_checkpointing"]
-    assert resolved["threads"] == 2
-    # Explicit values win over the plan; without a plan, auto = as configured.
+    resolved = resolve.resolve_run(lora, use_plan=True)
+    assert resolved.micro_batch_size == plan["methods"]["lora"]["micro_batch_size"]
+    assert resolved.gradient_checkpointing == plan["methods"]["lora"]["gradient_checkpointing"]
+    assert resolved.threads == 2 and resolved.bf16 is False
+    assert resolved.int8["on"] is True  # the plan's decision for lora (train.int8_products: true there)
+    # Explicit values win over the plan; without using the plan's entry, auto = as configured.
     forced = Params.model_validate({"train": {"method": "lora", "micro_batch_size": 4, "gradient_checkpointing": True}})
-    assert train.resolve_plan(forced, use_plan=True)["micro_batch_size"] == 4
-    assert train.resolve_plan(forced, use_plan=True)["gradient_checkpointing"] is True
-    assert train.resolve_plan(params, use_plan=False)["micro_batch_size"] == 16
-    assert math.isclose(resolved["predicted_peak_mb"], plan["methods"]["lora"]["predicted_peak_mb"])
+    assert resolve.resolve_run(forced, use_plan=True).micro_batch_size == 4
+    assert resolve.resolve_run(forced, use_plan=True).gradient_checkpointing is True
+    assert resolve.resolve_run(params, use_plan=False).micro_batch_size == 16
+    assert math.isclose(resolved.predicted_peak_mb, plan["methods"]["lora"]["predicted_peak_mb"])
 
 
 def test_sdpa_keeps_cudnn_on_a_cpu_only_machine():
