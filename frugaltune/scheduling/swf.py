@@ -1,6 +1,6 @@
 """Read Standard Workload Format (SWF) traces, as published by the Parallel Workloads Archive.
 
-Library code: `read_swf("scheduling/data/lublin_256.swf")` returns a `Workload`. Not run on its own.
+Library code: `read_swf("../shared/data/swf/lublin_256.swf")` returns a `Workload`. Not run on its own.
 
 The format (https://www.cs.huji.ac.il/labs/parallel/workload/swf.html): one job per line, 18 whitespace-separated
 numeric fields; lines starting with `;` are header comments (`; MaxProcs: 256`); `-1` means "unknown". What this

@@ -6,7 +6,7 @@ test feeds it to `dvc repro`):
     python -m frugaltune.scheduling.synthetic trace.swf --jobs 600 --procs 32 --seed 0
 
 It is a toy, not a workload model: for realistic synthetic traces use the Lublin-Feitelson model's output
-(scheduling/data/lublin_256.swf, the scheduling pipeline's default trace).
+(../shared/data/swf/lublin_256.swf).
 """
 
 from __future__ import annotations
