@@ -62,6 +62,9 @@ sft: install
 
 # The LLM scheduler (README "Scheduling with an LLM"): trace -> teacher SFT data -> LoRA -> judged in the simulator
 schedule: install
+	@# DVC stops on a missing dependency with a bare "No such file" before any stage runs: the params check names
+	@# the key (scheduling.trace), the path it looked at and the fix first.
+	python -m frugaltune.config scheduling/params.yaml
 	dvc repro scheduling/dvc.yaml
 
 test: install flower-env

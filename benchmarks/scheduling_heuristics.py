@@ -1,11 +1,11 @@
 """The heuristic baselines on an SWF trace: average bounded slowdown per policy, with and without EASY backfilling.
 
     python benchmarks/scheduling_heuristics.py                       # Lublin-256, 20 sequences of 256 jobs
-    python benchmarks/scheduling_heuristics.py ../shared/data/swf/lublin_256.swf --sequences 50 --out /tmp/sched
+    python benchmarks/scheduling_heuristics.py scheduling/data/lublin_256.swf --sequences 50 --out /tmp/sched
     python benchmarks/scheduling_heuristics.py --full-trace          # also time each policy on the whole trace
 
-Run from the repository root. Reads the trace (default `../shared/data/swf/lublin_256.swf`, the workspace's copy of
-RLScheduler's Lublin trace), draws `--sequences` start points in its held-out last `--held-out` fraction (seeded),
+Run from the repository root. Reads the trace (default `scheduling/data/lublin_256.swf`, the repository's copy of
+RLScheduler's Lublin trace, the scheduling pipeline's default), draws `--sequences` start points in its held-out last `--held-out` fraction (seeded),
 simulates FCFS, SJF, WFP3, UNICEF and F1 on every sequence, each with and without EASY backfilling
 (frugaltune.scheduling.evaluation), then prints the markdown table of mean and std of the per-sequence average
 bounded slowdown, the same for mean wait, and the simulator's throughput (simulated jobs per wall-clock second,
@@ -29,11 +29,13 @@ import matplotlib  # noqa: E402
 matplotlib.use("Agg")  # files only; no display on the build machines
 import matplotlib.pyplot as plt  # noqa: E402
 
+from frugaltune import paths  # noqa: E402
+from frugaltune.config import DEFAULT_TRACE as SCHEDULING_TRACE  # noqa: E402
 from frugaltune.hardware import cpu_facts  # noqa: E402
 from frugaltune.scheduling import HEURISTICS, queue_length_cdf, read_swf, simulate  # noqa: E402
 from frugaltune.scheduling.evaluation import Protocol, evaluate, markdown_table, summary_table  # noqa: E402
 
-DEFAULT_TRACE = Path("../shared/data/swf/lublin_256.swf")
+DEFAULT_TRACE = paths.SCHEDULING_DIR / SCHEDULING_TRACE  # scheduling.trace's default, from the repository root
 DEFAULT_OUT = Path("reports/scheduling")
 
 

@@ -5,7 +5,8 @@ Not run directly; every stage calls `load_params()`. To check a params file by h
     python -m frugaltune.config [params.yaml]
 
 A misspelled key fails with its path and a suggestion (`train.lora.rnk: unknown key. Did you mean
-`train.lora.r`?`), a wrong type names the key, the value and the expected type.
+`train.lora.r`?`), a wrong type names the key, the value and the expected type, and a file the params name
+(`scheduling.trace`, relative to the params file's directory) must exist.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 
 class Section(BaseModel):
@@ -401,9 +403,29 @@ class SchedulingValidateParams(Section):
         0.5, ge=0, le=1, description="Table-level: share of jobs running longer than they requested, at most.")
 
 
+# The default trace, kept in the repository (scheduling/data/README.md: source, model, sha256), relative to
+# scheduling/. ingest_trace refuses it when its bytes differ from these (an edit, a Git LFS pointer, converted line
+# endings), as every result in docs/SCHEDULING.md was measured on exactly them.
+DEFAULT_TRACE = "data/lublin_256.swf"
+DEFAULT_TRACE_SHA256 = "a394ab3d81179ebcf645a1cbd593a60b6dff7f11a510e1e6285c45f43310c962"
+
+
+def trace_file(trace: str, base_dir: Path) -> Path:
+    """`scheduling.trace` as the scheduling stages open it: relative to `base_dir`, the params file's directory
+    (scheduling/, their working directory under DVC). Raises FileNotFoundError naming the path and the fix."""
+    path = Path(base_dir) / trace
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"no such file: {path.resolve()} (a relative path starts in {Path(base_dir).resolve()}, the params "
+            f"file's directory). Point it at an SWF trace (gunzip archive downloads first), or back at the "
+            f"default {DEFAULT_TRACE!r}, the repository's copy (scheduling/data/README.md).")
+    return path
+
+
 class SchedulingParams(Section):
-    trace: str = Field("../../shared/data/swf/lublin_256.swf", description="SWF trace, relative to the scheduling "
-                       "pipeline's directory (scheduling/); as published by the Parallel Workloads Archive.")
+    trace: str = Field(DEFAULT_TRACE, description="SWF trace, relative to the scheduling pipeline's directory "
+                       "(scheduling/), as published by the Parallel Workloads Archive; the default is in the "
+                       "repository (scheduling/data/README.md).")
     max_procs: int | None = Field(None, ge=1, description="Machine size; null = the trace's MaxProcs or MaxNodes.")
     window: int = Field(8, ge=1, le=26, description="Waiting jobs every policy sees (oldest first), lettered A..Z "
                         "in prompts; the heuristics are judged at the same window.")
@@ -419,6 +441,19 @@ class SchedulingParams(Section):
     validate_: SchedulingValidateParams = Field(default_factory=SchedulingValidateParams, alias="validate")
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    @field_validator("trace")
+    @classmethod
+    def _trace_exists(cls, trace: str, info: ValidationInfo) -> str:
+        # Only a params file says where relative paths start (load_params passes its directory); params built in
+        # memory (tests, flows) name no file, so there is nothing to look at.
+        base_dir = (info.context or {}).get("params_dir")
+        if base_dir is not None:
+            try:
+                trace_file(trace, base_dir)
+            except FileNotFoundError as exc:
+                raise PydanticCustomError("trace_not_found", "{why}", {"why": str(exc).rstrip(".")}) from None
+        return trace
 
 
 class ScheduleParams(Section):
@@ -614,10 +649,11 @@ def _describe(error: dict[str, Any], known: list[str], source: str) -> str:
     return f"{source}: `{path}` = {value!r}: {error['msg']}."
 
 
-def parse_params(raw: dict[str, Any] | None, source: str = "params.yaml") -> Params:
-    """Validate a params mapping; raise ParamsError naming every bad key."""
+def parse_params(raw: dict[str, Any] | None, source: str = "params.yaml", params_dir: Path | None = None) -> Params:
+    """Validate a params mapping; raise ParamsError naming every bad key. With `params_dir` (the directory of the
+    file it was read from), the files it names must exist there too (`scheduling.trace`)."""
     try:
-        return Params.model_validate(raw or {})
+        return Params.model_validate(raw or {}, context={"params_dir": params_dir})
     except ValidationError as exc:
         known = _known_keys(Params)
         lines = [_describe(err, known, source) for err in exc.errors()]
@@ -662,7 +698,7 @@ def load_params(path: str | Path = "params.yaml") -> Params:
         raise ParamsError(f"{path}: not valid YAML: {exc}") from None
     if raw is not None and not isinstance(raw, dict):
         raise ParamsError(f"{path}: expected a mapping of sections at the top level, got {type(raw).__name__}.")
-    return parse_params(raw, str(path))
+    return parse_params(raw, str(path), params_dir=path.parent)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -670,7 +706,8 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(prog="python -m frugaltune.config",
                                      description="Check a params file against the schema (unknown or misspelled "
-                                                 "keys, types, ranges, duplicated keys) before any compute.")
+                                                 "keys, types, ranges, duplicated keys, a missing trace file) "
+                                                 "before any compute.")
     parser.add_argument("path", nargs="?", default="params.yaml", help="the params file (default: params.yaml)")
     path = parser.parse_args(argv).path
     try:

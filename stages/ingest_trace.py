@@ -1,20 +1,22 @@
 """Read the SWF trace and keep a copy.  Run by DVC (in scheduling/) as:  python -m stages.ingest_trace
 
-Reads `scheduling.trace` (a Parallel Workloads Archive file as published, after gunzip) with the SWF reader, which
-stops on a bad line naming `file:line` and the fix (wrong field count, negative times, a job wider than the
-machine, an empty file). Writes `data/trace.swf` (the bytes as read: every later stage reads this copy, so a
+Reads `scheduling.trace` (a Parallel Workloads Archive file as published, after gunzip; relative to scheduling/;
+by default data/lublin_256.swf, the repository's copy, whose sha256 it checks) with the SWF reader, which stops on
+a bad line naming `file:line` and the fix (wrong field count, negative times, a job wider than the machine, an
+empty file). Writes `data/trace.swf` (the bytes as read: every later stage reads this copy, so a
 changed source reruns the pipeline only through this stage), `data/trace.parquet` (one row per job, one column
 per SWF field, for validate_trace) and `reports/ingest_trace.json` (jobs, machine size, skipped jobs by reason).
 """
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 import sys
 from pathlib import Path
 
 from frugaltune import paths
-from frugaltune.config import Params, ParamsError, load_params
+from frugaltune.config import DEFAULT_TRACE, DEFAULT_TRACE_SHA256, Params, ParamsError, load_params, trace_file
 from frugaltune.faults import stage_errors
 from frugaltune.io import write_json
 from frugaltune.scheduling.evaluation import held_out_start
@@ -24,10 +26,12 @@ from frugaltune.scheduling.swf import SWFError
 
 def run(params: Params) -> dict:
     sp = params.scheduling
-    source = Path(sp.trace)
-    if not source.is_file():
-        raise FileNotFoundError(f"scheduling.trace = {sp.trace!r}: no such file (relative paths start in "
-                                f"{Path.cwd()}). Point it at an SWF trace (gunzip archive downloads first).")
+    try:
+        source = trace_file(sp.trace, Path("."))  # DVC runs this stage in scheduling/, beside its params.yaml
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(f"scheduling.trace = {sp.trace!r}: {exc}") from None
+    if source.resolve() == Path(DEFAULT_TRACE).resolve():
+        check_default_trace(source)
     workload = load_workload(source, sp)
     # Each output is written under a temp name and renamed: a crash leaves no half file that looks valid.
     paths.TRACE_COPY.parent.mkdir(parents=True, exist_ok=True)
@@ -48,11 +52,25 @@ def run(params: Params) -> dict:
     return report
 
 
+class TraceChanged(ValueError):
+    """The repository's default trace is not the bytes its README records."""
+
+
+def check_default_trace(source: Path) -> None:
+    """The repository's trace must be the bytes every documented result came from (sha256 in data/README.md)."""
+    digest = hashlib.sha256(source.read_bytes()).hexdigest()
+    if digest != DEFAULT_TRACE_SHA256:
+        raise TraceChanged(f"scheduling.trace = {str(source)!r}: sha256 {digest}, expected {DEFAULT_TRACE_SHA256} "
+                           "(data/README.md): the repository's trace was changed, or checked out as a Git LFS "
+                           f"pointer or with converted line endings. Restore it (git checkout -- scheduling/"
+                           f"{DEFAULT_TRACE}), or put another trace elsewhere and point scheduling.trace at it.")
+
+
 def main() -> None:
     with stage_errors("ingest_trace"):
         try:
             run(load_params())
-        except (ParamsError, SWFError, FileNotFoundError) as exc:
+        except (ParamsError, SWFError, FileNotFoundError, TraceChanged) as exc:
             sys.exit(f"ingest_trace: {exc}")
 
 

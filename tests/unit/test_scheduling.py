@@ -33,7 +33,7 @@ from frugaltune.scheduling.metrics import mean_queue_length, utilisation
 from frugaltune.scheduling.policies import f1_score, unicef_score, wfp3_score
 from frugaltune.scheduling.swf import workload_from_rows
 
-LUBLIN = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "swf" / "lublin_256.swf"
+LUBLIN = Path(__file__).resolve().parents[2] / "scheduling" / "data" / "lublin_256.swf"  # the repository's copy
 
 
 def swf_line(job_id, submit, run, alloc, req_procs=-1, req_time=-1, wait=-1) -> str:
@@ -115,7 +115,6 @@ def test_reader_rejects_traces_without_usable_jobs(tmp_path, text, message):
     assert str(path) in str(error.value)
 
 
-@pytest.mark.skipif(not LUBLIN.exists(), reason=f"{LUBLIN} not present (the shared workspace's copy)")
 def test_reader_reads_the_lublin_trace():
     workload = read_swf(LUBLIN)
     assert (len(workload), workload.max_procs, workload.skipped) == (10000, 256, {})
