@@ -65,7 +65,8 @@ class Backup:
     versions: int | None  # registered model versions in it; None when it cannot be read
 
     def describe(self) -> str:
-        count = "unreadable" if self.versions is None else f"{self.versions} registered versions"
+        count = ("unreadable" if self.versions is None else
+                 f"{self.versions} registered version{'' if self.versions == 1 else 's'}")
         return f"{self.path} ({self.taken:%Y-%m-%d %H:%M:%S} UTC, {count})"
 
 
