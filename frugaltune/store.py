@@ -21,8 +21,8 @@ backup, no lock.
 
 from __future__ import annotations
 
-import filecmp
 import fcntl
+import filecmp
 import os
 import sqlite3
 import sys
@@ -30,7 +30,7 @@ import time
 from collections.abc import Iterator
 from contextlib import closing, contextmanager
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from frugaltune import faults
@@ -136,7 +136,7 @@ def backups(db: Path) -> list[Backup]:
     found = []
     for path in backup_dir(db).glob(f"{db.stem}-*.db"):
         try:
-            taken = datetime.strptime(path.stem.removeprefix(f"{db.stem}-"), STAMP).replace(tzinfo=timezone.utc)
+            taken = datetime.strptime(path.stem.removeprefix(f"{db.stem}-"), STAMP).replace(tzinfo=UTC)
         except ValueError:
             continue  # not one of ours
         found.append(Backup(path, taken, version_count(path)))
@@ -203,7 +203,7 @@ def backup(db: Path, keep: int = KEEP) -> Path:
     folder.mkdir(exist_ok=True)
     for partial in folder.glob(".*.partial"):  # left by a backup killed half-way
         partial.unlink(missing_ok=True)
-    target = folder / f"{db.stem}-{datetime.now(timezone.utc):{STAMP}}.db"
+    target = folder / f"{db.stem}-{datetime.now(UTC):{STAMP}}.db"
     partial = folder / f".{target.name}.partial"
     with closing(sqlite3.connect(db, timeout=BUSY_TIMEOUT_S)) as source:
         _copy_database(source, partial)
@@ -295,7 +295,7 @@ def restore(db: Path, chosen: Path | None = None, force: bool = False) -> tuple[
             if not chosen.is_file():
                 raise StoreError(f"{chosen}: no such backup. `frugaltune registry backups --store {db}` lists them.")
             picked = next((b for b in backups(db) if b.path.resolve() == chosen.resolve()),
-                          Backup(chosen, datetime.fromtimestamp(chosen.stat().st_mtime, timezone.utc),
+                          Backup(chosen, datetime.fromtimestamp(chosen.stat().st_mtime, UTC),
                                  version_count(chosen)))
             problem = integrity_problem(picked.path)
             if problem is not None:
@@ -308,7 +308,7 @@ def restore(db: Path, chosen: Path | None = None, force: bool = False) -> tuple[
                 f"{backup_dir(db) / REPLACED_DIR})."
             )
         moved = None
-        stamp = f"{datetime.now(timezone.utc):{STAMP}}"
+        stamp = f"{datetime.now(UTC):{STAMP}}"
         aside = backup_dir(db) / REPLACED_DIR
         for suffix in ("", *SIDE_FILES):
             current = db.with_name(db.name + suffix)

@@ -27,7 +27,14 @@ import pytest
 from frugaltune import paths, store
 from tests.faults.helpers import ROOT, env
 from tests.faults.table import fault
-from tests.unit.test_register import EXPERIMENT, LABELS, MODEL_NAME, build_tiny_model, fake_reports, write_eval_data
+from tests.unit.test_register import (
+    EXPERIMENT,
+    LABELS,
+    MODEL_NAME,
+    build_tiny_model,
+    fake_reports,
+    write_eval_data,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +49,7 @@ def run_env(project: Path, **extra: str) -> dict[str, str]:
 
 def sh(command: list[str] | str, project: Path, **extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(command, cwd=project, env=run_env(project, **extra), capture_output=True, text=True,
-                          timeout=300, shell=isinstance(command, str))
+                          timeout=300, check=False, shell=isinstance(command, str))
 
 
 def register(project: Path, **extra: str) -> subprocess.CompletedProcess:
@@ -109,9 +116,8 @@ def test_a_damaged_store_is_restored_by_the_printed_command(registered, project)
     [message] = [line for line in failed.stderr.splitlines() if line.startswith("frugaltune predict:")]
     assert f"{db}: the MLflow store is damaged (database disk image is malformed)" in message, message
     assert "1 registered version)" in message and "Register a model first" not in failed.stderr, message
-    with pytest.raises(store.StoreDamaged):
-        with store.guarded_write(f"sqlite:///{db}"):  # what the register stages do first
-            pytest.fail("a register would have written into a damaged store")
+    with pytest.raises(store.StoreDamaged), store.guarded_write(f"sqlite:///{db}"):  # as the register stages do
+        pytest.fail("a register would have written into a damaged store")
 
     restored = sh(the_restore_command(message), project)
     assert restored.returncode == 0, restored.stderr
@@ -129,9 +135,8 @@ def test_a_deleted_store_with_backups_is_not_replaced_by_an_empty_one(project):
     db.unlink()
     failed = predict(project)
     assert failed.returncode == 1 and "is missing, but backups of it exist" in failed.stderr, failed.stderr
-    with pytest.raises(store.StoreDamaged):
-        with store.guarded_write(f"sqlite:///{db}"):  # what the register stages do first
-            pytest.fail("a register would have started an empty registry")
+    with pytest.raises(store.StoreDamaged), store.guarded_write(f"sqlite:///{db}"):  # as the register stages do
+        pytest.fail("a register would have started an empty registry")
     assert not db.exists()
 
     restored = sh(the_restore_command(failed.stderr), project)

@@ -40,7 +40,8 @@ def made_by_mlflow(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An MLflow sqlite store with model `tiny`, versions 1 and 2, v1 @champion (made in a subprocess, so this
     process keeps no connection to it)."""
     db = tmp_path_factory.mktemp("made") / "mlflow.db"
-    code = ("import mlflow, sys; c = mlflow.MlflowClient(f'sqlite:///{sys.argv[1]}'); c.create_registered_model('tiny')\n"
+    code = ("import mlflow, sys; c = mlflow.MlflowClient(f'sqlite:///{sys.argv[1]}')\n"
+            "c.create_registered_model('tiny')\n"
             "for _ in range(2): c.create_model_version('tiny', source='file:///nowhere')\n"
             "c.set_registered_model_alias('tiny', 'champion', '1')")
     subprocess.run([sys.executable, "-c", code, str(db)], check=True, capture_output=True, timeout=300)
@@ -100,9 +101,9 @@ def test_a_missing_store_is_an_error_only_when_backups_of_it_exist(db: Path) -> 
     db.unlink()
     with pytest.raises(store.StoreDamaged, match="is missing, but backups of it exist.*frugaltune registry restore"):
         store.check(f"sqlite:///{db}")
-    with pytest.raises(store.StoreDamaged):
-        with store.guarded_write(f"sqlite:///{db}"):  # a register would start a new, empty registry
-            pytest.fail("a write into a lost store was allowed")
+    # A register would start a new, empty registry in its place.
+    with pytest.raises(store.StoreDamaged), store.guarded_write(f"sqlite:///{db}"):
+        pytest.fail("a write into a lost store was allowed")
     assert not db.exists()
     shutil.rmtree(db.parent / "mlflow-backups")
     store.check(f"sqlite:///{db}")  # a fresh project
@@ -143,9 +144,9 @@ def test_a_second_writer_waits_for_the_lock_then_fails_naming_the_holder(db: Pat
     try:
         assert holder.stdout.readline().strip() == "held"
         start = time.monotonic()
-        with pytest.raises(store.StoreBusy, match=f"pid {holder.pid} .*held its lock .* for more than 1 s"):
-            with store.write_lock(db, timeout=1):
-                pytest.fail("two writers held the lock")
+        busy = f"pid {holder.pid} .*held its lock .* for more than 1 s"
+        with pytest.raises(store.StoreBusy, match=busy), store.write_lock(db, timeout=1):
+            pytest.fail("two writers held the lock")
         assert time.monotonic() - start >= 1
     finally:
         holder.kill()
