@@ -7,6 +7,8 @@
     frugaltune export --merged exported/                    # base + adapter as one plain Hugging Face model
     frugaltune plan                                         # will train.method fit here, and how long will it take?
     frugaltune plan --memory-limit-gb 4 --no-calibrate --json
+    frugaltune registry restore                             # a damaged mlflow.db: its newest good backup back
+    frugaltune registry backups                             # the backups of mlflow.db, newest first
 
 Each subcommand is a `_<name>(args) -> int` handler registered in `build_parser()`; heavy imports stay inside
 the handlers so `frugaltune --help` is instant.
@@ -53,7 +55,7 @@ def _predict(args: argparse.Namespace) -> int:
     import pandas as pd
     from mlflow.exceptions import MlflowException
 
-    from frugaltune import tracking
+    from frugaltune import store, tracking
     from frugaltune.config import ParamsError
 
     try:
@@ -62,6 +64,10 @@ def _predict(args: argparse.Namespace) -> int:
         raise CommandError(str(exc)) from None
     model_uri = args.model_uri or f"models:/{register.model_name}@{register.alias}"
     uri = tracking.tracking_uri()
+    try:
+        store.check(uri)  # damaged, or deleted with backups left: the restore command, not MLflow's SQL error
+    except store.StoreError as exc:
+        raise CommandError(str(exc)) from None
     if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
         # MLflow would create an empty store here and then fail to find the model.
         raise CommandError(
@@ -72,10 +78,13 @@ def _predict(args: argparse.Namespace) -> int:
     try:
         model = mlflow.pyfunc.load_model(model_uri)
     except MlflowException as exc:
-        raise CommandError(
-            f"cannot load {model_uri} from {mlflow.get_tracking_uri()}: {exc.message}\n"
-            "Register a model first (`dvc repro register`), or pass --model-uri / set MLFLOW_TRACKING_URI."
-        ) from None
+        registered = store.registered_models(uri)
+        if registered:  # a healthy store with models: registering again would not help
+            hint = (f"The store holds {', '.join(registered)}: check register.model_name / register.alias in "
+                    "--params, or pass --model-uri.")
+        else:
+            hint = "Register a model first (`dvc repro register`), or pass --model-uri / set MLFLOW_TRACKING_URI."
+        raise CommandError(f"cannot load {model_uri} from {mlflow.get_tracking_uri()}: {exc.message}\n{hint}") from None
     # The signature says which kind of model this is: a classifier reads `text`, a generative model `prompt`.
     schema = model.metadata.get_input_schema()
     if schema is not None and "prompt" in schema.input_names():
@@ -158,6 +167,44 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _store_path(args: argparse.Namespace) -> Path:
+    from frugaltune import store, tracking
+
+    if args.store:
+        return Path(args.store)
+    uri = tracking.tracking_uri()
+    db = store.sqlite_path(uri)
+    if db is None:
+        raise CommandError(f"the tracking store {uri} is not a local sqlite file: a tracking server keeps (and backs "
+                           "up) its own database. Pass --store PATH for a local mlflow.db.")
+    return db
+
+
+def _registry_restore(args: argparse.Namespace) -> int:
+    from frugaltune import store
+
+    db = _store_path(args)
+    try:
+        used, moved = store.restore(db, Path(args.backup) if args.backup else None, force=args.force)
+    except store.StoreError as exc:
+        raise CommandError(str(exc)) from None
+    kept = f"; the previous file is kept as {moved}" if moved else ""
+    print(f"restored {db} from {used.describe()}{kept}")
+    return 0
+
+
+def _registry_backups(args: argparse.Namespace) -> int:
+    from frugaltune import store
+
+    db = _store_path(args)
+    found = store.backups(db)
+    if not found:
+        print(f"no backups of {db} in {store.backup_dir(db)}")
+    for backup in found:
+        print(backup.describe())
+    return 0
+
+
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -223,6 +270,25 @@ def build_parser() -> argparse.ArgumentParser:
                       help="run a few real training steps to fit this machine's constants (default: probe.calibrate)")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.set_defaults(handler=_plan)
+
+    registry = commands.add_parser(
+        "registry",
+        help="back up and restore the local MLflow store (mlflow.db)",
+        description="The registry's sqlite store is backed up before and after every register into mlflow-backups/ "
+        "beside it (frugaltune/store.py). `restore` puts a backup back in its place.",
+    )
+    actions = registry.add_subparsers(dest="action", required=True, metavar="ACTION")
+    restore = actions.add_parser("restore", help="replace a damaged or missing store with a backup",
+                                 description="Replace the store with BACKUP, or with its newest good backup; the "
+                                 "current file is moved to mlflow-backups/replaced/, never deleted.")
+    restore.add_argument("backup", nargs="?", metavar="BACKUP", help="a backup file (default: the newest that passes "
+                         "sqlite's integrity check)")
+    restore.add_argument("--force", action="store_true", help="replace a store that passes its integrity check too")
+    listing = actions.add_parser("backups", help="list the store's backups, newest first")
+    for sub, handler in ((restore, _registry_restore), (listing, _registry_backups)):
+        sub.add_argument("--store", help="the sqlite file (default: the tracking store, ./mlflow.db unless "
+                         "MLFLOW_TRACKING_URI says otherwise)")
+        sub.set_defaults(handler=handler)
     return parser
 
 

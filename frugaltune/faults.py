@@ -5,7 +5,8 @@ harmful (just before an atomic rename, in the middle of a checkpoint write) and 
 (`tests/faults/`, `pytest -m slow tests/faults`) set FRUGALTUNE_FAULT in the stage's environment:
 
     FRUGALTUNE_FAULT=<point>:<file name>:<action>[,...]   action: enospc (raise OSError ENOSPC) | hang (write the
-                                                          pid to $FRUGALTUNE_FAULT_MARKER, then wait to be killed)
+                                                          pid to $FRUGALTUNE_FAULT_MARKER, then wait to be killed) |
+                                                          pause (as hang, but go on once the marker is deleted)
 """
 
 from __future__ import annotations
@@ -31,11 +32,15 @@ def inject(point: str, name: str) -> None:
             continue
         if action == "enospc":
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), name)
-        if action == "hang":
+        if action in ("hang", "pause"):
             marker = os.environ.get("FRUGALTUNE_FAULT_MARKER")
             if marker:
                 Path(marker).write_text(str(os.getpid()))
-            time.sleep(3600)
+            if action == "hang":
+                time.sleep(3600)
+            deadline = time.monotonic() + 3600
+            while marker and Path(marker).exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
 
 
 def disk_full_message(stage: str, exc: OSError) -> str:

@@ -26,7 +26,7 @@ from urllib.parse import urlparse
 
 import yaml
 
-from frugaltune import paths
+from frugaltune import paths, store
 
 TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
 # MLflow 3's UI opens an experiment without this tag in its GenAI view (traces); ours are model development.
@@ -51,12 +51,13 @@ def setup(experiment: str) -> str:
 
     Idempotent: an existing experiment is reused. With the default sqlite store a new experiment keeps its
     artifacts in `mlartifacts/` (MLflow would otherwise pick `./mlruns`); with `MLFLOW_TRACKING_URI` set, the
-    server decides.
+    server decides. A damaged local store raises store.StoreDamaged (frugaltune/store.py).
     """
     import mlflow
     from mlflow.exceptions import MlflowException
 
     uri = tracking_uri()
+    store.check(uri)  # a damaged local store: one line with the restore command, not SQL errors mid-stage
     mlflow.set_tracking_uri(uri)
     client = mlflow.MlflowClient(uri)
     found = client.get_experiment_by_name(experiment)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from mlflow import MlflowClient
 
-from frugaltune import paths, tracking
+from frugaltune import paths, store, tracking
 from frugaltune.config import Params, ParamsError, load_params
 from frugaltune.faults import stage_errors
 from frugaltune.io import write_json
@@ -72,8 +72,9 @@ def run(params: Params) -> dict:
 def main() -> None:
     with stage_errors("federated_register"):
         try:
-            run(load_params())
-        except (ParamsError, register.RegisterError) as exc:
+            with store.guarded_write(tracking.tracking_uri()):  # one writer; a backup before and after
+                run(load_params())
+        except (ParamsError, register.RegisterError, store.StoreError) as exc:
             sys.exit(f"federated_register: {exc}")
 
 

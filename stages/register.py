@@ -34,7 +34,7 @@ from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 
 from frugaltune.faults import stage_errors
-from frugaltune import serving, tracking
+from frugaltune import serving, store, tracking
 from frugaltune.io import read_json, write_json
 from frugaltune import paths
 from frugaltune.config import Params, ParamsError, RegisterParams, load_params
@@ -336,8 +336,9 @@ def run(params: Params) -> dict:
 def main() -> None:
     with stage_errors("register"):  # a full disk: one clear line, not a traceback
         try:
-            run(load_params())
-        except (ParamsError, RegisterError) as exc:
+            with store.guarded_write(tracking.tracking_uri()):  # one writer; a backup before and after
+                run(load_params())
+        except (ParamsError, RegisterError, store.StoreError) as exc:
             sys.exit(f"register: {exc}")
 
 

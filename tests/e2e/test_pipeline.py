@@ -202,6 +202,8 @@ def test_method_comparison_table_and_per_method_reruns(repo):
 README_NOT_RUN_HERE = {
     "make pipeline": "the first test of this module runs its `dvc repro` on the tiny project",
     "make test": "this suite",
+    "frugaltune registry restore": "tests/faults/test_registry_store.py runs it, as the error prints it, on a damaged "
+        "store (on a healthy one it refuses, as it should)",
     "make schedule": "tests/e2e/test_scheduling_pipeline.py runs scheduling/dvc.yaml on a tiny model and trace",
     "pytest -m slow tests/faults": "part of this suite (make test)",
     "make ui": "tests/e2e/test_prefect.py starts it (python -m flows.ui) and checks both servers and Ctrl-C",

@@ -1,0 +1,239 @@
+"""The MLflow store (mlflow.db) under faults: damaged, deleted with its backups left, written by two `register` runs at
+once, and its writer killed -9. The registry must never be lost: each test ends with the same @champion (or the one
+the run should have made) in a store that passes sqlite's integrity check.
+
+Run with `make test` or `pytest -m slow tests/faults/test_registry_store.py` (about two minutes). A tiny model and a
+fake evaluation (as tests/unit/test_register.py builds them) are registered by the real stage, `python -m
+stages.register`, in a process of its own; the restore is the command the error message prints, run by a shell.
+Each test is a row of docs/FAULTS.md (see table.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from contextlib import closing
+from pathlib import Path
+
+import pytest
+
+from frugaltune import paths, store
+from tests.faults.helpers import ROOT, env
+from tests.faults.table import fault
+from tests.unit.test_register import (
+    EXPERIMENT,
+    LABELS,
+    MODEL_NAME,
+    build_tiny_model,
+    fake_reports,
+    write_eval_data,
+)
+
+pytestmark = pytest.mark.slow
+
+TEXT = "what a great day"
+
+
+def run_env(project: Path, **extra: str) -> dict[str, str]:
+    # The project holds data and models only; stages/ and frugaltune/ come from this checkout.
+    return env(PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               FRUGALTUNE_BASE_CACHE=str(project.parent / "base-cache"), **extra)
+
+
+def sh(command: list[str] | str, project: Path, **extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(command, cwd=project, env=run_env(project, **extra), capture_output=True, text=True,
+                          timeout=300, check=False, shell=isinstance(command, str))
+
+
+def register(project: Path, **extra: str) -> subprocess.CompletedProcess:
+    done = sh([sys.executable, "-m", "stages.register"], project, **extra)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+def predict(project: Path) -> subprocess.CompletedProcess:
+    return sh(["frugaltune", "predict", "--json", TEXT], project)
+
+
+def champion(project: Path) -> int:
+    with closing(sqlite3.connect(project / "mlflow.db")) as con:
+        return int(con.execute("SELECT version FROM registered_model_aliases WHERE name = ? AND alias = 'champion'",
+                               (MODEL_NAME,)).fetchone()[0])
+
+
+def the_restore_command(message: str) -> str:
+    found = re.findall(r"`(frugaltune registry restore[^`]*)`", message)
+    assert len(found) == 1, message
+    return found[0]
+
+
+@pytest.fixture(scope="module")
+def registered(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """A project with v1 of MODEL_NAME registered @champion by the stage; and what `frugaltune predict` answered."""
+    project = tmp_path_factory.mktemp("registry") / "project"
+    project.mkdir()
+    build_tiny_model(project / paths.MODELS, LABELS)
+    (project / paths.PARAMS).write_text(f"register:\n  model_name: {MODEL_NAME}\ntrain:\n  experiment: {EXPERIMENT}\n")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(project)
+        write_eval_data(LABELS)
+        fake_reports(0.6, None)  # register logs the model into a run of its own
+    register(project)
+    answer = predict(project)
+    assert answer.returncode == 0, answer.stderr
+    assert champion(project) == 1 and store.backups(project / "mlflow.db")
+    return project, answer.stdout
+
+
+@pytest.fixture
+def project(registered: tuple[Path, str], tmp_path: Path) -> Path:
+    """A copy of the registered project (its store's artifact location stays the original's mlartifacts/)."""
+    copy = tmp_path / "project"
+    shutil.copytree(registered[0], copy)
+    return copy
+
+
+@fault("disk", "the MLflow store (mlflow.db) damaged: 8 KB overwritten with zeros",
+       "`frugaltune predict` stops with one line: the file, sqlite's error, the newest good backup (date, registered "
+       "versions) and the command that restores it; `register` refuses to write into the damaged file",
+       "recovered: the printed `frugaltune registry restore` puts back the backup taken after the last register; "
+       "`frugaltune predict` answers with the same @champion; the damaged file is kept in mlflow-backups/replaced/")
+def test_a_damaged_store_is_restored_by_the_printed_command(registered, project):
+    db = project / "mlflow.db"
+    with db.open("r+b") as handle:
+        handle.seek(8192)
+        handle.write(b"\0" * 8192)
+
+    failed = predict(project)
+    assert failed.returncode == 1 and "Traceback" not in failed.stderr, failed.stderr
+    [message] = [line for line in failed.stderr.splitlines() if line.startswith("frugaltune predict:")]
+    assert f"{db}: the MLflow store is damaged (database disk image is malformed)" in message, message
+    assert "1 registered version)" in message and "Register a model first" not in failed.stderr, message
+    with pytest.raises(store.StoreDamaged), store.guarded_write(f"sqlite:///{db}"):  # as the register stages do
+        pytest.fail("a register would have written into a damaged store")
+
+    restored = sh(the_restore_command(message), project)
+    assert restored.returncode == 0, restored.stderr
+    assert list((project / "mlflow-backups" / "replaced").iterdir())
+    answer = predict(project)
+    assert answer.returncode == 0, answer.stderr
+    assert answer.stdout == registered[1] and champion(project) == 1
+
+
+@fault("disk", "the MLflow store (mlflow.db) deleted, its backups left",
+       "one line: the store is missing, its newest backup and the restore command; `register` refuses to start a "
+       "new, empty registry in its place", "recovered: the printed command restores it; @champion unchanged")
+def test_a_deleted_store_with_backups_is_not_replaced_by_an_empty_one(project):
+    db = project / "mlflow.db"
+    db.unlink()
+    failed = predict(project)
+    assert failed.returncode == 1 and "is missing, but backups of it exist" in failed.stderr, failed.stderr
+    with pytest.raises(store.StoreDamaged), store.guarded_write(f"sqlite:///{db}"):  # as the register stages do
+        pytest.fail("a register would have started an empty registry")
+    assert not db.exists()
+
+    restored = sh(the_restore_command(failed.stderr), project)
+    assert restored.returncode == 0, restored.stderr
+    assert store.integrity_problem(db) is None and champion(project) == 1
+
+
+@fault("process", "two `register` runs at once on one MLflow store",
+       "the second waits for the first (a line names the writer's pid), then runs",
+       "nothing doubled or lost: one version for the training run, @champion moved once, the store passes "
+       "sqlite's integrity check")
+def test_two_registers_at_once(project):
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+    run = client.create_run(client.get_experiment_by_name(EXPERIMENT).experiment_id)
+    client.set_terminated(run.info.run_id)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(project)
+        fake_reports(0.7, run.info.run_id)  # a better model: both runs would register it and move @champion
+    marker = project.parent / "first-holds-the-lock"
+    command = [sys.executable, "-m", "stages.register"]
+    # The first pauses while it holds the lock (until the marker is deleted): the second surely finds it taken.
+    first = subprocess.Popen(command, cwd=project, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env=run_env(project, FRUGALTUNE_FAULT="store:mlflow.db:pause",
+                                         FRUGALTUNE_FAULT_MARKER=str(marker)))
+    deadline = time.monotonic() + 120
+    while not marker.exists():
+        assert first.poll() is None, first.stdout.read()
+        assert time.monotonic() < deadline, "the first register never took the lock"
+        time.sleep(0.2)
+    log = project.parent / "second.log"
+    with log.open("w") as out:
+        second = subprocess.Popen(command, cwd=project, stdout=out, stderr=subprocess.STDOUT, text=True,
+                                  env=run_env(project))
+        deadline = time.monotonic() + 120
+        while "waiting" not in log.read_text():
+            assert second.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, "the second register never waited for the lock"
+            time.sleep(0.2)
+        assert f"pid {marker.read_text()}" in log.read_text()
+        marker.unlink()  # the first goes on
+        first_output, _ = first.communicate(timeout=180)
+        second.wait(timeout=180)
+    assert first.returncode == 0, first_output
+    assert second.returncode == 0, log.read_text()
+    versions = client.search_model_versions(f"name = '{MODEL_NAME}' and run_id = '{run.info.run_id}'")
+    assert [v.version for v in versions] == [2]
+    assert "already has" in log.read_text()  # the second found the first's version instead of making another
+    assert champion(project) == 2 and store.integrity_problem(project / "mlflow.db") is None
+
+
+WRITER = """
+import sqlite3, sys, time
+con = sqlite3.connect(sys.argv[1], isolation_level=None)
+con.execute("PRAGMA cache_size = 2")  # dirty pages go to the file before the commit: a torn file if not rolled back
+con.execute("BEGIN IMMEDIATE")
+con.execute("UPDATE registered_model_aliases SET version = 99")
+con.execute("CREATE TABLE half_written (x)")
+con.executemany("INSERT INTO half_written VALUES (randomblob(1000))", [()] * 2000)
+print("mid-transaction", flush=True)
+time.sleep(600)
+"""
+
+
+@fault("process", "kill -9 in `register` while it holds the store's write lock; a writer of mlflow.db killed -9 "
+       "inside its sqlite transaction", "the process dies",
+       "recovered, nothing lost: the lock goes with the process, sqlite rolls the half-done transaction back "
+       "(integrity check passes, @champion unchanged), and the rerun registers")
+def test_kill9_while_writing_the_store(project):
+    db = project / "mlflow.db"
+    marker = project.parent / "register-holds-the-lock"
+    killed = subprocess.Popen([sys.executable, "-m", "stages.register"], cwd=project, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True,
+                              env=run_env(project, FRUGALTUNE_FAULT="store:mlflow.db:hang",
+                                          FRUGALTUNE_FAULT_MARKER=str(marker)))
+    deadline = time.monotonic() + 120
+    while not marker.exists():
+        assert killed.poll() is None, killed.stdout.read()
+        assert time.monotonic() < deadline, "register never took the lock"
+        time.sleep(0.2)
+    os.kill(killed.pid, signal.SIGKILL)
+    killed.wait(timeout=60)
+    with store.write_lock(db, timeout=0):  # free at once: no stale lock
+        pass
+    assert not list((project / "mlflow-backups").glob(".*.partial"))
+
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(db)], stdout=subprocess.PIPE, text=True)
+    assert writer.stdout.readline().strip() == "mid-transaction"
+    assert db.with_name("mlflow.db-journal").exists()  # the transaction is half on disk
+    writer.kill()
+    writer.wait(timeout=60)
+
+    assert store.integrity_problem(db) is None  # opening rolls the hot journal back
+    with closing(sqlite3.connect(db)) as con:
+        assert not con.execute("SELECT name FROM sqlite_master WHERE name = 'half_written'").fetchall()
+    assert champion(project) == 1
+    done = register(project)
+    assert "already has" in done.stdout and champion(project) == 1
+    assert json.loads((project / "reports" / "register.json").read_text())["version"] == 1
