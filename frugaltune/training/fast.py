@@ -36,8 +36,6 @@ from collections.abc import Iterator
 import torch
 
 SHORT_ATTENTION = "frugaltune_short"
-# Children of one parent module that read the same input tensor (Llama-family names: SmolLM2, Llama, Qwen, Mistral)
-SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 _BITS = 15  # random bits per element used: the low 15 of each 16-bit lane (the top lane of an int64 has only 15)
 
 

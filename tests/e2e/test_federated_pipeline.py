@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import shutil
 import time
 from collections import Counter
 from pathlib import Path

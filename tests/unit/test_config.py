@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+import pydantic
 import pytest
 import yaml
 
@@ -82,7 +83,7 @@ def test_missing_and_malformed_files(tmp_path):
 
 def test_params_are_frozen():
     params = parse_params({})
-    with pytest.raises(Exception):
+    with pytest.raises(pydantic.ValidationError):
         params.train.lr = 1.0
 
 

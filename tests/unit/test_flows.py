@@ -22,7 +22,7 @@ from frugaltune.config import load_params, parse_params
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# Stands in for `python -m stages.register`: the same idempotent registry write (stages.register's own
+# Stands in for `python -m stages.register`: the same idempotent registry write (frugaltune.registry's own
 # functions, a real MLflow sqlite store), and on the first attempt only, a failure right after it, as when the
 # registry committed the version but the connection dropped before the client heard back.
 FLAKY_REGISTER = '''
@@ -33,7 +33,7 @@ from mlflow import MlflowClient
 
 from frugaltune import tracking
 from frugaltune.io import write_json
-from stages import register
+from frugaltune import registry as register
 from frugaltune.config import load_params
 
 params = load_params()

@@ -240,7 +240,6 @@ def test_cpu_clock_is_read_from_this_machine():
 
 
 def test_bitsandbytes_hub_kernel_notice_is_dropped_and_nothing_named_kernels_is_installed(caplog):
-    import importlib.util
     import logging
 
     import frugaltune  # noqa: F401  (installs the filter)

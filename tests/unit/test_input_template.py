@@ -12,7 +12,7 @@ from frugaltune.models import load_for_classification, load_tokenizer
 from frugaltune.serving import load_classifier
 from frugaltune.training.loop import LoopConfig, predict, train_classifier
 from frugaltune.training.methods import freeze_for, save_trained
-from stages.train import adapter_manifest
+from frugaltune.recipes.train import adapter_manifest
 
 LABELS = ["negative", "positive"]
 TEMPLATE = "Tweet: {text}\nSentiment:"

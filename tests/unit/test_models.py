@@ -1,6 +1,5 @@
 """Model sources: local HF dirs, GGUF packages, hub ids without network; the import is atomic and reported."""
 
-import json
 import time
 
 import pytest

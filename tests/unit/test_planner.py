@@ -8,7 +8,7 @@ import torch
 from transformers import LlamaConfig
 
 from frugaltune import planner
-from frugaltune.models import load_for_classification, load_tokenizer
+from frugaltune.models import load_tokenizer
 from frugaltune.training.loop import LoopConfig, _EpochOrder, plan_steps, train_classifier
 from frugaltune.training.methods import prepare_model
 

@@ -21,6 +21,7 @@ from mlflow import MlflowClient
 
 from frugaltune import cli, tracking
 from frugaltune import paths
+from frugaltune import registry
 from stages import register as register_stage
 from frugaltune.config import Params, parse_params
 
@@ -185,10 +186,10 @@ def test_second_registration_of_the_same_run_reuses_the_version(project: Path) -
 def test_register_model_version_is_safe_to_retry(project: Path) -> None:
     client = MlflowClient()
     source = client.get_model_version(MODEL_NAME, "1")
-    retried = register_stage.register_model_version(
+    retried = registry.register_model_version(
         client, "retry-model", source.run_id, source.source, {"k": "v"}, model_id=source.model_id
     )
-    again = register_stage.register_model_version(
+    again = registry.register_model_version(
         client, "retry-model", source.run_id, source.source, {"k": "v", "extra": "1"}, model_id=source.model_id
     )
     assert str(retried.version) == str(again.version) == "1"
@@ -222,7 +223,7 @@ def test_unknown_training_run_gets_one_new_run_however_often_it_is_retried(proje
 
 def test_unknown_metric_is_rejected_with_the_known_ones(project: Path) -> None:
     fake_reports(0.6, None)
-    with pytest.raises(register_stage.RegisterError, match="Choose one of: accuracy, macro_f1"):
+    with pytest.raises(registry.RegisterError, match="Choose one of: accuracy, macro_f1"):
         register_stage.run(parse_params({"register": {"metric": "f1_macro"}}))
 
 
@@ -278,7 +279,7 @@ def test_a_model_of_another_dataset_never_takes_the_champion_alias(project: Path
         write_eval_data(LABELS)
     assert first["champion_version"] == other["champion_version"] == other_split["champion_version"] == 1
     assert other["promoted"] == other_split["promoted"] == 0
-    assert "register.model_name" in register_stage.update_alias(
+    assert "register.model_name" in registry.update_alias(
         MlflowClient(), name, "champion", MlflowClient().get_model_version(name, str(other["version"])),
         "finetuned.macro_f1", True)[1]
     # Back on the first data, a better model does move it.
