@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import time
@@ -22,6 +23,7 @@ from typing import Any, Callable
 
 from frugaltune import paths
 
+ROOT = Path(__file__).resolve().parents[1]
 BASE = paths.BASE_MODEL
 TOKENIZED = paths.TOKENIZED_DIR
 LABELS_FILE = paths.LABELS
@@ -183,6 +185,28 @@ def run_child(cmd: list[str], what: str, env: dict[str, str] | None = None, **kw
     if proc.returncode != 0:
         sys.exit(f"{what} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def scratch_project(root: Path, linked: tuple[str, ...] = (), copied: tuple[str, ...] = ()) -> Path:
+    """`root` made a project root for whole stages (`python -m stages.<name>`, cwd=root, env=stage_env()) that must
+    not write into this checkout: `linked` paths as symlinks to this checkout's (what the stages only read),
+    `copied` as copies (what they rewrite); paths that do not exist here are left out."""
+    for relative in linked + copied:
+        source, target = ROOT / relative, root / relative
+        if not source.exists():
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if relative in linked:
+            target.symlink_to(source, target_is_directory=source.is_dir())
+        else:
+            (shutil.copytree if source.is_dir() else shutil.copy)(source, target)
+    return root
+
+
+def stage_env(base: dict[str, str] | None = None, **extra: str) -> dict[str, str]:
+    """The environment (`base`, default this process's) of a stage run from a scratch project: PYTHONPATH is this
+    checkout (its `stages` package is not installed), progress bars off, and `extra`."""
+    return {**(os.environ if base is None else base), "PYTHONPATH": str(ROOT), "TQDM_DISABLE": "1", **extra}
 
 
 def write_results(name: str, data: dict) -> Path:

@@ -16,8 +16,8 @@ Four parts, on this machine's threads:
 3. `--ab-rounds N` (default 3): the project's loop (`train_classifier`) with bf16 products against int8 products,
    two models on the same slices, alternated, round 0 a warm-up (it includes the compilation).
 4. `--quality NAME [overrides]`: `benchmarks/quality_sweep.py NAME train.int8_products=true [overrides]` (the
-   same `stages.train.run`, then `stages.evaluate.run` on the bf16 base, as serving loads the adapter); the row
-   lands in reports/sweep/quality_sweep.jsonl.
+   train stage itself, then the evaluate stage on the bf16 base, as serving loads the adapter); the row lands in
+   reports/sweep/quality_sweep.jsonl.
 
 `--method dora|qlora` runs parts 2-3 on that method as the train stage builds it (DoRA keeps its bf16 weights for
 its norm; QLoRA's int8 copies are made from its dequantized NF4 blocks, and the 4-bit weights are dropped).
