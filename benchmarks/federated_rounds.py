@@ -70,9 +70,9 @@ from frugaltune.models import load_tokenizer
 # benchmark both call, e.g. frugaltune.federated.centralized.baseline(params, labels, pad_token_id, examples, seed,
 # precision) -> the same dict; then `centralized_baseline` below is that function and CENTRALIZED_MISSING goes.
 CENTRALIZED_MISSING = ("federated_rounds: --centralized and --only-centralized need the centralized baseline as a "
-                       "library function (it is only in stages/federated.py, which benchmarks do not import). The "
-                       "stage's own baseline: `dvc repro federated/dvc.yaml` with federated.centralized_baseline: "
-                       "true writes it to reports/federated.json (`centralized`).")
+                       "library function (only stages/federated.py has it, and benchmarks run no stage code "
+                       "in-process). The stage's own baseline: `dvc repro federated/dvc.yaml` with "
+                       "federated.centralized_baseline: true writes it to reports/federated.json (`centralized`).")
 
 
 def centralized_baseline(params, labels: list[str], pad_token_id: int, examples: int, seed: int,
