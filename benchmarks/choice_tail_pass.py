@@ -19,17 +19,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's frugaltune, not an installed one
+import common
+import torch
 
-import torch  # noqa: E402
-from scheduling_prompts import add_arguments, load  # noqa: E402  (beside this file)
-
-from frugaltune import generation  # noqa: E402
-from frugaltune.hardware import cpu_facts  # noqa: E402
+from frugaltune import generation
+from frugaltune.hardware import cpu_facts
 
 
 def per_candidate_rows(model, answers, prompt_mask, cache, pad, scores, rows_per_pass: int = 256) -> None:
@@ -57,11 +53,11 @@ def per_candidate_rows(model, answers, prompt_mask, cache, pad, scores, rows_per
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_arguments(parser)
+    common.add_scheduling_arguments(parser)
     parser.add_argument("--check", type=int, default=8, help="prompts also scored the slow way, as the reference")
     args = parser.parse_args()
 
-    model, tokenizer, prompts, candidates = load(args)
+    model, tokenizer, prompts, candidates = common.load_scheduling_prompts(args)
     generation.choose(model, tokenizer, prompts[:4], candidates[:4], batch_size=4)  # warm-up
 
     shipped = generation._score_tails

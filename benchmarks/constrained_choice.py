@@ -14,18 +14,15 @@ candidate, and on those rows how often the two agree; the machine's CPU and torc
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's frugaltune, not an installed one
+import pandas as pd
+import torch
 
-import pandas as pd  # noqa: E402
-import torch  # noqa: E402
-
-from frugaltune import generation  # noqa: E402
-from frugaltune.hardware import cpu_facts  # noqa: E402
-from frugaltune.models import load_for_causal_lm, load_tokenizer  # noqa: E402
+from frugaltune import generation
+from frugaltune.hardware import cpu_facts
+from frugaltune.models import load_for_causal_lm, load_tokenizer
 
 TEMPLATE = ("Is the sentiment of this tweet negative, neutral or positive? Answer with one word. Tweet: {text}")
 

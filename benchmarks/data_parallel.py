@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def worker(steps: int, batch_size: int, threads: int, bf16: bool, out: Path) -> None:

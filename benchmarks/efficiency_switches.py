@@ -28,12 +28,11 @@ import os
 import resource
 import subprocess
 import sys
-from pathlib import Path
+
+import common
+from common import BASE, LABELS_FILE, TOKENIZED
 
 VARIANTS = ("baseline", "no_grouping", "bf16", "grad_checkpointing", "compile", "threads_1")
-BASE = Path("models/base")
-TOKENIZED = Path("data/tokenized")
-LABELS_FILE = Path("data/splits/labels.json")
 
 
 def run_variant(variant: str, steps: int, batch: int, threads: int) -> dict:
@@ -48,9 +47,8 @@ def run_variant(variant: str, steps: int, batch: int, threads: int) -> dict:
     torch.set_num_threads(1 if variant == "threads_1" else threads)
     train = load_from_disk(str(TOKENIZED))["train"].select(range(steps * batch))
     ids, labels = [list(x) for x in train["input_ids"]], list(train["labels"])
-    names = json.loads(LABELS_FILE.read_text())["labels"]
     tokenizer = load_tokenizer(BASE)
-    model = prepare_model(BASE, names, tokenizer.pad_token_id, 42, "lora", MethodKnobs(),
+    model = prepare_model(BASE, common.labels(), tokenizer.pad_token_id, 42, "lora", MethodKnobs(),
                           bf16=variant == "bf16", gradient_checkpointing=variant == "grad_checkpointing")
     if variant == "compile":
         model = torch.compile(model, dynamic=True)
@@ -82,9 +80,7 @@ def main() -> None:
     if args.variant:
         print(json.dumps(run_variant(args.variant, args.steps, args.batch_size, threads)))
         return
-    for needed in (BASE, TOKENIZED, LABELS_FILE):
-        if not needed.exists():
-            sys.exit(f"{needed} is missing: run `make pipeline` first.")
+    common.require(BASE, TOKENIZED, LABELS_FILE)
     variants = ["baseline"] + [v for v in (args.only or VARIANTS) if v != "baseline"]
     results = {}
     for variant in variants:
@@ -117,11 +113,8 @@ def main() -> None:
         print(f"\ntorch.compile: first two steps {c['first_two_steps_s']:.1f} s (compilation), then "
               f"{per_step_compiled:.2f} s/step vs {per_step_base:.2f}; {verdict} "
               f"(the default run has {args.run_steps} steps).")
-    out = Path("reports/benchmarks/efficiency_switches.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"steps": args.steps, "batch_size": args.batch_size, "threads": threads,
-                               "results": results}, indent=2))
-    print(f"wrote {out}")
+    common.write_results("efficiency_switches", {"steps": args.steps, "batch_size": args.batch_size,
+                                                 "threads": threads, "results": results})
 
 
 if __name__ == "__main__":

@@ -7,10 +7,11 @@ run on, and, since 2026-11-27, every process of the stage's federations: `train.
 Run from the repository root after `make federated` (it reads data/federated/partitions_dirichlet/, the clients'
 plans in reports/federated.json, data/federated/test.parquet and models/base). Each allocator gets its own child
 process (frugaltune.allocator.child_env: LD_PRELOAD added or removed), which does what one simulation worker does:
-builds the model once per LoRA rank, then for each client-round reads the client's rows and trains its planned
-local steps at its micro-batch (federated.batch_size, lr, bf16 as the stage decides) on the worker's model of its
-rank (no server: no tensors are exchanged), and every fifth client-round evaluates the server's test split. It reports per allocator the mean seconds of a
-client-round and of an evaluation, user and system CPU seconds, and peak RSS, and the ratios mimalloc / system.
+builds the model once per LoRA rank, then for each client-round reads the client's rows and trains its planned local
+steps at its micro-batch (federated.batch_size, lr; the plan's precision, read as the stage reads it:
+frugaltune.resolve) on the worker's model of its rank (no server: no tensors are exchanged), and every fifth
+client-round evaluates the server's test split. It reports per allocator the mean seconds of a client-round and of
+an evaluation, user and system CPU seconds, and peak RSS, and the ratios mimalloc / system.
 """
 
 from __future__ import annotations
@@ -24,18 +25,18 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+DATA = Path("data/federated")  # the federated stage's partitions and test split
 
 
 def child(args: argparse.Namespace) -> dict:
     import torch
 
-    from frugaltune import allocator, paths
+    from frugaltune import allocator, paths, resolve
     from frugaltune.config import load_params
     from frugaltune.federated import local
     from frugaltune.io import read_json
     from frugaltune.models import load_tokenizer
     from frugaltune.training.loop import peak_rss_mb
-    from stages.federated import DATA, machine_precision
 
     params = load_params()
     fp = params.federated
@@ -44,7 +45,8 @@ def child(args: argparse.Namespace) -> dict:
     pad = json.loads((paths.BASE_MODEL / "config.json").read_text()).get("pad_token_id")
     if pad is None:  # as the stage: the tokenizer's pad id
         pad = load_tokenizer(paths.BASE_MODEL).pad_token_id
-    bf16, eager = machine_precision(params)
+    decided = resolve.machine(fp.precision, plan=resolve.read_plan())  # the plan's, as the stage's clients read it
+    bf16, eager = bool(decided["bf16"]), int(decided["eager_attention_max_len"])
     plans = [p for p in read_json(paths.report("federated"))["clients"]["dirichlet"] if p["fits"]]
     spec = local.LoraSpec(fp.lora.r, fp.lora.alpha, fp.lora.dropout, tuple(fp.lora.target_modules))
     models: dict[int, torch.nn.Module] = {}
@@ -89,7 +91,6 @@ def main() -> None:
     results = {}
     for choice in args.order:
         env = allocator.child_env(choice)
-        env["PYTHONPATH"] = str(ROOT)
         proc = subprocess.run([sys.executable, __file__, "--child", "--client-rounds", str(args.client_rounds)],
                               cwd=ROOT, env=env, capture_output=True, text=True)
         if proc.returncode:

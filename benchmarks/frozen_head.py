@@ -16,32 +16,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import sys
-import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's frugaltune, not an installed one
+import common
+import torch
 
-import torch  # noqa: E402
-from scheduling_prompts import add_arguments, load  # noqa: E402  (beside this file)
-
-from frugaltune import generation  # noqa: E402
-from frugaltune.hardware import cpu_facts  # noqa: E402
-
-
-def best_of(repeats: int, fn) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        began = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - began)
-    return min(times)
+from frugaltune import generation
+from frugaltune.hardware import cpu_facts
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_arguments(parser)
+    common.add_scheduling_arguments(parser)
     args = parser.parse_args()
     dtype = torch.float32 if args.fp32 else torch.bfloat16
     print(f"{cpu_facts()['model']}, {torch.get_num_threads()} threads, {'fp32' if args.fp32 else 'bf16'}")
@@ -50,13 +35,13 @@ def main() -> None:
     for frozen in (False, True):
         weight = torch.nn.Parameter(torch.randn(49152, 576, dtype=dtype), requires_grad=not frozen)
         with torch.inference_mode():  # as choose and generate run; the weight is made outside, as a model's is
-            sliced = best_of(args.repeats, lambda: torch.nn.functional.linear(hidden, weight))
-            contiguous = best_of(args.repeats, lambda: torch.nn.functional.linear(hidden.contiguous(), weight))
+            sliced = common.best_of(args.repeats, lambda: torch.nn.functional.linear(hidden, weight))
+            contiguous = common.best_of(args.repeats, lambda: torch.nn.functional.linear(hidden.contiguous(), weight))
         print(f"  head {args.batch_size} x 576 -> 49,152, weight {'frozen   ' if frozen else 'trainable'}: "
               f"sliced input {sliced * 1e3:8.1f} ms, contiguous {contiguous * 1e3:6.1f} ms   "
               f"{sliced / contiguous:.1f}x")
 
-    model, tokenizer, prompts, candidates = load(args)
+    model, tokenizer, prompts, candidates = common.load_scheduling_prompts(args)
     model.requires_grad_(False)  # frozen, as a merged adapter's model is
     shipped = generation.contiguous_head_input
     choices: dict[str, list[int]] = {}
@@ -66,10 +51,10 @@ def main() -> None:
 
     try:
         generation.contiguous_head_input = lambda model: contextlib.nullcontext()
-        baseline = best_of(args.repeats, lambda: run("baseline"))
+        baseline = common.best_of(args.repeats, lambda: run("baseline"))
     finally:
         generation.contiguous_head_input = shipped
-    contender = best_of(args.repeats, lambda: run("contender"))
+    contender = common.best_of(args.repeats, lambda: run("contender"))
     agree = sum(a == b for a, b in zip(choices["baseline"], choices["contender"]))
     print(f"  choose, {len(prompts)} prompts, frozen model: as before {baseline:6.2f} s, contiguous head input "
           f"{contender:6.2f} s   {baseline / contender:.2f}x; same choice on {agree}/{len(prompts)}")

@@ -20,7 +20,6 @@ import json
 import os
 import platform
 import resource
-import sys
 import tempfile
 import threading
 import time
@@ -28,10 +27,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from frugaltune import paths  # noqa: E402
-from frugaltune.training.batching import length_grouped_batches  # noqa: E402
+from frugaltune import paths
+from frugaltune.training.batching import length_grouped_batches
 
 OUT = Path("reports/benchmarks/handwritten_vs_library.json")
 BATCH = 16

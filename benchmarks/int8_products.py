@@ -16,8 +16,8 @@ Four parts, on this machine's threads:
 3. `--ab-rounds N` (default 3): the project's loop (`train_classifier`) with bf16 products against int8 products,
    two models on the same slices, alternated, round 0 a warm-up (it includes the compilation).
 4. `--quality NAME [overrides]`: `benchmarks/quality_sweep.py NAME train.int8_products=true [overrides]` (the
-   same `stages.train.run`, then `stages.evaluate.run` on the bf16 base, as serving loads the adapter); the row
-   lands in reports/sweep/quality_sweep.jsonl.
+   train stage itself, then the evaluate stage on the bf16 base, as serving loads the adapter); the row lands in
+   reports/sweep/quality_sweep.jsonl.
 
 `--method dora|qlora` runs parts 2-3 on that method as the train stage builds it (DoRA keeps its bf16 weights for
 its norm; QLoRA's int8 copies are made from its dequantized NF4 blocks, and the 4-bit weights are dropped).
@@ -38,21 +38,19 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
+import common
 import torch
+from common import alternated, loop_round, timed
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import train_throughput as throughput  # noqa: E402
-from step_anatomy import alternated, loop_round, timed  # noqa: E402
-
-from frugaltune.hardware import cpu_facts  # noqa: E402
-from frugaltune.int8 import apply, status  # noqa: E402
+from frugaltune.hardware import cpu_facts
+from frugaltune.int8 import apply, status
 
 
 def to_int8(model, method: str) -> None:
-    """As the train stage does for `method` (DoRA keeps its weights; QLoRA's copies come from its NF4 blocks)."""
-    apply(model, {"on": True, "why": "benchmark"}, method)
+    """As the train stage does for `method` (DoRA keeps its weights; QLoRA's copies come from its NF4 blocks), on
+    whatever the plan decided: the int8 variant of the A/B."""
+    apply(model, common.forced_int8(True), method)
 
 
 def gemm_table(rows: int, hidden: int, mlp: int) -> list[dict]:
@@ -78,8 +76,8 @@ def numerics(batch_size: int, method: str) -> dict:
     from frugaltune.training.fast import frozen_weights_in
     from frugaltune.training.loop import autocast
 
-    ids, labels = throughput._examples(1000 + batch_size)
-    reference, tokenizer = throughput._model(True, method, True)
+    ids, labels = common.training_examples(1000 + batch_size)
+    reference, tokenizer = common.lora_model(True, method, True)
     frozen_weights_in(reference, torch.float32)  # QLoRA's NF4 weights are not nn.Linear's: they stay 4-bit
     batch = collate(ids[1000:], tokenizer.pad_token_id)  # past the first rows, which share one label
     target = torch.tensor(labels[1000:])
@@ -95,7 +93,7 @@ def numerics(batch_size: int, method: str) -> dict:
     ref_logits, ref_grads = run(reference, False)
     result = {}
     for name in ("bf16", "int8"):
-        model, _ = throughput._model(True, method, True)
+        model, _ = common.lora_model(True, method, True)
         if method == "qlora":  # NF4 blocks and quant states are built from the same checkpoint; the rest is copied
             trained = {n for n, p in model.named_parameters() if p.requires_grad}
             state = {k: v for k, v in reference.state_dict().items() if k in trained}
@@ -117,10 +115,10 @@ def numerics(batch_size: int, method: str) -> dict:
 def loop_ab(rounds: int, steps: int, batch_size: int, method: str) -> dict:
     from frugaltune.training.loop import LoopConfig
 
-    ids, labels = throughput._examples(steps * batch_size * rounds)
+    ids, labels = common.training_examples(steps * batch_size * rounds)
     models = {}
     for name in ("bf16 products", "int8 products"):
-        model, tokenizer = throughput._model(True, method, True)
+        model, tokenizer = common.lora_model(True, method, True)
         if name.startswith("int8"):
             to_int8(model, method)
         models[name] = model
@@ -158,7 +156,7 @@ def main() -> None:
     if args.quality:
         quality(args.quality[0], args.quality[1:])
         return
-    config = json.loads((throughput.BASE / "config.json").read_text())
+    config = json.loads((common.BASE / "config.json").read_text())
     print(f"{cpu_facts()['model']}, {torch.get_num_threads()} threads")
     print("1. GEMMs at the model's shapes (M = batch 16 x 32 tokens):")
     table = gemm_table(512, config["hidden_size"], config["intermediate_size"])
@@ -170,14 +168,9 @@ def main() -> None:
     ab = loop_ab(args.ab_rounds, args.ab_steps, args.batch_size, args.method)
     print(f"quantize / rescale: {status()['why']}")
     suffix = "" if args.method == "lora" else f"_{args.method}"  # LoRA's file keeps its name
-    out = Path(f"reports/benchmarks/int8_products{suffix}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"cpu": cpu_facts()["model"], "threads": torch.get_num_threads(),
-                               "method": args.method, "gemms": table,
-                               "numerics": errors, "loop": ab, "steps": status(),
-                               "loop_seconds": time.perf_counter() - started},
-                              indent=2) + "\n")
-    print(f"wrote {out}")
+    common.write_results(f"int8_products{suffix}", {
+        "cpu": cpu_facts()["model"], "threads": torch.get_num_threads(), "method": args.method, "gemms": table,
+        "numerics": errors, "loop": ab, "steps": status(), "loop_seconds": time.perf_counter() - started})
 
 
 if __name__ == "__main__":

@@ -24,11 +24,11 @@ import argparse
 import ctypes
 import json
 import os
-import subprocess
 import sys
-from pathlib import Path
 
-BASE = Path("models/base")
+import common
+from common import BASE
+
 M_MMAP_THRESHOLD = -3
 
 
@@ -80,8 +80,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(measure(args.child[0], args.child[1] == "lean", args.steps, args.batch_size, args.length)))
         return
-    if not BASE.exists():
-        sys.exit(f"{BASE} is missing: run `make pipeline` first.")
+    common.require(BASE)
     from frugaltune import allocator
 
     rows = {}
@@ -89,12 +88,9 @@ def main() -> None:
         for name in args.allocators:
             print(f"{method} / {name} ...", flush=True)
             env = allocator.child_env("mimalloc" if name == "mimalloc" else "system")
-            proc = subprocess.run([sys.executable, __file__, "--child", method, name, "--steps", str(args.steps),
-                                   "--batch-size", str(args.batch_size), "--length", str(args.length)],
-                                  capture_output=True, text=True, env={**env, "TQDM_DISABLE": "1"})
-            if proc.returncode != 0:
-                sys.exit(f"{method}/{name} failed:\n{proc.stderr[-3000:]}")
-            rows[(method, name)] = json.loads(proc.stdout.strip().splitlines()[-1])
+            rows[(method, name)] = common.run_child(
+                [sys.executable, __file__, "--child", method, name, "--steps", str(args.steps), "--batch-size",
+                 str(args.batch_size), "--length", str(args.length)], f"{method}/{name}", env)
     print(f"\n{args.steps} steps of {args.batch_size} x {args.length} tokens, {os.cpu_count()} threads; "
           f"peak RSS MB / median step s (first step s)\n")
     print(f"{'method':8s} " + " ".join(f"{name:>24s}" for name in args.allocators))
@@ -106,10 +102,7 @@ def main() -> None:
         for name in (n for n in args.allocators if n != "glibc"):
             ratios = [rows[(m, name)]["median_step_s"] / rows[(m, "glibc")]["median_step_s"] for m in args.methods]
             print(f"{name}: step time {', '.join(f'{m} {r:.2f}x' for m, r in zip(args.methods, ratios))} of glibc")
-    out = Path("reports/benchmarks/memory_by_method.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({f"{m}/{a}": r for (m, a), r in rows.items()}, indent=2))
-    print(f"wrote {out}")
+    common.write_results("memory_by_method", {f"{m}/{a}": r for (m, a), r in rows.items()})
 
 
 if __name__ == "__main__":

@@ -5,8 +5,8 @@
 
 Needs `models/base` and `data/tokenized` (`make pipeline`). For each (method, length): the training split is cut to
 `length` tokens (what `tokenize.max_length: <length>` gives) and to its first steps x batch examples; the planner
-calibrates on this machine exactly as the probe stage does (`frugaltune.planner.calibrate`: real steps of the method
-in fresh processes) and predicts the run's peak RSS and wall time; then the run itself trains in a fresh process
+calibrates on this machine as the plan stage does (`frugaltune.planner.calibrate`: the measured run's own loop,
+fp32 without int8 products, over a few of its micro-batches in a fresh process) and predicts the run's peak RSS and wall time; then the run itself trains in a fresh process
 (`train_classifier`, as the train stage) and its peak RSS (ru_maxrss) and training wall time are measured. Both
 run on `--allocator` (default `auto`, mimalloc where installed, as the train stage runs).
 
@@ -21,13 +21,12 @@ import argparse
 import json
 import os
 import resource
-import subprocess
 import sys
 from pathlib import Path
 
-BASE = Path("models/base")
-TOKENIZED = Path("data/tokenized")
-LABELS_FILE = Path("data/splits/labels.json")
+import common
+from common import BASE, LABELS_FILE, TOKENIZED
+
 OUT = Path("reports/plan_accuracy")
 
 
@@ -38,22 +37,27 @@ def _data(length: int, count: int) -> tuple[list[list[int]], list[int]]:
     return [list(ids)[:length] for ids in train["input_ids"]], list(train["labels"])
 
 
+def _loop(method: str, steps: int, batch: int):
+    """The measured run's LoopConfig, which the calibration times too (fp32, SDPA, no int8 products)."""
+    from frugaltune.training.loop import LoopConfig
+
+    return LoopConfig(lr=5e-5 if method == "full" else 1e-3, batch_size=batch, epochs=1, seed=42, log_every=steps)
+
+
 def measure(method: str, length: int, steps: int, batch: int, threads: int) -> dict:
     """The real run, in this (fresh) process: train_classifier as the train stage calls it."""
     import torch
 
     from frugaltune.models import load_tokenizer
     from frugaltune.planner import MethodKnobs
-    from frugaltune.training.loop import LoopConfig, train_classifier
+    from frugaltune.training.loop import train_classifier
     from frugaltune.training.methods import prepare_model
 
     torch.set_num_threads(threads)
     ids, labels = _data(length, steps * batch)
-    names = json.loads(LABELS_FILE.read_text())["labels"]
     tokenizer = load_tokenizer(BASE)
-    model = prepare_model(BASE, names, tokenizer.pad_token_id, 42, method, MethodKnobs())
-    cfg = LoopConfig(lr=5e-5 if method == "full" else 1e-3, batch_size=batch, epochs=1, seed=42, log_every=steps)
-    result = train_classifier(model, ids, labels, cfg, tokenizer.pad_token_id, progress=False)
+    model = prepare_model(BASE, common.labels(), tokenizer.pad_token_id, 42, method, MethodKnobs())
+    result = train_classifier(model, ids, labels, _loop(method, steps, batch), tokenizer.pad_token_id, progress=False)
     from frugaltune import allocator
 
     return {"seconds": result.wall_seconds, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
@@ -61,22 +65,21 @@ def measure(method: str, length: int, steps: int, batch: int, threads: int) -> d
 
 
 def predict(method: str, length: int, steps: int, batch: int, threads: int, hw: dict, malloc: str) -> dict:
+    from dataclasses import asdict
+
     from frugaltune import planner
     from frugaltune.models import load_tokenizer
 
-    ids, _ = _data(length, steps * batch)
-    names = json.loads(LABELS_FILE.read_text())["labels"]
+    ids, labels = _data(length, steps * batch)
+    names = common.labels()
     run = planner.RunSpec(method=method, batch_size=batch, grad_accum=1, epochs=1, max_steps=None, seq_len=length,
                           lengths=tuple(len(x) for x in ids), seed=42, precision="fp32", threads=threads)
     shape = planner.model_shape(BASE, len(names), method)
-    draft = planner.make_plan(run, hw, {method: shape}, planner.Constants())
-    entry = draft["methods"][method]
-    largest = entry["largest_batch"]
-    _, batches = planner.planned_batches(list(run.lengths), batch, 1, 1, None, 42)
+    _, order = planner.planned_order(list(run.lengths), batch, 1, 1, None, 42)
     constants, _ = planner.calibrate(
-        BASE, names, load_tokenizer(BASE).pad_token_id, method, planner.MethodKnobs(), shape, bf16=False,
-        gradient_checkpointing=False, micro_batches=(max(1, largest["sequences"] // 2), largest["sequences"]),
-        seq_len=largest["length"], threads=threads, seed=42, batches=batches, allocator=malloc)
+        BASE, names, load_tokenizer(BASE).pad_token_id, method, planner.MethodKnobs(), shape, rows=ids,
+        targets=labels, order=order, loop=asdict(_loop(method, steps, batch)), int8=common.forced_int8(False),
+        gradient_checkpointing=False, threads=threads, seed=42, allocator=malloc)
     plan = planner.make_plan(run, hw, {method: shape}, constants)["methods"][method]
     return {"peak_bytes": plan["predicted_peak_bytes"], "eta_seconds": plan["eta_seconds"],
             "largest_batch": plan["largest_batch"]}
@@ -123,21 +126,16 @@ def main() -> None:
     if args.measure:
         print(json.dumps(measure(args.measure[0], int(args.measure[1]), args.steps, args.batch_size, threads)))
         return
-    for needed in (BASE, TOKENIZED, LABELS_FILE):
-        if not needed.exists():
-            sys.exit(f"{needed} is missing: run `make pipeline` first.")
+    common.require(BASE, TOKENIZED, LABELS_FILE)
     rows = []
     for method in args.methods:
         for length in args.lengths:
             print(f"{method} at length {length}: calibrating ...", flush=True)
             predicted = predict(method, length, args.steps, args.batch_size, threads, hw, args.allocator)
             print(f"{method} at length {length}: training ...", flush=True)
-            proc = subprocess.run([sys.executable, __file__, "--measure", method, str(length), "--steps",
-                                   str(args.steps), "--batch-size", str(args.batch_size)], capture_output=True,
-                                  text=True, env={**allocator.child_env(args.allocator), "TQDM_DISABLE": "1"})
-            if proc.returncode != 0:
-                sys.exit(f"{method}/{length} failed:\n{proc.stderr[-3000:]}")
-            measured = json.loads(proc.stdout.strip().splitlines()[-1])
+            measured = common.run_child([sys.executable, __file__, "--measure", method, str(length), "--steps",
+                                         str(args.steps), "--batch-size", str(args.batch_size)],
+                                        f"{method}/{length}", allocator.child_env(args.allocator))
             row = {"method": method, "length": length, "steps": measured["steps"],
                    "largest_batch": f"{predicted['largest_batch']['sequences']}x{predicted['largest_batch']['length']}",
                    "predicted_peak_mb": round(predicted["peak_bytes"] / 2**20),

@@ -13,24 +13,20 @@ helps macro-F1 when a model's errors follow the label prior; a drop at tau > 0 s
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import numpy as np
 import torch
 from datasets import load_from_disk
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from frugaltune import paths  # noqa: E402
-from frugaltune.config import load_params  # noqa: E402
-from frugaltune.hardware import cpu_facts  # noqa: E402
-from frugaltune.io import read_json  # noqa: E402
-from frugaltune.metrics import classification_metrics  # noqa: E402
-from frugaltune.models import load_for_classification, load_tokenizer  # noqa: E402
-from frugaltune.training.batching import collate, sorted_batches  # noqa: E402
-from frugaltune.training.loop import autocast  # noqa: E402
-from frugaltune.training.methods import load_trained  # noqa: E402
+from frugaltune import paths
+from frugaltune.config import load_params
+from frugaltune.hardware import cpu_facts
+from frugaltune.io import read_json
+from frugaltune.metrics import classification_metrics
+from frugaltune.models import load_for_classification, load_tokenizer
+from frugaltune.training.batching import collate, sorted_batches
+from frugaltune.training.loop import autocast
+from frugaltune.training.methods import load_trained
 
 
 @torch.no_grad()

@@ -15,19 +15,14 @@ benchmarks/gpu/random_base.py). On a CUDA device the loop runs as the train stag
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
+import common
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import train_throughput as throughput  # noqa: E402
-
-from frugaltune.hardware import probe  # noqa: E402
-from frugaltune import planner  # noqa: E402
-from frugaltune.planner import keep_sdpa_off_cudnn  # noqa: E402
-from frugaltune.training.loop import LoopConfig, train_classifier  # noqa: E402
+from frugaltune import planner
+from frugaltune.planner import keep_sdpa_off_cudnn
+from frugaltune.training.loop import LoopConfig, train_classifier
 
 
 def main() -> None:
@@ -36,8 +31,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
-                        help="default: the planner's choice (a GPU's compute capability; on a CPU, what the kernels "
-                             "stage measured in reports/kernels.json)")
+                        help="default: the plan's (frugaltune.resolve: a GPU's compute capability; on a CPU, what the "
+                             "kernels stage measured in reports/kernels.json)")
     parser.add_argument("--no-cudnn-attention-fix", action="store_true")
     parser.add_argument("--by-shape", default="", help="comma-separated aten ops (mul,copy_): a table of each by "
                         "input shapes, to tell which tensors an op's time goes to")
@@ -45,16 +40,16 @@ def main() -> None:
     parser.add_argument("--last-layers", type=int, default=None, help="LoRA on the last N decoder layers only")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
-    planned_bf16, _, measured = throughput.planned_precision(probe(use_nvml=cuda))
-    bf16 = args.bf16 if args.bf16 is not None else planned_bf16
-    # the attention the train stage runs: eager up to the length the kernels stage measured it faster (CPU only)
-    eager_max = planner.eager_attention_max_len(measured, bf16, cuda)
+    # the plan's precision (or --bf16's) and the attention the train stage runs in it: eager up to the length the
+    # kernels stage measured it faster (CPU only); frugaltune.resolve reads both from the plan
+    decided = common.machine("auto" if args.bf16 is None else "bf16" if args.bf16 else "fp32")
+    bf16, eager_max = decided["bf16"], decided["eager_attention_max_len"]
     if not args.no_cudnn_attention_fix:
         keep_sdpa_off_cudnn()
     warm, timed = args.warmup * args.batch_size, args.steps * args.batch_size
-    ids, labels = throughput._examples(warm + timed)
+    ids, labels = common.training_examples(warm + timed)
     knobs = planner.MethodKnobs(target_modules=tuple(args.target_modules), last_layers=args.last_layers)
-    model, tokenizer = throughput._model(bf16, "lora", True, knobs)
+    model, tokenizer = common.lora_model(bf16, "lora", True, knobs)
     cfg = LoopConfig(lr=1e-3, head_lr=2e-3, batch_size=args.batch_size, epochs=1, seed=42, bf16=bf16,
                      log_every=10**6, eager_attention_max_len=eager_max)
     train_classifier(model, ids[:warm], labels[:warm], cfg, tokenizer.pad_token_id, progress=False)

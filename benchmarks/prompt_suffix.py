@@ -7,38 +7,35 @@ tweet's own last token?
     python benchmarks/prompt_suffix.py --variants none suffix both  # "both" also puts "Tweet: " in front
 
 Run from the repository root after `make pipeline` (it reads data/tokenized/, models/base and reports/plan.json).
-Each variant trains as the train stage does at params.yaml's `train.*` (stages.train.build_model, the one loop
-`train_classifier` with the train stage's lr, head lr, batch, epochs, schedule and clipping; the precision and
-attention this machine's plan measured), on the tokenized rows wrapped in the variant's template as
-`train.input_template` wraps them (frugaltune/input_template.py: the tweet cut so that prompt + tweet fit
-`tokenize.max_length`), then predicts the test split like the evaluate stage
-(`loop.predict`, batch 32) and prints test macro-F1, accuracy, training seconds and training tokens, per seed and,
-for each variant, its mean difference from the first variant. Variants run one after the other in this process,
-in the order given, for each seed, whatever `train.input_template` params.yaml sets.
+Each variant trains as the train stage does at params.yaml's `train.*` (frugaltune.training.setup: the model, its
+int8 products and the LoopConfig the train stage builds, so its lr, head lr, batch, epochs, schedule and clipping;
+the precision, attention crossover, micro-batch and int8 decision of this machine's plan, frugaltune.resolve), on
+the tokenized rows wrapped in the variant's template as `train.input_template` wraps them
+(frugaltune/input_template.py: the tweet cut so that prompt + tweet fit `tokenize.max_length`), then predicts the
+test split like the evaluate stage (`loop.predict`, batch 32) and prints test macro-F1, accuracy, training seconds
+and training tokens, per seed and, for each variant, its mean difference from the first variant. Variants run one
+after the other in this process, in the order given, for each seed, whatever `train.input_template` params.yaml
+sets.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # stages/ when run as a script from the root
+import numpy as np
+import torch
+from datasets import load_from_disk
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from datasets import load_from_disk  # noqa: E402
-
-from frugaltune import paths  # noqa: E402
-from frugaltune.config import load_params  # noqa: E402
-from frugaltune.hardware import cpu_facts  # noqa: E402
-from frugaltune.input_template import InputTemplate, wrapped  # noqa: E402
-from frugaltune.metrics import classification_metrics  # noqa: E402
-from frugaltune.models import load_tokenizer  # noqa: E402
-from frugaltune.training.loop import LoopConfig, predict, train_classifier  # noqa: E402
-from stages.train import build_model  # noqa: E402
+from frugaltune import paths, resolve
+from frugaltune.config import load_params
+from frugaltune.hardware import cpu_facts
+from frugaltune.input_template import InputTemplate, wrapped
+from frugaltune.metrics import classification_metrics
+from frugaltune.models import load_tokenizer
+from frugaltune.training import setup
+from frugaltune.training.loop import predict, train_classifier
 
 TEMPLATES = {"none": None, "suffix": "{text}\nSentiment:", "both": "Tweet: {text}\nSentiment:"}
 
@@ -52,8 +49,9 @@ def main() -> None:
     tp = params.train
     if params.task.type != "classification" or tp.method == "none":
         raise SystemExit("prompt_suffix: needs task.type classification and a training train.method")
-    plan = json.loads(paths.PLAN.read_text()).get("run", {}) if paths.PLAN.exists() else {}
-    bf16, eager = plan.get("precision") == "bf16", int(plan.get("eager_attention_max_len", 0))
+    run = resolve.resolve_run(params)  # the train stage's run on this machine: the plan's decisions
+    bf16 = run.bf16
+    torch.set_num_threads(run.threads)
     labels = json.loads(paths.LABELS.read_text())["labels"]
     tokenizer = load_tokenizer(paths.BASE_MODEL)
     data = load_from_disk(str(paths.TOKENIZED_DIR))
@@ -67,13 +65,10 @@ def main() -> None:
             template = InputTemplate.build(TEMPLATES[variant], tokenizer) if TEMPLATES[variant] else None
             train = wrapped(data["train"]["input_ids"], template, max_length)
             test = wrapped(data["test"]["input_ids"], template, max_length)
-            model, lr = build_model(seeded, labels, tokenizer.pad_token_id, bf16)
-            cfg = LoopConfig(lr=lr, head_lr=tp.head_lr, lora_plus_ratio=tp.lora_plus_ratio,
-                             weight_decay=tp.weight_decay, scheduler=tp.scheduler, warmup_ratio=tp.warmup_ratio,
-                             epochs=tp.epochs, max_steps=tp.max_steps, batch_size=tp.batch_size,
-                             grad_accum=tp.grad_accum, max_grad_norm=tp.max_grad_norm, bf16=bf16,
-                             group_by_length=tp.group_by_length, log_every=10 ** 6, seed=seed, checkpoint_dir=None,
-                             eager_attention_max_len=eager)
+            model = setup.build_model(seeded, labels, tokenizer.pad_token_id, bf16, run.gradient_checkpointing)
+            setup.apply_int8(model, run.int8, tp.method)
+            cfg = setup.loop_config(seeded, method=tp.method, bf16=bf16, micro_batch_size=run.micro_batch_size,
+                                    eager_attention_max_len=run.eager_attention_max_len, log_every=10 ** 6)
             began = time.perf_counter()
             train_classifier(model, train, data["train"]["labels"], cfg, tokenizer.pad_token_id, progress=False)
             seconds = time.perf_counter() - began

@@ -3,11 +3,15 @@
     python benchmarks/quality_sweep.py NAME train.epochs=1.4 train.lora.r=16 ...     # one variant
     python benchmarks/quality_sweep.py --table                                         # all variants run so far
 
-Each variant trains exactly as `dvc repro train` would (the same `stages.train.run`, plan-free resolution: the
-precision and attention this machine measured) with the overrides applied to params.yaml's values, writes its
-adapter to models/sweep/NAME and its reports to reports/sweep/, then evaluates on the test split like the pipeline.
-One line per variant goes to reports/sweep/quality_sweep.jsonl: training wall seconds, useful tokens/s, test
-macro-F1 and accuracy, and the CPU it ran on. Needs the pipeline's data (`dvc repro tokenize`).
+Each variant runs the train and evaluate stages themselves (`python -m stages.train`, then
+`python -m stages.evaluate`) in a scratch project (a temporary directory with symlinks to this checkout's models/base,
+data/tokenized, data/splits and the hardware, kernels and import_model reports) whose params.yaml is this one's
+with the overrides applied. It holds no reports/plan.json, so the run resolves plan-free (frugaltune.resolve
+decides the precision, attention and int8 products from what this machine measured; the configured batch, no
+micro-batch); its MLflow run goes to this project's store. The adapter is copied to models/sweep/NAME and the
+reports to reports/sweep/. One line per variant goes to reports/sweep/quality_sweep.jsonl: training wall seconds,
+useful tokens/s, test macro-F1 and accuracy, and the CPU it ran on. Needs the pipeline's data (`dvc repro
+tokenize`).
 
 Two variants may run at once with `train.threads=1` each (2 cores): their wall times then describe that setting,
 so the chosen one is re-timed alone by the pipeline itself (`dvc repro`) before its time is quoted.
@@ -15,42 +19,44 @@ so the chosen one is re-timed alone by the pipeline itself (`dvc repro`) before 
 
 from __future__ import annotations
 
-if __name__ == "__main__":
-    from frugaltune import allocator as _allocator
-
-    _allocator.reexec_early()
-
 import argparse
+import dataclasses
 import json
+import shutil
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
+import common
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # stages/ when run as a script from the root
-
-from frugaltune import paths  # noqa: E402
-from frugaltune.config import load_params  # noqa: E402
+from frugaltune import paths, tracking
+from frugaltune.config import ParamsError, load_params
 
 OUT = Path("reports/sweep")
 TABLE = OUT / "quality_sweep.jsonl"
+# What the two stages read and never write, linked into the scratch project (no reports/plan.json: plan-free)
+STAGE_INPUTS = (str(paths.BASE_MODEL), str(paths.TOKENIZED_DIR), str(paths.SPLITS_DIR), str(paths.HARDWARE),
+                str(paths.report("kernels")), str(paths.report("import_model")), str(paths.KERNEL_BUILD_DIR))
 
 
-def with_overrides(params, overrides: list[str]):
-    """params with `a.b.c=value` applied (value parsed as YAML), validated again by the params model."""
-    data = params.model_dump()
+def with_overrides(raw: dict, overrides: list[str]) -> dict:
+    """params.yaml's mapping `raw` with `a.b.c=value` applied (value parsed as YAML); a key must be one the params
+    model knows (a default not written in params.yaml counts). The result is validated when it is loaded."""
+    known_all = load_params().model_dump()
     for item in overrides:
-        key, _, raw = item.partition("=")
-        node = data
+        key, _, value = item.partition("=")
+        node, known = raw, known_all
         *parents, leaf = key.split(".")
         for part in parents:
-            if part not in node:
+            if not isinstance(known, dict) or part not in known:
                 raise SystemExit(f"quality_sweep: {key}: no section {part!r} in params.yaml")
-            node = node[part]
-        if leaf not in node:
+            node, known = node.setdefault(part, {}), known[part]
+        if not isinstance(known, dict) or leaf not in known:
             raise SystemExit(f"quality_sweep: {key}: no key {leaf!r} in params.yaml")
-        node[leaf] = yaml.safe_load(raw)
-    return type(params).model_validate(data)
+        node[leaf] = yaml.safe_load(value)
+    return raw
 
 
 def outputs(name: str) -> paths.RunOutputs:
@@ -71,13 +77,33 @@ def main() -> None:
             print(f"{r['name']:22s} {' '.join(r['overrides']):55s} {r['train_seconds']:8.1f} {r['tokens_per_s']:7.1f} "
                   f"{r['macro_f1']:9.4f} {r['accuracy']:7.4f}")
         return
-    from stages import evaluate, train
-
-    params = with_overrides(load_params(), args.overrides)
+    raw = with_overrides(yaml.safe_load(paths.PARAMS.read_text()), args.overrides)
     OUT.mkdir(parents=True, exist_ok=True)
     out = outputs(args.name)
-    trained = train.run(params, out, use_plan=False)
-    evaluated = evaluate.run(params, out)
+    with tempfile.TemporaryDirectory(prefix="quality-sweep-") as tmp:
+        project = common.scratch_project(Path(tmp), linked=STAGE_INPUTS)
+        (project / paths.PARAMS).write_text(yaml.safe_dump(raw, sort_keys=False))
+        try:
+            load_params(project / paths.PARAMS)  # a bad override stops here, before anything trains
+        except ParamsError as exc:
+            raise SystemExit(f"quality_sweep: {exc}") from None
+        env = common.stage_env(MLFLOW_TRACKING_URI=tracking.tracking_uri())  # this project's store
+        for stage in ("train", "evaluate"):
+            if subprocess.run([sys.executable, "-m", f"stages.{stage}"], cwd=project, env=env).returncode:
+                raise SystemExit(f"quality_sweep: {args.name}: the {stage} stage failed (its output is above)")
+        written = dataclasses.asdict(paths.PIPELINE_RUN)
+        for field, target in dataclasses.asdict(out).items():
+            source = project / written[field] if written[field] is not None else None
+            if target is None or source is None or not source.exists():
+                continue
+            Path(target).parent.mkdir(parents=True, exist_ok=True)
+            if source.is_dir():
+                shutil.rmtree(target, ignore_errors=True)
+                shutil.copytree(source, target)
+            else:
+                shutil.copy(source, target)
+        trained = json.loads((project / paths.PIPELINE_RUN.train_report).read_text())
+        evaluated = json.loads((project / paths.PIPELINE_RUN.evaluate_report).read_text())
     finetuned = evaluated.get("finetuned", evaluated)
     hardware = json.loads(paths.HARDWARE.read_text()) if paths.HARDWARE.exists() else {}
     row = {"name": args.name, "overrides": args.overrides, "train_seconds": trained["wall_seconds"],

@@ -3,12 +3,14 @@
     python benchmarks/registry_growth.py              # after `make pipeline` (needs models/, data/tokenized, reports/)
     python benchmarks/registry_growth.py --versions 10
 
-Runs the real `register` stage N times in a temporary copy of the project (models/base, models/adapter,
-data/tokenized, the label set and the train/evaluate reports), each time for a new MLflow training run, as nightly
-retraining would, against a fresh sqlite store and `mlartifacts/`. Prints the store's size after the first version
-(which stores the base once) and the growth per later version, against the baseline each version used to pay:
-a copy of `models/base` plus the adapter. Then loads `@champion` in a fresh process with an empty base cache (so the
-base comes from the store and is hash-checked) and predicts. Results: `reports/benchmarks/registry_growth.json`.
+Runs the real `register` stage (`python -m stages.register`) N times in a temporary copy of the project
+(models/base, models/adapter, data/tokenized, the label set and the train/evaluate reports), each time for a new
+MLflow training run, as nightly retraining would, against a fresh sqlite store and `mlartifacts/`. Prints the
+store's size after the first version (which stores the base once) and the growth per later version, against the
+baseline each version used to pay: a copy of `models/base` plus the adapter. Then loads `@champion` in a fresh
+process with an empty base cache (so the base comes from the store and is hash-checked) and predicts. The register
+seconds are the stage's process alone (the new training run is made before it). Results:
+`reports/benchmarks/registry_growth.json`.
 """
 
 from __future__ import annotations
@@ -16,14 +18,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+import common
+
+ROOT = common.ROOT
 RESULTS = ROOT / "reports" / "benchmarks" / "registry_growth.json"
 NEEDED = ("models/base", "models/adapter", "data/tokenized", "data/splits/labels.json", "reports/train.json",
           "reports/evaluate.json", "params.yaml")
@@ -37,36 +40,32 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--versions", type=int, default=10)
     args = parser.parse_args()
-    for needed in NEEDED:
-        if not (ROOT / needed).exists():
-            sys.exit(f"{needed} is missing: run `make pipeline` first.")
+    common.require(*(ROOT / needed for needed in NEEDED))
     with tempfile.TemporaryDirectory(prefix="registry-growth-") as tmp:
-        project = Path(tmp)
-        for needed in NEEDED:
-            source, target = ROOT / needed, project / needed
-            target.parent.mkdir(parents=True, exist_ok=True)
-            (shutil.copytree if source.is_dir() else shutil.copy)(source, target)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
-        env.update({"FRUGALTUNE_BASE_CACHE": str(project / "cache"), "PYTHONPATH": str(ROOT),
-                    "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"})
-        script = (
+        project = common.scratch_project(Path(tmp), copied=NEEDED)  # copies: register rewrites the reports
+        env = common.stage_env({k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")},
+                               FRUGALTUNE_BASE_CACHE=str(project / "cache"),
+                               MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR="false")
+        # A new MLflow training run, as nightly retraining makes one, named in reports/train.json for `register`
+        new_run = (
             "import json, mlflow\n"
             "from frugaltune import paths, tracking\n"
             "from frugaltune.config import load_params\n"
-            "from stages import register\n"
-            "params = load_params()\n"
-            "tracking.setup(params.train.experiment)\n"
+            "tracking.setup(load_params().train.experiment)\n"
             "with mlflow.start_run(tags=tracking.run_tags()) as run:\n"
             "    mlflow.log_metric('train_loss', 0.5)\n"
             "report = json.loads(paths.report('train').read_text())\n"
             "paths.report('train').write_text(json.dumps({**report, 'mlflow_run_id': run.info.run_id}))\n"
-            "print(json.dumps(register.run(params)))\n"
         )
         sizes, seconds = [], []
         for i in range(args.versions):
-            started = time.perf_counter()
-            done = subprocess.run([sys.executable, "-c", script], cwd=project, env=env, capture_output=True,
+            made = subprocess.run([sys.executable, "-c", new_run], cwd=project, env=env, capture_output=True,
                                   text=True)
+            if made.returncode != 0:
+                sys.exit(f"training run #{i + 1} failed:\n{made.stderr[-3000:]}")
+            started = time.perf_counter()
+            done = subprocess.run([sys.executable, "-m", "stages.register"], cwd=project, env=env,
+                                  capture_output=True, text=True)
             if done.returncode != 0:
                 sys.exit(f"register #{i + 1} failed:\n{done.stderr[-3000:]}")
             seconds.append(time.perf_counter() - started)

@@ -18,22 +18,24 @@ queue_length_cdf.png (time-weighted CDF of the queue length per policy, pooled o
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's frugaltune, not an installed one
-
-import matplotlib  # noqa: E402
+import matplotlib
 
 matplotlib.use("Agg")  # files only; no display on the build machines
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from frugaltune import paths  # noqa: E402
-from frugaltune.config import DEFAULT_TRACE as SCHEDULING_TRACE  # noqa: E402
-from frugaltune.hardware import cpu_facts  # noqa: E402
-from frugaltune.scheduling import HEURISTICS, queue_length_cdf, read_swf, simulate  # noqa: E402
-from frugaltune.scheduling.evaluation import Protocol, evaluate, markdown_table, summary_table  # noqa: E402
+from frugaltune import paths
+from frugaltune.config import DEFAULT_TRACE as SCHEDULING_TRACE
+from frugaltune.hardware import cpu_facts
+from frugaltune.scheduling import HEURISTICS, queue_length_cdf, read_swf, simulate
+from frugaltune.scheduling.evaluation import (
+    Protocol,
+    evaluate,
+    markdown_table,
+    summary_table,
+)
 
 DEFAULT_TRACE = paths.SCHEDULING_DIR / SCHEDULING_TRACE  # scheduling.trace's default, from the repository root
 DEFAULT_OUT = Path("reports/scheduling")

@@ -15,25 +15,21 @@ are printed with them.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's frugaltune, not an installed one
+import common
+import torch
 
-import torch  # noqa: E402
-from scheduling_prompts import add_arguments, load  # noqa: E402  (beside this file)
-
-from frugaltune.generation import _common_prefix_length, choose  # noqa: E402
-from frugaltune.hardware import cpu_facts  # noqa: E402
+from frugaltune.generation import _common_prefix_length, choose
+from frugaltune.hardware import cpu_facts
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_arguments(parser)
+    common.add_scheduling_arguments(parser)
     args = parser.parse_args()
 
-    model, tokenizer, prompts, candidates = load(args)
+    model, tokenizer, prompts, candidates = common.load_scheduling_prompts(args)
     choose(model, tokenizer, prompts[:4], candidates[:4], batch_size=4)  # warm-up
 
     timings: dict[str, float] = {}

@@ -17,28 +17,19 @@ dropout's masks on the shared part), and the ratio; the CPU and precision are pr
 from __future__ import annotations
 
 import argparse
-import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's frugaltune, not an installed one
+import common
+import pandas as pd
+import torch
 
-import pandas as pd  # noqa: E402
-import torch  # noqa: E402
-
-from frugaltune import generation, paths  # noqa: E402
-from frugaltune.hardware import cpu_facts  # noqa: E402
-from frugaltune.planner import MethodKnobs  # noqa: E402
-from frugaltune.training.batching import IGNORE_INDEX  # noqa: E402
-from frugaltune.training.loop import LoopConfig, train_classifier  # noqa: E402
-from frugaltune.training.methods import prepare_model  # noqa: E402
+from frugaltune import generation
+from frugaltune.hardware import cpu_facts
+from frugaltune.planner import MethodKnobs
+from frugaltune.training.batching import IGNORE_INDEX
+from frugaltune.training.loop import LoopConfig, train_classifier
+from frugaltune.training.methods import prepare_model
 
 TEMPLATE = "Is the sentiment of this tweet negative, neutral or positive? Answer with one word. Tweet: {text}"
-
-
-def planned_run() -> dict:
-    """What the plan chose on this machine (precision, attention crossover: the kernels stage measured both)."""
-    return json.loads(paths.PLAN.read_text()).get("run", {}) if paths.PLAN.exists() else {}
 
 
 def main() -> None:
@@ -47,11 +38,13 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--base", default="models/base")
     parser.add_argument("--data", default="data/validated/train.parquet")
-    parser.add_argument("--precision", choices=("bf16", "fp32"), default=None, help="default: the plan's")
+    parser.add_argument("--precision", choices=("bf16", "fp32"), default=None, 
+                        help="default: the plan's (frugaltune.resolve)")
     parser.add_argument("--target-modules", nargs="+", default=["q_proj", "k_proj", "v_proj", "o_proj"])
     args = parser.parse_args()
-    plan = planned_run()
-    precision = args.precision or plan.get("precision", "fp32")
+    # the plan's precision and attention crossover (the kernels stage measured both), or --precision's crossover
+    decided = common.machine(args.precision or "auto")
+    precision = "bf16" if decided["bf16"] else "fp32"
 
     from frugaltune.models import load_tokenizer
 
@@ -70,7 +63,7 @@ def main() -> None:
                               MethodKnobs(target_modules=tuple(args.target_modules)), bf16=precision == "bf16",
                               task="causal_lm")
         cfg = LoopConfig(lr=1e-3, batch_size=args.batch, epochs=1, seed=42, log_every=1, bf16=precision == "bf16",
-                         eager_attention_max_len=plan.get("eager_attention_max_len", 0), shared_prefix_min=share_from)
+                         eager_attention_max_len=decided["eager_attention_max_len"], shared_prefix_min=share_from)
         result = train_classifier(model, ids, labels, cfg, tokenizer.pad_token_id, progress=False)
         # log_every=1: each record is one step, its tokens = its rate x its duration
         ends = [h["elapsed_s"] for h in result.history]

@@ -2,19 +2,14 @@
 
     python benchmarks/step_anatomy.py                    # matmul shapes: separate vs fused projections, LoRA's
     python benchmarks/step_anatomy.py --ab-rounds 4      #   + frozen weights stored in bf16 vs autocast, alternated
-    python benchmarks/step_anatomy.py --ab-rounds 4 --ab fused   #   + sibling projections fused vs separate
     python benchmarks/step_anatomy.py --ab-rounds 4 --ab compiled   # + decoder layers under torch.compile vs eager
-    python benchmarks/step_anatomy.py --ab-rounds 5 --ab packed     # + frozen weights pre-reordered for oneDNN
     python benchmarks/step_anatomy.py --ab-rounds 5 --ab optimizer  # + AdamW as one fused kernel vs torch's default
-    python benchmarks/step_anatomy.py --ab-rounds 5 --ab inputs     # + norms handing bf16 to the projections
     python benchmarks/step_anatomy.py --ab-rounds 5 --ab grouped    # + int8 siblings as one product (int8 on)
-    python benchmarks/step_anatomy.py --ab-rounds 5 --ab addmm --int8  # + LoRA's add inside B's product
-    python benchmarks/step_anatomy.py --ab-rounds 5 --ab norms --int8  # + RMSNorm compiled vs eager
     python benchmarks/step_anatomy.py --ab-paired 60 --ab int8lora  # + LoRA over int8 as one node, steps paired
     python benchmarks/step_anatomy.py --ab-paired 60 --ab same --int8  # the paired A/B's A/A (its bias)
 
-Needs `models/base` and `data/tokenized` (`make pipeline`). Two parts, both on this machine's threads and the
-precision the plan measured faster (reports/kernels.json, as `dvc repro train`):
+Needs `models/base` and `data/tokenized` (`make pipeline`). On this machine's threads, in the plan's precision and
+with its attention crossover (frugaltune.resolve, as `dvc repro train` reads them):
 
 1. **Matmul shapes of one decoder layer** of the base model (read from models/base/config.json) for a batch of
    M = batch x mean training length rows: q/k/v as three products against one fused [q;k;v] product, gate/up as
@@ -25,21 +20,17 @@ precision the plan measured faster (reports/kernels.json, as `dvc repro train`):
    `prepare_model` does for LoRA in bf16 since 2026-11-25) against fp32 weights cast by autocast at every use:
    two models trained by the project's loop on the same slices of data, alternating which goes first, N rounds
    (the first is a warm-up and not counted). Alternation within one process, not two runs minutes apart, is what
-   makes a few percent visible on a shared machine. `--ab fused` does the same for `fused_siblings` (q/k/v,
-   gate/up and q/k/v's LoRA A as one matmul each) against each projection on its own. `--ab compiled` does it for
-   regional compilation: every decoder layer `torch.compile`d in place (inductor, dynamic shapes: length-grouped
-   batches change the length), which is what would fuse the elementwise work around the matmuls; the warm-up round
-   then includes the compilation (each round prints its seconds). `--ab packed` does it for `packed_weights`
-   (the frozen bf16 weights reordered once into oneDNN's layout, forward and transposed for the input gradient).
-   `--ab optimizer` compares AdamW fused (one kernel over all trainable tensors, the default since 2026-11-26)
-   with torch's default per-tensor loop; `--ab inputs` compares `bf16_inputs` (the norms hand the projections
-   bf16 once) with each projection casting its fp32 input under autocast; `--ab grouped` (int8 products on, as
-   `--int8`) compares q/k/v and gate/up as one int8 product each (`int8.apply`'s default since 2026-11-28) with
-   each product on its own; `--ab addmm` compares `lora_addmm` (off by default) with peft's own
-   LoRA forward; `--ab norms` compares `compiled_norms` (off by default) with eager RMSNorms; `--ab int8lora`
-   (int8 products on) compares `fused_int8_lora` (LoRA over each int8 product as one autograd node) with peft's
-   layers. Every other variant uses the loop's defaults (fused optimizer and fused_int8_lora on; lora_addmm and
-   compiled_norms off). `--ab-paired N` runs the chosen A/B as N steps of each model taking turns step by step
+   makes a few percent visible on a shared machine. `--ab compiled` does the same for regional compilation: every
+   decoder layer `torch.compile`d in place (inductor, dynamic shapes: length-grouped batches change the length),
+   which is what would fuse the elementwise work around the matmuls; the warm-up round then includes the
+   compilation (each round prints its seconds). `--ab optimizer` compares AdamW fused (one kernel over all
+   trainable tensors, the default since 2026-11-26) with torch's default per-tensor loop; `--ab grouped` compares
+   q/k/v and gate/up as one int8 product each (`int8.apply`'s default since 2026-11-28) with each product on its
+   own; `--ab int8lora` compares `fused_int8_lora` (LoRA over each int8 product as one autograd node) with peft's
+   layers. Both int8 A/Bs force int8 products on (whatever the plan decided: they compare two ways of computing
+   them); `--int8` puts the other A/Bs' models on int8 products where the plan decided them for LoRA
+   (`train.int8_products`). Every variant uses the loop's defaults but for what it compares (fused optimizer and
+   fused_int8_lora on). `--ab-paired N` runs the chosen A/B as N steps of each model taking turns step by step
    (two threads, one computing at a time; pairs alternate which goes first) and prints per-step speed ratios;
    `--ab same` is its A/A (the defaults against themselves), which shows what the method reads where nothing
    differs.
@@ -58,27 +49,14 @@ import argparse
 import functools
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
+import common
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import train_throughput as throughput  # noqa: E402
-
-from frugaltune import planner  # noqa: E402
-from frugaltune.hardware import cpu_facts, probe  # noqa: E402
-
-
-def timed(fn, repeats: int) -> float:
-    """Seconds per call after a warm-up of a tenth of the calls."""
-    for _ in range(max(3, repeats // 10)):
-        fn()
-    began = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    return (time.perf_counter() - began) / repeats
+from frugaltune import planner
+from frugaltune.hardware import cpu_facts
 
 
 def matmul_table(rows: int, hidden: int, q_out: int, kv_out: int, mlp: int, rank: int, dtype: torch.dtype,
@@ -122,33 +100,9 @@ def matmul_table(rows: int, hidden: int, q_out: int, kv_out: int, mlp: int, rank
           f"{torch.get_num_threads()} threads")
     print(f"{'product':34s} {'ms':>8s} {'GFLOP/s':>8s}")
     for name, fn, macs in cases:
-        seconds = timed(fn, repeats)
+        seconds = common.timed(fn, repeats)
         rate = f"{2 * rows * macs / seconds / 1e9:8.0f}" if macs else f"{'':8s}"
         print(f"{name:34s} {seconds * 1e3:8.3f} {rate}")
-
-
-def alternated(names: list[str], rounds: int, measure) -> dict[str, list[float]]:
-    """`measure(number, name)` for each name in each of `rounds` rounds, alternating which goes first (the given
-    order in even rounds); round 0 warms every variant up and is not kept. Returns each name's kept values.
-    Alternation within one process, not runs minutes apart, is what makes a few percent visible."""
-    kept: dict[str, list[float]] = {name: [] for name in names}
-    for number in range(rounds):
-        for name in names if number % 2 == 0 else list(reversed(names)):
-            value = measure(number, name)
-            if number:
-                kept[name].append(value)
-    return kept
-
-
-def loop_round(model, ids: list, labels: list, cfg, pad_token_id: int, number: int, name: str) -> float:
-    """One round of an alternated A/B: the project's loop on these rows; prints and returns useful tokens/s."""
-    from frugaltune.training.loop import train_classifier
-
-    result = train_classifier(model, ids, labels, cfg, pad_token_id, progress=False)
-    rate = result.tokens / result.wall_seconds
-    print(f"  round {number}{' (warm-up)' if not number else ''}: {name}: {rate:.1f} useful tok/s "
-          f"({result.wall_seconds:.1f} s)", flush=True)
-    return rate
 
 
 def paired_steps(runs: dict[str, object]) -> dict[str, list[float]]:
@@ -228,64 +182,53 @@ def ab_switch(switch: str, rounds: int, steps: int, batch_size: int, bf16: bool,
               target_modules: list[str] | None = None, int8_products: bool = False, paired: int = 0) -> None:
     """One speed switch off against on, two models trained by the project's loop on the same slices of data,
     alternating which goes first; the first round warms both up and is not counted. `int8_products`: both models'
-    frozen products in int8 where `train.int8_products` resolves on here, as the train stage does. `paired` > 0:
-    instead, both loops over the same `paired` batches, taking turns step by step (paired_steps)."""
+    frozen products in int8 where the plan decided them for LoRA (`train.int8_products`), as the train stage does;
+    `grouped` and `int8lora` compare two ways of computing int8 products, so both their models have them forced
+    on. `paired` > 0: instead, both loops over the same `paired` batches, taking turns step by step (paired_steps)."""
+    from frugaltune import int8
     from frugaltune.training.fast import frozen_weights_in
     from frugaltune.training.loop import LoopConfig
 
-    ids, labels = throughput._examples(max(steps * rounds, paired) * batch_size)
+    ids, labels = common.training_examples(max(steps * rounds, paired) * batch_size)
     if torch.cuda.is_available():  # as the train stage and train_throughput's frugaltune recipe do on a GPU
         planner.keep_sdpa_off_cudnn()
-    variants = {"frozen": {"fp32 weights, autocast casts": (torch.float32, False),  # fused_siblings as the default
-                           "frozen weights stored in bf16": (torch.bfloat16, False)},
-                "fused": {"each projection its own matmul": (None, False),
-                          "siblings fused (fused_siblings)": (None, True)},
-                "compiled": {"eager": (None, False), "decoder layers compiled": (None, False)},
-                "packed": {"plain bf16 weights": (None, False), "weights packed (packed_weights)": (None, False)},
-                "optimizer": {"AdamW, torch's default": (None, False), "AdamW fused": (None, False)},
-                "inputs": {"projections cast their inputs": (None, False),
-                           "norms hand bf16 (bf16_inputs)": (None, False)},
-                "grouped": {"each int8 product alone": (None, False),
-                            "int8 siblings grouped": (None, False)},
-                "addmm": {"peft's LoRA forward": (None, False), "LoRA added in addmm (lora_addmm)": (None, False)},
-                "norms": {"eager RMSNorm": (None, False), "compiled RMSNorm (compiled_norms)": (None, False)},
-                "same": {"the defaults": (None, False), "the defaults again": (None, False)},  # A/A: the method's bias
-                "int8lora": {"peft's LoRA layers": (None, False),
-                             "one node per int8 product (fused_int8_lora)": (None, False)},
+    variants = {"frozen": ("fp32 weights, autocast casts", "frozen weights stored in bf16"),
+                "compiled": ("eager", "decoder layers compiled"),
+                "optimizer": ("AdamW, torch's default", "AdamW fused"),
+                "grouped": ("each int8 product alone", "int8 siblings grouped"),
+                "same": ("the defaults", "the defaults again"),  # A/A: the method's bias
+                "int8lora": ("peft's LoRA layers", "one node per int8 product (fused_int8_lora)"),
                 }[switch]
-    int8_products = int8_products or switch in ("grouped", "int8lora")
-    models, fused = {}, {}
-    for name, (dtype, fuse) in variants.items():
+    if switch in ("grouped", "int8lora"):
+        decision = common.forced_int8(True)
+    elif int8_products:
+        decision = common.machine(int8=True)["int8"]
+    else:
+        decision = common.forced_int8(False)
+    models = {}
+    for name in variants:
         knobs = planner.MethodKnobs(target_modules=tuple(target_modules)) if target_modules else None
-        model, tokenizer = throughput._model(bf16, "lora", True, knobs)  # bf16 frozen weights when bf16
-        if dtype is not None:
-            frozen_weights_in(model, dtype)
-        if int8_products:
-            from frugaltune import int8
-            from frugaltune.config import load_params
-
-            decision = int8.decide(load_params().train.int8_products, "lora", bf16, model.config.hidden_size,
-                                   model.config.intermediate_size, torch.cuda.is_available())
+        model, tokenizer = common.lora_model(bf16, "lora", True, knobs)  # bf16 frozen weights when bf16
+        stored = {"fp32 weights, autocast casts": torch.float32, "frozen weights stored in bf16": torch.bfloat16}
+        if name in stored:
+            frozen_weights_in(model, stored[name])
+        if decision["on"]:
             grouped = name != "each int8 product alone"  # int8.apply groups siblings by default
             print(f"{name}: int8 products {int8.apply(model, decision, 'lora', grouped=grouped)}")
-        if switch == "compiled" and name != "eager":
+        if name == "decoder layers compiled":
             for module in model.modules():  # regional: each decoder layer, not the whole model and the loop
                 if type(module).__name__.endswith("DecoderLayer"):
                     module.compile(dynamic=True)
-        models[name], fused[name] = model, fuse
+        models[name] = model
         kinds = {str(m.weight.dtype) for m in model.modules()
                  if type(m) is torch.nn.Linear and not m.weight.requires_grad}
         print(f"{name}: frozen Linear weights in {', '.join(sorted(kinds))}")
+
     def config(name: str, log_every: int) -> LoopConfig:
         return LoopConfig(lr=1e-3, head_lr=2e-3, batch_size=batch_size, epochs=1, seed=42, bf16=bf16,
-                         log_every=log_every, eager_attention_max_len=eager, fused_siblings=fused[name],
-                         packed_weights=switch == "packed" and name != "plain bf16 weights",
-                         fused_optimizer=switch != "optimizer" or name == "AdamW fused",
-                         bf16_inputs=name == "norms hand bf16 (bf16_inputs)",
-                         lora_addmm=name == "LoRA added in addmm (lora_addmm)",
-                         compiled_norms=name == "compiled RMSNorm (compiled_norms)",
-                         fused_int8_lora=(name == "one node per int8 product (fused_int8_lora)"
-                                          if switch == "int8lora" else LoopConfig.fused_int8_lora))
+                          log_every=log_every, eager_attention_max_len=eager,
+                          fused_optimizer=name != "AdamW, torch's default",
+                          fused_int8_lora=name != "peft's LoRA layers")
 
     if paired:
         from frugaltune.training.loop import train_classifier
@@ -298,10 +241,10 @@ def ab_switch(switch: str, rounds: int, steps: int, batch_size: int, bf16: bool,
 
     def measure(number: int, name: str) -> float:
         part = slice(number * steps * batch_size, (number + 1) * steps * batch_size)
-        return loop_round(models[name], ids[part], labels[part], config(name, 10**6), tokenizer.pad_token_id,
-                          number, name)
+        return common.loop_round(models[name], ids[part], labels[part], config(name, 10**6), tokenizer.pad_token_id,
+                                 number, name)
 
-    rates = alternated(list(models), rounds, measure)
+    rates = common.alternated(list(models), rounds, measure)
     base, new = (statistics.mean(v) for v in rates.values())
     names = list(rates)
     print(f"mean over {rounds - 1} rounds: {' / '.join(f'{statistics.mean(v):.1f}' for v in rates.values())} "
@@ -312,10 +255,10 @@ def layer_compile(batch_size: int, bf16: bool, repeats: int = 20) -> None:
     """One decoder layer, eager vs torch.compile'd, for each kind of LoRA dropout (see the module docstring)."""
     import copy
 
-    model, _ = throughput._model(bf16, "lora", True)
+    model, _ = common.lora_model(bf16, "lora", True)
     model.train()
     decoder = model.get_base_model().model
-    ids, _ = throughput._examples(batch_size)
+    ids, _ = common.training_examples(batch_size)
     length = max(len(x) for x in ids)
     x = torch.randn(batch_size, length, decoder.config.hidden_size, requires_grad=True)
     positions = torch.arange(length).unsqueeze(0).expand(batch_size, length)
@@ -333,7 +276,7 @@ def layer_compile(batch_size: int, bf16: bool, repeats: int = 20) -> None:
                        ("no dropout", torch.nn.Identity)):
         eager = copy.deepcopy(decoder.layers[0])
         if make is not None:
-            throughput.replace_lora_dropouts(eager, make)
+            common.replace_lora_dropouts(eager, make)
         compiled = torch.compile(copy.deepcopy(eager))  # before any forward: SharedDropout then caches no output
         with autocast:
             explained = torch._dynamo.explain(eager)(x, attention_mask=None, position_ids=positions,
@@ -342,7 +285,8 @@ def layer_compile(batch_size: int, bf16: bool, repeats: int = 20) -> None:
         step(compiled)
         compile_s = time.perf_counter() - began
         layers = {"compiled": compiled, "eager": eager}
-        times = alternated(list(layers), 4, lambda number, name: timed(lambda: step(layers[name]), repeats))
+        times = common.alternated(list(layers), 4,
+                                 lambda number, name: common.timed(lambda: step(layers[name]), repeats))
         e, c = (statistics.mean(times[name]) * 1e3 for name in ("eager", "compiled"))
         print(f"  {kind:27s} graph breaks {explained.graph_break_count}, compile {compile_s:5.1f} s: "
               f"eager {e:.2f} ms, compiled {c:.2f} ms, compiled {e / c:.3f}x")
@@ -353,8 +297,8 @@ def step_floor(batch_size: int, bf16: bool, eager: int, steps: int = 12, rounds:
     """Seconds per step of the loop for 1 x 8-token steps against steps of the batch (see the module docstring)."""
     from frugaltune.training.loop import LoopConfig, train_classifier
 
-    model, tokenizer = throughput._model(bf16, "lora", True)
-    ids, labels = throughput._examples(steps * batch_size)
+    model, tokenizer = common.lora_model(bf16, "lora", True)
+    ids, labels = common.training_examples(steps * batch_size)
     tiny, full = "1 x 8 tokens", f"batch {batch_size}"
     shapes = {full: (ids, labels, batch_size), tiny: ([x[:8] for x in ids[:steps]], labels[:steps], 1)}
     tokens = {}
@@ -367,7 +311,7 @@ def step_floor(batch_size: int, bf16: bool, eager: int, steps: int = 12, rounds:
         tokens[name] = result.tokens / steps
         return result.wall_seconds / steps
 
-    per_step = alternated(list(shapes), rounds, measure)
+    per_step = common.alternated(list(shapes), rounds, measure)
     floor, whole = (statistics.mean(per_step[name]) for name in (tiny, full))
     for name in (tiny, full):
         values = per_step[name]
@@ -382,13 +326,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--ab-rounds", type=int, default=0, help="> 1: also an A/B of a switch, this many rounds")
     parser.add_argument("--ab", default="frozen",
-                        choices=["frozen", "fused", "compiled", "packed", "optimizer", "inputs", "grouped", "addmm",
-                                 "norms", "int8lora", "same"],
-                        help="frozen: bf16-stored frozen weights vs autocast casts; fused: fused_siblings off vs on; "
-                             "compiled: decoder layers under torch.compile vs eager; packed: packed_weights off vs on; "
-                             "optimizer: AdamW fused vs torch's default; inputs: bf16_inputs off vs on; "
-                             "grouped: int8 siblings alone vs grouped; addmm: peft's LoRA forward vs lora_addmm; "
-                             "norms: eager vs compiled RMSNorm; int8lora: peft's LoRA layers vs fused_int8_lora; "
+                        choices=["frozen", "compiled", "optimizer", "grouped", "int8lora", "same"],
+                        help="frozen: bf16-stored frozen weights vs autocast casts; "
+                             "compiled: decoder layers under torch.compile vs eager; "
+                             "optimizer: AdamW fused vs torch's default; grouped: int8 siblings alone vs grouped; "
+                             "int8lora: peft's LoRA layers vs fused_int8_lora; "
                              "same: the defaults against themselves (an A/A: what the method reads where nothing "
                              "differs)")
     parser.add_argument("--ab-steps", type=int, default=12, help="steps per model per round")
@@ -398,19 +340,19 @@ def main() -> None:
     parser.add_argument("--target-modules", nargs="+", default=None,
                         help="the A/B's LoRA targets (default: params' q/k/v/o), e.g. all seven linear layers")
     parser.add_argument("--int8", action="store_true",
-                        help="the A/B's models with int8 frozen products where train.int8_products resolves on")
+                        help="the A/B's models with int8 frozen products where the plan decided them for LoRA")
     parser.add_argument("--layer-compile", action="store_true", help="also one decoder layer eager vs compiled")
     parser.add_argument("--layer-repeats", type=int, default=20,
                         help="--layer-compile's timed forward + backward passes per layer per round (--repeats is the "
                              "matmul table's)")
     parser.add_argument("--floor", action="store_true", help="also a step's fixed cost (1 x 8 tokens vs the batch)")
     args = parser.parse_args()
-    bf16, why, measured = throughput.planned_precision(probe())
-    eager = planner.eager_attention_max_len(measured, bf16, False)
-    config = json.loads(Path(throughput.BASE, "config.json").read_text())
+    decided = common.machine()  # the plan's precision and attention crossover, as the train stage reads them
+    bf16, why, eager = decided["bf16"], decided["precision_why"], decided["eager_attention_max_len"]
+    config = json.loads(Path(common.BASE, "config.json").read_text())
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
     head_dim = config.get("head_dim") or hidden // heads
-    ids, _ = throughput._examples(512)
+    ids, _ = common.training_examples(512)
     rows = round(args.batch_size * statistics.mean(len(x) for x in ids))
     print(f"{cpu_facts()['model']}; {'bf16' if bf16 else 'fp32'} ({why})")
     matmul_table(rows, hidden, heads * head_dim, config["num_key_value_heads"] * head_dim,

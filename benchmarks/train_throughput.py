@@ -20,10 +20,11 @@ new batch shape), which the pipeline's 178 steps amortize. The whole runs' rates
 beside.
 
 - frugaltune: `frugaltune.training.loop.train_classifier` as `dvc repro train` runs it: length-grouped batches,
-  dynamic padding, the precision the kernels stage chose, and the speed switches of `frugaltune.training.fast`
+  dynamic padding, the plan's precision (frugaltune.resolve: what the kernels stage measured), and the speed
+  switches of `frugaltune.training.fast`
   (LoRA dropout from fewer random words, shared by q/k/v; eager attention up to the measured crossover length;
   frozen weights stored in bf16 when bf16 was measured faster; AdamW as one fused kernel; the frozen products in
-  int8 where `train.int8_products` resolves on, as in the train stage: frugaltune/int8.py);
+  int8 where the plan decided them for the method (`train.int8_products`), as in the train stage: frugaltune/int8.py);
 - frugaltune, switches off: the same loop with peft's `nn.Dropout`, SDPA attention, fp32 frozen weights and torch's
   default AdamW (the default before the switches);
 - (a) the common recipe: HF `Trainer` + peft, `padding="max_length", max_length=128`, fp32;
@@ -55,76 +56,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
-import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
+
+import common
+from common import BASE, LABELS_FILE, TOKENIZED
 
 from frugaltune import allocator
 from frugaltune.config import load_params
 
 HF_RECIPES = ("hf_max_length_fp32", "hf_group_by_length_bf16")
-LABELS_FILE = Path("data/splits/labels.json")
-BASE = Path("models/base")
-TOKENIZED = Path("data/tokenized")
-
-
-def _examples(count: int) -> tuple[list[list[int]], list[int]]:
-    """`count` rows of the training split as the train stage feeds them: a seeded sample across the split, each row
-    wrapped in `train.input_template` (frugaltune/input_template.py), as `stages/train.py` wraps it.
-
-    Not the split's first rows: it is stored grouped by label (the first 640 were all one class, ~2 tokens shorter
-    than the split's mean), and bare rows are ~4 tokens shorter than the pipeline's templated ones."""
-    import random
-
-    from datasets import load_from_disk
-
-    from frugaltune.input_template import InputTemplate, wrapped
-    from frugaltune.models import load_tokenizer
-
-    train = load_from_disk(str(TOKENIZED))["train"]
-    if count > len(train):
-        raise SystemExit(f"{TOKENIZED}: the training split has {len(train)} rows and this run needs {count} "
-                         "((--warmup + --steps) x --batch-size, x rounds for step_anatomy's A/B): ask for fewer")
-    train = train.select(sorted(random.Random(42).sample(range(len(train)), count)))
-    params = load_params()
-    template = (InputTemplate.build(params.train.input_template, load_tokenizer(BASE))
-                if params.train.input_template is not None and params.task.type == "classification" else None)
-    ids = wrapped([list(row) for row in train["input_ids"]], template, params.tokenize.max_length)
-    return [list(row) for row in ids], list(train["labels"])
-
-
-def _model(bf16: bool, method: str = "lora", switches: bool = True, knobs=None):
-    import torch
-
-    from frugaltune.models import load_tokenizer
-    from frugaltune.planner import MethodKnobs
-    from frugaltune.training.methods import prepare_model
-
-    labels = json.loads(LABELS_FILE.read_text())["labels"]
-    tokenizer = load_tokenizer(BASE)
-    model = prepare_model(BASE, labels, tokenizer.pad_token_id, 42, method, knobs or MethodKnobs(), bf16)
-    if not switches:  # peft's own dropout modules and fp32 frozen weights back, as before frugaltune.training.fast
-        from frugaltune.training.fast import frozen_weights_in
-
-        frozen_weights_in(model, torch.float32)  # autocast casts them at every use again
-        replace_lora_dropouts(model, lambda: torch.nn.Dropout(MethodKnobs().dropout),
-                              lambda d: hasattr(d, "shared"))
-    return model, tokenizer
-
-
-def replace_lora_dropouts(model, make, which=lambda dropout: True) -> None:
-    """Put `make()` in place of each of peft's LoRA dropout modules in `model` for which `which(module)` holds."""
-    import torch
-
-    for module in model.modules():
-        dropouts = getattr(module, "lora_dropout", None)
-        if isinstance(dropouts, torch.nn.ModuleDict):
-            for name, dropout in list(dropouts.items()):
-                if which(dropout):
-                    dropouts[name] = make()
 
 
 def _cuda() -> bool:
@@ -133,22 +75,13 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def _memory() -> dict:
-    import torch
-
-    out = {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
-    if torch.cuda.is_available():
-        out["cuda_peak_allocated_mb"] = torch.cuda.max_memory_allocated() / 2**20
-    return out
-
-
 def run_recipe(recipe: str, steps: int, batch_size: int, lr: float, threads: int, bf16_ours: bool,
                eager_max: int, warmup: int = 0) -> dict:
     """One recipe on (warmup + steps) x batch_size rows; the last `steps` steps are timed ("cold_": the whole run)."""
     import torch
 
     torch.set_num_threads(threads)
-    ids, labels = _examples((warmup + steps) * batch_size)
+    ids, labels = common.training_examples((warmup + steps) * batch_size)
     useful = sum(len(x) for x in ids)
     if recipe.startswith("frugaltune"):  # frugaltune[-off]:<method>
         from frugaltune.training.loop import LoopConfig, train_classifier
@@ -159,15 +92,12 @@ def run_recipe(recipe: str, steps: int, batch_size: int, lr: float, threads: int
             from frugaltune.planner import keep_sdpa_off_cudnn
 
             keep_sdpa_off_cudnn()
-        model, tokenizer = _model(bf16_ours, method, switches)
+        model, tokenizer = common.lora_model(bf16_ours, method, switches)
         int8_products = {"on": False}
-        if switches:  # the train stage's int8 decision (train.int8_products, frugaltune/int8.py), made here alike
-            from frugaltune import int8
+        if switches:  # the plan's int8 decision for the method (train.int8_products), carried out as the train stage
+            from frugaltune.training.setup import apply_int8
 
-            config = model.config
-            int8_products = int8.decide(load_params().train.int8_products, method, bf16_ours, config.hidden_size,
-                                        config.intermediate_size, torch.cuda.is_available())
-            int8_products = int8.apply(model, int8_products, method)
+            int8_products = apply_int8(model, common.machine(method=method, int8=True)["int8"], method)
         cfg = LoopConfig(lr=lr, head_lr=2 * lr, batch_size=batch_size, epochs=1, seed=42, bf16=bf16_ours,
                          log_every=1, eager_attention_max_len=eager_max if switches else 0,
                          fused_optimizer=switches, fused_int8_lora=switches)
@@ -180,7 +110,7 @@ def run_recipe(recipe: str, steps: int, batch_size: int, lr: float, threads: int
         step_tokens = [round(r["tokens_per_s"] * (ends[i + 1] - ends[i])) for i, r in enumerate(records)]
         return {"seconds": ends[-1] - ends[warmup], "useful_tokens": sum(step_tokens[warmup:]),
                 "steps": len(records) - warmup, "cold_seconds": result.wall_seconds,
-                "cold_useful_tokens": result.tokens, "padded_tokens": result.padded_tokens, **_memory(),
+                "cold_useful_tokens": result.tokens, "padded_tokens": result.padded_tokens, **common.peak_memory(),
                 "bf16": bf16_ours, "final_loss": result.final_loss, "allocator": allocator.active(),
                 "int8_products": int8_products}
 
@@ -189,7 +119,7 @@ def run_recipe(recipe: str, steps: int, batch_size: int, lr: float, threads: int
 
     max_length = recipe == "hf_max_length_fp32"
     bf16 = not max_length
-    model, tokenizer = _model(False)
+    model, tokenizer = common.lora_model(False)
     if max_length:  # the common recipe: every sequence padded to 128 when tokenized
         pad = tokenizer.pad_token_id
         rows = {"input_ids": [x + [pad] * (128 - len(x)) for x in ids],
@@ -231,7 +161,7 @@ def run_recipe(recipe: str, steps: int, batch_size: int, lr: float, threads: int
         state = trainer.train()
     return {"seconds": padded["end"] - padded["warm"], "useful_tokens": padded["timed_useful"],
             "steps": state.global_step - warmup, "cold_seconds": padded["end"] - padded["start"],
-            "cold_useful_tokens": useful, "padded_tokens": padded["tokens"], **_memory(), "bf16": bf16,
+            "cold_useful_tokens": useful, "padded_tokens": padded["tokens"], **common.peak_memory(), "bf16": bf16,
             "allocator": allocator.active()}
 
 
@@ -307,20 +237,8 @@ def flops_per_token(mean_length: float) -> float:
     from frugaltune.planner import model_shape
 
     config = AutoConfig.from_pretrained(str(BASE))
-    labels = json.loads(LABELS_FILE.read_text())["labels"]
-    shape = model_shape(BASE, len(labels), "lora")
+    shape = model_shape(BASE, len(common.labels()), "lora")
     return 4 * shape.matmul_params + 12 * config.num_hidden_layers * mean_length * config.hidden_size
-
-
-def planned_precision(hw: dict) -> tuple[bool, str, dict | None]:
-    """(bf16?, why, the kernels stage's measurement for this CPU) as `train.precision: auto` decides on this machine
-    (`hw`: a live probe, as the benchmarks run it)."""
-    from frugaltune import planner
-
-    kernels = Path("reports/kernels.json")
-    measured = planner.measured_on(hw, json.loads(kernels.read_text()) if kernels.exists() else None)
-    bf16, why = planner.recommend_precision(hw, "auto", measured)
-    return bf16, why, measured
 
 
 def torch_device_name() -> str:
@@ -359,13 +277,9 @@ def main() -> None:
         print(json.dumps(run_recipe(args.recipe, args.steps, args.batch_size, args.lr, threads, args.bf16_ours,
                                     args.eager_max, args.warmup)))
         return
-    for needed in (BASE, TOKENIZED, LABELS_FILE):
-        if not needed.exists():
-            sys.exit(f"{needed} is missing: run `make pipeline` (or `dvc repro tokenize`) first.")
-    from frugaltune import planner
-
-    bf16_ours, why, measured = planned_precision(hw)
-    eager_max = planner.eager_attention_max_len(measured, bf16_ours, cuda)
+    common.require(BASE, TOKENIZED, LABELS_FILE, fix="run `make pipeline` (or `dvc repro tokenize`) first")
+    decided = common.machine()  # the plan's precision and attention crossover, as the train stage reads them
+    bf16_ours, why, eager_max = decided["bf16"], decided["precision_why"], decided["eager_attention_max_len"]
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     recipes = [f"{kind}:{m}" for m in methods for kind in ("frugaltune", "frugaltune-off")] + list(HF_RECIPES)
     nominal, formula = gpu_peak_flops(bf16_ours) if cuda else cpu_peak_flops(hw, threads)
@@ -380,10 +294,7 @@ def main() -> None:
                    "--eager-max", str(eager_max)] + (["--bf16-ours"] if bf16_ours else [])
             print(f"round {round_ + 1}/{args.rounds}: {recipe} ...", flush=True)
             env = allocator.child_env(ours_on if recipe.startswith("frugaltune") else "system")
-            proc = subprocess.run(cmd, capture_output=True, text=True, env={**env, "TQDM_DISABLE": "1"})
-            if proc.returncode != 0:
-                sys.exit(f"{recipe} failed:\n{proc.stderr[-3000:]}")
-            runs[recipe].append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            runs[recipe].append(common.run_child(cmd, recipe, env))
     after = measured_peaks(threads)
     peaks = {k: max(v, after[k]) for k, v in peaks.items()}  # the best of before and after the recipes
     results = {}
@@ -394,7 +305,7 @@ def main() -> None:
         results[recipe] = {**median, "rates": [round(x, 1) for x in rates], "rate": statistics.median(rates),
                            "cold_rate": statistics.median(cold)}
 
-    ids, _ = _examples((args.warmup + args.steps) * args.batch_size)
+    ids, _ = common.training_examples((args.warmup + args.steps) * args.batch_size)
     per_token = flops_per_token(sum(len(x) for x in ids) / len(ids))
     where = f"GPU {torch_device_name()}, " if cuda else ""
     print(f"\nr=8 adapters on {BASE}, {(args.warmup + args.steps) * args.batch_size} training sequences (one pass, "
@@ -439,16 +350,11 @@ def main() -> None:
             bf16_mfu = on * per_token / peaks["bf16" if bf16_ours else "fp32"]
             print(f"{m}: int8 products ({int8_products['why']}): MFU {bf16_mfu:.1%} of the measured "
                   f"{'bf16' if bf16_ours else 'fp32'} peak, {on * per_token / peaks['int8']:.1%} of the int8 peak")
-    out = Path("reports/benchmarks/train_throughput.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"cpu": hw["cpu"].get("model"), "gpu": torch_device_name() if cuda else None,
-                               "nominal_peak": formula, "nominal_peak_flops": nominal,
-                               "measured_peak_flops": peaks, "flops_per_token": per_token, "threads": threads,
-                               "steps": args.steps, "warmup": args.warmup, "batch_size": args.batch_size,
-                               "rounds": args.rounds,
-                               "precision": "bf16" if bf16_ours else "fp32", "eager_attention_max_len": eager_max,
-                               "results": results}, indent=2))
-    print(f"wrote {out}")
+    common.write_results("train_throughput", {
+        "cpu": hw["cpu"].get("model"), "gpu": torch_device_name() if cuda else None, "nominal_peak": formula,
+        "nominal_peak_flops": nominal, "measured_peak_flops": peaks, "flops_per_token": per_token, "threads": threads,
+        "steps": args.steps, "warmup": args.warmup, "batch_size": args.batch_size, "rounds": args.rounds,
+        "precision": "bf16" if bf16_ours else "fp32", "eager_attention_max_len": eager_max, "results": results})
 
 
 if __name__ == "__main__":

@@ -1,0 +1,256 @@
+"""What several benchmarks share: the pipeline's data and model as a benchmark loads them, the plan's machine
+decisions, timing and A/B alternation, child processes, result files, and the scheduling prompts.
+
+Not a benchmark: the benchmarks run as `python benchmarks/<name>.py` from the repository root, so this file's
+folder is the first entry of their import path and they `import common` (`python benchmarks/common.py` only says
+what it is, for `make bench`'s loop). Everything here uses the installed `frugaltune`; nothing here decides a
+setting the plan decides (precision, int8 products, the attention crossover, threads): `machine` reads the plan's
+decisions through frugaltune.resolve, which decides them with `planner.decide_machine` only when there is no plan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from frugaltune import paths
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = paths.BASE_MODEL
+TOKENIZED = paths.TOKENIZED_DIR
+LABELS_FILE = paths.LABELS
+RESULTS = paths.REPORTS / "benchmarks"
+
+
+# --- the pipeline's outputs --------------------------------------------------------------------------------------
+
+def require(*needed: Path, fix: str = "run `make pipeline` first") -> None:
+    """Exit with one line naming the first missing input and how to make it."""
+    for path in needed:
+        if not Path(path).exists():
+            sys.exit(f"{path} is missing: {fix}.")
+
+
+def labels() -> list[str]:
+    return json.loads(LABELS_FILE.read_text())["labels"]
+
+
+def training_examples(count: int) -> tuple[list[list[int]], list[int]]:
+    """`count` rows of the training split as the train stage feeds them: a seeded sample across the split, each row
+    wrapped in `train.input_template` (frugaltune.training.setup.training_rows, as the train stage wraps it).
+
+    Not the split's first rows: it is stored grouped by label (the first 640 were all one class, ~2 tokens shorter
+    than the split's mean), and bare rows are ~4 tokens shorter than the pipeline's templated ones."""
+    import random
+
+    from datasets import load_from_disk
+
+    from frugaltune.config import load_params
+    from frugaltune.models import load_tokenizer
+    from frugaltune.training.setup import training_rows
+
+    train = load_from_disk(str(TOKENIZED))["train"]
+    if count > len(train):
+        raise SystemExit(f"{TOKENIZED}: the training split has {len(train)} rows and this run needs {count} "
+                         "((--warmup + --steps) x --batch-size, x rounds for an alternated A/B): ask for fewer")
+    train = train.select(sorted(random.Random(42).sample(range(len(train)), count)))
+    ids = training_rows(load_params(), [list(row) for row in train["input_ids"]], load_tokenizer(BASE))
+    return [list(row) for row in ids], list(train["labels"])
+
+
+def lora_model(bf16: bool, method: str = "lora", switches: bool = True, knobs=None):
+    """(model, tokenizer): `method` on the base model with a seeded head, as `prepare_model` builds it for training.
+    `switches=False`: peft's own dropout modules and fp32 frozen weights, as before frugaltune.training.fast."""
+    import torch
+
+    from frugaltune.models import load_tokenizer
+    from frugaltune.planner import MethodKnobs
+    from frugaltune.training.methods import prepare_model
+
+    tokenizer = load_tokenizer(BASE)
+    model = prepare_model(BASE, labels(), tokenizer.pad_token_id, 42, method, knobs or MethodKnobs(), bf16)
+    if not switches:
+        from frugaltune.training.fast import frozen_weights_in
+
+        frozen_weights_in(model, torch.float32)  # autocast casts them at every use again
+        replace_lora_dropouts(model, lambda: torch.nn.Dropout(MethodKnobs().dropout),
+                              lambda dropout: hasattr(dropout, "shared"))
+    return model, tokenizer
+
+
+def replace_lora_dropouts(model, make, which=lambda dropout: True) -> None:
+    """Put `make()` in place of each of peft's LoRA dropout modules in `model` for which `which(module)` holds."""
+    import torch
+
+    for module in model.modules():
+        dropouts = getattr(module, "lora_dropout", None)
+        if isinstance(dropouts, torch.nn.ModuleDict):
+            for name, dropout in list(dropouts.items()):
+                if which(dropout):
+                    dropouts[name] = make()
+
+
+# --- the plan's decisions ----------------------------------------------------------------------------------------
+
+def machine(precision: str = "auto", method: str = "lora", int8: bool = False) -> dict:
+    """The plan's machine decisions on this machine (frugaltune.resolve.machine: bf16, precision_why,
+    eager_attention_max_len, threads, int8), decided by `planner.decide_machine` when there is no plan for this CPU
+    or `precision` is not the plan's setting. `int8`: also `train.int8_products`' decision for `method` (without a
+    plan that times int8 products against the precision's now, a few seconds)."""
+    from frugaltune import resolve
+    from frugaltune.config import load_params
+
+    setting = load_params().train.int8_products if int8 else "auto"
+    return resolve.machine(precision, method, setting, resolve.read_plan(),
+                           dims=resolve.model_dims() if int8 else None)
+
+
+def forced_int8(on: bool) -> dict:
+    """An int8 decision an A/B compares (frugaltune.int8.apply carries it out), not one the plan made."""
+    return {"on": on, "why": "A/B variant"}
+
+
+# --- timing ------------------------------------------------------------------------------------------------------
+
+def timed(fn: Callable[[], Any], repeats: int) -> float:
+    """Seconds per call after a warm-up of a tenth of the calls."""
+    for _ in range(max(3, repeats // 10)):
+        fn()
+    began = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - began) / repeats
+
+
+def best_of(repeats: int, fn: Callable[[], Any]) -> float:
+    """The fastest of `repeats` calls, after one untimed call."""
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - began)
+    return min(times)
+
+
+def alternated(names: list[str], rounds: int, measure: Callable[[int, str], float]) -> dict[str, list[float]]:
+    """`measure(number, name)` for each name in each of `rounds` rounds, alternating which goes first (the given
+    order in even rounds); round 0 warms every variant up and is not kept. Returns each name's kept values.
+    Alternation within one process, not runs minutes apart, is what makes a few percent visible."""
+    kept: dict[str, list[float]] = {name: [] for name in names}
+    for number in range(rounds):
+        for name in names if number % 2 == 0 else list(reversed(names)):
+            value = measure(number, name)
+            if number:
+                kept[name].append(value)
+    return kept
+
+
+def loop_round(model, ids: list, labels: list, cfg, pad_token_id: int, number: int, name: str) -> float:
+    """One round of an alternated A/B: the project's loop on these rows; prints and returns useful tokens/s."""
+    from frugaltune.training.loop import train_classifier
+
+    result = train_classifier(model, ids, labels, cfg, pad_token_id, progress=False)
+    rate = result.tokens / result.wall_seconds
+    print(f"  round {number}{' (warm-up)' if not number else ''}: {name}: {rate:.1f} useful tok/s "
+          f"({result.wall_seconds:.1f} s)", flush=True)
+    return rate
+
+
+def peak_memory() -> dict:
+    """This process's peak RSS (and a CUDA device's peak allocation when there is one), in MB."""
+    import torch
+
+    out = {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    if torch.cuda.is_available():
+        out["cuda_peak_allocated_mb"] = torch.cuda.max_memory_allocated() / 2**20
+    return out
+
+
+# --- child processes and results ---------------------------------------------------------------------------------
+
+def run_child(cmd: list[str], what: str, env: dict[str, str] | None = None, **kwargs) -> dict:
+    """Run a benchmark's child process (its own peak RSS, its own malloc) and return the JSON of its last line of
+    stdout; exit with the end of its stderr when it fails."""
+    env = {**(os.environ if env is None else env), "TQDM_DISABLE": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, **kwargs)
+    if proc.returncode != 0:
+        sys.exit(f"{what} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def scratch_project(root: Path, linked: tuple[str, ...] = (), copied: tuple[str, ...] = ()) -> Path:
+    """`root` made a project root for whole stages (`python -m stages.<name>`, cwd=root, env=stage_env()) that must
+    not write into this checkout: `linked` paths as symlinks to this checkout's (what the stages only read),
+    `copied` as copies (what they rewrite); paths that do not exist here are left out."""
+    for relative in linked + copied:
+        source, target = ROOT / relative, root / relative
+        if not source.exists():
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if relative in linked:
+            target.symlink_to(source, target_is_directory=source.is_dir())
+        else:
+            (shutil.copytree if source.is_dir() else shutil.copy)(source, target)
+    return root
+
+
+def stage_env(base: dict[str, str] | None = None, **extra: str) -> dict[str, str]:
+    """The environment (`base`, default this process's) of a stage run from a scratch project: PYTHONPATH is this
+    checkout (its `stages` package is not installed), progress bars off, and `extra`."""
+    return {**(os.environ if base is None else base), "PYTHONPATH": str(ROOT), "TQDM_DISABLE": "1", **extra}
+
+
+def write_results(name: str, data: dict) -> Path:
+    """reports/benchmarks/<name>.json; prints where it went."""
+    out = RESULTS / f"{name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=2) + "\n")
+    print(f"wrote {out}")
+    return out
+
+
+# --- the scheduling prompts (shared_prefix, choice_tail_pass, frozen_head) ---------------------------------------
+
+def add_scheduling_arguments(parser: argparse.ArgumentParser) -> None:
+    """--rows --base --data --params --batch-size --repeats --fp32, for `load_scheduling_prompts`."""
+    parser.add_argument("--rows", type=int, default=60)
+    parser.add_argument("--base", default="scheduling/models/base")
+    parser.add_argument("--data", default="scheduling/data/sft.jsonl")
+    parser.add_argument("--params", default="scheduling/params.yaml")
+    parser.add_argument("--batch-size", type=int, default=20, help="prompts per forward (scheduling.llm.batch_size)")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--fp32", action="store_true", help="fp32 weights (default: bf16, as on a bf16-fast CPU)")
+
+
+def load_scheduling_prompts(args: argparse.Namespace) -> tuple[Any, Any, list[list[int]], list[list[str]]]:
+    """The base model of `make schedule` (fp32 from disk, cast to bf16 unless --fp32, eval mode), its tokenizer,
+    `--rows` rows evenly spread over the SFT data with their prompts templated with the scheduling params' system
+    message, as the evaluate_policy stage asks them, and their candidates."""
+    import torch
+    import yaml
+    from transformers import AutoModelForCausalLM
+
+    from frugaltune.generation import prompt_ids
+    from frugaltune.models import load_tokenizer
+
+    system = yaml.safe_load(Path(args.params).read_text())["task"].get("system")
+    tokenizer = load_tokenizer(args.base)
+    model = AutoModelForCausalLM.from_pretrained(args.base, dtype=torch.float32, local_files_only=True)
+    model = (model if args.fp32 else model.to(torch.bfloat16)).eval()
+    lines = Path(args.data).read_text().splitlines()
+    rows = [json.loads(line) for line in lines[::max(1, len(lines) // args.rows)][:args.rows]]
+    prompts = [prompt_ids(tokenizer, row["prompt"], system, True) for row in rows]
+    return model, tokenizer, prompts, [row["candidates"] for row in rows]
+
+
+if __name__ == "__main__":
+    print("benchmarks/common.py: the benchmarks' shared setup (imported as `common`), not a benchmark itself.")
