@@ -276,6 +276,112 @@ def _unpack_4bit_inference_layout(model: torch.nn.Module) -> None:
                 module.quant_state = weight.quant_state
 
 
+@dataclass
+class _StepSums:
+    """What one optimizer step computed, summed over its micro-batches and their parts."""
+
+    loss: float = 0.0
+    tokens: int = 0  # useful (non-pad) tokens
+    padded: int = 0
+    sequences: int = 0
+    shared: int = 0  # token positions not computed: each part's shared prefix x (its rows - 1)
+    micros: int = 0  # forward/backward passes (parts)
+
+
+@dataclass
+class _Data:
+    """The run's examples as the loop reads them."""
+
+    input_ids: list[list[int]]
+    labels: list
+    lengths: list[int]
+    counts: list[int]  # what each example adds to its batch's mean loss (target_counts)
+    pad_token_id: int
+
+
+def _accumulate(model: torch.nn.Module, data: _Data, batch_index: list[int], mine: list[int], cfg: LoopConfig,
+                micro_split: int, share_from: int, phase, sums: _StepSums, inject_oom: bool) -> None:
+    """Forward and backward of this rank's share (`mine`) of one micro-batch, in the parts the loop splits it into
+    (`part_rows`: `micro_split` after out-of-memory halvings, and the token cap); gradients accumulate, each part
+    weighted by what it adds to the whole batch's mean loss, so splits and ranks add up to the one-process loss."""
+    device = next(model.parameters()).device
+    chunk = part_rows(len(mine), max((data.lengths[i] for i in mine), default=0), micro_split, cfg.micro_batch_tokens)
+    for c in range(0, len(mine), chunk):
+        part = mine[c:c + chunk]
+        sums.micros += 1
+        if inject_oom:
+            raise torch.OutOfMemoryError("injected by FRUGALTUNE_TEST_OOM_AT_STEPS")
+        with phase("data"):
+            batch = {k: v.to(device) for k, v in collate([data.input_ids[i] for i in part], data.pad_token_id).items()}
+            target = collate_targets([data.labels[i] for i in part], batch["input_ids"].shape[1]).to(device)
+            shared = shared_prefix_length(batch["input_ids"], target, share_from)
+        with phase("fwd_bwd"):
+            with autocast(cfg.bf16, device):
+                loss = model_loss(model, batch, target, shared=shared)
+            weight = sum(data.counts[i] for i in part) / sum(data.counts[i] for i in batch_index) / cfg.grad_accum
+            (loss * weight).backward()
+            sums.loss += loss.item() * weight
+        sums.tokens += sum(data.lengths[i] for i in part)
+        sums.padded += batch["input_ids"].numel()
+        sums.sequences += len(part)
+        sums.shared += shared * (len(part) - 1)
+
+
+def _halve_micro_batch(state: dict, cfg: LoopConfig, step: int, cause: BaseException | None, event) -> None:
+    """Out of memory: every part of every batch from now on is half as wide (the effective batch is unchanged)."""
+    size = math.ceil(cfg.batch_size / state["micro_split"])
+    if size <= 1:
+        raise OutOfMemoryAtBatchOne(
+            f"out of memory at step {step} with one sequence per micro-batch. Lower tokenize.max_length, use a "
+            "lighter train.method (lora/qlora) or a machine with more memory.") from cause
+    state["micro_split"] *= 2
+    new_size = math.ceil(cfg.batch_size / state["micro_split"])
+    event(f"out of memory at step {step}: micro-batch {size} -> {new_size}, gradient accumulation "
+          f"{cfg.grad_accum * state['micro_split'] // 2} -> {cfg.grad_accum * state['micro_split']} "
+          f"(effective batch {cfg.batch_size * cfg.grad_accum} unchanged)")
+
+
+def _resume(cfg: LoopConfig, model, optimizer, scheduler, state: dict, world: World, total_steps: int,
+            event) -> tuple[int, Path | None]:
+    """(first step, last good checkpoint): where the newest complete checkpoint of this run leaves off, if any."""
+    if not (cfg.checkpoint_dir and cfg.resume):
+        return 1, None
+    found = checkpoint.latest_complete(cfg.checkpoint_dir)
+    if not found:
+        return 1, None
+    saved = checkpoint.load_checkpoint(found, model, optimizer, scheduler)
+    state.update({k: saved[k] for k in state if k in saved})  # checkpoints before a key have none
+    if world.rank:  # the checkpoint holds rank 0's RNG: the others draw their own dropout masks
+        torch.manual_seed(cfg.seed + world.rank + 1000 * saved["step"])
+    event(f"resumed from {found.path} (step {saved['step']} of {total_steps})")
+    return saved["step"] + 1, found.path
+
+
+def _optimizer(model: torch.nn.Module, cfg: LoopConfig, optimizer_state: dict | None) -> torch.optim.Optimizer:
+    optimizer = torch.optim.AdamW(_param_groups(model, cfg), weight_decay=cfg.weight_decay,
+                                  fused=cfg.fused_optimizer or None)  # None: torch's own choice (foreach on CUDA)
+    if optimizer_state:
+        restored = optimizer.state_dict()
+        restored["state"] = optimizer_state
+        optimizer.load_state_dict(restored)
+    return optimizer
+
+
+def _add_step(state: dict, sums: _StepSums, cfg: LoopConfig) -> None:
+    state["position"] += cfg.grad_accum
+    for key, value in (("tokens", sums.tokens), ("padded", sums.padded), ("sequences", sums.sequences),
+                       ("shared", sums.shared), ("micros", sums.micros)):
+        state[key] += value
+    state["losses"].append(sums.loss)
+    state["window"].append(sums.loss)
+
+
+def _interrupted(stop: dict, step: int, total_steps: int, last_good: Path | None) -> TrainingInterrupted:
+    where = f"checkpoint {last_good}" if last_good else "no checkpoint (checkpoints are off)"
+    return TrainingInterrupted(f"{stop['signal']} at step {step} of {total_steps}: stopped after writing {where}. "
+                               "Run the same `dvc repro` again (train.resume: auto) to continue from it.")
+
+
 def train_classifier(
     model: torch.nn.Module,
     input_ids: list[list[int]],
@@ -313,26 +419,17 @@ def train_classifier(
     moments, and on return the dict holds the final state. The learning rates and schedule stay this run's. A
     federated client that persists between rounds uses it (`federated.client_state: kept`).
     """
-    device = next(model.parameters()).device
     _unpack_4bit_inference_layout(model)
     lengths = [len(ids) for ids in input_ids]
-    # Each part of a batch weighs what it adds to the batch's mean loss: sequences for a classifier, response
-    # tokens for a causal LM; so that micro-batch splits and ranks add up to the one-process, whole-batch loss.
-    counts = target_counts(labels)
+    data = _Data(input_ids, labels, lengths, target_counts(labels), pad_token_id)
     total_steps = len(batches) // cfg.grad_accum if batches is not None else plan_steps(len(input_ids), cfg)
-    optimizer = torch.optim.AdamW(_param_groups(model, cfg), weight_decay=cfg.weight_decay,
-                                  fused=cfg.fused_optimizer or None)  # None: torch's own choice (foreach on CUDA)
-    if optimizer_state:
-        restored = optimizer.state_dict()
-        restored["state"] = optimizer_state
-        optimizer.load_state_dict(restored)
+    optimizer = _optimizer(model, cfg, optimizer_state)
     scheduler = get_scheduler(cfg.scheduler, optimizer, num_warmup_steps=int(cfg.warmup_ratio * total_steps),
                               num_training_steps=total_steps)
     order = batches if batches is not None else _EpochOrder(lengths, cfg)
     trainable = [p for p in model.parameters() if p.requires_grad]
     world.broadcast_parameters(trainable)
     torch.manual_seed(cfg.seed + world.rank)  # dropout: each rank draws its own masks
-    progress = progress and world.is_main
     on_log = on_log if world.is_main else None
     events: list[str] = []
 
@@ -345,104 +442,47 @@ def train_classifier(
     state = {"position": 0, "history": [], "losses": [], "window": [], "tokens": 0, "padded": 0, "sequences": 0,
              "micros": 0, "micro_split": math.ceil(cfg.batch_size / (cfg.micro_batch_size or cfg.batch_size)),
              "elapsed": 0.0, "last_window": [], "shared": 0}
-    first_step = 1
-    last_good: Path | None = None
-    if cfg.checkpoint_dir and cfg.resume:
-        found = checkpoint.latest_complete(cfg.checkpoint_dir)
-        if found:
-            saved = checkpoint.load_checkpoint(found, model, optimizer, scheduler)
-            state.update({k: saved[k] for k in state if k in saved})  # checkpoints before a key have none
-            first_step, last_good = saved["step"] + 1, found.path
-            if world.rank:  # the checkpoint holds rank 0's RNG: the others draw their own dropout masks
-                torch.manual_seed(cfg.seed + world.rank + 1000 * saved["step"])
-            event(f"resumed from {found.path} (step {saved['step']} of {total_steps})")
-
-    def save(step: int) -> Path:
-        return checkpoint.save_checkpoint(cfg.checkpoint_dir, step, model, optimizer, scheduler,
-                                          {**state, "elapsed": state["elapsed"] + time.perf_counter() - start},
-                                          cfg.keep_checkpoints)
-
+    first_step, last_good = _resume(cfg, model, optimizer, scheduler, state, world, total_steps, event)
     oom_steps, step_delay = _injected_oom_steps(), _test_step_delay()
     checkpointing = any(getattr(module, "gradient_checkpointing", False) for module in model.modules())
-    share_from = 0 if checkpointing else cfg.shared_prefix_min
-    untimed = contextlib.nullcontext()
-
-    def phase(name: str):
-        return timer.phase(name) if timer is not None else untimed
+    share_from = 0 if checkpointing else cfg.shared_prefix_min  # a KV cache cannot cross a checkpointed layer
+    phase = timer.phase if timer is not None else (lambda name: contextlib.nullcontext())
     model.train()
     window_tokens, window_start = 0, time.perf_counter()
     start = time.perf_counter()
     stop: dict = {}
-    bar = tqdm(total=total_steps, initial=first_step - 1, desc="train", unit="step", disable=not progress,
-               dynamic_ncols=True)
+    bar = tqdm(total=total_steps, initial=first_step - 1, desc="train", unit="step",
+               disable=not (progress and world.is_main), dynamic_ncols=True)
     with (_stop_on_signals(stop), short_sequence_attention(model, cfg.eager_attention_max_len),
           fused_int8_lora(model, cfg.fused_int8_lora)):
         step = first_step
         while step <= total_steps:
-            out_of_memory: BaseException | None = None
+            sums, out_of_memory = _StepSums(), None
             try:
-                step_loss, step_tokens, step_padded, step_sequences, step_shared, step_micros = 0.0, 0, 0, 0, 0, 0
                 for micro in range(cfg.grad_accum):
                     batch_index = order[state["position"] + micro]
-                    mine = world.shard(batch_index)
-                    # Each micro-batch may run in `micro_split` chunks after an out-of-memory error: the
-                    # gradient is the same, only the peak memory is lower.
-                    chunk = part_rows(len(mine), max((lengths[i] for i in mine), default=0), state["micro_split"],
-                                      cfg.micro_batch_tokens)
-                    for c in range(0, len(mine), chunk):
-                        part = mine[c:c + chunk]
-                        step_micros += 1
-                        if step in oom_steps:
-                            oom_steps.discard(step)
-                            raise torch.OutOfMemoryError("injected by FRUGALTUNE_TEST_OOM_AT_STEPS")
-                        with phase("data"):
-                            batch = collate([input_ids[i] for i in part], pad_token_id)
-                            batch = {k: v.to(device) for k, v in batch.items()}
-                            target = collate_targets([labels[i] for i in part],
-                                                     batch["input_ids"].shape[1]).to(device)
-                            shared = shared_prefix_length(batch["input_ids"], target, share_from)
-                        with phase("fwd_bwd"):
-                            with autocast(cfg.bf16, device):
-                                loss = model_loss(model, batch, target, shared=shared)
-                            weight = (sum(counts[i] for i in part) / sum(counts[i] for i in batch_index)
-                                      / cfg.grad_accum)
-                            (loss * weight).backward()
-                            step_loss += loss.item() * weight
-                        step_tokens += sum(lengths[i] for i in part)
-                        step_padded += batch["input_ids"].numel()
-                        step_sequences += len(part)
-                        step_shared += shared * (len(part) - 1)
+                    _accumulate(model, data, batch_index, world.shard(batch_index), cfg, state["micro_split"],
+                                share_from, phase, sums, inject_oom=step in oom_steps)
             except (torch.OutOfMemoryError, RuntimeError) as exc:
                 if not _is_oom(exc):
                     raise
+                oom_steps.discard(step)
                 out_of_memory = exc
-            # Every rank halves together (one rank alone would leave the others waiting in the all-reduce)
-            if world.any(out_of_memory is not None):
+            if world.any(out_of_memory is not None):  # every rank halves together, or the others would wait
                 optimizer.zero_grad(set_to_none=True)
-                size = math.ceil(cfg.batch_size / state["micro_split"])
-                if size <= 1:
-                    raise OutOfMemoryAtBatchOne(
-                        f"out of memory at step {step} with one sequence per micro-batch. Lower "
-                        "tokenize.max_length, use a lighter train.method (lora/qlora) or a machine with more memory."
-                    ) from out_of_memory
-                state["micro_split"] *= 2
-                new_size = math.ceil(cfg.batch_size / state["micro_split"])
-                event(f"out of memory at step {step}: micro-batch {size} -> {new_size}, gradient accumulation "
-                      f"{cfg.grad_accum * state['micro_split'] // 2} -> {cfg.grad_accum * state['micro_split']} "
-                      f"(effective batch {cfg.batch_size * cfg.grad_accum} unchanged)")
-                continue  # redo the step with smaller chunks
+                _halve_micro_batch(state, cfg, step, out_of_memory, event)
+                continue  # redo the step with smaller parts
             if world.distributed:
                 with phase("all_reduce"):
                     world.all_reduce_gradients(trainable)
-                    step_loss, step_tokens, step_padded, step_sequences = world.sum(
-                        [step_loss, step_tokens, step_padded, step_sequences])
-                    step_tokens, step_padded, step_sequences = int(step_tokens), int(step_padded), int(step_sequences)
+                    loss, tokens, padded, sequences = world.sum([sums.loss, sums.tokens, sums.padded, sums.sequences])
+                    sums.loss, sums.tokens, sums.padded, sums.sequences = loss, int(tokens), int(padded), int(sequences)
             if regularizer is not None:  # after the all-reduce: every rank adds the same gradient once
                 with phase("fwd_bwd"):
                     regularizer().backward()
-            if not math.isfinite(step_loss):
+            if not math.isfinite(sums.loss):
                 where = f"the last good checkpoint is {last_good}" if last_good else "no checkpoint was written yet"
-                raise DivergenceError(f"loss is {step_loss} at step {step}: training diverged ({where}). Lower "
+                raise DivergenceError(f"loss is {sums.loss} at step {step}: training diverged ({where}). Lower "
                                       f"train.lr (now {cfg.lr}) or use train.precision: fp32.")
             with phase("optimizer"):
                 torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm)
@@ -453,27 +493,14 @@ def train_classifier(
                 timer.end_step()
             if step_delay:
                 time.sleep(step_delay)
-            state["position"] += cfg.grad_accum
-            state["tokens"] += step_tokens
-            state["padded"] += step_padded
-            state["sequences"] += step_sequences
-            state["shared"] += step_shared
-            state["micros"] += step_micros
-            state["losses"].append(step_loss)
-            state["window"].append(step_loss)
-            window_tokens += step_tokens
+            _add_step(state, sums, cfg)
+            window_tokens += sums.tokens
             bar.update(1)
             if step % cfg.log_every == 0 or step == total_steps:
                 now = time.perf_counter()
-                record = {
-                    "step": step,
-                    "loss": float(np.mean(state["window"])),
-                    "lr": scheduler.get_last_lr()[0],
-                    "tokens_per_s": window_tokens / max(now - window_start, 1e-9),
-                    "elapsed_s": state["elapsed"] + now - start,
-                }
-                if timer is not None:
-                    record.update(timer.window())
+                record = {"step": step, "loss": float(np.mean(state["window"])), "lr": scheduler.get_last_lr()[0],
+                          "tokens_per_s": window_tokens / max(now - window_start, 1e-9),
+                          "elapsed_s": state["elapsed"] + now - start, **(timer.window() if timer else {})}
                 state["history"].append(record)
                 bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
                 if on_log:
@@ -483,39 +510,27 @@ def train_classifier(
             if world.distributed and world.any(bool(stop)):  # a signal on one rank stops all at the same step
                 stop.setdefault("signal", "SIGTERM")
             if cfg.checkpoint_dir and step < total_steps and (step % cfg.checkpoint_every == 0 or stop):
-                if world.is_main:  # every rank holds the same weights and optimizer state: one writes them
-                    last_good = save(step)
-                else:
-                    last_good = cfg.checkpoint_dir / f"step-{step}"
+                # every rank holds the same weights and optimizer state: one writes them
+                last_good = checkpoint.save_checkpoint(
+                    cfg.checkpoint_dir, step, model, optimizer, scheduler,
+                    {**state, "elapsed": state["elapsed"] + time.perf_counter() - start}, cfg.keep_checkpoints,
+                ) if world.is_main else cfg.checkpoint_dir / f"step-{step}"
             if stop:
                 world.barrier()  # the checkpoint is on disk before any rank exits (torchrun then stops them all)
                 bar.close()
-                where = f"checkpoint {last_good}" if last_good else "no checkpoint (checkpoints are off)"
-                raise TrainingInterrupted(
-                    f"{stop['signal']} at step {step} of {total_steps}: stopped after writing {where}. "
-                    "Run `dvc repro` again (train.resume: auto) to continue from it."
-                )
+                raise _interrupted(stop, step, total_steps, last_good)
             step += 1
     bar.close()
-    wall = state["elapsed"] + time.perf_counter() - start
     if optimizer_state is not None:
         optimizer_state.clear()
         optimizer_state.update(optimizer.state_dict()["state"])
     return TrainResult(
-        steps=total_steps,
-        micro_batches=state["micros"],
-        sequences=state["sequences"],
-        tokens=state["tokens"],
-        padded_tokens=state["padded"],
-        wall_seconds=wall,
+        steps=total_steps, micro_batches=state["micros"], sequences=state["sequences"], tokens=state["tokens"],
+        padded_tokens=state["padded"], wall_seconds=state["elapsed"] + time.perf_counter() - start,
         final_loss=float(np.mean(state.get("last_window") or state["losses"][-1:])),
-        mean_loss=float(np.mean(state["losses"])),
-        peak_rss_mb=peak_rss_mb(),
-        history=state["history"],
-        resumed_from_step=first_step - 1,
-        micro_batch_size=math.ceil(cfg.batch_size / state["micro_split"]),
-        events=events,
-        shared_prefix_tokens=state["shared"],
+        mean_loss=float(np.mean(state["losses"])), peak_rss_mb=peak_rss_mb(), history=state["history"],
+        resumed_from_step=first_step - 1, micro_batch_size=math.ceil(cfg.batch_size / state["micro_split"]),
+        events=events, shared_prefix_tokens=state["shared"],
     )
 
 
