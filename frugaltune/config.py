@@ -158,8 +158,8 @@ class ProbeParams(Section):
         "machine's memory and time constants (an ETA needs it); false = analytic estimates only."
     )
     calibration_steps: int = Field(
-        6, ge=2, le=20, description="Micro-batches of the run the calibration times, at evenly spaced sizes (plus a "
-        "warm-up step and the run's largest part twice)."
+        4, ge=2, le=20, description="Micro-batches of the run the calibration times, at evenly spaced sizes (plus a "
+        "warm-up step and the run's largest part)."
     )
 
 

@@ -296,7 +296,7 @@ def calibration_batches(order: list[list[int]], lengths: list[int], part_tokens,
         position = by_size[round(q * (len(by_size) - 1) / (count - 1))]
         if position not in picks and position != worst:
             picks.append(position)
-    return picks + [worst, worst]  # twice: the second shows what the allocator keeps at the peak shape
+    return picks + [worst]
 
 
 def _fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -328,7 +328,8 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
     that train: the same int8 products and fused LoRA, micro-batch and token cap, attention crossover and malloc
     (`allocator`). One fresh process runs them (calibration_batches): its first step is the run's one-time
     warm-up, the others fit `step = overhead + per_token x padded tokens`, and the peak RSS after each step, the
-    steps ordered by size, fits `peak = static + per_token x part tokens`.
+    steps ordered by size, fits `peak = static + per_token x part tokens`. Running the largest part a second time
+    moved the peak by 0.2% (docs/DECISIONS.md), so it runs once.
     """
     import tempfile
 
@@ -358,8 +359,8 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
         Path(handle.name).unlink(missing_ok=True)
     seconds = time.perf_counter() - started
     steps = point["steps"]
-    warm, timed, peak_steps = steps[0], steps[1:-2], steps[-2:]
-    overhead, per_token_s = _fit_line([(s["padded_tokens"], s["seconds"]) for s in timed + peak_steps[1:]])
+    warm, timed = steps[0], steps[1:]
+    overhead, per_token_s = _fit_line([(s["padded_tokens"], s["seconds"]) for s in timed])
     # The first step's excess over a warm step of its size is paid once per run.
     startup = max(0.0, warm["seconds"] - (overhead + per_token_s * warm["padded_tokens"]))
     # Memory: the peak after the warm-up step, then after each larger part (steps run smallest first).
@@ -368,7 +369,6 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
         if s["part_tokens"] > top:
             points.append((s["part_tokens"], s["peak_rss_bytes"]))
             top = s["part_tokens"]
-    points[-1] = (points[-1][0], steps[-1]["peak_rss_bytes"])  # the peak shape twice: what the allocator keeps
     per_token = activation_bytes_per_token(shape, bool(loop["bf16"]), gradient_checkpointing)
     static = sum(v for k, v in memory_estimate(shape, method, bf16=bool(loop["bf16"]), micro_batch=0, seq_len=1,
                                                gradient_checkpointing=gradient_checkpointing, knobs=knobs,
@@ -823,7 +823,7 @@ def build_plan(params: "Params", hardware: dict[str, Any], measured_precision: d
     loop = setup.loop_config(params, method=method, bf16=decided["bf16"], micro_batch_size=entry["micro_batch_size"],
                              eager_attention_max_len=decided["eager_attention_max_len"])
     log(f"plan: calibrating {method} in {entry['precision']}: the run's own loop over "
-        f"{params.probe.calibration_steps + 3} of its micro-batches ...")
+        f"{params.probe.calibration_steps + 2} of its micro-batches at most ...")
     _, order = planned_order(lengths, spec.batch_size, spec.grad_accum, spec.epochs, spec.max_steps, spec.seed,
                              spec.group_by_length)
     constants, calibration = calibrate(

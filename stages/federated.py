@@ -118,6 +118,8 @@ def plan_calibration(bf16: bool) -> tuple[planner.Constants, int | None, str]:
         why = f"{paths.PLAN} is not calibrated (probe.calibrate)"
     elif plan.get("run", {}).get("precision") != precision:
         why = f"{paths.PLAN} was calibrated in {plan.get('run', {}).get('precision')}, the clients train in {precision}"
+    elif (plan.get("calibration") or {}).get("int8_products"):  # the clients' loop has no int8 products
+        why = f"{paths.PLAN} was calibrated with int8 products, which the clients do not use"
     else:
         return planner.Constants(**values), plan.get("threads"), f"{paths.PLAN}: {values.get('source')}"
     return planner.Constants(), None, why + ": no time estimate"

@@ -259,7 +259,7 @@ def test_gradient_checkpointing_gives_the_same_loss(tiny_model_dir):
 
 def test_calibration_times_the_runs_own_loop_and_gives_an_eta(tiny_model_dir):
     """The calibration runs training's own loop (LoopConfig, token cap) over the run's own micro-batches: a warm-up,
-    the sampled sizes smallest first, and the part that sets the peak last, twice."""
+    the sampled sizes smallest first, and the part that sets the peak last."""
     from dataclasses import asdict
 
     from frugaltune.training.loop import LoopConfig
@@ -275,10 +275,10 @@ def test_calibration_times_the_runs_own_loop_and_gives_an_eta(tiny_model_dir):
         targets=[i % 3 for i in range(64)], order=order, loop=loop, int8={"on": False, "why": "test"},
         gradient_checkpointing=False, threads=1, time_samples=4)
     timed = calibration["steps"]
-    assert len(timed) == 1 + 3 + 2  # warm-up, the sampled sizes but the largest, the largest part twice
+    assert len(timed) == 1 + 3 + 1  # warm-up, the sampled sizes but the largest, the largest part
     assert timed[-1]["part_tokens"] == max(s["part_tokens"] for s in timed) <= 96
     assert all(s["seconds"] > 0 and s["peak_rss_bytes"] > 100 * 2**20 for s in timed)
-    assert [s["padded_tokens"] for s in timed[1:-2]] == sorted(s["padded_tokens"] for s in timed[1:-2])
+    assert [s["padded_tokens"] for s in timed[1:-1]] == sorted(s["padded_tokens"] for s in timed[1:-1])
     assert constants.seconds_per_token > 0 and constants.step_overhead_s >= 0 and constants.startup_s >= 0
     assert constants.runtime_bytes > 100 * 2**20  # a Python process with torch loaded
     assert constants.calibrated_method == "lora" and "the run's own loop" in constants.source
