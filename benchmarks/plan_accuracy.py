@@ -1,18 +1,20 @@
 """How good is the planner? Predicted vs measured peak RSS and training time, per method and sequence length.
 
-    python benchmarks/plan_accuracy.py                        # full, lora, qlora x lengths 64, 128; 20 steps each
+    python benchmarks/plan_accuracy.py                         # the default run, then lora, full, qlora, dora, prelayer x 64, 128
     python benchmarks/plan_accuracy.py --methods lora --lengths 128 --steps 40
 
-Needs `models/base` and `data/tokenized` (`make pipeline`). For each (method, length): the training split is cut to
-`length` tokens (what `tokenize.max_length: <length>` gives) and to its first steps x batch examples; the planner
-calibrates on this machine as the plan stage does (`frugaltune.planner.calibrate`: the measured run's own loop,
-fp32 without int8 products, over a few of its micro-batches in a fresh process) and predicts the run's peak RSS and wall time; then the run itself trains in a fresh process
-(`train_classifier`, as the train stage) and its peak RSS (ru_maxrss) and training wall time are measured. Both
-run on `--allocator` (default `auto`, mimalloc where installed, as the train stage runs).
+Needs `models/base` and `data/tokenized` (`make pipeline`). Its first row is the default run itself: the pipeline's
+`reports/plan.json` against `reports/train.json`, when both describe this CPU. Then, for each (method, length),
+the run is params.yaml's `train.*` with that method (its own knobs, `train.<method>`), the training rows as the
+model sees them (input template), cut to `length` tokens and to the first `--steps` x batch rows; the plan is made
+as the plan stage makes it (`planner.decide_machine` for this machine: precision, int8 products for that method,
+attention crossover; `planner.calibrate`: the run's own loop over a few of its micro-batches in a fresh process)
+and the run itself then trains in a fresh process, set up by the same `frugaltune.training.setup` calls as the
+train stage, on the same malloc; its peak RSS (ru_maxrss) and the loop's wall time are measured.
 
-Writes `reports/plan_accuracy.csv` + `.md` (the table, kept in git), `reports/plots/plan_accuracy.csv` (for
-`dvc plots show reports/plots/plan_accuracy.csv`) and `reports/plan_accuracy.png`. Targets: peak within +-15%, ETA
-within +-25%.
+Writes `reports/plan_accuracy.csv` + `.md` (the table, kept in git, naming the CPU), `reports/plots/plan_accuracy.csv`
+(for `dvc plots show reports/plots/plan_accuracy.csv`) and `reports/plan_accuracy.png`. Targets: peak within +-15%,
+ETA within +-25%.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import json
 import os
 import resource
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import common
@@ -30,59 +33,106 @@ from common import BASE, LABELS_FILE, TOKENIZED
 OUT = Path("reports/plan_accuracy")
 
 
-def _data(length: int, count: int) -> tuple[list[list[int]], list[int]]:
+def _params(method: str, steps: int):
+    """params.yaml's run with `method`, `steps` optimizer steps, no checkpoints."""
+    from frugaltune.config import load_params
+
+    params = load_params()
+    train = params.train.model_copy(update={"method": method, "max_steps": steps, "checkpoint_every": 10**9})
+    return params.model_copy(update={"train": train})
+
+
+def _rows(params, length: int, count: int) -> tuple[list[list[int]], list]:
     from datasets import load_from_disk
 
+    from frugaltune.models import load_tokenizer
+    from frugaltune.training import setup
+
     train = load_from_disk(str(TOKENIZED))["train"].select(range(count))
-    return [list(ids)[:length] for ids in train["input_ids"]], list(train["labels"])
+    rows = setup.training_rows(params, train["input_ids"], load_tokenizer(BASE))
+    return [list(ids)[:length] for ids in rows], list(train["labels"])
 
 
-def _loop(method: str, steps: int, batch: int):
-    """The measured run's LoopConfig, which the calibration times too (fp32, SDPA, no int8 products)."""
-    from frugaltune.training.loop import LoopConfig
+def _decided(params, method: str, threads: int) -> dict:
+    """The plan's machine decisions for this machine and `method`, made as the plan stage makes them."""
+    from frugaltune import planner, resolve
 
-    return LoopConfig(lr=5e-5 if method == "full" else 1e-3, batch_size=batch, epochs=1, seed=42, log_every=steps)
+    hardware, measured = resolve.machine_facts()
+    return planner.decide_machine(hardware, measured, params.train.precision, params.train.int8_products, (method,),
+                                  resolve.model_dims(), threads)
 
 
-def measure(method: str, length: int, steps: int, batch: int, threads: int) -> dict:
-    """The real run, in this (fresh) process: train_classifier as the train stage calls it."""
+def _loop(params, method: str, decided: dict, micro: int):
+    from frugaltune.training import setup
+
+    return setup.loop_config(params, method=method, bf16=decided["bf16"], micro_batch_size=micro,
+                             eager_attention_max_len=decided["eager_attention_max_len"], log_every=10**9)
+
+
+def measure(method: str, length: int, steps: int, threads: int, decided: dict, micro: int) -> dict:
+    """The real run, in this (fresh) process, set up as the train stage sets it up."""
     import torch
 
+    from frugaltune import allocator
     from frugaltune.models import load_tokenizer
-    from frugaltune.planner import MethodKnobs
+    from frugaltune.training import setup
     from frugaltune.training.loop import train_classifier
-    from frugaltune.training.methods import prepare_model
 
     torch.set_num_threads(threads)
-    ids, labels = _data(length, steps * batch)
+    params = _params(method, steps)
+    ids, labels = _rows(params, length, steps * params.train.batch_size)
     tokenizer = load_tokenizer(BASE)
-    model = prepare_model(BASE, common.labels(), tokenizer.pad_token_id, 42, method, MethodKnobs())
-    result = train_classifier(model, ids, labels, _loop(method, steps, batch), tokenizer.pad_token_id, progress=False)
-    from frugaltune import allocator
-
+    model = setup.build_model(params, common.labels(), tokenizer.pad_token_id, decided["bf16"])
+    setup.apply_int8(model, decided["int8"][method], method)
+    result = train_classifier(model, ids, labels, _loop(params, method, decided, micro), tokenizer.pad_token_id,
+                              progress=False)
     return {"seconds": result.wall_seconds, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "steps": result.steps, "malloc": allocator.active()}
 
 
-def predict(method: str, length: int, steps: int, batch: int, threads: int, hw: dict, malloc: str) -> dict:
-    from dataclasses import asdict
-
+def predict(method: str, length: int, steps: int, threads: int, hw: dict) -> dict:
     from frugaltune import planner
     from frugaltune.models import load_tokenizer
 
-    ids, labels = _data(length, steps * batch)
+    params = _params(method, steps)
+    batch = params.train.batch_size
+    ids, labels = _rows(params, length, steps * batch)
     names = common.labels()
-    run = planner.RunSpec(method=method, batch_size=batch, grad_accum=1, epochs=1, max_steps=None, seq_len=length,
-                          lengths=tuple(len(x) for x in ids), seed=42, precision="fp32", threads=threads)
-    shape = planner.model_shape(BASE, len(names), method)
-    _, order = planner.planned_order(list(run.lengths), batch, 1, 1, None, 42)
-    constants, _ = planner.calibrate(
-        BASE, names, load_tokenizer(BASE).pad_token_id, method, planner.MethodKnobs(), shape, rows=ids,
-        targets=labels, order=order, loop=asdict(_loop(method, steps, batch)), int8=common.forced_int8(False),
-        gradient_checkpointing=False, threads=threads, seed=42, allocator=malloc)
-    plan = planner.make_plan(run, hw, {method: shape}, constants)["methods"][method]
+    decided = _decided(params, method, threads)
+    run = planner.run_spec(params, [len(x) for x in ids])
+    knobs = run.knobs.get(method, planner.MethodKnobs())
+    shape = planner.model_shape(BASE, len(names), method, knobs)
+    draft = planner.make_plan(run, hw, {method: shape}, planner.Constants(), decided=decided)["methods"][method]
+    _, order = planner.planned_order(list(run.lengths), batch, run.grad_accum, run.epochs, run.max_steps, run.seed)
+    constants, calibration = planner.calibrate(
+        BASE, names, load_tokenizer(BASE).pad_token_id, method, knobs, shape, rows=ids, targets=labels, order=order,
+        loop=asdict(_loop(params, method, decided, draft["micro_batch_size"])), int8=decided["int8"][method],
+        gradient_checkpointing=False, threads=threads, seed=run.seed, time_samples=params.probe.calibration_steps,
+        allocator=params.train.allocator)
+    plan = planner.make_plan(run, hw, {method: shape}, constants, decided=decided)["methods"][method]
     return {"peak_bytes": plan["predicted_peak_bytes"], "eta_seconds": plan["eta_seconds"],
-            "largest_batch": plan["largest_batch"]}
+            "largest_batch": plan["largest_batch"], "decided": decided, "micro": plan["micro_batch_size"],
+            "calibration_seconds": calibration["seconds"], "int8": decided["int8"][method]["on"]}
+
+
+def default_run(hw: dict) -> dict | None:
+    """The pipeline's own run: reports/plan.json's prediction for it against reports/train.json's measurement."""
+    from frugaltune import paths
+    from frugaltune.io import read_json
+
+    plan_file, train_file = paths.PLAN, paths.report("train")
+    if not (plan_file.exists() and train_file.exists()):
+        return None
+    plan, train = read_json(plan_file), read_json(train_file)
+    if plan.get("device", {}).get("name") != hw["cpu"]["model"] or not train.get("plan"):
+        return None
+    entry = plan["methods"][plan["configured_method"]]
+    return {"method": f"{plan['configured_method']} (make pipeline)", "length": plan["methods"]["none"]["seq_len"],
+            "steps": train["steps"], "int8": int(bool(plan["run"].get("int8_products"))),
+            "largest_batch": f"{entry['largest_batch']['sequences']}x{entry['largest_batch']['length']}",
+            "predicted_peak_mb": train["plan"]["predicted_peak_mb"], "measured_peak_mb": round(train["peak_rss_mb"]),
+            "predicted_seconds": train["plan"]["eta_seconds"], "measured_seconds": train["wall_seconds"],
+            "calibration_seconds": (plan.get("calibration") or {}).get("seconds")}
 
 
 def render_png(rows: list[dict], path: Path) -> None:
@@ -109,46 +159,49 @@ def render_png(rows: list[dict], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--methods", nargs="+", default=["full", "lora", "qlora"])
+    parser.add_argument("--methods", nargs="+", default=["lora", "full", "qlora", "dora", "prelayer"])
     parser.add_argument("--lengths", nargs="+", type=int, default=[64, 128])
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--allocator", default="auto", choices=["auto", "mimalloc", "system"],
-                        help="train.allocator for the calibration and the measured run (default: auto, as training)")
-    parser.add_argument("--measure", nargs=2, help=argparse.SUPPRESS)  # child process: METHOD LENGTH
+    parser.add_argument("--measure", help=argparse.SUPPRESS)  # child process: JSON of method, length, decided, micro
     args = parser.parse_args()
 
     from frugaltune import allocator
+    from frugaltune.config import load_params
     from frugaltune.hardware import probe
 
     hw = probe(use_nvml=False)
-    threads = hw["cpu"]["physical_cores"] or os.cpu_count()
+    threads = load_params().train.threads or hw["cpu"]["physical_cores"] or os.cpu_count()
     if args.measure:
-        print(json.dumps(measure(args.measure[0], int(args.measure[1]), args.steps, args.batch_size, threads)))
+        job = json.loads(args.measure)
+        print(json.dumps(measure(job["method"], job["length"], args.steps, threads, job["decided"], job["micro"])))
         return
     common.require(BASE, TOKENIZED, LABELS_FILE)
-    rows = []
+    rows = [row for row in [default_run(hw)] if row]
+    malloc, child_malloc = allocator.child_env(load_params().train.allocator), "none run"
     for method in args.methods:
         for length in args.lengths:
             print(f"{method} at length {length}: calibrating ...", flush=True)
-            predicted = predict(method, length, args.steps, args.batch_size, threads, hw, args.allocator)
+            predicted = predict(method, length, args.steps, threads, hw)
             print(f"{method} at length {length}: training ...", flush=True)
-            measured = common.run_child([sys.executable, __file__, "--measure", method, str(length), "--steps",
-                                         str(args.steps), "--batch-size", str(args.batch_size)],
-                                        f"{method}/{length}", allocator.child_env(args.allocator))
-            row = {"method": method, "length": length, "steps": measured["steps"],
-                   "largest_batch": f"{predicted['largest_batch']['sequences']}x{predicted['largest_batch']['length']}",
-                   "predicted_peak_mb": round(predicted["peak_bytes"] / 2**20),
-                   "measured_peak_mb": round(measured["peak_rss_bytes"] / 2**20),
-                   "predicted_seconds": round(predicted["eta_seconds"], 1),
-                   "measured_seconds": round(measured["seconds"], 1)}
-            row["peak_error"] = round(row["predicted_peak_mb"] / row["measured_peak_mb"] - 1, 4)
-            row["eta_error"] = round(row["predicted_seconds"] / row["measured_seconds"] - 1, 4)
-            rows.append(row)
-            print(f"  peak {row['predicted_peak_mb']} MB predicted, {row['measured_peak_mb']} MB measured "
-                  f"({row['peak_error']:+.1%}); time {row['predicted_seconds']} s predicted, "
-                  f"{row['measured_seconds']} s measured ({row['eta_error']:+.1%})", flush=True)
-
+            job = {"method": method, "length": length, "decided": predicted["decided"], "micro": predicted["micro"]}
+            measured = common.run_child([sys.executable, __file__, "--measure", json.dumps(job), "--steps",
+                                         str(args.steps)], f"{method}/{length}", malloc)
+            child_malloc = measured["malloc"]
+            rows.append({"method": method, "length": length, "steps": measured["steps"], "int8": int(predicted["int8"]),
+                         "largest_batch": f"{predicted['largest_batch']['sequences']}x"
+                                          f"{predicted['largest_batch']['length']}",
+                         "predicted_peak_mb": round(predicted["peak_bytes"] / 2**20),
+                         "measured_peak_mb": round(measured["peak_rss_bytes"] / 2**20),
+                         "predicted_seconds": round(predicted["eta_seconds"], 1),
+                         "measured_seconds": round(measured["seconds"], 1),
+                         "calibration_seconds": predicted["calibration_seconds"]})
+    for row in rows:
+        row["peak_error"] = round(row["predicted_peak_mb"] / row["measured_peak_mb"] - 1, 4)
+        row["eta_error"] = round(row["predicted_seconds"] / row["measured_seconds"] - 1, 4)
+        print(f"  {row['method']} @ {row['length']}: peak {row['predicted_peak_mb']} MB predicted, "
+              f"{row['measured_peak_mb']} MB measured ({row['peak_error']:+.1%}); time {row['predicted_seconds']} s "
+              f"predicted, {row['measured_seconds']} s measured ({row['eta_error']:+.1%})", flush=True)
+    measured = {"malloc": child_malloc}
     columns = list(rows[0])
     csv = "\n".join([",".join(columns)] + [",".join(str(r[c]) for c in columns) for r in rows]) + "\n"
     header = "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns) + "\n"
@@ -156,8 +209,8 @@ def main() -> None:
                           + " |\n" for r in rows)
     within = all(abs(r["peak_error"]) <= 0.15 for r in rows), all(abs(r["eta_error"]) <= 0.25 for r in rows)
     md += (f"\nPeak RSS within +-15%: {'yes' if within[0] else 'NO'}; ETA within +-25%: {'yes' if within[1] else 'NO'}. "
-           f"{args.steps} steps of batch {args.batch_size}, {threads} threads, malloc {measured['malloc']}, "
-           f"{hw['cpu']['model']}. "
+           f"{args.steps} steps of params.yaml's batch per method row, {threads} threads, malloc "
+           f"{measured['malloc']}, {hw['cpu']['model']}. "
            "Regenerate: `python benchmarks/plan_accuracy.py`.\n")
     OUT.parent.mkdir(parents=True, exist_ok=True)
     Path(f"{OUT}.csv").write_text(csv)
