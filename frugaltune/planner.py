@@ -226,14 +226,13 @@ def planned_batches(lengths: list[int], batch_size: int, grad_accum: int, epochs
 # ---------------------------------------------------------------------------------------------- calibration
 def _calibration_point(spec: dict) -> dict:
     """Run in a fresh process (a clean peak RSS): the train stage's own loop (frugaltune.training.loop, the plan's
-    LoopConfig and int8 decision) over the run's own micro-batches that `spec` names; per step its seconds, its
-    padded tokens and the peak RSS so far."""
+    LoopConfig and int8 decision) over the run's own micro-batches that `spec` names; per step its seconds and the
+    peak RSS so far."""
     import resource
 
     import torch
 
     from frugaltune import allocator
-    from frugaltune.training.batching import part_rows
     from frugaltune.training.loop import LoopConfig, train_classifier
     from frugaltune.training.methods import prepare_model
     from frugaltune.training.setup import apply_int8
@@ -255,16 +254,9 @@ def _calibration_point(spec: dict) -> dict:
     train_classifier(model, rows, targets, cfg, spec["pad_token_id"], progress=False, batches=batches,
                      on_log=lambda record: marks.append((record["elapsed_s"], peak())))
     busy = (time.process_time() - cpu_start) / max((time.perf_counter() - wall_start) * spec["threads"], 1e-9)
-    steps, previous = [], 0.0
-    for batch, (elapsed, rss) in zip(batches, marks):
-        longest = max(len(rows[i]) for i in batch)
-        split = math.ceil(cfg.batch_size / (cfg.micro_batch_size or cfg.batch_size))
-        chunk = part_rows(len(batch), longest, split, cfg.micro_batch_tokens)
-        padded = sum(len(part) * max(len(rows[i]) for i in part)
-                     for part in (batch[c:c + chunk] for c in range(0, len(batch), chunk)))
-        steps.append({"seconds": elapsed - previous, "padded_tokens": padded, "part_tokens": chunk * longest,
-                      "peak_rss_bytes": rss})
-        previous = elapsed
+    ends = [elapsed for elapsed, _ in marks]
+    steps = [{"seconds": end - start, "peak_rss_bytes": rss}
+             for end, start, (_, rss) in zip(ends, [0.0, *ends], marks)]
     return {"loaded_rss_bytes": loaded_rss, "steps": steps, "int8_products": bool(int8["on"]),
             "cpu_share": round(busy, 3), "allocator": allocator.active()}
 
@@ -333,16 +325,18 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
     """
     import tempfile
 
-    from frugaltune.training.batching import part_rows
+    from frugaltune.training.batching import parts
 
     lengths = [len(r) for r in rows]
     split = math.ceil(loop["batch_size"] / (loop.get("micro_batch_size") or loop["batch_size"]))
 
-    def part_tokens(batch: list[int]) -> int:
-        longest = max(lengths[i] for i in batch)
-        return part_rows(len(batch), longest, split, loop.get("micro_batch_tokens")) * longest
+    def tokens(batch: list[int]) -> dict[str, int]:
+        """A micro-batch's padded tokens, and its largest part's (rows x the batch's longest), as the loop splits it."""
+        pieces = parts(batch, lengths, split, loop.get("micro_batch_tokens"))
+        return {"padded_tokens": sum(len(p) * max(lengths[i] for i in p) for p in pieces),
+                "part_tokens": len(pieces[0]) * max(lengths[i] for i in batch)}
 
-    picks = calibration_batches(order, lengths, part_tokens, time_samples)
+    picks = calibration_batches(order, lengths, lambda batch: tokens(batch)["part_tokens"], time_samples)
     used = sorted({i for p in picks for i in order[p]})
     index = {old: new for new, old in enumerate(used)}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
@@ -358,7 +352,7 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
     finally:
         Path(handle.name).unlink(missing_ok=True)
     seconds = time.perf_counter() - started
-    steps = point["steps"]
+    steps = [{**step, **tokens(order[p])} for step, p in zip(point["steps"], picks)]
     warm, timed = steps[0], steps[1:]
     overhead, per_token_s = _fit_line([(s["padded_tokens"], s["seconds"]) for s in timed])
     # The first step's excess over a warm step of its size is paid once per run.

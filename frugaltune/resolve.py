@@ -1,4 +1,4 @@
-"""A run's machine-dependent settings, read from the plan; and the one way a run is set up from params.
+"""A run's machine-dependent settings, read from the plan.
 
 Library code, no entry point. The `plan` stage (`python -m stages.plan`) decides precision, int8 products, the
 attention crossover, threads and micro-batch once (`frugaltune.planner.decide_machine`, `plan_method`) and writes
@@ -62,8 +62,8 @@ def read_plan(path: Path = paths.PLAN) -> dict | None:
 def machine(precision_setting: str = "auto", method: str = "lora", int8_setting: str | bool = "auto",
             plan: dict | None = None, ranks: int = 1, dims: tuple[int, int] | None = None) -> dict:
     """The machine decisions for a run that has no entry of its own in the plan (evaluation, compare, federated
-    clients): the plan's when it exists and `precision_setting` is auto, else decided now by the plan's own
-    function. Keys: bf16, precision_why, eager_attention_max_len, threads, int8 (a decision dict)."""
+    clients): the plan's when it exists and was decided for the same `precision_setting`, else decided now by the
+    plan's own function. Keys: bf16, precision_why, eager_attention_max_len, threads, int8 (a decision dict)."""
     if plan is not None and plan.get("machine", {}).get("precision_setting") == precision_setting:
         decided = plan["machine"]
     else:

@@ -64,6 +64,13 @@ def part_rows(rows: int, longest: int, micro_split: int, micro_batch_tokens: int
     return chunk
 
 
+def parts(batch: Sequence[int], lengths: Sequence[int], micro_split: int,
+          micro_batch_tokens: int | None) -> list[Sequence[int]]:
+    """A micro-batch's examples in the parts the training loop runs them in (`part_rows` rows each, in order)."""
+    chunk = part_rows(len(batch), max((lengths[i] for i in batch), default=0), micro_split, micro_batch_tokens)
+    return [batch[c:c + chunk] for c in range(0, len(batch), chunk)]
+
+
 def sorted_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
     """Deterministic inference batches, longest first (least padding, and an early OOM if any)."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True)

@@ -25,7 +25,7 @@ from transformers import get_scheduler
 
 from frugaltune.telemetry import StepTimer
 from frugaltune.training import checkpoint
-from frugaltune.training.batching import (IGNORE_INDEX, collate, collate_targets, epoch_batches, part_rows,
+from frugaltune.training.batching import (IGNORE_INDEX, collate, collate_targets, epoch_batches, parts,
                                           sorted_batches, target_counts)
 from frugaltune.training.distributed import World
 from frugaltune.training.fast import short_sequence_attention
@@ -305,9 +305,7 @@ def _accumulate(model: torch.nn.Module, data: _Data, batch_index: list[int], min
     (`part_rows`: `micro_split` after out-of-memory halvings, and the token cap); gradients accumulate, each part
     weighted by what it adds to the whole batch's mean loss, so splits and ranks add up to the one-process loss."""
     device = next(model.parameters()).device
-    chunk = part_rows(len(mine), max((data.lengths[i] for i in mine), default=0), micro_split, cfg.micro_batch_tokens)
-    for c in range(0, len(mine), chunk):
-        part = mine[c:c + chunk]
+    for part in parts(mine, data.lengths, micro_split, cfg.micro_batch_tokens):
         sums.micros += 1
         if inject_oom:
             raise torch.OutOfMemoryError("injected by FRUGALTUNE_TEST_OOM_AT_STEPS")
