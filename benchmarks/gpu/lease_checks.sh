@@ -11,7 +11,7 @@
 #          labels.json (data/splits/labels.json). The weights are random there (benchmarks/gpu/random_base.py): the
 #          GGUF is over the carry limit, and speed does not depend on the values.
 # Order: the GPU test suite (kernels built, verified, the kernels stage end to end), the throughput benchmark
-# against the Trainer recipes, then A/B runs of speed switches in one process each.
+# against the Trainer recipes, then the plan's prediction against the run it plans (benchmarks/plan_accuracy.py).
 set -u
 OUT=${OUT:-/tmp/lease_out}
 mkdir -p "$OUT"
@@ -44,6 +44,6 @@ python3 benchmarks/gpu/random_base.py .dev/base --tokenized .dev/tokenized --lab
 step pytest_gpu 240 python3 -m pytest -m gpu tests/gpu -v -s -p no:cacheprovider
 step throughput 180 python3 benchmarks/train_throughput.py --steps 60 --batch-size 16
 cp reports/benchmarks/train_throughput.json "$OUT/" 2>/dev/null
-step ab_optimizer 90 python3 benchmarks/step_anatomy.py --repeats 5 --ab-rounds 3 --ab optimizer --ab-steps 30
-step ab_compiled 200 python3 benchmarks/step_anatomy.py --repeats 5 --ab-rounds 3 --ab compiled --ab-steps 30
+step plan_accuracy 150 python3 benchmarks/plan_accuracy.py --methods lora --lengths 128 --steps 40
+cp reports/plan_accuracy.md "$OUT/" 2>/dev/null
 echo "total $(( SECONDS - began )) s" | tee -a "$OUT/summary.txt"
