@@ -231,6 +231,7 @@ def _calibration_point(spec: dict) -> dict:
     import resource
 
     import torch
+    from torch._dynamo.utils import counters
 
     from frugaltune import allocator
     from frugaltune.training.loop import LoopConfig, train_classifier
@@ -240,7 +241,7 @@ def _calibration_point(spec: dict) -> dict:
     torch.set_num_threads(spec["threads"])
     peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # noqa: E731
     data = json.loads(Path(spec["rows_file"]).read_text())
-    rows, targets, batches = data["rows"], data["targets"], data["batches"]
+    rows, targets, batches = data["rows"], data["targets"], data["batches"][:spec.get("batches") or None]
     model = prepare_model(spec["model_dir"], spec["labels"], spec["pad_token_id"], spec["seed"], spec["method"],
                           MethodKnobs(**{k: tuple(v) if isinstance(v, list) else v for k, v in spec["knobs"].items()}),
                           spec["loop"]["bf16"], spec["gradient_checkpointing"],
@@ -249,14 +250,17 @@ def _calibration_point(spec: dict) -> dict:
     int8 = apply_int8(model, spec["int8"], spec["method"])
     cfg = LoopConfig(**{**spec["loop"], "checkpoint_dir": None, "resume": False, "max_steps": None, "grad_accum": 1,
                         "log_every": 1, "warmup_ratio": 0.0})
-    marks: list[tuple[float, int]] = []
+    # Graphs inductor compiles afresh here (not found in its on-disk cache) are found there by every later process
+    # on this machine, the run's among them: counted per step so that the plan can tell a cold start from a warm one.
+    compiled = lambda: counters["inductor"].get("fxgraph_cache_miss", 0)  # noqa: E731
+    marks: list[tuple[float, int, int]] = []
     cpu_start, wall_start = time.process_time(), time.perf_counter()
     train_classifier(model, rows, targets, cfg, spec["pad_token_id"], progress=False, batches=batches,
-                     on_log=lambda record: marks.append((record["elapsed_s"], peak())))
+                     on_log=lambda record: marks.append((record["elapsed_s"], peak(), compiled())))
     busy = (time.process_time() - cpu_start) / max((time.perf_counter() - wall_start) * spec["threads"], 1e-9)
-    ends = [elapsed for elapsed, _ in marks]
-    steps = [{"seconds": end - start, "peak_rss_bytes": rss}
-             for end, start, (_, rss) in zip(ends, [0.0, *ends], marks)]
+    ends = [elapsed for elapsed, _, _ in marks]
+    steps = [{"seconds": end - start, "peak_rss_bytes": rss, "compiled_graphs": graphs - before}
+             for end, start, (_, rss, graphs), before in zip(ends, [0.0, *ends], marks, [0, *(m[2] for m in marks)])]
     return {"loaded_rss_bytes": loaded_rss, "steps": steps, "int8_products": bool(int8["on"]),
             "cpu_share": round(busy, 3), "allocator": allocator.active()}
 
@@ -308,6 +312,26 @@ def _fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
     return overhead, slope
 
 
+def fit_memory(points: list[tuple[int, int]], static: float, per_token: float,
+               loaded_rss: int) -> tuple[float, float]:
+    """(activation scale, runtime bytes) from the calibration's (part tokens, peak RSS) points, smallest first:
+    `peak = static + runtime + scale x per_token x tokens`, through the largest part's measured peak."""
+    _, slope = _fit_line(points) if len(points) > 1 else (0.0, 0.0)
+    # A slope of zero means RSS noise swamped the activations (tiny models): keep the analytic constant.
+    scale = slope / per_token if slope > 0 and len(points) > 1 else 1.0
+    largest_tokens, largest_rss = points[-1]
+    runtime = largest_rss - scale * per_token * largest_tokens - static
+    if runtime + static < 0.9 * loaded_rss:  # the slope read RSS noise (tiny models): analytic
+        scale, runtime = 1.0, largest_rss - per_token * largest_tokens - static
+    if runtime < 0:
+        # The high-water mark also grew between steps for what is not activations (the allocator's growth, full
+        # fine-tuning's optimizer state), so the slope overshoots; a runtime clamped at 0 would then put the largest
+        # part above its own measured peak. The run's largest part is the one measured: keep its peak.
+        scale = max(0.0, (largest_rss - static) / (per_token * largest_tokens))
+        runtime = largest_rss - static - scale * per_token * largest_tokens
+    return scale, runtime
+
+
 def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, method: str, knobs: MethodKnobs,
               shape: ModelShape, *, rows: list[list[int]], targets: list, order: list[list[int]], loop: dict,
               int8: dict, gradient_checkpointing: bool, threads: int, seed: int = 0, time_samples: int = 6,
@@ -319,7 +343,8 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
     (frugaltune.training.setup.loop_config) and `int8` the plan's int8 decision, so the steps timed are the steps
     that train: the same int8 products and fused LoRA, micro-batch and token cap, attention crossover and malloc
     (`allocator`). One fresh process runs them (calibration_batches): its first step is the run's one-time
-    warm-up, the others fit `step = overhead + per_token x padded tokens`, and the peak RSS after each step, the
+    warm-up (timed again in a second process when it compiled graphs afresh: the run finds them in inductor's
+    cache), the others fit `step = overhead + per_token x padded tokens`, and the peak RSS after each step, the
     steps ordered by size, fits `peak = static + per_token x part tokens`. Running the largest part a second time
     moved the peak by 0.2% (docs/DECISIONS.md), so it runs once.
     """
@@ -349,14 +374,20 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
     started = time.perf_counter()
     try:
         point = _run_point(spec, timeout_s)
+        steps = [{**step, **tokens(order[p])} for step, p in zip(point["steps"], picks)]
+        warm, timed = steps[0], steps[1:]
+        overhead, per_token_s = _fit_line([(s["padded_tokens"], s["seconds"]) for s in timed])
+        # The first step's excess over a warm step of its size is paid once per run. When that step compiled graphs
+        # afresh, the run will load them from inductor's cache instead: a second process runs the first step alone
+        # and measures the start-up the run will pay.
+        startup_cold = max(0.0, warm["seconds"] - (overhead + per_token_s * warm["padded_tokens"]))
+        first = warm["seconds"]
+        if warm.get("compiled_graphs"):
+            first = _run_point({**spec, "batches": 1}, timeout_s)["steps"][0]["seconds"]
     finally:
         Path(handle.name).unlink(missing_ok=True)
     seconds = time.perf_counter() - started
-    steps = [{**step, **tokens(order[p])} for step, p in zip(point["steps"], picks)]
-    warm, timed = steps[0], steps[1:]
-    overhead, per_token_s = _fit_line([(s["padded_tokens"], s["seconds"]) for s in timed])
-    # The first step's excess over a warm step of its size is paid once per run.
-    startup = max(0.0, warm["seconds"] - (overhead + per_token_s * warm["padded_tokens"]))
+    startup = max(0.0, first - (overhead + per_token_s * warm["padded_tokens"]))
     # Memory: the peak after the warm-up step, then after each larger part (steps run smallest first).
     points, top = [], 0
     for s in steps:
@@ -367,13 +398,7 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
     static = sum(v for k, v in memory_estimate(shape, method, bf16=bool(loop["bf16"]), micro_batch=0, seq_len=1,
                                                gradient_checkpointing=gradient_checkpointing, knobs=knobs,
                                                constants=Constants(runtime_bytes=0)).items() if k != "peak")
-    _, slope = _fit_line(points) if len(points) > 1 else (0.0, 0.0)
-    # A slope of zero means RSS noise swamped the activations (tiny models): keep the analytic constant.
-    scale = slope / per_token if slope > 0 and len(points) > 1 else 1.0
-    largest_tokens, largest_rss = points[-1]
-    runtime = largest_rss - scale * per_token * largest_tokens - static
-    if runtime + static < 0.9 * point["loaded_rss_bytes"]:  # the slope read RSS noise (tiny models): analytic
-        scale, runtime = 1.0, largest_rss - per_token * largest_tokens - static
+    scale, runtime = fit_memory(points, static, per_token, point["loaded_rss_bytes"])
     constants = Constants(runtime_bytes=max(0, int(runtime)), activation_scale=round(scale, 4),
                           step_overhead_s=overhead, seconds_per_token=per_token_s, startup_s=round(startup, 3),
                           calibrated_method=method,
@@ -385,6 +410,9 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
                        "loaded_rss_bytes": point["loaded_rss_bytes"], "bf16": bool(loop["bf16"]),
                        "allocator": point["allocator"], "gradient_checkpointing": gradient_checkpointing,
                        "int8_products": point["int8_products"], "cpu_share": point["cpu_share"],
+                       "startup_s": round(startup, 2), "startup_cold_s": round(startup_cold, 2),
+                       "startup_from": ("a second process: the first step compiled graphs that the run will find in "
+                                        "inductor's cache" if warm.get("compiled_graphs") else "the first step"),
                        "machine_busy": busy,
                        "busy_note": (f"the machine was busy: calibration got {point['cpu_share']:.0%} of {threads} "
                                      "cores; the ETA assumes the same load" if busy else None)}

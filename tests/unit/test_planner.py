@@ -293,6 +293,21 @@ def test_calibration_times_the_runs_own_loop_and_gives_an_eta(tiny_model_dir):
     json.dumps(plan)  # the plan is written as JSON: nothing in it may be unserialisable
 
 
+def test_the_memory_fit_keeps_the_largest_parts_measured_peak():
+    """Full fine-tuning's high-water mark grew at every step, the small ones too (optimizer state, the allocator):
+    the slope overshot, and a runtime clamped at zero put the largest part 29% above its own measured peak. These
+    are the points of that calibration (part tokens, peak RSS; SmolLM2-135M, full, fp32)."""
+    points = [(576, 2_851_332_096), (624, 3_430_359_040), (640, 3_650_584_576), (784, 3_738_689_536)]
+    per_token, static = 1_950_000.0, 2_151_000_000.0
+    scale, runtime = planner.fit_memory(points, static, per_token, loaded_rss=629_174_272)
+    assert runtime >= 0 and scale >= 0
+    assert static + runtime + scale * per_token * 784 == pytest.approx(3_738_689_536, rel=1e-9)
+    # A clean line (activations alone grow) keeps its slope and passes through the largest point too.
+    line = [(t, int(static + 300e6 + 1.2 * per_token * t)) for t in (200, 400, 800)]
+    scale, runtime = planner.fit_memory(line, static, per_token, loaded_rss=600_000_000)
+    assert scale == pytest.approx(1.2, rel=1e-6) and runtime == pytest.approx(300e6, rel=1e-6)
+
+
 def test_the_plan_predicts_the_part_the_loop_runs_under_the_token_cap():
     """train.micro_batch_tokens splits wide batches in the loop; the plan's peak is that part's, not the batch's."""
     lengths = [128] * 16 + [20] * 48
@@ -337,3 +352,31 @@ def test_sdpa_keeps_cudnn_on_a_cpu_only_machine():
     before = torch.backends.cuda.cudnn_sdp_enabled()
     assert planner.keep_sdpa_off_cudnn() is torch.cuda.is_available()
     assert torch.backends.cuda.cudnn_sdp_enabled() is (before and not torch.cuda.is_available())
+
+
+@pytest.mark.slow  # compiles the int8 steps (inductor) into an empty cache
+def test_a_cold_compile_is_timed_again_warm_as_the_run_will_find_it(tiny_model_dir, tmp_path, monkeypatch):
+    """Graphs compiled afresh during the calibration's first step are cached on disk; the run finds them there. The
+    calibration says so per step and takes the start-up from a second process, which finds them too."""
+    from dataclasses import asdict
+
+    from frugaltune.training.loop import LoopConfig
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    tokenizer = load_tokenizer(tiny_model_dir)
+    shape = planner.model_shape(tiny_model_dir, len(LABELS), "lora")
+    lengths = [8 + (i * 7) % 25 for i in range(32)]
+    rows = [[5 + j % 50 for j in range(n)] for n in lengths]
+    _, order = planner.planned_order(lengths, 8, 1, 1.0, None, seed=0)
+
+    def calibrate():  # one call: a second would find the cache warm
+        return planner.calibrate(
+            tiny_model_dir, LABELS, tokenizer.pad_token_id, "lora", planner.MethodKnobs(), shape, rows=rows,
+            targets=[i % 3 for i in range(32)], order=order, loop=asdict(LoopConfig(lr=1e-3, batch_size=8)),
+            int8={"on": True, "why": "test"}, gradient_checkpointing=False, threads=1, time_samples=2)
+
+    constants, cold = calibrate()
+    compiled = [s["compiled_graphs"] for s in cold["steps"]]
+    assert compiled[0] > 0 and not any(compiled[1:])  # dynamic shapes: the first step compiles for every size
+    assert cold["int8_products"] and cold["startup_from"].startswith("a second process")
+    assert constants.startup_s == pytest.approx(cold["startup_s"], abs=0.01) and cold["startup_cold_s"] >= 0
