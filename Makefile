@@ -87,10 +87,10 @@ lint: install
 	vulture frugaltune stages flows tests benchmarks vulture_whitelist.py --min-confidence 60 \
 		--ignore-decorators "@pytest.fixture,@field_validator,@model_validator" --ignore-names "$(VULTURE_IGNORE)"
 
-# The experiments side by side, only the columns that differ (plus the ones users compare): fits a terminal
+# One pipeline's experiments side by side: its headline metric (register.metric) and the params that differ first,
+# fitted to the terminal (120 columns when piped). PIPELINE=scheduling for the scheduler; frugaltune/experiments.py
 exps: install
-	@dvc exp show --no-pager --only-changed --drop 'Created|State|Executor|/' \
-		--keep 'macro_f1$$|accuracy$$|tokens_per_s$$|wall_seconds$$|peak_rss_mb$$|train.method$$|train.lora.r$$|train.lr$$|train.epochs$$'
+	@python -m frugaltune.experiments $(if $(PIPELINE),--pipeline $(PIPELINE))
 
 
 test-fast: install lint
