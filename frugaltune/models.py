@@ -186,6 +186,10 @@ def qlora_quantization(quant_type: str = "nf4", double_quant: bool = True, compu
                               llm_int8_skip_modules=["score", "classifier", "lm_head"])
 
 
+# the heads AutoModelForSequenceClassification adds to a decoder (llama: `score`)
+CLASSIFIER_HEADS = ("score.", "classifier.")
+
+
 def load_for_classification(
     model_dir: Path | str, labels: list[str], pad_token_id: int, seed: int, dtype: torch.dtype = torch.float32,
     quantization_config=None,
@@ -193,14 +197,30 @@ def load_for_classification(
     """The base model with a fresh classification head, initialised from `seed` (so baseline and training agree)."""
     torch.manual_seed(seed)
     extra = {"quantization_config": quantization_config} if quantization_config is not None else {}
-    model = AutoModelForSequenceClassification.from_pretrained(
-        str(model_dir),
-        num_labels=len(labels),
-        id2label=dict(enumerate(labels)),
-        label2id={name: i for i, name in enumerate(labels)},
-        dtype=dtype,
-        **extra,
-    )
+    # The base checkpoint has no classification head, so transformers prints a LOAD REPORT table ("score.weight
+    # MISSING") at every load: expected, the head is the one thing this function adds. Silenced for the load, and
+    # any other missing, unexpected or mismatched weight is raised here instead of being lost with it.
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        model, info = AutoModelForSequenceClassification.from_pretrained(
+            str(model_dir),
+            num_labels=len(labels),
+            id2label=dict(enumerate(labels)),
+            label2id={name: i for i, name in enumerate(labels)},
+            dtype=dtype,
+            output_loading_info=True,
+            **extra,
+        )
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    unexpected = {"missing": [k for k in info.get("missing_keys", []) if not k.startswith(CLASSIFIER_HEADS)],
+                  "mismatched": list(info.get("mismatched_keys", []))}
+    if any(unexpected.values()):
+        raise ValueError(f"{model_dir}: weights that do not fit {type(model).__name__}: {unexpected}. Is "
+                         "model.source a decoder-only checkpoint of this architecture? Rerun `dvc repro import_model`.")
     # The classification head pools the last non-pad token, so the model must know the pad id.
     model.config.pad_token_id = pad_token_id
     return model

@@ -17,6 +17,7 @@ Library code used by the `train` and `evaluate` stages.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -25,6 +26,11 @@ from safetensors.torch import load_file, save_file
 
 from frugaltune.training.checkpoint import copy_named_tensors
 from frugaltune.training.fast import fast_lora_dropout, frozen_weights_in
+
+# peft asks every model it wraps for `is_gradient_checkpointing`, which transformers 5 deprecated in favour of
+# `is_activation_checkpointing`: a FutureWarning at every get_peft_model / PeftModel.from_pretrained that no change
+# here can avoid. Only that message is ignored.
+warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
 
 METHODS = ("none", "full", "lora", "qlora", "prelayer", "dora")
 PEFT_METHODS = ("lora", "qlora", "dora")
