@@ -191,3 +191,17 @@ def test_run_tags_combine_commit_stage_hashes_and_data_hash(project: Path) -> No
     with mlflow.start_run(tags=tags) as run:
         pass
     assert mlflow.get_run(run.info.run_id).data.tags["dvc.train_lora"] == tracking.dvc_lock_hashes()["train@lora"]
+
+
+def test_readme_and_make_sft_experiments_on_another_task_leave_the_workspace_as_it_was() -> None:
+    """An experiment that trains another task, data or registry name runs in a temp copy (`--temp`): run in the
+    workspace it would leave params.yaml naming that model, and the README's later `frugaltune predict` would load it."""
+    import re
+
+    from tests import readme_commands
+
+    makefile = (Path(__file__).resolve().parents[2] / "Makefile").read_text()
+    sft = re.search(r"^sft:.*?\n((?:\t.*\n?)+)", makefile, re.M).group(1).replace("\\\n", " ")
+    runs = [c for c in [*readme_commands.commands(), sft] if "dvc exp run" in c
+            and re.search(r"-S \"?(task\.type|data\.source|register\.model_name)=", c)]
+    assert len(runs) == 2 and all("--temp" in c for c in runs), runs
