@@ -34,10 +34,10 @@ class CommandError(RuntimeError):
 
 
 def _register_params(params_path: Path, explicit: bool):
-    from frugaltune.config import RegisterParams, load_params
+    from frugaltune.config import load_params, parse_params
 
     if not params_path.is_file() and not explicit:
-        return RegisterParams()  # outside a project checkout: the documented defaults
+        return parse_params({}).register_  # outside a project checkout: the defaults, `auto` resolved
     return load_params(params_path).register_
 
 
