@@ -53,9 +53,10 @@ compare: pipeline
 federated: pipeline flower-env
 	dvc repro federated/dvc.yaml
 
-# The tweets as prompt -> label word (README "Generative fine-tuning"): an experiment beside the classifier
+# The tweets as prompt -> label word (README "Generative fine-tuning"): an experiment beside the classifier, run in a
+# copy of the project (--temp) so that params.yaml and models/ stay the classifier's
 sft: install
-	dvc exp run -n sft-tweets -S task.type=causal_lm -S task.max_new_tokens=4 -S tokenize.max_length=200 \
+	dvc exp run --temp -n sft-tweets -S task.type=causal_lm -S task.max_new_tokens=4 -S tokenize.max_length=200 \
 		-S "task.prompt_template='Is the sentiment of this tweet negative, neutral or positive? Answer with one word. Tweet: {text}'" \
 		-S "train.lora.target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]" -S train.lr=0.002 \
 		-S register.model_name=frugaltune-sentiment-sft

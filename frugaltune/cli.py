@@ -4,7 +4,9 @@
     echo "I love it" | frugaltune predict                   # one text per input line
     frugaltune predict --model-uri models:/frugaltune-sentiment/3 --json "I love it"
     frugaltune predict --max-new-tokens 32 "What is 2+2?"          # a causal_lm model: prints its response
+    frugaltune predict --candidates 3,4,5 "What is 2+2?"            # ...or the likeliest of these answers
     frugaltune export --merged exported/                    # base + adapter as one plain Hugging Face model
+    frugaltune export --model-uri models:/frugaltune-arithmetic@champion --merged exported/   # a registered one
     frugaltune plan                                         # will train.method fit here, and how long will it take?
     frugaltune plan --memory-limit-gb 4 --no-calibrate --json
     frugaltune registry restore                             # a damaged mlflow.db: its newest good backup back
@@ -32,10 +34,10 @@ class CommandError(RuntimeError):
 
 
 def _register_params(params_path: Path, explicit: bool):
-    from frugaltune.config import RegisterParams, load_params
+    from frugaltune.config import load_params, parse_params
 
     if not params_path.is_file() and not explicit:
-        return RegisterParams()  # outside a project checkout: the documented defaults
+        return parse_params({}).register_  # outside a project checkout: the defaults, `auto` resolved
     return load_params(params_path).register_
 
 
@@ -85,58 +87,154 @@ def _predict(args: argparse.Namespace) -> int:
         else:
             hint = "Register a model first (`dvc repro register`), or pass --model-uri / set MLFLOW_TRACKING_URI."
         raise CommandError(f"cannot load {model_uri} from {mlflow.get_tracking_uri()}: {exc.message}\n{hint}") from None
+    # Which model answered, on stderr: stdout stays one prediction per line for whatever parses it.
+    print(f"frugaltune predict: {_describe_loaded(model_uri)}", file=sys.stderr)
     # The signature says which kind of model this is: a classifier reads `text`, a generative model `prompt`.
     schema = model.metadata.get_input_schema()
     if schema is not None and "prompt" in schema.input_names():
         params = {key: value for key, value in (("max_new_tokens", args.max_new_tokens),
                                                 ("temperature", args.temperature)) if value is not None}
-        responses = list(model.predict(pd.DataFrame({"prompt": texts}), params=params or None))
+        frame = pd.DataFrame({"prompt": texts})
+        if args.candidates is not None:  # chosen by likelihood, as evaluation scores a task with candidates
+            frame["candidates"] = [_candidate_list(args.candidates)] * len(texts)
+        responses = list(model.predict(frame, params=params or None))
         for prompt, response in zip(texts, responses):
             print(json.dumps({"prompt": prompt, "response": response}, ensure_ascii=False) if args.json else response)
         return 0
-    if args.max_new_tokens is not None or args.temperature is not None:
-        raise CommandError(f"{model_uri} is a classifier: --max-new-tokens and --temperature apply to generative "
-                           "(causal_lm) models only.")
+    if args.max_new_tokens is not None or args.temperature is not None or args.candidates is not None:
+        raise CommandError(f"{model_uri} is a classifier: --max-new-tokens, --temperature and --candidates apply to "
+                           "generative (causal_lm) models only; a classifier chooses among its own labels.")
     labels = list(model.predict(pd.DataFrame({"text": texts})))
     for text, label in zip(texts, labels):
         print(json.dumps({"text": text, "label": label}, ensure_ascii=False) if args.json else label)
     return 0
 
 
+def _candidate_list(value: str) -> list[str]:
+    """`--candidates`: "19,29,31", or a JSON list for answers that hold commas ('["1,000", "100"]')."""
+    try:
+        options = json.loads(value) if value.lstrip().startswith("[") else value.split(",")
+    except json.JSONDecodeError as exc:
+        raise CommandError(f"--candidates {value!r}: not a JSON list ({exc.msg}).") from None
+    options = [str(option).strip() for option in options]
+    if not options or not all(options):
+        raise CommandError(f"--candidates {value!r}: expected answers separated by commas, e.g. --candidates 19,29,31.")
+    return options
+
+
+def _describe_loaded(model_uri: str) -> str:
+    """The URI and the registered version it resolves to (an alias moves; the version says which model this was)."""
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    if not model_uri.startswith("models:/"):
+        return f"loaded {model_uri}"
+    name, _, rest = model_uri.removeprefix("models:/").partition("/")
+    name, alias = name.split("@", 1) if "@" in name else (name, None)
+    try:
+        client = MlflowClient()
+        version = (client.get_model_version_by_alias(name, alias) if alias
+                   else client.get_model_version(name, rest) if rest.isdigit() else None)
+    except MlflowException:
+        version = None
+    if version is None:
+        return f"loaded {model_uri}"
+    return f"loaded {model_uri} = {name} version {version.version} (run {version.run_id})"
+
+
+def _registered_adapter(model_uri: str, into: Path) -> tuple[Path, Path]:
+    """(base dir, adapter dir) of a registered model: its files downloaded into `into`, the base from the local
+    cache or the store (hash-checked, as loading the model does)."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+    from mlflow.models import Model
+
+    from frugaltune import serving, store, tracking
+
+    uri = tracking.tracking_uri()
+    try:
+        store.check(uri)
+    except store.StoreError as exc:
+        raise CommandError(str(exc)) from None
+    mlflow.set_tracking_uri(uri)
+    try:
+        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=model_uri, dst_path=str(into)))
+    except MlflowException as exc:
+        raise CommandError(f"cannot load {model_uri} from {uri}: {exc.message}") from None
+    flavor = Model.load(local).flavors.get("python_function", {})
+    # MLmodel maps each artifact name to where it lies in the model (the source dir's name, not the artifact's).
+    artifacts = {name: local / entry["path"] for name, entry in (flavor.get("artifacts") or {}).items()}
+    config = flavor.get("config") or {}
+    if serving.ADAPTER_ARTIFACT not in artifacts:
+        raise CommandError(f"{model_uri} is not a frugaltune model: it has no `{serving.ADAPTER_ARTIFACT}` artifact.")
+    if serving.BASE_ARTIFACT in artifacts:  # versions logged before the base was stored once
+        return artifacts[serving.BASE_ARTIFACT], artifacts[serving.ADAPTER_ARTIFACT]
+    try:
+        base = serving.resolve_base(config["base_model_sha256"], config["base_model_uri"])
+    except (KeyError, FileNotFoundError, ValueError) as exc:
+        raise CommandError(f"{model_uri}: its base model cannot be found: {exc}") from None
+    return base, artifacts[serving.ADAPTER_ARTIFACT]
+
+
 def _export(args: argparse.Namespace) -> int:
+    import tempfile
+
     from frugaltune import paths
     from frugaltune.io import atomic_dir
 
     out = Path(args.merged)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CommandError(f"{out} exists and is not an empty directory; choose a new path or remove it first.")
-    adapter = Path(args.adapter or paths.ADAPTER_DIR)
-    base = Path(args.base or paths.BASE_MODEL)
+    if args.model_uri and (args.adapter or args.base):
+        raise CommandError("give --model-uri (a registered model) or --adapter/--base (files), not both.")
     from peft import PeftModel
 
     from frugaltune import serving
 
-    try:
-        task = serving.read_task(adapter)
-        if task == serving.CAUSAL_LM:
-            model, tokenizer = serving.load_causal_lm(base, adapter)
+    with tempfile.TemporaryDirectory(prefix="frugaltune-export-") as download:
+        if args.model_uri:
+            base, adapter = _registered_adapter(args.model_uri, Path(download))
         else:
-            classifier = serving.load_classifier(base, adapter)
-            model, tokenizer = classifier.model, classifier.tokenizer
-    except (FileNotFoundError, ValueError) as exc:
-        raise CommandError(str(exc)) from None
-    # Folding the adapter into the weights gives a plain transformers model: no peft needed to load it, and no
-    # adapter matmuls at inference.
-    if isinstance(model, PeftModel):
-        model = model.merge_and_unload()
-    # A temp dir beside DIR renamed into place: an interrupted export leaves no half-written model behind.
-    with atomic_dir(out) as tmp:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+            base, adapter = Path(args.base or paths.BASE_MODEL), Path(args.adapter or paths.ADAPTER_DIR)
+        try:
+            task = serving.read_task(adapter)
+            if task == serving.CAUSAL_LM:
+                generator = serving.load_generator(base, adapter)
+                model, tokenizer = generator.model, generator.tokenizer
+            else:
+                classifier = serving.load_classifier(base, adapter)
+                model, tokenizer = classifier.model, classifier.tokenizer
+        except (FileNotFoundError, ValueError) as exc:
+            raise CommandError(str(exc)) from None
+        # Folding the adapter into the weights gives a plain transformers model: no peft needed to load it, and no
+        # adapter matmuls at inference.
+        if isinstance(model, PeftModel):
+            model = model.merge_and_unload()
+        if task == serving.CAUSAL_LM:
+            # pipeline("text-generation") then decodes as serving does: greedy (or the trained temperature), the
+            # trained length, stopping at the EOS the responses were trained to end with.
+            config = generator.config
+            model.generation_config.update(
+                max_new_tokens=int(config["max_new_tokens"]), do_sample=float(config["temperature"]) > 0,
+                temperature=float(config["temperature"]) or None, top_p=None, top_k=None,
+                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        # A temp dir beside DIR renamed into place: an interrupted export leaves no half-written model behind.
+        with atomic_dir(out) as tmp:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
     written = sorted(p.name for p in out.iterdir())
-    kind = "text-generation" if task == serving.CAUSAL_LM else "text-classification"
-    print(f"wrote {out}/ ({', '.join(written)}): {type(model).__name__}, base {base} + adapter {adapter} merged. "
-          f'Load it with transformers.pipeline("{kind}", model="{out}").')
+    source = args.model_uri or f"base {base} + adapter {adapter}"
+    print(f"wrote {out}/ ({', '.join(written)}): {type(model).__name__}, {source} merged.")
+    if task != serving.CAUSAL_LM:
+        print(f'Load it with transformers.pipeline("text-classification", model="{out}").')
+    elif generator.config.get("templated"):
+        # The model was trained on chat-templated prompts: the pipeline applies the template to chat messages only;
+        # a plain string goes in raw, a prompt format the model never saw.
+        print(f'Load it with pipe = transformers.pipeline("text-generation", model="{out}") and ask in chat messages, '
+              'as it was trained: pipe([{"role": "user", "content": "..."}])[0]["generated_text"][-1]["content"].')
+    else:
+        print(f'Load it with pipe = transformers.pipeline("text-generation", model="{out}"): '
+              'pipe("...", return_full_text=False)[0]["generated_text"].')
     return 0
 
 
@@ -239,6 +337,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "(default: the trained setting)")
     predict.add_argument("--temperature", type=float, help="generative models: 0 = greedy (default: the trained "
                          "setting)")
+    predict.add_argument("--candidates", metavar="A,B,...", help="generative models: answer each text with the "
+                         "likeliest of these (comma-separated, or a JSON list), as evaluation scores a task with "
+                         "candidates; default: the model's labels when it was trained on a label set, else generated")
     predict.set_defaults(handler=_predict)
 
     export = commands.add_parser(
@@ -250,6 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument("--merged", required=True, metavar="DIR", help="where to write it (must not exist, or be "
                         "empty)")
+    export.add_argument("--model-uri", help="a registered model to export (models:/name@alias, models:/name/3), "
+                        "e.g. one a `dvc exp run --temp` experiment registered; default: the workspace's files")
     export.add_argument("--adapter", help="the adapter dir (default: models/adapter)")
     export.add_argument("--base", help="the base model dir (default: models/base)")
     export.set_defaults(handler=_export)

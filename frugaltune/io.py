@@ -77,6 +77,11 @@ def atomic_dir(path: Path | str) -> Iterator[Path]:
     tmp.chmod(0o755)  # mkdtemp makes it private; the artifact should not be
     try:
         yield tmp
+        # Writers inside make private files too (safetensors writes model.safetensors 0600): the artifact is
+        # readable as any file the user writes, so another account (a server, a colleague) can load it.
+        for inner in tmp.rglob("*"):
+            if not inner.is_symlink():
+                inner.chmod(0o755 if inner.is_dir() else 0o644)
         faults.inject("commit", path.name)  # tests/faults: killed (or the disk full) with the output complete
         if path.exists():
             shutil.rmtree(path) if path.is_dir() else path.unlink()

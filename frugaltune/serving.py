@@ -254,7 +254,9 @@ class Generator:
     """A loaded base model + adapter + tokenizer that answers prompts, freely or by choosing among candidates.
 
     `config`: max_new_tokens, temperature, system (None: the chat template's default), templated (whether prompts
-    go through the chat template, as in training).
+    go through the chat template, as in training), labels (the task's answers when it had a fixed set: a labelled
+    dataset through task.prompt_template; a prompt given no candidates then chooses among them, as evaluation
+    scored it).
     """
 
     def __init__(self, model: Any, tokenizer: Any, config: dict[str, Any],
@@ -282,10 +284,14 @@ class Generator:
         temperature: float | None = None,
     ) -> list[str]:
         """The response per prompt, in input order. With `candidates` (one list per prompt, None for a prompt that
-        has none), the likeliest candidate for those prompts; the others are generated."""
+        has none), the likeliest candidate for those prompts; the others are generated, or, when the model was
+        trained on a fixed label set (`config["labels"]`), choose among its labels."""
         ids = self.prompt_ids(list(prompts))
         if candidates is None:
             candidates = [None] * len(ids)
+        labels = list(self.config.get("labels") or [])
+        if labels:
+            candidates = [labels if options is None else options for options in candidates]
         if len(candidates) != len(ids):
             raise ValueError(f"{len(ids)} prompts but {len(candidates)} candidate lists: give one per prompt.")
         responses: list[str] = [""] * len(ids)
@@ -369,6 +375,7 @@ def load_generator(
 ) -> Generator:
     """Load a causal_lm adapter for `Generator.predict`; the generation settings default to labels.json's."""
     settings = _generation_settings(Path(adapter_dir))
+    settings["labels"] = json.loads((Path(adapter_dir) / LABELS_FILE).read_text(encoding="utf-8")).get("labels") or []
     model, tokenizer = load_causal_lm(base_dir, adapter_dir)
     if settings.get("templated") is None:  # trained before the flag was stored: what training's "auto" chose
         settings["templated"] = generation.uses_chat_template(tokenizer, "auto")

@@ -1,7 +1,8 @@
 """MLflow helpers: where runs go, what every run and model version is tagged with.
 
 The default store is `sqlite:///<project>/mlflow.db` with artifacts under `<project>/mlartifacts/` (the project
-root is the working directory, as for every stage); `MLFLOW_TRACKING_URI` overrides both, e.g. a remote server
+root is the working directory, as for every stage; in a `dvc exp run --temp` experiment, the workspace's:
+`store_dir`); `MLFLOW_TRACKING_URI` overrides both, e.g. a remote server
 (`http://…`, `make mlflow-server`), which then holds runs, registry and artifacts: nothing is read from or written
 to a local store, and artifacts only ever move through MLflow's API.
 Tags tie a run or a model version back to the exact code (`git_commit`), pipeline state (`dvc.<stage>`: a short
@@ -37,8 +38,32 @@ INGEST_STAGE = "ingest"
 SHORT_HASH_CHARS = 12
 
 
+def store_dir() -> Path:
+    """Where the default store lives: the working directory, or, in a `dvc exp run --temp` (or queued) experiment,
+    the same directory of the user's workspace.
+
+    DVC runs such an experiment in a copy of the repository under `<root>/.dvc/tmp/exps/` and deletes the copy
+    afterwards; a store there would take the run and the registered version with it, so `frugaltune predict` could
+    not find the model the experiment registered. DVC sets `DVC_ROOT` to the workspace for every experiment stage.
+    """
+    cwd = Path.cwd().resolve()
+    root = os.environ.get("DVC_ROOT")
+    if not root:
+        return cwd
+    root_dir = Path(root).resolve()
+    try:
+        inside = cwd.relative_to(root_dir / ".dvc" / "tmp" / "exps")
+    except ValueError:
+        return cwd  # a plain `dvc repro` (or an experiment in the workspace): the stage's own directory
+    # The copy's root is the nearest directory up from here that holds the repository's `.dvc`.
+    for depth in range(len(inside.parts), 0, -1):
+        if (root_dir / ".dvc" / "tmp" / "exps" / Path(*inside.parts[:depth]) / ".dvc").is_dir():
+            return root_dir.joinpath(*inside.parts[depth:])
+    return cwd
+
+
 def _default_uri() -> str:
-    return f"sqlite:///{paths.MLFLOW_DB.resolve()}"
+    return f"sqlite:///{store_dir() / paths.MLFLOW_DB}"
 
 
 def tracking_uri() -> str:
@@ -63,7 +88,7 @@ def setup(experiment: str) -> str:
     found = client.get_experiment_by_name(experiment)
     if found is None:
         # Compare URIs rather than test the variable: mlflow.set_tracking_uri() exports MLFLOW_TRACKING_URI.
-        artifact_location = paths.MLFLOW_ARTIFACTS.resolve().as_uri() if uri == _default_uri() else None
+        artifact_location = (store_dir() / paths.MLFLOW_ARTIFACTS).as_uri() if uri == _default_uri() else None
         try:
             experiment_id = client.create_experiment(experiment, artifact_location=artifact_location,
                                                      tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})

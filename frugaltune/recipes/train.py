@@ -115,6 +115,8 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN, use_plan: bo
         finally:
             distributed.shutdown(world)
         return {}
+    if tp.input_template is not None and params.task.type == "classification":  # `auto` derives it: say what it is
+        print(f"train: each input wrapped as train.input_template {tp.input_template!r}")
     print(f"train: {tp.method} on {len(train_set)} examples, {trainable:,} of {total:,} parameters "
           f"trainable ({100 * trainable / total:.2f}%), precision {'bf16 autocast' if bf16 else 'fp32'}, "
           f"{threads} threads, micro-batch {resolved.micro_batch_size} of {tp.batch_size}, gradient checkpointing "

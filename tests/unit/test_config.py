@@ -122,3 +122,24 @@ def test_make_sft_overrides_parse_into_a_causal_lm_run(tmp_path):
     # the measured sweep's winner (README "Generative fine-tuning"): every linear layer adapted, lr 0.002
     assert params.train.lora.target_modules[-3:] == ["gate_proj", "up_proj", "down_proj"]
     assert params.train.lr == 0.002
+
+
+def test_your_own_data_gets_its_own_template_and_registry_model_not_the_tweets():
+    """README "Your own data": only the data section of the repo's params.yaml changed. The input template and the
+    registry name follow the data (auto), so a tickets classifier neither reads "Sentiment:" after each ticket
+    nor becomes a version of frugaltune-sentiment; the tweets keep theirs."""
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    tweets = parse_params(raw)
+    assert tweets.train.input_template == "{text}\nSentiment:" and tweets.register_.model_name == "frugaltune-sentiment"
+
+    raw["data"].update({"source": "/data/support_tickets.csv", "text_column": "body", "label_column": "queue_name"})
+    tickets = parse_params(raw)
+    assert tickets.train.input_template == "{text}\nQueue name:"
+    assert tickets.register_.model_name == "frugaltune-support-tickets"
+    raw["task"]["type"] = "causal_lm"  # the same file as prompt -> response: another task, another model
+    assert parse_params(raw).register_.model_name == "frugaltune-support-tickets-sft"
+    # set explicitly, both are taken as written; without the key, no template (the bare input)
+    raw["register"]["model_name"], raw["train"]["input_template"] = "tickets", "Ticket: {text}\nQueue:"
+    assert parse_params(raw).register_.model_name == "tickets"
+    assert parse_params(raw).train.input_template == "Ticket: {text}\nQueue:"
+    assert parse_params({}).train.input_template is None

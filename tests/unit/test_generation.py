@@ -408,6 +408,8 @@ def test_export_merged_writes_a_plain_model_with_the_adapters_logits(lm_dir, ada
     assert cli.main(["export", "--merged", str(out), "--adapter", str(adapter_dir), "--base", str(lm_dir)]) == 0
     assert "text-generation" in capsys.readouterr().out
     assert not (out / "adapter_config.json").exists() and (out / "model.safetensors").is_file()
+    # readable as any file the user writes (safetensors itself writes 0600): a server or a colleague can load it
+    assert {f.name: oct(f.stat().st_mode & 0o777) for f in out.iterdir()} == {f.name: "0o644" for f in out.iterdir()}
     peft_model, tokenizer = load_causal_lm(lm_dir, adapter_dir)
     merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     tokens = torch.tensor([prompt_ids(tokenizer, PROMPTS[0], None, templated=True)])
@@ -420,6 +422,90 @@ def test_export_merged_writes_a_plain_model_with_the_adapters_logits(lm_dir, ada
 
     assert cli.main(["export", "--merged", str(out), "--adapter", str(adapter_dir), "--base", str(lm_dir)]) == 1
     assert "exists and is not an empty directory" in capsys.readouterr().err
+
+
+def test_the_merged_export_answers_in_transformers_pipeline_as_frugaltune_does(lm_dir, adapter_dir, tmp_path,
+                                                                               capsys):
+    """The pipeline call the export prints (chat messages, for a model trained on chat-templated prompts) gives the
+    answers serving gives: the same prompt format, greedy, the trained length, stopping at EOS."""
+    from transformers import pipeline
+
+    from frugaltune import cli
+    from frugaltune.serving import load_generator
+
+    out = tmp_path / "merged"
+    assert cli.main(["export", "--merged", str(out), "--adapter", str(adapter_dir), "--base", str(lm_dir)]) == 0
+    printed = capsys.readouterr().out
+    assert '[{"role": "user", "content": "..."}]' in printed and '["generated_text"][-1]["content"]' in printed
+    pipe = pipeline("text-generation", model=str(out), device="cpu")
+    answers = [pipe([{"role": "user", "content": p}])[0]["generated_text"][-1]["content"] for p in PROMPTS[:3]]
+    # the same tokens; serving strips the decoded text's surrounding whitespace
+    assert [a.strip() for a in answers] == load_generator(lm_dir, adapter_dir).predict(PROMPTS[:3])
+
+
+def test_a_model_trained_on_a_label_set_answers_with_one_of_its_labels(lm_dir, adapter_dir, tmp_path):
+    """A labelled dataset as prompts (task.prompt_template): evaluation chooses among the labels, so serving does
+    too unless the caller gives other candidates; free generation would answer anything."""
+    import shutil
+
+    from frugaltune.serving import load_generator
+
+    labelled = tmp_path / "labelled"
+    shutil.copytree(adapter_dir, labelled)
+    manifest = json.loads((labelled / "labels.json").read_text())
+    (labelled / "labels.json").write_text(json.dumps({**manifest, "labels": ["red", "blue"]}))
+    generator = load_generator(lm_dir, labelled)
+    assert set(generator.predict(PROMPTS)) <= {"red", "blue"}
+    assert generator.predict(PROMPTS[:1], [["hi", "yo"]])[0] in ("hi", "yo")
+    assert load_generator(lm_dir, adapter_dir).predict(PROMPTS[:2]) != ["red", "blue"]  # no label set: generated
+
+
+@pytest.mark.slow  # MLflow registration + loads: ~30 s
+def test_predict_says_which_version_it_loaded_and_chooses_among_candidates(lm_dir, adapter_dir, tmp_path,
+                                                                            monkeypatch, capsys):
+    """`frugaltune predict` names the version an alias resolved to (stderr; stdout stays one answer per line),
+    `--candidates` picks the likeliest of them as evaluation does, and `export --model-uri` merges a registered
+    version (a `dvc exp run --temp` experiment leaves no adapter in the workspace)."""
+    import os
+
+    import mlflow
+
+    from frugaltune import cli, serving
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FRUGALTUNE_BASE_CACHE", str(tmp_path / "base-cache"))
+    monkeypatch.setenv("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_ID", raising=False)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    mlflow.set_tracking_uri(uri)
+    try:
+        mlflow.set_experiment("gen")
+        with mlflow.start_run():
+            info = serving.log_model(lm_dir, adapter_dir, task="causal_lm", example_texts=PROMPTS[:2])
+        version = mlflow.register_model(info.model_uri, "gen")
+        mlflow.MlflowClient().set_registered_model_alias("gen", "champion", version.version)
+        capsys.readouterr()
+        assert cli.main(["predict", "--model-uri", "models:/gen@champion", "--candidates", "red,blue", *PROMPTS[:2]]) == 0
+        captured = capsys.readouterr()
+        assert set(captured.out.splitlines()) <= {"red", "blue"} and len(captured.out.splitlines()) == 2
+        assert f"models:/gen@champion = gen version {version.version}" in captured.err
+        assert cli.main(["predict", "--model-uri", "models:/gen@champion", "--candidates", '["1,000", "10"]',
+                         PROMPTS[0]]) == 0
+        assert capsys.readouterr().out.strip() in ("1,000", "10")
+
+        out = tmp_path / "merged"
+        assert cli.main(["export", "--model-uri", "models:/gen@champion", "--merged", str(out)]) == 0
+        merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64).eval()
+        peft_model, tokenizer = serving.load_causal_lm(lm_dir, adapter_dir)
+        tokens = torch.tensor([prompt_ids(tokenizer, PROMPTS[0], None, templated=True)])
+        with torch.no_grad():
+            torch.testing.assert_close(merged(input_ids=tokens).logits,
+                                       peft_model.double()(input_ids=tokens).logits, atol=1e-5, rtol=0)
+    finally:
+        mlflow.set_tracking_uri(None)
+        mlflow.tracking.fluent._active_experiment_id = None
+        os.environ.pop("MLFLOW_EXPERIMENT_ID", None)
 
 
 def test_export_merged_of_a_classifier_keeps_its_labels(tiny_model_dir, tmp_path, capsys):

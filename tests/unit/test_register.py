@@ -291,8 +291,12 @@ def test_a_model_of_another_dataset_never_takes_the_champion_alias(project: Path
 def test_cli_predict_prints_one_label_per_text(project: Path, capsys: pytest.CaptureFixture[str]) -> None:
     texts = ["i love this", "worst service ever"]
     assert cli.main(["predict", *texts]) == 0  # params.yaml names the model; @champion by default
-    printed = capsys.readouterr().out.splitlines()
+    captured = capsys.readouterr()
+    printed = captured.out.splitlines()
     assert len(printed) == 2 and set(printed) <= set(LABELS)
+    # which model answered, on stderr (stdout stays the labels): the alias and the version it points at now
+    champion = MlflowClient().get_model_version_by_alias(MODEL_NAME, "champion")
+    assert f"models:/{MODEL_NAME}@champion = {MODEL_NAME} version {champion.version}" in captured.err
 
     assert cli.main(["predict", "--model-uri", f"models:/{MODEL_NAME}/1", "--json", texts[0]]) == 0
     row = json.loads(capsys.readouterr().out)

@@ -57,6 +57,45 @@ def test_tracking_uri_defaults_to_the_project_sqlite_file(project: Path) -> None
     assert tracking.tracking_uri() == f"sqlite:///{project.resolve() / 'mlflow.db'}"
 
 
+def test_a_dvc_temp_experiment_writes_to_the_workspace_store_not_its_throwaway_copy(tmp_path: Path) -> None:
+    """`dvc exp run --temp` runs the stages in a copy under .dvc/tmp/exps/ that DVC deletes afterwards: the run and
+    the version it registers must land in the workspace's mlflow.db, where `frugaltune predict` looks."""
+    import shutil
+    import sys
+
+    workspace, seen = tmp_path / "ws", tmp_path / "seen"
+    workspace.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    git = shutil.which("git")
+    for cmd in ([git, "init", "-q"], [git, "config", "user.email", "ci@example.com"],
+                [git, "config", "user.name", "ci"], [sys.executable, "-m", "dvc", "init", "-q"]):
+        subprocess.run(cmd, cwd=workspace, env=env, check=True, capture_output=True)
+    (workspace / "params.yaml").write_text("lr: 1\n")
+    script = f"from frugaltune import tracking; open({str(seen)!r}, 'a').write(tracking.tracking_uri() + chr(10))"
+    (workspace / "dvc.yaml").write_text(
+        f"stages:\n  where:\n    cmd: {sys.executable} -c \"{script}\"\n    params: [lr]\n")
+    subprocess.run([git, "add", "-A"], cwd=workspace, env=env, check=True)
+    subprocess.run([git, "commit", "-qm", "project"], cwd=workspace, env=env, check=True)
+    done = subprocess.run([sys.executable, "-m", "dvc", "exp", "run", "--temp", "-S", "lr=2"], cwd=workspace, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert seen.read_text().splitlines() == [f"sqlite:///{workspace.resolve() / 'mlflow.db'}"]
+    assert (workspace / "params.yaml").read_text() == "lr: 1\n"  # and the workspace's params are as they were
+
+
+def test_a_stage_in_a_subdirectory_of_an_experiment_copy_uses_that_subdirectory_of_the_workspace(
+        project: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    copy = project / ".dvc" / "tmp" / "exps" / "standalone" / "tmpab12"
+    (copy / ".dvc").mkdir(parents=True)
+    (copy / "scheduling").mkdir()
+    monkeypatch.setenv("DVC_ROOT", str(project))
+    monkeypatch.chdir(copy / "scheduling")  # scheduling/dvc.yaml's stages run in their own directory
+    assert tracking.tracking_uri() == f"sqlite:///{project.resolve() / 'scheduling' / 'mlflow.db'}"
+    monkeypatch.chdir(project)  # `dvc repro`: DVC_ROOT is the working directory itself
+    assert tracking.tracking_uri() == f"sqlite:///{project.resolve() / 'mlflow.db'}"
+
+
 def test_tracking_uri_env_var_wins(project: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
     assert tracking.tracking_uri() == "http://127.0.0.1:5000"
@@ -152,3 +191,17 @@ def test_run_tags_combine_commit_stage_hashes_and_data_hash(project: Path) -> No
     with mlflow.start_run(tags=tags) as run:
         pass
     assert mlflow.get_run(run.info.run_id).data.tags["dvc.train_lora"] == tracking.dvc_lock_hashes()["train@lora"]
+
+
+def test_readme_and_make_sft_experiments_on_another_task_leave_the_workspace_as_it_was() -> None:
+    """An experiment that trains another task, data or registry name runs in a temp copy (`--temp`): run in the
+    workspace it would leave params.yaml naming that model, and the README's later `frugaltune predict` would load it."""
+    import re
+
+    from tests import readme_commands
+
+    makefile = (Path(__file__).resolve().parents[2] / "Makefile").read_text()
+    sft = re.search(r"^sft:.*?\n((?:\t.*\n?)+)", makefile, re.M).group(1).replace("\\\n", " ")
+    runs = [c for c in [*readme_commands.commands(), sft] if "dvc exp run" in c
+            and re.search(r"-S \"?(task\.type|data\.source|register\.model_name)=", c)]
+    assert len(runs) == 2 and all("--temp" in c for c in runs), runs
