@@ -60,7 +60,8 @@ def read_plan(path: Path = paths.PLAN) -> dict | None:
 
 
 def machine(precision_setting: str = "auto", method: str = "lora", int8_setting: str | bool = "auto",
-            plan: dict | None = None, ranks: int = 1, dims: tuple[int, int] | None = None) -> dict:
+            plan: dict | None = None, ranks: int = 1, dims: tuple[int, int] | None = None,
+            threads: int | None = None) -> dict:
     """The machine decisions for a run that has no entry of its own in the plan (evaluation, compare, federated
     clients): the plan's when it exists and was decided for the same `precision_setting`, else decided now by the
     plan's own function. Keys: bf16, precision_why, eager_attention_max_len, threads, int8 (a decision dict)."""
@@ -69,7 +70,7 @@ def machine(precision_setting: str = "auto", method: str = "lora", int8_setting:
     else:
         hardware, measured = machine_facts()
         decided = planner.decide_machine(hardware, measured, precision_setting, int8_setting,
-                                         (method,) if dims else (), dims, ranks=ranks)
+                                         (method,) if dims else (), dims, threads, ranks)
     int8 = decided["int8"].get(method) or {"on": False, "why": f"no int8 decision for {method} (no plan)"}
     return {**decided, "int8": int8}
 
@@ -110,7 +111,8 @@ def resolve_run(params: "Params", use_plan: bool = True) -> Run:
     tp = params.train
     plan = read_plan()
     entry = planner.check_fits(plan, tp.method) if plan and use_plan else {}
-    decided = machine(tp.precision, tp.method, tp.int8_products, plan, tp.distributed.nproc_per_node, model_dims())
+    decided = machine(tp.precision, tp.method, tp.int8_products, plan, tp.distributed.nproc_per_node, model_dims(),
+                      tp.threads)
     if plan and use_plan and plan.get("run", {}).get("method") == tp.method:  # the configured run: its resolved keys
         bf16, eager = plan["run"]["precision"] == "bf16", int(plan["run"]["eager_attention_max_len"])
         int8 = {**decided["int8"], "on": bool(plan["run"].get("int8_products", decided["int8"]["on"]))}
@@ -120,5 +122,5 @@ def resolve_run(params: "Params", use_plan: bool = True) -> Run:
     ckpt = (tp.gradient_checkpointing if tp.gradient_checkpointing != "auto"
             else entry.get("gradient_checkpointing", False))
     return Run(method=tp.method, bf16=bool(bf16), micro_batch_size=int(micro), gradient_checkpointing=bool(ckpt),
-               eager_attention_max_len=eager, threads=tp.threads or decided["threads"], int8=int8,
+               eager_attention_max_len=eager, threads=decided["threads"], int8=int8,
                predicted_peak_mb=entry.get("predicted_peak_mb"), eta_seconds=entry.get("eta_seconds"))

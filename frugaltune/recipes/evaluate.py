@@ -30,6 +30,11 @@ def trained_precision(params: Params, out: paths.RunOutputs) -> bool:
     return resolve.machine(params.train.precision, plan=resolve.read_plan())["bf16"]
 
 
+def threads(params: Params) -> int:
+    """The plan's thread count (planner.decide_machine), as training used it."""
+    return resolve.machine(params.train.precision, plan=resolve.read_plan(), threads=params.train.threads)["threads"]
+
+
 def generative_metrics(model, tokenizer, data, params: Params, bf16: bool, labels: list[str], name: str) -> tuple[
         dict, list[str]]:
     """One model on the evaluation split: loss and perplexity of the reference responses, then its answers (the
@@ -86,7 +91,7 @@ def run_sft(params: Params, out: paths.RunOutputs) -> dict:
 
     ep, seed = params.evaluate, params.common.seed
     bf16 = trained_precision(params, out)
-    torch.set_num_threads(resolve.physical_threads(params.train.threads))
+    torch.set_num_threads(threads(params))
     planner.keep_sdpa_off_cudnn()  # as in training: cuDNN's attention cost ~4 ms of host time per call
     labels = read_json(paths.LABELS)["labels"] if params.task.prompt_template is not None else []
     data = load_from_disk(str(paths.TOKENIZED_DIR))[ep.split]
@@ -116,7 +121,7 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN) -> dict:
         return run_sft(params, out)
     ep, seed = params.evaluate, params.common.seed
     bf16 = trained_precision(params, out)
-    torch.set_num_threads(resolve.physical_threads(params.train.threads))
+    torch.set_num_threads(threads(params))
     planner.keep_sdpa_off_cudnn()  # as in training: cuDNN's attention cost ~4 ms of host time per call
     labels = read_json(paths.LABELS)["labels"]
     data = load_from_disk(str(paths.TOKENIZED_DIR))[ep.split]
