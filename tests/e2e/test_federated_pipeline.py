@@ -129,8 +129,8 @@ def test_the_stage_runs_three_supernodes_for_two_rounds_sending_only_the_adapter
 
     def first_start_fails(self, app_dir, run_config, timeout):  # the stage's LocalFederation.submit, once broken
         submitted.append(run_config["out-dir"])
-        if len(submitted) == 1:  # a ServerApp that writes round 0 (the seeded start), then dies before round 1
-            run_config = {**run_config, "round-timeout": "not a number"}  # a real failure: it cannot parse this
+        if len(submitted) == 1:  # a ServerApp that dies before it trains round 1
+            run_config = {**run_config, "round-timeout": "not a number"}  # a real failure: RunSettings refuses it
         return real_submit(self, app_dir, run_config, timeout)
 
     real_submit = LocalFederation.submit
@@ -424,6 +424,7 @@ import copy, json, sys, tomllib
 from pathlib import Path
 from flwr.app import Context, Message, RecordDict
 from frugaltune.federated import client_app, local, server_app
+from frugaltune.federated.settings import RunSettings
 world, app_toml, method = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
 RANKS = {11: 2, 12: 4, 13: 4}
 
@@ -448,11 +449,13 @@ config = {**tomllib.loads(app_toml.read_text())["tool"]["flwr"]["app"]["config"]
           "labels": json.dumps(["a", "b", "c"]), "pad-token-id": 0, "fraction": 1.0, "min-clients": 3,
           "min-completed": 3, "lora-r": 4, "lora-alpha": 8, "local-steps": 2, "method": method,
           "secure-max-weight": 40.0}
-start = local.trainable_tensors(local.build_model(config["model-dir"], ["a", "b", "c"], 0, int(config["seed"]),
-                                                  client_app.lora_spec(config)))
-plain, _ = server_app.run_round(Loopback(), config, 1, start)
+settings = RunSettings.from_flower(config)  # as the ServerApp reads its run config
+start = local.trainable_tensors(local.build_model(settings.model_dir, ["a", "b", "c"], 0, settings.seed,
+                                                  settings.lora()))
+plain, _ = server_app.run_round(Loopback(), settings, 1, start)
 server = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={})
-secure, report = server_app.run_round(Loopback(), {**config, "secure-aggregation": True}, 1, start, server)
+secure, report = server_app.run_round(Loopback(), settings.model_copy(update={"secure_aggregation": True}), 1, start,
+                                      server)
 print(json.dumps({"max_diff": max(float((plain[k] - secure[k]).abs().max()) for k in start),
                   "moved": max(float((plain[k] - start[k]).abs().max()) for k in start),
                   "shapes": all(plain[k].shape == secure[k].shape for k in start),
