@@ -96,6 +96,8 @@ def test_the_stage_runs_three_supernodes_for_two_rounds_sending_only_the_adapter
     import datasets
 
     from frugaltune.config import parse_params
+    from frugaltune.federated import centralized
+    from frugaltune.federated.plans import machine_precision
     from frugaltune.models import build_tiny_model
     from stages import federated as stage
 
@@ -115,7 +117,7 @@ def test_the_stage_runs_three_supernodes_for_two_rounds_sending_only_the_adapter
     # server gets no estimate from a CPU's calibration and keeps its 2.
     (project / "reports").mkdir(exist_ok=True)
     (project / "reports/hardware.json").write_text(json.dumps({"cpu": {"model": "Test CPU"}}))
-    precision = "bf16" if stage.machine_precision(parse_params({}))[0] else "fp32"
+    precision = "bf16" if machine_precision(parse_params({}))[0] else "fp32"
     (project / "reports/plan.json").write_text(json.dumps({
         "device": {"kind": "cpu", "name": "Test CPU"}, "threads": 2, "run": {"precision": precision},
         "constants": {"step_overhead_s": 10.0, "seconds_per_token": 0.0, "source": "test calibration"}}))
@@ -169,7 +171,7 @@ def test_the_stage_runs_three_supernodes_for_two_rounds_sending_only_the_adapter
     # trained once per reference key: the same reference again is read back, not retrained
     pad_token_id = json.loads((project / "models/base/config.json").read_text()).get("pad_token_id")
     pad_token_id = smol_tokenizer.pad_token_id if pad_token_id is None else pad_token_id  # as the stage
-    again = stage.reference(params, ["a", "b", "c"], pad_token_id, 80)
+    again = centralized.reference(params, ["a", "b", "c"], pad_token_id, 80)
     assert again.get("reused_from") and again["final"] == central["final"], again
     rows = (project / "reports/plots/federated_rounds.csv").read_text().splitlines()
     assert rows[0].startswith("run,round,accuracy,macro_f1,loss,bytes_total") and len(rows) == 4  # rounds 0, 1, 2

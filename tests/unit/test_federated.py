@@ -212,10 +212,10 @@ def test_a_gpu_client_gets_no_time_from_a_cpu_calibration_and_this_host_scales_b
 
 
 def test_client_plans_use_the_plan_stages_calibration_only_of_this_cpu_and_precision(monkeypatch, tmp_path):
-    import stages.federated as stage  # the stage (mlflow, datasets), only for this test
+    from frugaltune.federated.plans import plan_calibration
 
     monkeypatch.chdir(tmp_path)
-    constants, cores, why = stage.plan_calibration(bf16=True)
+    constants, cores, why = plan_calibration(bf16=True)
     assert constants == planner.Constants() and cores is None and "missing" in why
     (tmp_path / "reports").mkdir()
     (tmp_path / "reports/hardware.json").write_text(json.dumps({"cpu": {"model": "CPU A"}}))
@@ -223,12 +223,12 @@ def test_client_plans_use_the_plan_stages_calibration_only_of_this_cpu_and_preci
             "constants": {"step_overhead_s": 0.05, "seconds_per_token": 0.002, "startup_s": 4.0,
                           "calibrated_method": "lora", "source": "calibrated here"}}
     (tmp_path / "reports/plan.json").write_text(json.dumps(plan))
-    constants, cores, why = stage.plan_calibration(bf16=True)
+    constants, cores, why = plan_calibration(bf16=True)
     assert (constants.seconds_per_token, constants.startup_s, cores) == (0.002, 4.0, 2) and "calibrated here" in why
-    constants, cores, why = stage.plan_calibration(bf16=False)  # measured in bf16, the clients train in fp32
+    constants, cores, why = plan_calibration(bf16=False)  # measured in bf16, the clients train in fp32
     assert constants.seconds_per_token is None and cores is None and "fp32" in why
     (tmp_path / "reports/plan.json").write_text(json.dumps(plan | {"device": {"kind": "cpu", "name": "CPU B"}}))
-    constants, cores, why = stage.plan_calibration(bf16=True)  # a plan in git from another machine
+    constants, cores, why = plan_calibration(bf16=True)  # a plan in git from another machine
     assert constants.seconds_per_token is None and "CPU B" in why
 
 
@@ -477,34 +477,34 @@ def test_a_round_exists_when_its_json_does_and_velocities_are_not_rounds(tmp_pat
 
 
 def test_the_federated_run_key_changes_with_the_code_that_computes_rounds(monkeypatch, tmp_path):
-    import stages.federated as stage  # the stage (mlflow, datasets), only for this test
     from frugaltune.config import load_params
+    from frugaltune.federated import keys
 
     params = load_params()
-    key = stage.run_key(params, "dirichlet", "fedavg", "rows")
-    assert stage.run_key(params, "dirichlet", "fedavg", "rows") == key
-    assert stage.run_key(params, "dirichlet", "fedavg", "other rows") != key  # new data: a new federation
+    key = keys.run_key(params, "dirichlet", "fedavg", "rows")
+    assert keys.run_key(params, "dirichlet", "fedavg", "rows") == key
+    assert keys.run_key(params, "dirichlet", "fedavg", "other rows") != key  # new data: a new federation
     copy = tmp_path / "frugaltune" / "federated"
     copy.mkdir(parents=True)
-    for entry in stage.ROUND_CODE:  # the same code elsewhere: the same key; one changed byte: another key
-        source = stage.ROOT / entry
+    for entry in keys.ROUND_CODE:  # the same code elsewhere: the same key; one changed byte: another key
+        source = keys.PROJECT_ROOT / entry
         target = tmp_path / entry
         if source.is_dir():
             shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__"))
         else:
             target.write_bytes(source.read_bytes())
-    monkeypatch.setattr(stage, "ROOT", tmp_path)
-    assert stage.run_key(params, "dirichlet", "fedavg", "rows") == key
+    monkeypatch.setattr(keys, "PROJECT_ROOT", tmp_path)
+    assert keys.run_key(params, "dirichlet", "fedavg", "rows") == key
     with (tmp_path / "frugaltune/federated/aggregation.py").open("a") as handle:
         handle.write("\n# changed\n")
-    assert stage.run_key(params, "dirichlet", "fedavg", "rows") != key
+    assert keys.run_key(params, "dirichlet", "fedavg", "rows") != key
 
 
 def test_the_federated_data_fingerprint_follows_the_rows_not_the_files(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    import stages.federated as stage
+    from frugaltune.federated.rows import data_fingerprint
 
     def write(rows: dict[str, tuple[list[list[int]], list[int]]], compression: str = "snappy") -> str:
         parts = tmp_path / "parts"
@@ -515,7 +515,7 @@ def test_the_federated_data_fingerprint_follows_the_rows_not_the_files(tmp_path)
                            compression=compression)
         clients = [{"client": int(name.split("_")[1])} for name in rows if name != "test"]
         (parts / "partitions.json").write_text(json.dumps({"clients": clients}))
-        return stage.data_fingerprint(parts, tmp_path / "test.parquet")
+        return data_fingerprint(parts, tmp_path / "test.parquet")
 
     rows = {"client_0": ([[1, 2, 3], [4]], [0, 1]), "client_1": ([[5, 6]], [2]), "test": ([[7, 8]], [1])}
     first = write(rows)
@@ -530,26 +530,28 @@ def test_the_centralized_reference_key_follows_what_the_reference_trains_on(monk
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    import stages.federated as stage
     from frugaltune.config import load_params
+    from frugaltune.federated.centralized import reference_key
 
     params = load_params()
-    monkeypatch.setattr(stage, "DATA", tmp_path)
+    monkeypatch.chdir(tmp_path)  # the reference's rows: data/federated/ of the project it runs in
+    data = tmp_path / "data/federated"
+    data.mkdir(parents=True)
 
     def write(train_labels: list[int]) -> None:
-        pq.write_table(pa.table({"input_ids": [[1, 2], [3]], "labels": train_labels}), tmp_path / "train.parquet")
-        pq.write_table(pa.table({"input_ids": [[4]], "labels": [0]}), tmp_path / "test.parquet")
+        pq.write_table(pa.table({"input_ids": [[1, 2], [3]], "labels": train_labels}), data / "train.parquet")
+        pq.write_table(pa.table({"input_ids": [[4]], "labels": [0]}), data / "test.parquet")
 
     write([0, 1])
-    key = stage.reference_key(params, 6400, 2, True, 512, 2)
-    assert stage.reference_key(params, 6400, 2, True, 512, 2) == key
-    changed = [stage.reference_key(params, 3200, 2, True, 512, 2),  # fewer examples
-               stage.reference_key(params, 6400, 0, True, 512, 2),  # another pad id
-               stage.reference_key(params, 6400, 2, False, 512, 2),  # fp32
-               stage.reference_key(params, 6400, 2, True, 512, 1),  # 1 thread: other bf16 sums
-               stage.reference_key(params.model_copy(update={"train": params.train.model_copy(update={"lr": 1e-3})}),
-                                   6400, 2, True, 512, 2)]  # the recipe
+    key = reference_key(params, 6400, 2, True, 512, 2)
+    assert reference_key(params, 6400, 2, True, 512, 2) == key
+    changed = [reference_key(params, 3200, 2, True, 512, 2),  # fewer examples
+               reference_key(params, 6400, 0, True, 512, 2),  # another pad id
+               reference_key(params, 6400, 2, False, 512, 2),  # fp32
+               reference_key(params, 6400, 2, True, 512, 1),  # 1 thread: other bf16 sums
+               reference_key(params.model_copy(update={"train": params.train.model_copy(update={"lr": 1e-3})}),
+                             6400, 2, True, 512, 2)]  # the recipe
     assert key not in changed and len(set(changed)) == len(changed)
     write([0, 2])  # one label of the union of the clients' rows
-    assert stage.reference_key(params, 6400, 2, True, 512, 2) != key
+    assert reference_key(params, 6400, 2, True, 512, 2) != key
 
