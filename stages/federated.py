@@ -22,7 +22,9 @@ full-model size; the partition's label histograms; each client's plan or why it 
 federated_labels.csv` (per-client label counts), `reports/plots/federated_clients.csv` and the PNGs
 `reports/figures/federated_rounds.png` (metric vs round and vs bytes) and `reports/figures/federated_clients.png`
 (each client's measured time and memory against its plan); one MLflow run with the per-round metrics.
-With `federated.centralized_baseline`, the report's `centralized` is LoRA trained in one process on as many examples
+With `federated.budget_minutes`, the report's `budget` says how many of `num_rounds` fit (frugaltune/federated/
+budget.py: a client-round measured on this machine) and each run's `round_seconds` puts every round's predicted
+seconds beside what it took. With `federated.centralized_baseline`, the report's `centralized` is LoRA trained in one process on as many examples
 as the first run's clients trained on (the federation's LoRA and seed, the train stage's lr, batch and schedule; the
 same test split), and each run gets its `macro_f1_gap_to_centralized`.
 """
@@ -45,7 +47,7 @@ from datasets import load_from_disk
 
 from frugaltune import paths, tracking
 from frugaltune.config import Params, load_params
-from frugaltune.federated import centralized, federation, keys, plans, plots, results, rows
+from frugaltune.federated import budget, centralized, federation, keys, plans, plots, results, rows
 from frugaltune.io import read_json, write_json, write_text
 from frugaltune.models import load_tokenizer
 
@@ -108,18 +110,26 @@ def run(params: Params) -> dict:
                            for c in summary["clients"] for k, n in c["label_histogram"].items()]
             report["clients"][scheme] = plans.plan_clients(fp, summary, parts, paths.BASE_MODEL, len(labels),
                                                            max_length, seed, plans.machine_precision(params)[0])
+        # the rounds that fit federated.budget_minutes, from a client-round measured here; the federations are
+        # identified by the rounds they run, not by the budget that chose them
+        decision = report["budget"] = budget.decide(params, report["clients"], runs, labels, pad_token_id,
+                                                    plans.machine_precision(params), time.perf_counter() - began,
+                                                    DATA, paths.BASE_MODEL)
+        print(f"federated: budget: {decision['trade']}", flush=True)
+        ran = params.model_copy(update={"federated": fp.model_copy(update={"num_rounds": decision["rounds"],
+                                                                           "budget_minutes": None})})
         for scheme, method in runs:
             name = f"{method}_{scheme}"
-            print(f"federated: {name}: {fp.num_rounds} rounds over {fp.num_clients} clients", flush=True)
+            print(f"federated: {name}: {decision['rounds']} rounds over {fp.num_clients} clients", flush=True)
             run_began = time.perf_counter()
-            out = outs[name] = run_federation(params, scheme, method, report["clients"][scheme], labels,
-                                              pad_token_id)
+            out = outs[name] = run_federation(ran, scheme, method, report["clients"][scheme], labels, pad_token_id)
             summary, found = results.summarize(out, paths.BASE_MODEL)
             adapter = paths.FEDERATED_ADAPTERS / name
             results.export_adapter(out, params, labels, pad_token_id, adapter, template.template if template else None)
             summary["adapter_dir"] = str(adapter)
             summary["partition"], summary["method"] = scheme, method
             summary["wall_seconds"] = round(time.perf_counter() - run_began, 1)
+            summary["round_seconds"] = budget.beside_measured(decision.get("runs", {}).get(name, []), out)
             report["runs"][name] = summary
             clients += results.client_rows(name, out, report["clients"][scheme])
             for row in found:
@@ -137,7 +147,7 @@ def run(params: Params) -> dict:
                 summary["macro_f1_gap_to_centralized"] = round(central["final"]["macro_f1"]
                                                                - summary["final"]["macro_f1"], 4)
             mlflow.log_metrics({f"centralized.{k}": v for k, v in central["final"].items()})
-        report["wall_seconds"] = round(time.perf_counter() - began, 1)
+        report["wall_seconds"] = decision["measured_seconds"] = round(time.perf_counter() - began, 1)
         write_outputs(report, round_rows, label_rows, clients)
     print_summary(report)
     return report
@@ -172,6 +182,7 @@ def print_summary(report: dict) -> None:
         print(f"federated: centralized LoRA, {central['examples']} examples ({central['steps']} steps of "
               f"{central['batch_size']}): test macro-F1 {central['final']['macro_f1']:.4f} accuracy "
               f"{central['final']['accuracy']:.4f}")
+    print(f"federated: budget: {report['budget']['trade']}; measured {report['wall_seconds'] / 60:.1f} min")
     print(f"federated: {report['wall_seconds']:.0f} s in all; each run "
           + ", ".join(f"{name} {summary['wall_seconds']:.0f} s" for name, summary in report["runs"].items()))
 

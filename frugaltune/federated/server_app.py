@@ -254,7 +254,10 @@ def main(grid: Grid, context: Context) -> None:
         if momentum > 0:
             atomic_write(velocity_path(out, number),
                          lambda p: save_file({k: v.contiguous() for k, v in velocity.items()}, str(p)))
+        evaluating = time.perf_counter()
         report["evaluation"] = evaluate_global(model, tensors, test, settings)
+        # beside round_seconds (the clients'): what the budget's prediction of a round is compared with
+        report["evaluation_seconds"] = round(time.perf_counter() - evaluating, 3)
         atomic_write(round_path(out, number, "safetensors"), lambda p: save_file(tensors, str(p)))
         atomic_write(round_path(out, number, "json"), lambda p: p.write_text(json.dumps(report, indent=2)))
         evaluation = report["evaluation"]

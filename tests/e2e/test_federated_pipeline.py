@@ -143,6 +143,11 @@ def test_the_stage_runs_three_supernodes_for_two_rounds_sending_only_the_adapter
 
     run = report["runs"]["fedavg_iid"]
     assert run["rounds"] == 2 and run["failures"] == 0
+    # federated.budget_minutes (40 by default): a client-round measured here; both rounds fit, and each round's
+    # predicted seconds stand beside what it took
+    assert report["budget"]["rounds"] == 2 and report["budget"]["trade"].startswith("2 rounds asked, all fit in 40 min")
+    assert [r["round"] for r in run["round_seconds"]] == [1, 2]
+    assert all(r["predicted_seconds"] > 0 and r["measured_seconds"] > 0 for r in run["round_seconds"])
     # what this invocation took: the run (both of its starts) inside the stage's whole
     assert 0 < run["wall_seconds"] < report["wall_seconds"]
     assert set(run["final"]) == {"accuracy", "macro_f1", "loss"}
