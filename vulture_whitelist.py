@@ -9,6 +9,7 @@ __exit__ arguments, dataclass fields that are part of a record's schema (SWF col
 # ruff: noqa
 _.on_train_begin  # unused method (benchmarks/train_throughput.py:205)
 _.on_step_end  # unused method (benchmarks/train_throughput.py:208)
+control  # unused variable (benchmarks/train_throughput.py:135): transformers' TrainerCallback argument
 qlora  # unused variable (frugaltune/config.py:256)
 none  # unused variable (frugaltune/config.py:259)
 stage_timeout_s  # unused variable (frugaltune/config.py:469)

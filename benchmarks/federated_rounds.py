@@ -15,7 +15,6 @@ centralized LoRA on as many examples.
     python benchmarks/federated_rounds.py --seeds 1 2 --head classwise --ema 0.5   # label-aware head, global EMA
     python benchmarks/federated_rounds.py --seeds 1 2 --batch-size 4 --local-steps 32   # more steps, same examples
     python benchmarks/federated_rounds.py --seeds 1 2 --only-centralized --batch-size 4 --local-steps 32
-    python benchmarks/federated_rounds.py --seeds 42 1 2 --scaffold on        # SCAFFOLD's control variates
     .venv-flower/bin/python benchmarks/federated_rounds.py --dp-epsilon 10    # client DP's accuracy cost
 
 Run from the repository root after `make federated` (it reads data/federated/partitions_<scheme>/, the clients'
@@ -26,11 +25,11 @@ aggregation.server_momentum_step) but without Flower: clients run one after the 
 as the ServerApp samples them (the same positions in client-id order), with no per-client micro-batch. Its
 figures compare settings with each other (the first server lr and momentum given are the baseline). Prints the
 test macro-F1 after each round, and with --centralized the centralized baseline the stage computes (the stage's
-own `centralized_baseline`: one process, the whole training split, as many examples as the clients trained on, the
-federation's LoRA, the train stage's lr, head lr, batch and schedule), and the CPU, threads and precision.
-(--centralized, --only-centralized and their --centralized-* knobs stop with a message until that baseline is a
-library function: see the TODO(renovation) below.)
-Every flag left out takes its params.yaml `federated` value; --precision auto takes the plan's (frugaltune.resolve).
+own, frugaltune.federated.centralized.baseline: one process, the whole training split, as many examples as the
+clients trained on, the federation's LoRA, the train stage's lr, head lr, batch and schedule), and the CPU, threads
+and precision. Every flag left out takes its params.yaml `federated` value, read through the same typed settings the
+stage gives Flower (frugaltune.federated.settings.RunSettings, from federation.run_settings); --precision auto takes
+the plan's (frugaltune.resolve).
 --seeds runs the whole comparison once per seed (model and adapter initialisation, batch order, the clients sampled;
 the partitions stay the stage's, drawn with common.seed) and, with --centralized, prints each seed's gap and their
 mean and spread.
@@ -43,10 +42,8 @@ global adapters so far (B x previous + (1 - B) x this round's), a server-side sm
 examples; --centralized-lr, --centralized-head-lr and --centralized-batch-size change its recipe, e.g. `0.002 0.002 8`
 for the clients' settings it trained with until 2026-11-26; --only-centralized runs the baseline alone). --client-state
 kept lets each client continue AdamW's moments and step count from its previous round instead of starting a fresh
-optimizer every round (`federated.client_state`, train_locally's `optimizer_state`). --scaffold on corrects every
-local gradient by SCAFFOLD's control variates (local.ControlVariates; the server's c updated by
-aggregation.control_step over all clients; each client's c_i kept between its rounds), which doubles the bytes each
-way (c goes down beside the global, Δc_i up beside the update).
+optimizer every round (`federated.client_state`, train_locally's `optimizer_state`). SCAFFOLD's control variates,
+measured here and lost (docs/DECISIONS.md), were deleted; git history has them.
 """
 
 from __future__ import annotations
@@ -61,25 +58,10 @@ import torch
 
 from frugaltune import resolve
 from frugaltune.config import load_params
-from frugaltune.federated import aggregation, local, wire
+from frugaltune.federated import aggregation, federation, local, wire
+from frugaltune.federated.centralized import baseline as centralized_baseline
 from frugaltune.hardware import cpu_facts
 from frugaltune.models import load_tokenizer
-
-# TODO(renovation): the centralized baseline is only in the federated stage (stages/federated.py:
-# centralized_baseline), and benchmarks import no stage. It needs a library function that the stage and this
-# benchmark both call, e.g. frugaltune.federated.centralized.baseline(params, labels, pad_token_id, examples, seed,
-# precision) -> the same dict; then `centralized_baseline` below is that function and CENTRALIZED_MISSING goes.
-CENTRALIZED_MISSING = ("federated_rounds: --centralized and --only-centralized need the centralized baseline as a "
-                       "library function (only stages/federated.py has it, and benchmarks run no stage code "
-                       "in-process). The stage's own baseline: `dvc repro federated/dvc.yaml` with "
-                       "federated.centralized_baseline: true writes it to reports/federated.json (`centralized`).")
-
-
-def centralized_baseline(params, labels: list[str], pad_token_id: int, examples: int, seed: int,
-                         precision: tuple[bool, int]) -> dict:
-    """The stage's centralized reference (see the TODO above); not callable from a benchmark yet."""
-    raise SystemExit(CENTRALIZED_MISSING)
-
 
 def adaptive_step(global_tensors: dict, aggregated: dict, eta: float, state: dict, kind: str, beta1: float = 0.9,
                   beta2: float = 0.99, tau: float = 1e-3) -> tuple[dict, dict]:
@@ -160,34 +142,24 @@ def main() -> None:
                         help="skip the federations: the baseline alone, on the examples they would train on")
     parser.add_argument("--centralized-batch-size", type=int, default=None,
                         help="its batch (default: train.batch_size); its steps cover as many examples as theirs")
-    parser.add_argument("--scaffold", choices=["on", "off"], default="off",
-                        help="on: SCAFFOLD's control variates correct each client's local gradients")
     parser.add_argument("--logit-adjustment", choices=["on", "off", "params"], default="params",
                         help="clients add log(label prior) to the logits they train on (local.train_locally)")
     args = parser.parse_args()
-    if args.centralized or args.only_centralized:  # before any federation trains: it would fail at the end
-        raise SystemExit(CENTRALIZED_MISSING)
 
     params = load_params()
     fp = params.federated
-    lr = args.lr if args.lr is not None else fp.lr
-    local_steps = args.local_steps or fp.local_steps
-    rounds = args.rounds or fp.num_rounds
-    batch = args.batch_size or fp.batch_size
-    client_state = args.client_state or fp.client_state
-    server_lrs = args.server_lr or [fp.server_lr]
-    momenta = args.server_momentum if args.server_momentum is not None else [getattr(fp, "server_momentum", 0.0)]
-    servers = ([("sgd", s, m) for s in server_lrs for m in momenta]
-               if args.server_adam_lr is None or args.server_momentum is not None else [])
-    servers += [(args.server_opt, eta, 0.0) for eta in args.server_adam_lr or []]
-    mus = args.proximal_mu if args.proximal_mu is not None else [fp.proximal_mu]
-    schedule = args.lr_schedule or getattr(fp, "lr_schedule", "constant")
-    dtype = args.transmit_dtype or fp.transmit_dtype
-    epsilon = args.dp_epsilon if args.dp_epsilon is not None else (fp.dp.epsilon if fp.dp.enabled else 0.0)
-    if epsilon > 0:
-        from frugaltune.federated.privacy import privatize  # imports flwr
-    adjust = (getattr(fp, "logit_adjustment", False) if args.logit_adjustment == "params"
-              else args.logit_adjustment == "on")
+    # a flag left out keeps params.yaml's value; the overrides go through the params, then through the same
+    # typed settings the stage gives Flower (federation.run_settings), which this benchmark reads from
+    override = {key: value for key, value in (
+        ("lr", args.lr), ("local_steps", args.local_steps), ("num_rounds", args.rounds), ("batch_size", args.batch_size),
+        ("fraction", args.fraction), ("client_state", args.client_state), ("lr_schedule", args.lr_schedule),
+        ("transmit_dtype", args.transmit_dtype)) if value is not None}
+    if args.logit_adjustment != "params":
+        override["logit_adjustment"] = args.logit_adjustment == "on"
+    if args.dp_epsilon is not None:
+        override["dp"] = fp.dp.model_copy(update={"enabled": args.dp_epsilon > 0,
+                                                  "epsilon": args.dp_epsilon or fp.dp.epsilon})
+    params = params.model_copy(update={"federated": fp.model_copy(update=override)})
     decided = resolve.machine(args.precision, plan=resolve.read_plan())  # the plan's, as the stage's clients
     bf16, eager = bool(decided["bf16"]), int(decided["eager_attention_max_len"])
     labels = json.loads(Path("data/splits/labels.json").read_text())["labels"]
@@ -195,12 +167,23 @@ def main() -> None:
                     if plan["fits"]), key=lambda plan: plan["client"])
     pad = json.loads(Path("models/base/config.json").read_text()).get("pad_token_id")
     pad = pad if pad is not None else load_tokenizer("models/base").pad_token_id
-    spec = local.LoraSpec(fp.lora.r, fp.lora.alpha, fp.lora.dropout, tuple(fp.lora.target_modules))
+    settings = federation.run_settings(params, args.method, Path("checkpoints/federated/benchmark"), plans, labels,
+                                       pad, (bf16, eager))
+    lr, local_steps, rounds, batch = settings.lr, settings.local_steps, settings.num_rounds, settings.batch_size
+    client_state, schedule, dtype = settings.client_state, settings.lr_schedule, settings.transmit_dtype
+    epsilon, adjust, spec = settings.dp_epsilon, settings.logit_adjustment, settings.lora()
+    server_lrs = args.server_lr or [settings.server_lr]
+    momenta = args.server_momentum if args.server_momentum is not None else [settings.server_momentum]
+    servers = ([("sgd", s, m) for s in server_lrs for m in momenta]
+               if args.server_adam_lr is None or args.server_momentum is not None else [])
+    servers += [(args.server_opt, eta, 0.0) for eta in args.server_adam_lr or []]
+    mus = args.proximal_mu if args.proximal_mu is not None else [settings.proximal_mu]
+    if epsilon > 0:
+        from frugaltune.federated.privacy import privatize  # imports flwr
     test = local.read_examples("data/federated/test.parquet")
     data = {plan["client"]: local.read_examples(f"data/federated/partitions_{args.scheme}/client_{plan['client']}"
                                                 ".parquet") for plan in plans}
-    fraction = args.fraction if args.fraction is not None else fp.fraction
-    per_round = max(fp.min_completed, math.ceil(fraction * len(plans)))
+    per_round = max(settings.min_completed, math.ceil(settings.fraction * len(plans)))
     ids = {index: plan["client"] for index, plan in enumerate(plans)}  # plans are in client-id order
     print(f"{cpu_facts()['model']}, {torch.get_num_threads()} threads, {'bf16' if bf16 else 'fp32'}; "
           f"{args.scheme}/{args.method}, {rounds} rounds, {per_round} of {len(plans)} clients x {local_steps} "
@@ -220,14 +203,11 @@ def main() -> None:
                        else f"{optimizer} server_lr {server_lr:g}")
             setting += (f", FedProx mu {mu:g}" if mu else "") + (", classwise head" if args.head == "classwise" else "")
             setting += ", client AdamW state kept" if client_state == "kept" else ""
-            setting += ", SCAFFOLD" if args.scaffold == "on" else ""
             began, tensors, curve, steps, velocity = time.perf_counter(), dict(start), [], 0, None
-            control, client_controls = local.zero_like(start), {}  # SCAFFOLD's c and each client's c_i
             ema, ema_curve, moments = None, [], {}
             for number in range(1, rounds + 1):
                 sampled = aggregation.sample_clients(range(len(plans)), ids, per_round, seed, number)  # the ServerApp's
-                updates, round_lr = [], aggregation.round_lr(lr, number, rounds, schedule)
-                counts, control_deltas = [], []
+                updates, round_lr, counts = [], settings.round_lr(number), []
                 tensors = wire.round_trip(tensors, dtype) if dtype != "fp32" else tensors  # what the clients receive
                 for index in sampled:
                     plan = plans[index]
@@ -240,34 +220,20 @@ def main() -> None:
                         if aggregation.is_lora_a(name):
                             param.requires_grad_(args.method != "ffa")
                     input_ids, targets = data[plan["client"]]
-                    variates = None
-                    if args.scaffold == "on":
-                        names = [name for name, param in model.named_parameters() if param.requires_grad]
-                        mine = aggregation.slice_to_rank(control, plan["lora_rank"])
-                        mine = {name: mine[name] for name in names}
-                        variates = local.ControlVariates(mine, client_controls.get(plan["client"])
-                                                         or local.zero_like(mine))
                     result = local.train_locally(model, input_ids, targets, pad, steps=local_steps, lr=round_lr,
                                                  batch_size=batch, micro_batch_size=None,
                                                  seed=seed * 1000 + number, bf16=bf16, eager_attention_max_len=eager,
                                                  logit_adjustment=adjust, proximal_mu=mu,
                                                  optimizer_state=moments.setdefault(plan["client"], {})
-                                                 if client_state == "kept" else None, control=variates)
+                                                 if client_state == "kept" else None)
                     steps += result.steps
-                    if variates is not None:
-                        renewed = variates.updated()
-                        control_deltas.append(aggregation.pad_to_rank(
-                            {name: renewed[name] - variates.client[name] for name in renewed}, fp.lora.r))
-                        client_controls[plan["client"]] = renewed
                     trained = local.trainable_tensors(model)  # under FFA: B + head only
                     if epsilon > 0:
                         trained, _ = privatize(trained, aggregation.slice_to_rank(tensors, plan["lora_rank"]),
-                                               fp.dp.clipping_norm, epsilon, fp.dp.delta)
+                                               settings.dp_clip, epsilon, settings.dp_delta)
                     updates.append((wire.round_trip(trained, dtype) if dtype != "fp32" else trained, len(targets)))
                     counts.append(torch.bincount(torch.tensor(targets), minlength=len(labels)).tolist())
                 mean = aggregation.aggregate(tensors, updates, args.method)
-                if control_deltas:
-                    control = aggregation.control_step(control, control_deltas, len(plans))
                 if args.head == "classwise":
                     mean = classwise_head(mean, updates, counts)
                 if optimizer == "sgd":

@@ -552,7 +552,11 @@ class FederatedParams(Section):
                                        "training split) on as many examples as the first run's clients trained on, "
                                        "with the same LoRA, lr, batch and seed, on the same test split: the "
                                        "reference for each run's macro-F1 gap.")
-    num_rounds: int = Field(3, ge=1, description="Federated rounds.")
+    num_rounds: int = Field(3, ge=1, description="Federated rounds asked (`budget_minutes` may run fewer).")
+    budget_minutes: float | None = Field(
+        40, gt=0, description="Wall time the whole stage may take: the plan measures a client-round on this machine "
+        "and runs as many of `num_rounds` as fit, the report saying what was traded "
+        "(frugaltune/federated/budget.py). null = every round asked, however long.")
     fraction: float = Field(0.5, gt=0, le=1, description="Share of the connected clients sampled each round.")
     min_completed: int = Field(2, ge=1, description="Completion floor: a round counts when at least this many "
                                "sampled clients reply; failed or late clients are left out of its average.")

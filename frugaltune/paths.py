@@ -100,6 +100,12 @@ def compare_run(method: str) -> RunOutputs:
                       COMPARE_DIR / f"{method}_evaluate.json", PLOTS / "compare" / f"{method}_confusion.csv")
 
 
+# federated (federated/dvc.yaml): the clients' partitions and the server's test split, each run's rounds (outside the
+# outs, which dvc deletes: a killed federation resumes from them) and each run's final adapter
+FEDERATED_DATA = Path("data/federated")
+FEDERATED_CHECKPOINTS = CHECKPOINTS_DIR / "federated"
+FEDERATED_ADAPTERS = MODELS / "federated"  # models/federated/<method>_<partition>/, served like models/adapter
+
 # tracking (overridable by MLFLOW_TRACKING_URI)
 MLFLOW_DB = Path("mlflow.db")
 MLFLOW_ARTIFACTS = Path("mlartifacts")

@@ -26,7 +26,7 @@ from frugaltune.io import write_json
 from frugaltune import registry as register
 
 REPORT = paths.report("federated_register")
-EVAL_SPLIT = "test"  # the split the ServerApp evaluates the global adapter on (stages/federated.py)
+EVAL_SPLIT = "test"  # the split the ServerApp evaluates the global adapter on (frugaltune/federated/server_app.py)
 
 
 def choose_run(report: dict, partition: str, metric: str, higher_is_better: bool) -> tuple[str, dict]:

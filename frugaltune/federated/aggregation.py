@@ -153,26 +153,6 @@ def server_momentum_step(global_tensors: Tensors, aggregated: Tensors, server_lr
     return new, moved
 
 
-def control_step(control: Tensors, deltas: Sequence[Tensors], num_clients: int) -> dict[str, torch.Tensor]:
-    """SCAFFOLD's server update of its control variate (Karimireddy et al., 2020, Algorithm 1): c + Σ_i Δc_i / N
-    over the sampled clients' Δc_i = c_i(new) - c_i(old), N being every client of the federation (sampled or not), so
-    c stays the mean of all clients' c_i. Each Δc_i comes padded to the global rank (`pad_to_rank`): a client of a
-    smaller rank has no variate for the rows or columns it does not train, and adds nothing there. A tensor no
-    client sent (FFA's frozen A) keeps its c."""
-    if num_clients < 1:
-        raise ValueError(f"SCAFFOLD: the federation has {num_clients} clients")
-    out = {name: tensor.float().clone() for name, tensor in control.items()}
-    for delta in deltas:
-        for name, tensor in delta.items():
-            if name not in out:
-                raise KeyError(f"SCAFFOLD: a client sent a control variate for {name}, which the server's c lacks")
-            if tensor.shape != out[name].shape:
-                raise ValueError(f"SCAFFOLD: {name}: a client's control delta {tuple(tensor.shape)} vs the server's "
-                                 f"{tuple(out[name].shape)}; pad it to the global rank first (pad_to_rank)")
-            out[name] += tensor.float() / num_clients
-    return out
-
-
 def sample_clients(nodes: Sequence[int], client_ids: Mapping[int, int | None], count: int, seed: int,
                    number: int) -> list[int]:
     """Round `number`'s sample of `count` nodes, drawn from the nodes ordered by client id (then, for nodes without

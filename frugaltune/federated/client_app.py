@@ -11,7 +11,8 @@ they never leave it), optionally `model-dir` (its copy of the base model; defaul
 budget may lower; default the run's), `threads`, `precision` (fp32 | bf16:
 what this machine measured faster; default fp32), `eager-attention-max-len` (its plan) and `state-dir` (where it
 keeps its optimizer's moments between rounds when the run's `client-state` is `kept`; without it the client starts
-each round fresh and says so in its metrics).
+each round fresh and says so in its metrics). These keys are settings.NodeSettings; a round's settings arrive with
+its message as settings.RoundSettings.
 
 In Flower's Simulation Engine (the `federated` stage's default on one machine) a virtual node's config is only its
 `partition-id`; the same keys then come from the run config's `simulation-nodes` (a JSON list, one entry per
@@ -44,6 +45,7 @@ from flwr.clientapp import ClientApp
 from frugaltune import allocator
 from frugaltune.federated import aggregation, local, rounds, secure, wire
 from frugaltune.federated.privacy import privatize
+from frugaltune.federated.settings import NodeSettings, RoundSettings, RunSettings
 from frugaltune.training.loop import peak_rss_mb
 
 # SecAgg+'s protocol messages go through Flower's secaggplus_mod; the others straight to `train`
@@ -64,20 +66,15 @@ def from_record(record: ArrayRecord) -> dict[str, torch.Tensor]:
     return {name: wire.decode(array.numpy()) for name, array in record.items()}
 
 
-def lora_spec(config) -> local.LoraSpec:
-    return local.LoraSpec(int(config["lora-r"]), int(config["lora-alpha"]), float(config["lora-dropout"]),
-                          tuple(json.loads(str(config["lora-target-modules"]))))
-
-
 # (model-dir, labels, pad id, seed, LoRA spec, rank) -> (model, names of its trainable tensors); at most 2 entries
 _MODELS: dict[tuple, tuple[torch.nn.Module, list[str]]] = {}
 
 
-def node_settings(context: Context) -> dict:
+def node_settings(context: Context) -> NodeSettings:
     """This node's settings: its --node-config in a deployment; under the Simulation Engine, the entry for its
     `partition-id` in the run config's `simulation-nodes` file (the node config wins where both have a key)."""
     node = dict(context.node_config)
-    listing = str(context.run_config.get("simulation-nodes", ""))
+    listing = RunSettings.from_flower(context.run_config).simulation_nodes
     if "data" not in node and "partition-id" in node and listing:
         entries = json.loads(Path(listing).read_text())
         index = int(node["partition-id"])
@@ -85,7 +82,7 @@ def node_settings(context: Context) -> dict:
             raise ValueError(f"simulation node {index}: {listing} lists {len(entries)} nodes; start the simulation "
                              f"with num-supernodes = {len(entries)}")
         node = {**entries[index], **node}
-    return node
+    return NodeSettings.from_flower(node)
 
 
 def cached_model(model_dir: str, labels: list[str], pad_token_id: int, seed: int, spec: local.LoraSpec,
@@ -114,7 +111,7 @@ def identify(msg: Message, context: Context) -> Message:
     Flower draws node ids at random each time a SuperNode starts: sampled by node id, two runs of the same
     federation trained different clients in each round. Builds no model (a deployment pays one process start)."""
     node = node_settings(context)
-    key = node.get("client-id", node.get("partition-id"))
+    key = node.client_id if node.client_id is not None else node.partition_id
     return Message(RecordDict({"metrics": MetricRecord({} if key is None else {"client-id": int(key)})}),
                    reply_to=msg)
 
@@ -129,25 +126,24 @@ def train(msg: Message, context: Context) -> Message:
     else:
         config, incoming = msg.content["config"], msg.content["arrays"]
         received, bytes_down = from_record(incoming), record_bytes(incoming)
-    torch.set_num_threads(int(node.get("threads", 1)))
-    spec = lora_spec(config)
-    rank = int(node.get("lora-rank", spec.r))
-    labels = json.loads(str(config["labels"]))
-    pad_token_id = int(config["pad-token-id"])
-    if "data" not in node:
+    settings = RoundSettings.from_flower(config)
+    torch.set_num_threads(node.threads)
+    spec = settings.lora()
+    rank = node.lora_rank or spec.r
+    if node.data is None:
         raise ValueError("this SuperNode has no `data` in its --node-config: start it with "
                          "--node-config \"data='path/to/client.parquet'\"")
-    input_ids, targets = local.read_examples(str(node["data"]))
+    input_ids, targets = local.read_examples(node.data)
 
-    bf16 = str(node.get("precision", "fp32")) == "bf16"
-    model, reused = cached_model(str(node.get("model-dir", config["model-dir"])), labels, pad_token_id,
-                                 int(config["seed"]), spec, rank, bf16)
+    bf16 = node.precision == "bf16"
+    model, reused = cached_model(node.model_dir or settings.model_dir, list(settings.labels), settings.pad_token_id,
+                                 settings.seed, spec, rank, bf16)
     local.load_tensors(model, aggregation.slice_to_rank(received, rank))
-    if str(config["method"]) == "ffa":
+    if settings.method == "ffa":
         local.freeze_lora_a(model)
-    number = int(config["round"])
-    state_dir = Path(str(node["state-dir"])) if "state-dir" in node else None
-    kept = str(config.get("client-state", "fresh")) == "kept" and state_dir is not None
+    number = settings.round
+    state_dir = Path(node.state_dir) if node.state_dir is not None else None
+    kept = settings.client_state == "kept" and state_dir is not None
     moments: dict | None = None
     resumed = False
     if kept:  # AdamW's moments from this client's last round, continued (federated.client_state: kept)
@@ -155,13 +151,11 @@ def train(msg: Message, context: Context) -> Message:
         moments = torch.load(previous, weights_only=True) if previous else {}
         resumed = bool(moments)
     result = local.train_locally(
-        model, input_ids, targets, pad_token_id, steps=int(node.get("local-steps", config["local-steps"])),
-        lr=float(config["lr"]),
-        batch_size=int(config["batch-size"]), micro_batch_size=int(node["micro-batch"]) if "micro-batch" in node
-        else None, seed=int(config["seed"]) * 1000 + int(config["round"]),
-        proximal_mu=float(config.get("proximal-mu", 0.0)), bf16=bf16,
-        eager_attention_max_len=int(node.get("eager-attention-max-len", 0)),
-        logit_adjustment=bool(config.get("logit-adjustment", False)), optimizer_state=moments)
+        model, input_ids, targets, settings.pad_token_id, steps=node.local_steps or settings.local_steps,
+        lr=settings.lr, batch_size=settings.batch_size, micro_batch_size=node.micro_batch,
+        seed=settings.seed * 1000 + number, proximal_mu=settings.proximal_mu, bf16=bf16,
+        eager_attention_max_len=node.eager_attention_max_len, logit_adjustment=settings.logit_adjustment,
+        optimizer_state=moments)
     if kept:
         state_dir.mkdir(parents=True, exist_ok=True)
         saved = rounds.client_state_path(state_dir, number)
@@ -169,9 +163,9 @@ def train(msg: Message, context: Context) -> Message:
         saved.with_suffix(".tmp").replace(saved)  # whole or absent: a killed client leaves no half state
         rounds.prune_client_states(state_dir, number)
     trained, privacy = local.trainable_tensors(model), {}
-    if float(config.get("dp-epsilon", 0)) > 0:  # federated.dp: clip + noise the update before it leaves
-        trained, privacy = privatize(trained, aggregation.slice_to_rank(received, rank), float(config["dp-clip"]),
-                                     float(config["dp-epsilon"]), float(config["dp-delta"]))
+    if settings.dp_epsilon > 0:  # federated.dp: clip + noise the update before it leaves
+        trained, privacy = privatize(trained, aggregation.slice_to_rank(received, rank), settings.dp_clip,
+                                     settings.dp_epsilon, settings.dp_delta)
     metrics = {**privacy,
         "num-examples": len(targets), "train-loss": float(result.final_loss), "steps": result.steps,
         "bytes-down": bytes_down, "lora-rank": rank, "model-reused": int(reused),
@@ -180,9 +174,9 @@ def train(msg: Message, context: Context) -> Message:
         # which malloc this client trained on (its time and memory depend on it; the launcher sets it)
         "mimalloc": int(allocator.active() == "mimalloc"),
         # which client of the stage's plan this is (node ids are Flower's own), for the plan-vs-measured report
-        **({"client-id": int(node["client-id"])} if "client-id" in node else {})}
+        **({"client-id": node.client_id} if node.client_id is not None else {})}
     if legacy:  # zero-padded to the global rank: SecAgg+ sums vectors of one shape
         return secure.fitres_reply(msg, aggregation.pad_to_rank(trained, spec.r), config, len(targets), metrics)
-    outgoing = to_record(trained, str(config.get("transmit-dtype", "fp32")))
+    outgoing = to_record(trained, settings.transmit_dtype)
     metrics["bytes-up"] = record_bytes(outgoing)
     return Message(RecordDict({"arrays": outgoing, "metrics": MetricRecord(metrics)}), reply_to=msg)

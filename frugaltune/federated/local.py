@@ -7,7 +7,7 @@ training itself is `frugaltune.training.loop.train_classifier`, the same loop th
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -95,59 +95,6 @@ def proximal_term(model: torch.nn.Module, mu: float):
     return term
 
 
-@dataclass
-class ControlVariates:
-    """SCAFFOLD's control variates for one client's round (Karimireddy et al., 2020): every local step's gradient
-    g_i(w) becomes g_i(w) - c_i + c, where c is the server's estimate of the gradient of all clients' loss and c_i
-    this client's own (both cut to the client's rank; zeros before a client's first round). A client whose data
-    pulls one way then steps along the federation's direction instead, which is what FedAvg's averaging cannot undo
-    after the fact (client drift under label skew).
-
-    `train_locally` adds the correction inside the project's loop through its regularizer hook, and records each
-    step's raw task gradient (before the correction) into `gradient_sum`; `updated()` is then this round's c_i: the
-    mean gradient along the client's trajectory (the paper's option I evaluated where the client went rather than
-    at the global point, which costs no extra pass). The client sends `updated() - client` up; the server adds
-    their sum over the sampled clients / all clients to c."""
-    server: dict[str, torch.Tensor]
-    client: dict[str, torch.Tensor]
-    gradient_sum: dict[str, torch.Tensor] = field(default_factory=dict)
-    steps: int = 0
-
-    def updated(self) -> dict[str, torch.Tensor]:
-        if not self.steps:
-            raise ValueError("SCAFFOLD: no local step recorded a gradient, so the client has no new control variate")
-        return {name: total / self.steps for name, total in self.gradient_sum.items()}
-
-
-def zero_like(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Zeros of the trainable tensors' shapes in fp32: a control variate before any round."""
-    return {name: torch.zeros(tensor.shape, dtype=torch.float32) for name, tensor in tensors.items()}
-
-
-def control_variate_term(model: torch.nn.Module, control: ControlVariates):
-    """The regularizer that applies SCAFFOLD's correction: called once per optimizer step after the step's backward
-    (frugaltune.training.loop), it first adds the task gradient now in `.grad` to the control's running sum, then
-    returns <c - c_i, w>, whose gradient is exactly c - c_i."""
-    named = [(name, param) for name, param in model.named_parameters() if param.requires_grad]
-    missing = [name for name, _ in named if name not in control.server or name not in control.client]
-    if missing:
-        raise KeyError(f"SCAFFOLD: no control variate for {missing[0]} ({len(missing)} trainable tensors lack one); "
-                       "the server's c and the client's c_i must carry every tensor the client trains")
-    corrections = [(param, (control.server[name] - control.client[name]).to(param.device, param.dtype))
-                   for name, param in named]
-
-    def term() -> torch.Tensor:
-        for name, param in named:
-            # a copy: .float()/.cpu() of an fp32 CPU gradient are the gradient itself, which the correction's
-            # backward then adds to in place
-            grad = (param.grad.detach().float().cpu().clone() if param.grad is not None
-                    else torch.zeros(param.shape))
-            control.gradient_sum[name] = control.gradient_sum[name] + grad if name in control.gradient_sum else grad
-        control.steps += 1
-        return sum((param * correction).sum() for param, correction in corrections)
-    return term
-
-
 def label_log_prior(labels: list[int], num_labels: int) -> torch.Tensor:
     """log of this client's label frequencies, add-one smoothed (a label it never saw gets a small prior, not
     log 0)."""
@@ -167,8 +114,7 @@ def train_locally(model: torch.nn.Module, input_ids: list[list[int]], labels: li
                   steps: int, lr: float, batch_size: int, micro_batch_size: int | None, seed: int,
                   proximal_mu: float = 0.0, bf16: bool = False, eager_attention_max_len: int = 0,
                   logit_adjustment: bool = False, scheduler: str = "constant",
-                  warmup_ratio: float = 0.0, optimizer_state: dict | None = None,
-                  control: ControlVariates | None = None) -> TrainResult:
+                  warmup_ratio: float = 0.0, optimizer_state: dict | None = None) -> TrainResult:
     """`steps` optimizer steps of the project's loop on this client's examples (no checkpoints: a round is short and
     the server keeps every completed round); `proximal_mu` > 0 adds FedProx's proximal term to the loss. `bf16` and
     `eager_attention_max_len` are what the plan measured faster on the machine (the train stage's switches).
@@ -184,17 +130,11 @@ def train_locally(model: torch.nn.Module, input_ids: list[list[int]], labels: li
     schedule (`scheduler`, `warmup_ratio`).
 
     `optimizer_state`: AdamW's moments from this client's previous round, continued instead of restarted, and
-    replaced by this round's on return (`federated.client_state: kept`; train_classifier says how).
-
-    `control`: SCAFFOLD's control variates (ControlVariates): each step's gradient is corrected by c - c_i, and the
-    step's raw gradients are summed into `control` for the client's next c_i."""
+    replaced by this round's on return (`federated.client_state: kept`; train_classifier says how)."""
     cfg = LoopConfig(lr=lr, max_steps=steps, batch_size=batch_size, micro_batch_size=micro_batch_size, seed=seed,
                      warmup_ratio=warmup_ratio, scheduler=scheduler, log_every=max(1, steps), checkpoint_dir=None,
                      bf16=bf16, eager_attention_max_len=eager_attention_max_len)
-    terms = ([proximal_term(model, proximal_mu)] if proximal_mu > 0 else []) + (
-        [control_variate_term(model, control)] if control is not None else [])
-    # every term is evaluated before the sum's backward, so the control term reads the task gradient alone
-    regularizer = (lambda: sum(term() for term in terms)) if terms else None
+    regularizer = proximal_term(model, proximal_mu) if proximal_mu > 0 else None
     hook = None
     if logit_adjustment:
         head = head_module(model)

@@ -5,7 +5,8 @@ Run by a SuperLink (the Flower venv) when the app is submitted, never directly:
     .venv-flower/bin/flwr run frugaltune/federated/flower_app <connection> --stream \
         --run-config "out-dir='checkpoints/federated/run' model-dir='models/base' ..."
 with PYTHONPATH at the project root (the `federated` stage and tests/e2e/test_federated_pipeline.py do this; README
-"Federated fine-tuning" shows it by hand). The keys are those of frugaltune/federated/flower_app/pyproject.toml.
+"Federated fine-tuning" shows it by hand). The run config is read once, as settings.RunSettings (its keys are those
+of frugaltune/federated/flower_app/pyproject.toml).
 
 On disk, in `out-dir`: `config.json` (what the rounds were computed with) and the rounds as
 frugaltune/federated/rounds.py lays them out (`rounds/round_NNN.safetensors` + `.json`, 000 = the seeded start;
@@ -35,8 +36,9 @@ from flwr.serverapp import Grid, ServerApp
 from safetensors.torch import load_file, save_file
 
 from frugaltune.federated import aggregation, local, wire
+from frugaltune.federated.client_app import from_record, record_bytes, to_record
 from frugaltune.federated.rounds import last_completed_round, round_path, velocity_path
-from frugaltune.federated.client_app import from_record, lora_spec, record_bytes, to_record
+from frugaltune.federated.settings import RunSettings
 
 app = ServerApp()
 
@@ -61,17 +63,20 @@ def atomic_write(path: Path, write) -> None:
 DEFAULTS = {"server-momentum": 0.0, "lr-schedule": "constant", "client-state": "fresh"}
 
 
-def identity(config: dict) -> dict:
-    """The settings a run's rounds depend on. Keys older runs did not have take their defaults, so a federation
-    started before them resumes. A decaying lr depends on the number of rounds too."""
-    found = {key: config.get(key, DEFAULTS.get(key)) for key in RESULT_KEYS}
-    if str(found["lr-schedule"]) != "constant":
-        found["num-rounds"] = config["num-rounds"]
+def identity(settings: RunSettings) -> dict:
+    """The settings a run's rounds depend on, under their Flower keys (as config.json keeps them). A decaying lr
+    depends on the number of rounds too."""
+    config = settings.to_flower()
+    found = {key: config[key] for key in RESULT_KEYS}
+    if settings.lr_schedule != "constant":
+        found["num-rounds"] = settings.num_rounds
     return found
 
 
-def check_config(out: Path, config: dict) -> None:
-    identity_now = identity(config)
+def check_config(out: Path, settings: RunSettings) -> None:
+    """Refuse to continue rounds computed with other settings. Keys older runs did not store take their defaults,
+    so a federation started before them resumes."""
+    identity_now = identity(settings)
     stored = out / "config.json"
     if stored.exists():
         previous = json.loads(stored.read_text())
@@ -126,42 +131,31 @@ def identify(grid: Grid, nodes: list[int], client_ids: dict[int, int | None], ti
         client_ids.setdefault(node, None)
 
 
-def client_config(config: dict, round_number: int) -> ConfigRecord:
-    keys = ("method", "lora-r", "lora-alpha", "lora-dropout", "lora-target-modules", "local-steps", "lr",
-            "batch-size", "seed", "labels", "pad-token-id", "model-dir", "dp-epsilon", "dp-delta", "dp-clip",
-            "proximal-mu", "transmit-dtype", "logit-adjustment")
-    # the round's lr: the decay of centralized training across rounds, or the constant `lr`
-    lr = aggregation.round_lr(float(config["lr"]), round_number, int(config["num-rounds"]),
-                              str(config.get("lr-schedule", "constant")))
-    return ConfigRecord({**{key: config[key] for key in keys}, "lr": lr, "round": round_number,
-                         "client-state": str(config.get("client-state", DEFAULTS["client-state"]))})
+def client_config(settings: RunSettings, round_number: int) -> ConfigRecord:
+    """What a client gets with round `round_number` (settings.RoundSettings): the round's lr among the rest."""
+    return ConfigRecord(settings.for_round(round_number).to_flower())
 
 
-def evaluates_in_bf16(config: dict) -> bool:
-    """The server's evaluation model is built and run in the precision the run config names (fp32 | bf16)."""
-    return str(config.get("precision", "fp32")) == "bf16"
-
-
-def evaluate_global(model, tensors, test, labels, config) -> dict:
+def evaluate_global(model, tensors, test, settings: RunSettings) -> dict:
     local.load_tensors(model, tensors)
-    return local.evaluate(model, test[0], test[1], labels, int(config["pad-token-id"]),
-                          int(config.get("eval-batch-size", 32)), bf16=evaluates_in_bf16(config))
+    return local.evaluate(model, test[0], test[1], list(settings.labels), settings.pad_token_id,
+                          settings.eval_batch_size, bf16=settings.precision == "bf16")
 
 
-def run_secure_round(grid: Grid, context: Context, config: dict, number: int, tensors: dict[str, torch.Tensor],
-                     sampled: list[int], dtype: str) -> tuple[dict, dict]:
+def run_secure_round(grid: Grid, context: Context, settings: RunSettings, number: int,
+                     tensors: dict[str, torch.Tensor], sampled: list[int]) -> tuple[dict, dict]:
     """One round under SecAgg+ (frugaltune/federated/secure.py): the server gets the weighted mean of the padded
     updates and never one client's tensors, so FedAvg's product_error (which needs them) is not reported."""
     from frugaltune.federated import secure
 
-    method, floor = str(config["method"]), int(config["min-completed"])
+    method, floor = settings.method, settings.min_completed
     if len(sampled) < 2:
         raise CompletionFloorError(f"round {number}: SecAgg+ needs at least 2 sampled clients, {len(sampled)} were: "
                                    "raise federated.fraction or connect more SuperNodes.")
     upload = [name for name in sorted(tensors) if not (method == "ffa" and aggregation.is_lora_a(name))]
     started = time.perf_counter()
-    result = secure.secure_round(grid, context, sampled, number, tensors, dict(client_config(config, number)),
-                                 upload, dtype, float(config["round-timeout"]), float(config["secure-max-weight"]))
+    result = secure.secure_round(grid, context, sampled, number, tensors, dict(client_config(settings, number)),
+                                 upload, settings.transmit_dtype, settings.round_timeout, settings.secure_max_weight)
     reported = {client["node"] for client in result["clients"]}
     failures = [{"node": node, "reason": "no masked update within the round (failed, late or dropped)"}
                 for node in sampled if node not in reported]
@@ -177,25 +171,25 @@ def run_secure_round(grid: Grid, context: Context, config: dict, number: int, te
                  "round_seconds": round(time.perf_counter() - started, 3)}
 
 
-def run_round(grid: Grid, config: dict, number: int, tensors: dict[str, torch.Tensor],
+def run_round(grid: Grid, settings: RunSettings, number: int, tensors: dict[str, torch.Tensor],
               context: Context | None = None, client_ids: dict[int, int | None] | None = None) -> tuple[dict, dict]:
     """One round: the clients' aggregated adapter (before the server's step, `server_step`) and the round's
     client report. `client_ids`: node -> client id, kept across rounds (asked of new nodes here)."""
-    nodes = wait_for_nodes(grid, int(config["min-clients"]), float(config["node-timeout"]))
+    nodes = wait_for_nodes(grid, settings.min_clients, settings.node_timeout)
     client_ids = {} if client_ids is None else client_ids
-    identify(grid, nodes, client_ids, float(config["round-timeout"]))
-    wanted = max(int(config["min-completed"]), math.ceil(float(config["fraction"]) * len(nodes)))
-    sampled = aggregation.sample_clients(nodes, client_ids, wanted, int(config["seed"]), number)
-    dtype = str(config.get("transmit-dtype", "fp32"))
+    identify(grid, nodes, client_ids, settings.round_timeout)
+    wanted = max(settings.min_completed, math.ceil(settings.fraction * len(nodes)))
+    sampled = aggregation.sample_clients(nodes, client_ids, wanted, settings.seed, number)
+    dtype = settings.transmit_dtype
     # bf16 on the wire: the server's global becomes what the clients receive, so FFA's shared A is exactly theirs
     tensors = wire.round_trip(tensors, dtype) if dtype != "fp32" else tensors
-    if bool(config.get("secure-aggregation", False)):
-        return run_secure_round(grid, context, config, number, tensors, sampled, dtype)
+    if settings.secure_aggregation:
+        return run_secure_round(grid, context, settings, number, tensors, sampled)
     down = to_record(tensors, dtype)
-    messages = [Message(RecordDict({"arrays": down, "config": client_config(config, number)}), node,
+    messages = [Message(RecordDict({"arrays": down, "config": client_config(settings, number)}), node,
                         MessageType.TRAIN, group_id=str(number)) for node in sampled]
     started = time.perf_counter()
-    replies = list(grid.send_and_receive(messages, timeout=float(config["round-timeout"])))
+    replies = list(grid.send_and_receive(messages, timeout=settings.round_timeout))
     updates, clients, failures = [], [], []
     answered = set()
     sent = sent_to(messages)
@@ -208,67 +202,68 @@ def run_round(grid: Grid, config: dict, number: int, tensors: dict[str, torch.Te
         metrics = dict(reply.content["metrics"])
         updates.append((from_record(reply.content["arrays"]), int(metrics["num-examples"])))
         clients.append({"node": node, **metrics})
-    failures += [{"node": node, "reason": f"no reply within {config['round-timeout']}s"}
+    failures += [{"node": node, "reason": f"no reply within {settings.round_timeout}s"}
                  for node in sampled if node not in answered]
-    floor = int(config["min-completed"])
+    floor = settings.min_completed
     if len(updates) < floor:
         raise CompletionFloorError(
             f"round {number}: {len(updates)} of {len(sampled)} clients completed, below federated.min_completed "
             f"{floor} ({'; '.join(f['reason'] for f in failures)}). The last completed round is kept: rerun to "
             "resume from it.")
-    mean = aggregation.aggregate(tensors, updates, str(config["method"]))
+    mean = aggregation.aggregate(tensors, updates, settings.method)
     report = {"round": number, "sampled": len(sampled), "completed": len(updates), "failures": failures,
               "clients": clients, "bytes_down_per_client": record_bytes(down),
               "round_seconds": round(time.perf_counter() - started, 3)}
-    if str(config["method"]) == "fedavg":  # how far the averaged factors are from the averaged products
+    if settings.method == "fedavg":  # how far the averaged factors are from the averaged products
         report["product_error"] = round(aggregation.product_error(mean, updates), 6)
     return mean, report
 
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    config = dict(context.run_config)
-    out = Path(str(config["out-dir"]))
-    check_config(out, config)
-    torch.set_num_threads(int(config.get("threads", 1)))
-    labels = json.loads(str(config["labels"]))
-    model = local.build_model(str(config["model-dir"]), labels, int(config["pad-token-id"]), int(config["seed"]),
-                              lora_spec(config), bf16=evaluates_in_bf16(config))
-    test = local.read_examples(str(config["test-data"]))
+    settings = RunSettings.from_flower(context.run_config)
+    out = Path(settings.out_dir)
+    check_config(out, settings)
+    torch.set_num_threads(settings.threads)
+    model = local.build_model(settings.model_dir, list(settings.labels), settings.pad_token_id, settings.seed,
+                              settings.lora(), bf16=settings.precision == "bf16")
+    test = local.read_examples(settings.test_data)
     (out / "rounds").mkdir(parents=True, exist_ok=True)
 
     last = last_completed_round(out)
     if last is None:  # round 0: the seeded start, evaluated (the untrained baseline)
         # with bf16 on the wire the start is its bf16 value too: FFA's A then never changes from round 0 on
-        tensors = wire.round_trip(local.trainable_tensors(model), str(config.get("transmit-dtype", "fp32")))
+        tensors = wire.round_trip(local.trainable_tensors(model), settings.transmit_dtype)
         atomic_write(round_path(out, 0, "safetensors"), lambda p: save_file(tensors, str(p)))
-        report = {"round": 0, "evaluation": evaluate_global(model, tensors, test, labels, config)}
+        report = {"round": 0, "evaluation": evaluate_global(model, tensors, test, settings)}
         atomic_write(round_path(out, 0, "json"), lambda p: p.write_text(json.dumps(report, indent=2)))
         last = 0
     else:
         tensors = load_file(str(round_path(out, last, "safetensors")))
         print(f"federated: resuming after round {last} from {round_path(out, last, 'safetensors')}", flush=True)
-    momentum = float(config.get("server-momentum", 0.0))
+    momentum = settings.server_momentum
     # FedAvgM's velocity is state of the server's optimizer: kept beside each round, so a resume steps as before
     velocity = None
     if momentum > 0 and velocity_path(out, last).exists():
         velocity = load_file(str(velocity_path(out, last)))
         print(f"federated: loaded FedAvgM velocity of round {last}", flush=True)
     client_ids: dict[int, int | None] = {}
-    for number in range(last + 1, int(config["num-rounds"]) + 1):
-        mean, report = run_round(grid, config, number, tensors, context, client_ids)
-        tensors, velocity = aggregation.server_momentum_step(tensors, mean, float(config.get("server-lr", 1.0)),
-                                                             momentum, velocity)
+    for number in range(last + 1, settings.num_rounds + 1):
+        mean, report = run_round(grid, settings, number, tensors, context, client_ids)
+        tensors, velocity = aggregation.server_momentum_step(tensors, mean, settings.server_lr, momentum, velocity)
         if momentum > 0:
             atomic_write(velocity_path(out, number),
                          lambda p: save_file({k: v.contiguous() for k, v in velocity.items()}, str(p)))
-        report["evaluation"] = evaluate_global(model, tensors, test, labels, config)
+        evaluating = time.perf_counter()
+        report["evaluation"] = evaluate_global(model, tensors, test, settings)
+        # beside round_seconds (the clients'): what the budget's prediction of a round is compared with
+        report["evaluation_seconds"] = round(time.perf_counter() - evaluating, 3)
         atomic_write(round_path(out, number, "safetensors"), lambda p: save_file(tensors, str(p)))
         atomic_write(round_path(out, number, "json"), lambda p: p.write_text(json.dumps(report, indent=2)))
         evaluation = report["evaluation"]
         print(f"federated: round {number}: {report['completed']}/{report['sampled']} clients, test accuracy "
               f"{evaluation['accuracy']:.4f} macro-F1 {evaluation['macro_f1']:.4f} loss {evaluation['loss']:.4f}",
               flush=True)
-    digest = hashlib.sha256(json.dumps(identity(config), sort_keys=True).encode()).hexdigest()
+    digest = hashlib.sha256(json.dumps(identity(settings), sort_keys=True).encode()).hexdigest()
     atomic_write(out / "done.json", lambda p: p.write_text(json.dumps(
-        {"rounds": int(config["num-rounds"]), "config_sha256": digest}, indent=2)))
+        {"rounds": settings.num_rounds, "config_sha256": digest}, indent=2)))

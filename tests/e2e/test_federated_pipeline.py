@@ -96,6 +96,8 @@ def test_the_stage_runs_three_supernodes_for_two_rounds_sending_only_the_adapter
     import datasets
 
     from frugaltune.config import parse_params
+    from frugaltune.federated import centralized
+    from frugaltune.federated.plans import machine_precision
     from frugaltune.models import build_tiny_model
     from stages import federated as stage
 
@@ -115,7 +117,7 @@ def test_the_stage_runs_three_supernodes_for_two_rounds_sending_only_the_adapter
     # server gets no estimate from a CPU's calibration and keeps its 2.
     (project / "reports").mkdir(exist_ok=True)
     (project / "reports/hardware.json").write_text(json.dumps({"cpu": {"model": "Test CPU"}}))
-    precision = "bf16" if stage.machine_precision(parse_params({}))[0] else "fp32"
+    precision = "bf16" if machine_precision(parse_params({}))[0] else "fp32"
     (project / "reports/plan.json").write_text(json.dumps({
         "device": {"kind": "cpu", "name": "Test CPU"}, "threads": 2, "run": {"precision": precision},
         "constants": {"step_overhead_s": 10.0, "seconds_per_token": 0.0, "source": "test calibration"}}))
@@ -129,8 +131,8 @@ def test_the_stage_runs_three_supernodes_for_two_rounds_sending_only_the_adapter
 
     def first_start_fails(self, app_dir, run_config, timeout):  # the stage's LocalFederation.submit, once broken
         submitted.append(run_config["out-dir"])
-        if len(submitted) == 1:  # a ServerApp that writes round 0 (the seeded start), then dies before round 1
-            run_config = {**run_config, "round-timeout": "not a number"}  # a real failure: it cannot parse this
+        if len(submitted) == 1:  # a ServerApp that dies before it trains round 1
+            run_config = {**run_config, "round-timeout": "not a number"}  # a real failure: RunSettings refuses it
         return real_submit(self, app_dir, run_config, timeout)
 
     real_submit = LocalFederation.submit
@@ -141,6 +143,11 @@ def test_the_stage_runs_three_supernodes_for_two_rounds_sending_only_the_adapter
 
     run = report["runs"]["fedavg_iid"]
     assert run["rounds"] == 2 and run["failures"] == 0
+    # federated.budget_minutes (40 by default): a client-round measured here; both rounds fit, and each round's
+    # predicted seconds stand beside what it took
+    assert report["budget"]["rounds"] == 2 and report["budget"]["trade"].startswith("2 rounds asked, all fit in 40 min")
+    assert [r["round"] for r in run["round_seconds"]] == [1, 2]
+    assert all(r["predicted_seconds"] > 0 and r["measured_seconds"] > 0 for r in run["round_seconds"])
     # what this invocation took: the run (both of its starts) inside the stage's whole
     assert 0 < run["wall_seconds"] < report["wall_seconds"]
     assert set(run["final"]) == {"accuracy", "macro_f1", "loss"}
@@ -169,7 +176,7 @@ def test_the_stage_runs_three_supernodes_for_two_rounds_sending_only_the_adapter
     # trained once per reference key: the same reference again is read back, not retrained
     pad_token_id = json.loads((project / "models/base/config.json").read_text()).get("pad_token_id")
     pad_token_id = smol_tokenizer.pad_token_id if pad_token_id is None else pad_token_id  # as the stage
-    again = stage.reference(params, ["a", "b", "c"], pad_token_id, 80)
+    again = centralized.reference(params, ["a", "b", "c"], pad_token_id, 80)
     assert again.get("reused_from") and again["final"] == central["final"], again
     rows = (project / "reports/plots/federated_rounds.csv").read_text().splitlines()
     assert rows[0].startswith("run,round,accuracy,macro_f1,loss,bytes_total") and len(rows) == 4  # rounds 0, 1, 2
@@ -424,6 +431,7 @@ import copy, json, sys, tomllib
 from pathlib import Path
 from flwr.app import Context, Message, RecordDict
 from frugaltune.federated import client_app, local, server_app
+from frugaltune.federated.settings import RunSettings
 world, app_toml, method = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
 RANKS = {11: 2, 12: 4, 13: 4}
 
@@ -448,11 +456,13 @@ config = {**tomllib.loads(app_toml.read_text())["tool"]["flwr"]["app"]["config"]
           "labels": json.dumps(["a", "b", "c"]), "pad-token-id": 0, "fraction": 1.0, "min-clients": 3,
           "min-completed": 3, "lora-r": 4, "lora-alpha": 8, "local-steps": 2, "method": method,
           "secure-max-weight": 40.0}
-start = local.trainable_tensors(local.build_model(config["model-dir"], ["a", "b", "c"], 0, int(config["seed"]),
-                                                  client_app.lora_spec(config)))
-plain, _ = server_app.run_round(Loopback(), config, 1, start)
+settings = RunSettings.from_flower(config)  # as the ServerApp reads its run config
+start = local.trainable_tensors(local.build_model(settings.model_dir, ["a", "b", "c"], 0, settings.seed,
+                                                  settings.lora()))
+plain, _ = server_app.run_round(Loopback(), settings, 1, start)
 server = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={})
-secure, report = server_app.run_round(Loopback(), {**config, "secure-aggregation": True}, 1, start, server)
+secure, report = server_app.run_round(Loopback(), settings.model_copy(update={"secure_aggregation": True}), 1, start,
+                                      server)
 print(json.dumps({"max_diff": max(float((plain[k] - secure[k]).abs().max()) for k in start),
                   "moved": max(float((plain[k] - start[k]).abs().max()) for k in start),
                   "shapes": all(plain[k].shape == secure[k].shape for k in start),

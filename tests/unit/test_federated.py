@@ -212,10 +212,10 @@ def test_a_gpu_client_gets_no_time_from_a_cpu_calibration_and_this_host_scales_b
 
 
 def test_client_plans_use_the_plan_stages_calibration_only_of_this_cpu_and_precision(monkeypatch, tmp_path):
-    import stages.federated as stage  # the stage (mlflow, datasets), only for this test
+    from frugaltune.federated.plans import plan_calibration
 
     monkeypatch.chdir(tmp_path)
-    constants, cores, why = stage.plan_calibration(bf16=True)
+    constants, cores, why = plan_calibration(bf16=True)
     assert constants == planner.Constants() and cores is None and "missing" in why
     (tmp_path / "reports").mkdir()
     (tmp_path / "reports/hardware.json").write_text(json.dumps({"cpu": {"model": "CPU A"}}))
@@ -223,12 +223,12 @@ def test_client_plans_use_the_plan_stages_calibration_only_of_this_cpu_and_preci
             "constants": {"step_overhead_s": 0.05, "seconds_per_token": 0.002, "startup_s": 4.0,
                           "calibrated_method": "lora", "source": "calibrated here"}}
     (tmp_path / "reports/plan.json").write_text(json.dumps(plan))
-    constants, cores, why = stage.plan_calibration(bf16=True)
+    constants, cores, why = plan_calibration(bf16=True)
     assert (constants.seconds_per_token, constants.startup_s, cores) == (0.002, 4.0, 2) and "calibrated here" in why
-    constants, cores, why = stage.plan_calibration(bf16=False)  # measured in bf16, the clients train in fp32
+    constants, cores, why = plan_calibration(bf16=False)  # measured in bf16, the clients train in fp32
     assert constants.seconds_per_token is None and cores is None and "fp32" in why
     (tmp_path / "reports/plan.json").write_text(json.dumps(plan | {"device": {"kind": "cpu", "name": "CPU B"}}))
-    constants, cores, why = stage.plan_calibration(bf16=True)  # a plan in git from another machine
+    constants, cores, why = plan_calibration(bf16=True)  # a plan in git from another machine
     assert constants.seconds_per_token is None and "CPU B" in why
 
 
@@ -314,75 +314,6 @@ def test_a_kept_client_state_continues_adamw_and_changes_the_update(tiny_model_d
     again = round_two(None)
     assert all(again[name].equal(fresh[name]) for name in fresh)  # deterministic: the difference is the state
     assert any(not continued[name].equal(fresh[name]) for name in fresh)
-
-
-def test_scaffold_corrects_each_gradient_by_c_minus_ci_and_records_the_raw_one():
-    """The regularizer hook's backward adds exactly c - c_i to what the step's backward left in .grad, and the
-    control keeps the uncorrected gradient for the client's next c_i."""
-    layer = torch.nn.Linear(3, 2)
-    names = [name for name, _ in layer.named_parameters()]
-    server = {name: torch.full(param.shape, 0.5) for name, param in layer.named_parameters()}
-    client = {name: torch.full(param.shape, 0.2) for name, param in layer.named_parameters()}
-    control = local.ControlVariates(server, client)
-    term = local.control_variate_term(layer, control)
-    for step in range(2):
-        layer.zero_grad()
-        layer(torch.ones(4, 3) * (step + 1)).sum().backward()
-        raw = {name: param.grad.clone() for name, param in layer.named_parameters()}
-        term().backward()
-        for name, param in layer.named_parameters():
-            assert torch.allclose(param.grad, raw[name] + 0.3)
-    assert control.steps == 2
-    # the mean of the two steps' raw gradients: weight grads 4x1 and 4x2 per entry, bias 4 both times
-    assert torch.allclose(control.updated()[names[0]], torch.full((2, 3), 6.0))
-    assert torch.allclose(control.updated()[names[1]], torch.full((2,), 4.0))
-
-
-def test_scaffold_needs_a_variate_for_every_trained_tensor_and_a_recorded_step():
-    layer = torch.nn.Linear(3, 2)
-    with pytest.raises(KeyError, match="bias"):
-        local.control_variate_term(layer, local.ControlVariates({"weight": torch.zeros(2, 3)},
-                                                                {"weight": torch.zeros(2, 3)}))
-    with pytest.raises(ValueError, match="no local step"):
-        local.ControlVariates({}, {}).updated()
-
-
-def test_scaffold_with_zero_variates_trains_exactly_as_without(tiny_model_dir, smol_tokenizer):
-    """c = c_i = 0 (every client's first round of a fresh federation) must be plain local training, bit for bit,
-    and the control then holds one gradient per step."""
-    pad = smol_tokenizer.pad_token_id
-    spec = local.LoraSpec(4, 8, 0.0, ("q_proj", "v_proj"))
-    g = torch.Generator().manual_seed(5)
-    ids = [torch.randint(5, 500, (6,), generator=g).tolist() for _ in range(16)]
-    labels = [i % 3 for i in range(16)]
-
-    def trained(with_control: bool):
-        model = local.build_model(tiny_model_dir, ["a", "b", "c"], pad, seed=0, lora=spec)
-        zeros = local.zero_like(local.trainable_tensors(model))
-        control = local.ControlVariates(zeros, local.zero_like(zeros)) if with_control else None
-        local.train_locally(model, ids, labels, pad, steps=3, lr=0.01, batch_size=8, micro_batch_size=None, seed=0,
-                            control=control)
-        return local.trainable_tensors(model), control
-
-    plain, _ = trained(False)
-    corrected, control = trained(True)
-    assert all(plain[name].equal(corrected[name]) for name in plain)
-    assert control.steps == 3 and set(control.updated()) == set(plain)
-    assert all(control.updated()[name].abs().sum() > 0 for name in plain if "lora_B" not in name)
-
-
-def test_scaffold_server_step_is_c_plus_the_deltas_over_all_clients_padded_to_the_global_rank():
-    c = {"x.lora_A.weight": torch.zeros(4, 3), "x.lora_B.weight": torch.zeros(2, 4), "score.weight": torch.ones(3, 2)}
-    full = {name: torch.ones_like(t) for name, t in c.items()}
-    small = agg.pad_to_rank({"x.lora_A.weight": torch.ones(2, 3), "x.lora_B.weight": torch.ones(2, 2),
-                             "score.weight": torch.ones(3, 2)}, 4)
-    out = agg.control_step(c, [full, small], num_clients=10)
-    assert torch.allclose(out["x.lora_A.weight"][:2], torch.full((2, 3), 0.2))
-    assert torch.allclose(out["x.lora_A.weight"][2:], torch.full((2, 3), 0.1))  # only the rank-4 client trains rows 2-3
-    assert torch.allclose(out["score.weight"], torch.full((3, 2), 1.2))
-    assert c["score.weight"].eq(1).all()  # the old c is not modified
-    with pytest.raises(ValueError, match="pad_to_rank"):
-        agg.control_step(c, [{"x.lora_A.weight": torch.ones(2, 3)}], num_clients=10)
 
 
 def test_a_client_starts_from_its_newest_state_of_an_earlier_round(tmp_path):
@@ -477,34 +408,34 @@ def test_a_round_exists_when_its_json_does_and_velocities_are_not_rounds(tmp_pat
 
 
 def test_the_federated_run_key_changes_with_the_code_that_computes_rounds(monkeypatch, tmp_path):
-    import stages.federated as stage  # the stage (mlflow, datasets), only for this test
     from frugaltune.config import load_params
+    from frugaltune.federated import keys
 
     params = load_params()
-    key = stage.run_key(params, "dirichlet", "fedavg", "rows")
-    assert stage.run_key(params, "dirichlet", "fedavg", "rows") == key
-    assert stage.run_key(params, "dirichlet", "fedavg", "other rows") != key  # new data: a new federation
+    key = keys.run_key(params, "dirichlet", "fedavg", "rows")
+    assert keys.run_key(params, "dirichlet", "fedavg", "rows") == key
+    assert keys.run_key(params, "dirichlet", "fedavg", "other rows") != key  # new data: a new federation
     copy = tmp_path / "frugaltune" / "federated"
     copy.mkdir(parents=True)
-    for entry in stage.ROUND_CODE:  # the same code elsewhere: the same key; one changed byte: another key
-        source = stage.ROOT / entry
+    for entry in keys.ROUND_CODE:  # the same code elsewhere: the same key; one changed byte: another key
+        source = keys.PROJECT_ROOT / entry
         target = tmp_path / entry
         if source.is_dir():
             shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__"))
         else:
             target.write_bytes(source.read_bytes())
-    monkeypatch.setattr(stage, "ROOT", tmp_path)
-    assert stage.run_key(params, "dirichlet", "fedavg", "rows") == key
+    monkeypatch.setattr(keys, "PROJECT_ROOT", tmp_path)
+    assert keys.run_key(params, "dirichlet", "fedavg", "rows") == key
     with (tmp_path / "frugaltune/federated/aggregation.py").open("a") as handle:
         handle.write("\n# changed\n")
-    assert stage.run_key(params, "dirichlet", "fedavg", "rows") != key
+    assert keys.run_key(params, "dirichlet", "fedavg", "rows") != key
 
 
 def test_the_federated_data_fingerprint_follows_the_rows_not_the_files(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    import stages.federated as stage
+    from frugaltune.federated.rows import data_fingerprint
 
     def write(rows: dict[str, tuple[list[list[int]], list[int]]], compression: str = "snappy") -> str:
         parts = tmp_path / "parts"
@@ -515,7 +446,7 @@ def test_the_federated_data_fingerprint_follows_the_rows_not_the_files(tmp_path)
                            compression=compression)
         clients = [{"client": int(name.split("_")[1])} for name in rows if name != "test"]
         (parts / "partitions.json").write_text(json.dumps({"clients": clients}))
-        return stage.data_fingerprint(parts, tmp_path / "test.parquet")
+        return data_fingerprint(parts, tmp_path / "test.parquet")
 
     rows = {"client_0": ([[1, 2, 3], [4]], [0, 1]), "client_1": ([[5, 6]], [2]), "test": ([[7, 8]], [1])}
     first = write(rows)
@@ -530,26 +461,28 @@ def test_the_centralized_reference_key_follows_what_the_reference_trains_on(monk
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    import stages.federated as stage
     from frugaltune.config import load_params
+    from frugaltune.federated.centralized import reference_key
 
     params = load_params()
-    monkeypatch.setattr(stage, "DATA", tmp_path)
+    monkeypatch.chdir(tmp_path)  # the reference's rows: data/federated/ of the project it runs in
+    data = tmp_path / "data/federated"
+    data.mkdir(parents=True)
 
     def write(train_labels: list[int]) -> None:
-        pq.write_table(pa.table({"input_ids": [[1, 2], [3]], "labels": train_labels}), tmp_path / "train.parquet")
-        pq.write_table(pa.table({"input_ids": [[4]], "labels": [0]}), tmp_path / "test.parquet")
+        pq.write_table(pa.table({"input_ids": [[1, 2], [3]], "labels": train_labels}), data / "train.parquet")
+        pq.write_table(pa.table({"input_ids": [[4]], "labels": [0]}), data / "test.parquet")
 
     write([0, 1])
-    key = stage.reference_key(params, 6400, 2, True, 512, 2)
-    assert stage.reference_key(params, 6400, 2, True, 512, 2) == key
-    changed = [stage.reference_key(params, 3200, 2, True, 512, 2),  # fewer examples
-               stage.reference_key(params, 6400, 0, True, 512, 2),  # another pad id
-               stage.reference_key(params, 6400, 2, False, 512, 2),  # fp32
-               stage.reference_key(params, 6400, 2, True, 512, 1),  # 1 thread: other bf16 sums
-               stage.reference_key(params.model_copy(update={"train": params.train.model_copy(update={"lr": 1e-3})}),
-                                   6400, 2, True, 512, 2)]  # the recipe
+    key = reference_key(params, 6400, 2, True, 512, 2)
+    assert reference_key(params, 6400, 2, True, 512, 2) == key
+    changed = [reference_key(params, 3200, 2, True, 512, 2),  # fewer examples
+               reference_key(params, 6400, 0, True, 512, 2),  # another pad id
+               reference_key(params, 6400, 2, False, 512, 2),  # fp32
+               reference_key(params, 6400, 2, True, 512, 1),  # 1 thread: other bf16 sums
+               reference_key(params.model_copy(update={"train": params.train.model_copy(update={"lr": 1e-3})}),
+                             6400, 2, True, 512, 2)]  # the recipe
     assert key not in changed and len(set(changed)) == len(changed)
     write([0, 2])  # one label of the union of the clients' rows
-    assert stage.reference_key(params, 6400, 2, True, 512, 2) != key
+    assert reference_key(params, 6400, 2, True, 512, 2) != key
 

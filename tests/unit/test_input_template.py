@@ -36,18 +36,18 @@ def test_a_generative_task_records_no_classifier_template(smol_tokenizer):
 
 
 def test_the_federation_wraps_the_rows_its_clients_and_server_read(smol_tokenizer, tmp_path):
-    import stages.federated as stage  # the stage (mlflow, datasets), only for this test
+    from frugaltune.federated import rows  # what the federated stage writes its rows with
     from frugaltune.federated.local import read_examples
 
     split = {"input_ids": [smol_tokenizer("what a day")["input_ids"], list(range(40, 80))], "labels": [1, 0]}
-    template = stage.classifier_template(Params.model_validate({"train": {"input_template": TEMPLATE}}),
+    template = rows.classifier_template(Params.model_validate({"train": {"input_template": TEMPLATE}}),
                                          smol_tokenizer)
-    stage.write_split(split, tmp_path / "train.parquet", template, 16)
+    rows.write_split(split, tmp_path / "train.parquet", template, 16)
     assert read_examples(tmp_path / "train.parquet") == (template.wrap_all(split["input_ids"], 16), [1, 0])
     assert len(read_examples(tmp_path / "train.parquet")[0][1]) == 16  # cut to max_length, suffix kept
     generative = Params.model_validate({"task": {"type": "causal_lm"}, "train": {"input_template": TEMPLATE}})
-    assert stage.classifier_template(generative, smol_tokenizer) is None
-    stage.write_split(split, tmp_path / "bare.parquet")
+    assert rows.classifier_template(generative, smol_tokenizer) is None
+    rows.write_split(split, tmp_path / "bare.parquet")
     assert read_examples(tmp_path / "bare.parquet")[0] == split["input_ids"]
 
 

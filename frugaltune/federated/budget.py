@@ -1,0 +1,195 @@
+"""The federated stage on a time budget (`federated.budget_minutes`): measure a client-round on this machine, predict
+every round of every federation the stage runs (and its centralized reference), and run as many rounds as fit.
+
+Library code, used by the federated stage; never run. The measurement is the planner's own calibration
+(planner.calibrate): one fresh process runs the clients' loop (training.loop.train_classifier with the LoopConfig
+local.train_locally builds: constant lr, the plan's micro-batch, no int8 products) over a few of a client's own
+micro-batches, and fits `step = overhead + per_token x padded tokens`. From it:
+
+- a client-round is the sum of its planned steps (its own rows, batched as its loop will batch them);
+- a round runs the clients the ServerApp samples for it (aggregation.sample_clients, by client id: the same clients
+  every run) on `workers` side by side (the Simulation Engine's Ray workers), then the server evaluates the test
+  split; evaluation is a forward pass, counted as a third of a training step's per-token time, on the server's
+  threads;
+- the centralized reference trains as many examples as the first federation's clients, one process on every core.
+
+Flower's own start-up (SuperLink, Ray) is not predicted: the report puts what each round took beside its
+prediction, and `wall_seconds` beside the stage's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from frugaltune import planner
+from frugaltune.federated import aggregation, local, rows
+
+# Forward only, against forward + backward (about twice the forward) of a training step: a third per token.
+EVAL_SHARE = 1 / 3
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Where the rounds run: `threads` per client (federated.threads), `workers` clients side by side, and the
+    threads the server's evaluation and the centralized reference use (every physical core)."""
+    threads: int
+    workers: int
+    server_threads: int
+
+
+def measure_client_round(model_dir: Path, labels: list[str], pad_token_id: int, parts: Path, plan: dict, *,
+                         lora: local.LoraSpec, batch_size: int, lr: float, seed: int, bf16: bool, eager: int,
+                         threads: int, allocator: str) -> tuple[planner.Constants, dict]:
+    """The planner's calibration of the clients' loop on this machine, over client `plan`'s own rows and steps."""
+    from frugaltune.training.loop import LoopConfig
+
+    input_ids, targets = local.read_examples(rows.client_file(parts, plan["client"]))
+    rank = plan["lora_rank"]
+    knobs = planner.MethodKnobs(r=rank, alpha=aggregation.client_alpha(lora.alpha, lora.r, rank),
+                                dropout=lora.dropout, target_modules=tuple(lora.target_modules))
+    shape = planner.model_shape(str(model_dir), len(labels), "lora", knobs)
+    steps, order = planner.planned_order([len(r) for r in input_ids], batch_size, 1, 1.0, plan["local_steps"], seed)
+    loop = asdict(LoopConfig(lr=lr, max_steps=steps, batch_size=batch_size, micro_batch_size=plan["micro_batch_size"],
+                             seed=seed, warmup_ratio=0.0, scheduler="constant", log_every=1, checkpoint_dir=None,
+                             bf16=bf16, eager_attention_max_len=eager))
+    return planner.calibrate(model_dir, labels, pad_token_id, "lora", knobs, shape, rows=input_ids, targets=targets,
+                             order=order, loop=loop, int8={"on": False, "why": "the clients' loop has none"},
+                             gradient_checkpointing=False, threads=threads, seed=seed, time_samples=4,
+                             allocator=allocator)
+
+
+def step_seconds(constants: planner.Constants, batches: list[tuple[int, int]]) -> float:
+    """Seconds of these micro-batches ((rows, longest) each) at the calibrated speed."""
+    return sum(constants.step_overhead_s + constants.seconds_per_token * n * longest for n, longest in batches)
+
+
+def client_round_seconds(constants: planner.Constants, parts: Path, plan: dict, batch_size: int, seed: int,
+                         number: int) -> float:
+    """One client's training in round `number`: its planned steps over its own rows (the seed its round trains with)."""
+    lengths = list(rows.client_lengths(parts, plan["client"]))
+    _, batches = planner.planned_batches(lengths, batch_size, 1, 1.0, plan["local_steps"], seed * 1000 + number)
+    return step_seconds(constants, batches)
+
+
+def makespan(seconds: list[float], workers: int) -> float:
+    """Clients run longest first on the first free worker: when the last one ends."""
+    ends = [0.0] * max(1, workers)
+    for value in sorted(seconds, reverse=True):
+        ends[ends.index(min(ends))] += value
+    return max(ends)
+
+
+def evaluation_seconds(constants: planner.Constants, test: Path, machine: Machine, batch_size: int = 32) -> float:
+    lengths = [len(ids) for ids in local.read_examples(test)[0]]
+    from frugaltune.training.batching import sorted_batches
+
+    batches = [(len(b), max(lengths[i] for i in b)) for b in sorted_batches(lengths, batch_size)]
+    per_token = planner.Constants(step_overhead_s=0.0, seconds_per_token=constants.seconds_per_token * EVAL_SHARE)
+    return step_seconds(per_token, batches) * machine.threads / machine.server_threads
+
+
+def predict_rounds(constants: planner.Constants, parts: Path, plans: list[dict], *, asked: int, fraction: float,
+                   min_completed: int, batch_size: int, seed: int, machine: Machine, evaluation: float) -> list[dict]:
+    """Rounds 1..asked of one federation: the clients the ServerApp samples in each, their seconds, the round's."""
+    included = sorted((p for p in plans if p["fits"]), key=lambda p: p["client"])
+    ids = {p["client"]: p["client"] for p in included}
+    wanted = max(min_completed, math.ceil(fraction * len(included)))
+    by_client = {p["client"]: p for p in included}
+    predicted = []
+    for number in range(1, asked + 1):
+        sampled = aggregation.sample_clients(list(ids), ids, wanted, seed, number)
+        clients = [client_round_seconds(constants, parts, by_client[c], batch_size, seed, number) for c in sampled]
+        training = makespan(clients, machine.workers)
+        predicted.append({"round": number, "clients": sorted(sampled), "training_seconds": round(training, 2),
+                          "seconds": round(training + evaluation, 2),
+                          "steps": sum(by_client[c]["local_steps"] for c in sampled)})
+    return predicted
+
+
+def centralized_seconds(constants: planner.Constants, examples: int, mean_length: float, batch: int,
+                        machine: Machine) -> float:
+    """The centralized reference's training: `examples` rows of the mean padded length, on every core."""
+    steps = max(1, round(examples / batch))
+    own = steps * constants.step_overhead_s + constants.seconds_per_token * examples * mean_length
+    return own * machine.threads / machine.server_threads
+
+
+def choose_rounds(asked: int, budget_s: float, spent_s: float, fixed_s: float, per_round_s: list[float]) -> dict:
+    """The most rounds (1..asked) whose predicted time, with what is spent and the fixed costs, fits `budget_s`.
+    `per_round_s[n - 1]`: what round n adds to the stage (every federation's round n, and the reference's share)."""
+    total, rounds = spent_s + fixed_s, 0
+    for seconds in per_round_s[:asked]:
+        if rounds and total + seconds > budget_s:
+            break
+        total, rounds = total + seconds, rounds + 1
+    fits = total <= budget_s
+    minutes = budget_s / 60
+    if rounds == asked and fits:
+        trade = f"{asked} rounds asked, all fit in {minutes:g} min (predicted {total / 60:.1f} min)"
+    elif fits:
+        trade = (f"{asked} rounds asked, {rounds} fit in {minutes:g} min (predicted {total / 60:.1f} min; "
+                 f"{asked} would take {(spent_s + fixed_s + sum(per_round_s[:asked])) / 60:.1f} min)")
+    else:
+        trade = (f"{asked} rounds asked, not even 1 fits in {minutes:g} min: 1 round runs, predicted "
+                 f"{total / 60:.1f} min (raise federated.budget_minutes or lower local_steps / num_clients)")
+    return {"rounds_asked": asked, "rounds": rounds, "predicted_seconds": round(total, 1), "fits": fits,
+            "trade": trade}
+
+
+def decide(params, plans: dict[str, list[dict]], runs: list[tuple[str, str]], labels: list[str], pad_token_id: int,
+           precision: tuple[bool, int], spent_s: float, data: Path, model_dir: Path) -> dict:
+    """How many rounds the stage runs: `federated.num_rounds`, or as many as `federated.budget_minutes` fits (the
+    stage's time so far counted in), predicted from a client-round measured here. `plans`: scheme -> the clients'
+    plans; `runs`: (scheme, method) of each federation, in the order the stage runs them."""
+    from frugaltune import resolve
+
+    fp, tp = params.federated, params.train
+    asked = fp.num_rounds
+    if fp.budget_minutes is None:
+        return {"minutes": None, "rounds_asked": asked, "rounds": asked, "trade": f"no budget: {asked} rounds"}
+    physical = resolve.physical_threads()
+    machine = Machine(threads=fp.threads, workers=max(1, physical // fp.threads), server_threads=physical)
+    included = sorted((p for p in plans[runs[0][0]] if p["fits"]), key=lambda p: (p["examples"], p["client"]))
+    probe = included[len(included) // 2]  # a client of the median size stands for the others' speed per token
+    bf16, eager = precision
+    lora = local.LoraSpec(fp.lora.r, fp.lora.alpha, fp.lora.dropout, tuple(fp.lora.target_modules))
+    constants, calibration = measure_client_round(
+        model_dir, labels, pad_token_id, data / f"partitions_{runs[0][0]}", probe, lora=lora,
+        batch_size=fp.batch_size, lr=fp.lr, seed=params.common.seed, bf16=bf16, eager=eager, threads=fp.threads,
+        allocator=tp.allocator)
+    evaluation = evaluation_seconds(constants, data / "test.parquet", machine)
+    predicted = {f"{method}_{scheme}": predict_rounds(
+        constants, data / f"partitions_{scheme}", plans[scheme], asked=asked, fraction=fp.fraction,
+        min_completed=fp.min_completed, batch_size=fp.batch_size, seed=params.common.seed, machine=machine,
+        evaluation=evaluation) for scheme, method in runs}
+    per_round = [sum(rounds_[n]["seconds"] for rounds_ in predicted.values()) for n in range(asked)]
+    if fp.centralized_baseline:  # it trains as many examples as the first federation's clients: a share per round
+        lengths = [len(ids) for ids in local.read_examples(data / "train.parquet")[0]]
+        mean_length = sum(lengths) / max(1, len(lengths))
+        first = next(iter(predicted.values()))
+        per_round = [seconds + centralized_seconds(constants, r["steps"] * fp.batch_size, mean_length,
+                                                   tp.batch_size * tp.grad_accum, machine)
+                     for seconds, r in zip(per_round, first)]
+    spent = spent_s + calibration["seconds"]
+    decision = choose_rounds(asked, fp.budget_minutes * 60, spent, len(runs) * evaluation, per_round)
+    return {"minutes": fp.budget_minutes, **decision, "spent_before_rounds_s": round(spent, 1),
+            "evaluation_seconds": round(evaluation, 2), "per_round_seconds": [round(s, 2) for s in per_round],
+            "runs": {name: found[:max(1, decision["rounds"])] for name, found in predicted.items()},
+            "calibration": {"client": probe["client"], "source": constants.source, "seconds": calibration["seconds"],
+                            "step_overhead_s": constants.step_overhead_s,
+                            "seconds_per_token": constants.seconds_per_token,
+                            "machine_busy": calibration["machine_busy"], "busy_note": calibration["busy_note"]},
+            "machine": asdict(machine)}
+
+
+def beside_measured(predicted: list[dict], out: Path) -> list[dict]:
+    """Each completed round of the run in `out`: its predicted seconds beside what it took (its clients' round and
+    the server's evaluation)."""
+    from frugaltune.federated.rounds import reports
+
+    by_round = {p["round"]: p for p in predicted}
+    return [{"round": r["round"], "predicted_seconds": by_round.get(r["round"], {}).get("seconds"),
+             "measured_seconds": round(r.get("round_seconds", 0.0) + r.get("evaluation_seconds", 0.0), 2)}
+            for r in reports(out) if r["round"] > 0]

@@ -1,0 +1,101 @@
+"""The centralized reference a federation is judged against: LoRA trained in one process on the whole training
+split (the union of what the clients own), for as many examples as the federation's clients trained on.
+
+Library code, called by the federated stage (`reference`: trained once per key, kept in
+checkpoints/federated/centralized/) and by benchmarks/federated_rounds.py (`baseline`, over seeds); never run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import time
+
+from frugaltune import paths
+from frugaltune.config import Params
+from frugaltune.federated import keys, local, rounds, rows
+from frugaltune.federated.plans import machine_precision
+from frugaltune.io import read_json, write_json
+
+# the train stage's recipe fields the reference trains with (baseline)
+REFERENCE_RECIPE = ("lr", "head_lr", "lora_plus_ratio", "weight_decay", "scheduler", "warmup_ratio", "batch_size",
+                    "grad_accum", "max_grad_norm", "group_by_length")
+
+
+def examples_trained(out, batch_size: int) -> int:
+    """Training examples the clients of a run went through: steps x batch size, over every completed client-round."""
+    return sum(int(client.get("steps", 0)) * batch_size for report in rounds.reports(out)
+               for client in report.get("clients", []))
+
+
+def baseline(params: Params, labels: list[str], pad_token_id: int, examples: int, seed: int | None = None,
+             precision: tuple[bool, int] | None = None) -> dict:
+    """Centralized LoRA: the train stage's own recipe (`train.lr`, `train.head_lr`, `train.batch_size`, its
+    schedule, clipping and weight decay) on the federation's LoRA (`federated.lora`), trained in one process on
+    data/federated/train.parquet (the clients' rows, wrapped as theirs are) for as many examples as the federation's
+    clients trained on, and evaluated on the same test split by the same function as the server's rounds. `seed`
+    (default `common.seed`) and `precision` ((bf16?, eager attention up to), default this machine's decision) let
+    a benchmark run it over seeds. Why the train stage's recipe and not the clients' lr and batch: docs/DECISIONS.md,
+    "The centralized reference is the train stage's recipe"."""
+    import torch
+
+    from frugaltune.training.loop import LoopConfig, peak_rss_mb, train_classifier
+
+    fp, tp = params.federated, params.train
+    seed = params.common.seed if seed is None else seed
+    per_step = tp.batch_size * tp.grad_accum
+    steps = max(1, round(examples / per_step))
+    threads = torch.get_num_threads()
+    spec = local.LoraSpec(fp.lora.r, fp.lora.alpha, fp.lora.dropout, tuple(fp.lora.target_modules))
+    bf16, eager = precision or machine_precision(params)  # as the clients train
+    model = local.build_model(paths.BASE_MODEL, labels, pad_token_id, seed, spec, bf16=bf16)
+    input_ids, targets = local.read_examples(paths.FEDERATED_DATA / "train.parquet")
+    cfg = LoopConfig(lr=tp.lr, head_lr=tp.head_lr, lora_plus_ratio=tp.lora_plus_ratio, weight_decay=tp.weight_decay,
+                     scheduler=tp.scheduler, warmup_ratio=tp.warmup_ratio, max_steps=steps, batch_size=tp.batch_size,
+                     grad_accum=tp.grad_accum, max_grad_norm=tp.max_grad_norm, bf16=bf16,
+                     group_by_length=tp.group_by_length, log_every=steps, seed=seed, checkpoint_dir=None,
+                     eager_attention_max_len=eager)
+    began = time.perf_counter()
+    train_classifier(model, input_ids, targets, cfg, pad_token_id, progress=False)
+    seconds = time.perf_counter() - began
+    test_ids, test_targets = local.read_examples(paths.FEDERATED_DATA / "test.parquet")
+    final = local.evaluate(model, test_ids, test_targets, labels, pad_token_id, bf16=bf16)
+    return {"examples": steps * per_step, "steps": steps, "batch_size": per_step, "lr": tp.lr,
+            "head_lr": tp.head_lr, "precision": "bf16" if bf16 else "fp32", "scheduler": tp.scheduler,
+            "warmup_ratio": tp.warmup_ratio, "training_rows": len(targets), "threads": threads,
+            "train_seconds": round(seconds, 1),
+            "peak_rss_mb": round(peak_rss_mb()), "final": final}
+
+
+def reference_key(params: Params, examples: int, pad_token_id: int, bf16: bool, eager: int, threads: int) -> str:
+    """The centralized reference's identity: what its numbers depend on (the recipe, the federation's LoRA, seed,
+    examples, pad id, precision, threads, base weights, the training and evaluation code with `baseline`'s own
+    source, and the rows of data/federated/train.parquet and test.parquet). The run keys' rule, for one run."""
+    data = paths.FEDERATED_DATA
+    blob = json.dumps({"recipe": {k: getattr(params.train, k) for k in REFERENCE_RECIPE},
+                       "lora": params.federated.lora.model_dump(), "seed": params.common.seed, "examples": examples,
+                       "pad_token_id": pad_token_id, "bf16": bf16, "eager": eager, "threads": threads,
+                       "model": keys.base_weights_sha(), "code": keys.round_code_sha256(),
+                       "function": inspect.getsource(baseline),
+                       "data": rows.rows_fingerprint([data / "train.parquet", data / "test.parquet"])},
+                      sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def reference(params: Params, labels: list[str], pad_token_id: int, examples: int) -> dict:
+    """`baseline`, trained once per reference_key: kept in checkpoints/federated/centralized/<key>.json, so a rerun
+    whose federations all resume (a new boot rewrites hardware.json, a dependency) does not train it again. A reused
+    result says so (`reused_from`); its seconds are those it was trained in."""
+    import torch
+
+    bf16, eager = machine_precision(params)
+    kept = paths.FEDERATED_CHECKPOINTS / "centralized" / (
+        reference_key(params, examples, pad_token_id, bf16, eager, torch.get_num_threads()) + ".json")
+    if kept.exists():
+        central = read_json(kept)
+        print(f"federated: centralized LoRA reused from {kept} (trained in {central['train_seconds']} s)", flush=True)
+        return {**central, "reused_from": str(kept)}
+    central = baseline(params, labels, pad_token_id, examples, precision=(bf16, eager))
+    write_json(kept, central)  # atomic (frugaltune.io): a killed stage leaves none, not half of one
+    return central

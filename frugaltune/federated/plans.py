@@ -1,0 +1,69 @@
+"""The clients' plans on this machine: the precision they train in (the plan's machine decisions) and, per client,
+its preset hardware's plan (frugaltune/federated/profiles.py) timed by the plan stage's calibration of this CPU.
+
+Library code, used by the federated stage and the centralized reference; never run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from frugaltune import paths, planner, resolve
+from frugaltune.config import FederatedParams, Params
+from frugaltune.federated import profiles, rows
+from frugaltune.io import read_json
+
+
+def machine_precision(params: Params) -> tuple[bool, int]:
+    """(bf16?, eager attention up to this many tokens) for the clients on this machine: the plan's machine decisions
+    (frugaltune.resolve), or `federated.precision` when it is set."""
+    decided = resolve.machine(params.federated.precision, plan=resolve.read_plan())
+    return bool(decided["bf16"]), int(decided["eager_attention_max_len"])
+
+
+def plan_calibration(bf16: bool) -> tuple[planner.Constants, int | None, str]:
+    """(constants, threads they were measured with, where from) for the clients' time estimates: the plan stage's
+    calibration (reports/plan.json) when it measured this CPU (reports/hardware.json), on a CPU, in the precision the
+    clients train in; else the planner's uncalibrated defaults, and the plans carry no time estimate."""
+    if not paths.PLAN.exists():
+        return planner.Constants(), None, f"{paths.PLAN} missing: no time estimate (dvc repro plan)"
+    plan = read_json(paths.PLAN)
+    hardware = read_json(paths.HARDWARE) if paths.HARDWARE.exists() else {}
+    device, values = plan.get("device", {}), plan.get("constants") or {}
+    precision = "bf16" if bf16 else "fp32"
+    if device.get("kind") != "cpu" or device.get("name") != hardware.get("cpu", {}).get("model"):
+        why = f"{paths.PLAN} describes {device.get('name')!r}, not this CPU"
+    elif values.get("seconds_per_token") is None:
+        why = f"{paths.PLAN} is not calibrated (probe.calibrate)"
+    elif plan.get("run", {}).get("precision") != precision:
+        why = f"{paths.PLAN} was calibrated in {plan.get('run', {}).get('precision')}, the clients train in {precision}"
+    elif (plan.get("calibration") or {}).get("int8_products"):  # the clients' loop has no int8 products
+        why = f"{paths.PLAN} was calibrated with int8 products, which the clients do not use"
+    else:
+        return planner.Constants(**values), plan.get("threads"), f"{paths.PLAN}: {values.get('source')}"
+    return planner.Constants(), None, why + ": no time estimate"
+
+
+def method_knobs(fp: FederatedParams) -> planner.MethodKnobs:
+    return planner.MethodKnobs(r=fp.lora.r, alpha=fp.lora.alpha, dropout=fp.lora.dropout,
+                               target_modules=tuple(fp.lora.target_modules))
+
+
+def plan_clients(fp: FederatedParams, summary: dict, parts: Path, model_dir: Path, num_labels: int, max_length: int,
+                 seed: int, bf16: bool) -> list[dict]:
+    """Each client's plan on its declared hardware (frugaltune/federated/profiles.py): method, rank, micro-batch and
+    local steps, with the time the plan stage's calibration of this CPU predicts (`round_budget_s` caps the steps by
+    it) and the memory the planner's model predicts."""
+    knobs = method_knobs(fp)
+    constants, calibrated_cores, source = plan_calibration(bf16)
+    plans = []
+    for entry in summary["clients"]:
+        preset = fp.profiles[entry["client"] % len(fp.profiles)]
+        lengths = rows.client_lengths(parts, entry["client"]) or (max_length,)
+        run = planner.RunSpec(method="lora", batch_size=fp.batch_size, grad_accum=1, epochs=1.0,
+                              max_steps=fp.local_steps, seq_len=max_length, lengths=lengths, seed=seed)
+        plan = profiles.plan_client(profiles.resolve(preset), run, str(model_dir), num_labels, knobs, constants,
+                                    fp.local_steps, fp.round_budget_s, calibrated_cores, fp.threads)
+        plans.append({"client": entry["client"], "preset": preset, "examples": entry["examples"], **plan,
+                      "calibration": source})
+    return plans
