@@ -6,7 +6,7 @@ when `train.allocator` resolves to mimalloc and this process does not have it ye
 `child_env(choice)`, so that what is calibrated is what trains. `active()` says which one a process has; it is
 recorded in `reports/train.json`.
 
-Why (measured, `python benchmarks/memory_by_method.py`; 2-core Xeon, 16 x 128 tokens, SmolLM2-135M): PyTorch's CPU
+Why (measured with `python benchmarks/memory_by_method.py`; figures in docs/DECISIONS.md): PyTorch's CPU
 tensors come from malloc. glibc keeps freed activations in its heap and reuses the holes badly, so RSS keeps growing
 for several steps, to 1.5-1.9x the live memory, and by how much depends on the order of allocations (QLoRA, which
 dequantizes a weight before every matmul, fragments most: its RSS ended above LoRA's although it holds less).

@@ -158,8 +158,8 @@ def contiguous_head_input(model: Any) -> Iterator[None]:
     prefill do) slices `hidden[:, -1:, :]`, a non-contiguous [batch, 1, hidden] view. torch.matmul (torch 2.13)
     folds such a view into one 2D matmul only when the weight requires grad; for a frozen weight (a merged or
     PEFT-loaded model: every base parameter frozen) it expands the weight to [batch, hidden, vocab] and copies it,
-    1.1 GB for 20 prompts and SmolLM2's 49,152 x 576 head: 1,182 ms instead of 7.6 ms for the same product in bf16
-    (`python benchmarks/frozen_head.py`, 2-core Zen 4). Copying the 20 x 576 input instead costs nothing.
+    1.1 GB for 20 prompts and SmolLM2's 49,152 x 576 head, two orders of magnitude slower than the same product
+    (`python benchmarks/frozen_head.py`; figures in docs/DECISIONS.md). Copying the 20 x 576 input costs nothing.
     """
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is None:
@@ -322,8 +322,8 @@ def _score_tails(model: Any, answers: Sequence[Sequence[Sequence[int]]], prompt_
     2D `prompt_mask` row) and the earlier tokens of its own candidate, never another candidate's, and its position
     counts from the prompt's end as if that candidate were the only one. The 4D additive mask that says so is passed
     to the model as is. This replaces a forward over one row per candidate, whose cache had to be copied per
-    candidate (8 letters x a 200-token scheduling prompt: 2.18 of 10.46 s for 60 prompts in bf16, now 0.71 of
-    8.91 s, on the 2-core Zen 4; `python benchmarks/choice_tail_pass.py`).
+    candidate (with 8 letters and a 200-token scheduling prompt, a fifth of the choosing time; measured by
+    `python benchmarks/choice_tail_pass.py`, figures in docs/DECISIONS.md).
     """
     import torch
 

@@ -33,8 +33,8 @@ import time
 import torch
 
 # int8 must multiply at least this much faster than the products it replaces before `auto` turns it on: the rest of
-# a step (quantizing, rescaling, everything that is not a product) does not speed up, so a 1.9x GEMM gave ~1.2x a
-# step on the Zen 4 where it was measured (DECISIONS, "int8 products").
+# a step (quantizing, rescaling, everything that is not a product) does not speed up, so a GEMM ratio shrinks to
+# much less per step (docs/DECISIONS.md, "int8 products").
 MIN_GEMM_RATIO = 1.5
 # `auto` covers the methods where it was measured to keep their quality (DECISIONS, "int8 products": the loop and
 # the method table); QLoRA's NF4 values quantized again to int8 lost 0.0125 macro-F1 there, so QLoRA needs `true`.

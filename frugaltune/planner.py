@@ -460,8 +460,8 @@ def recommend_precision(hardware: dict, requested: str, measured: dict | None = 
 
     `measured` is the `cpu` section of reports/kernels.json: the kernels stage times one decoder layer in fp32 and
     bf16 on this machine and prefers bf16 only when it verified and won by its margin. On a CPU nothing else
-    decides: the same flag (avx512_bf16) has measured 0.7x fp32 on one Xeon and 2.3x on a Zen 4, so a flag, a
-    vendor or a number from another machine would be a guess. A CUDA GPU that torch can drive decides by its
+    decides: the same flag (avx512_bf16) has measured slower than fp32 on one CPU and twice as fast on another, so a
+    flag, a vendor or a number from another machine would be a guess. A CUDA GPU that torch can drive decides by its
     compute capability (bf16 tensor cores from 8.0 on, a property of the architecture).
     """
     if requested != "auto":
@@ -496,12 +496,10 @@ def keep_sdpa_off_cudnn() -> bool:
     """On a CUDA device, take cuDNN out of SDPA's backends for this process (flash and memory-efficient attention
     remain); returns whether it did. Nothing changes on a CPU.
 
-    Measured on an H100 (torch 2.11.0+cu130, LoRA, length-grouped batches of 16 tweets; torch.profiler): SDPA chose
-    cuDNN, whose attention took 4.2 ms of host time per call forward and 4.4 ms backward for ~15 us on the GPU,
-    44% of the step's host time. Most likely a plan built per shape: dynamic padding gives a new length almost every
-    batch, and the Trainer recipe padded to a fixed 128 ran faster despite 74% padding. Without cuDNN, 160 steps
-    took 31.5 s instead of 47.5 s (1.51x) to the same final loss (5 digits). Process-wide, so evaluation in the same
-    process gets it too."""
+    Why (torch.profiler on a lent GPU, docs/DECISIONS.md "On a lent GPU"): SDPA chose cuDNN, whose attention cost
+    milliseconds of host time per call for microseconds on the GPU, most likely a plan built per shape, and dynamic
+    padding gives a new length almost every batch. Without cuDNN the same steps reach the same loss faster.
+    Process-wide, so evaluation in the same process gets it too."""
     import torch
 
     if not torch.cuda.is_available():

@@ -316,8 +316,8 @@ def attention_at_model_shapes(
     """The kernel against SDPA with its default backend choice (what transformers' `sdpa` runs) at the model's
     attention shape; `faster` is true only when the kernel is at least `min_speedup` times as fast in every dtype.
 
-    The margin matters: at the default model's shape both take ~20 us, and on an H100 the same build measured
-    0.70x in one process and above 1x in another, so a bare `> 1` flipped the stage's choice from run to run."""
+    The margin matters: at the default model's shape both are launch-bound microsecond kernels whose ratio moves
+    between processes (docs/DECISIONS.md, "On a lent GPU"), so a bare `> 1` would flip the choice from run to run."""
     dtypes, device = dtypes or ATTN_DTYPES, DEVICE
     shape = (shapes["batch"], shapes["heads"], shapes["seq_len"], shapes["head_dim"])
     rows = {}

@@ -5,9 +5,9 @@ Library code: `prepare_model` applies `fast_lora_dropout`; the training loop app
 with the crossover length the kernels stage measured on this machine (plan `run.eager_attention_max_len`).
 
 - `short_sequence_attention(model, max_len)`: transformers' "sdpa" runs PyTorch's CPU flash-attention kernel,
-  whose backward pass costs ~10 ms per layer at 16 x 34 tokens on a 2-core Zen 4 (a fifth of a LoRA step), where
-  the plain matmul-softmax-matmul ("eager") path takes ~2 ms. Flash attention wins back its tiling only on long
-  sequences (crossover measured at ~200 tokens there). Length-grouped batches have one padded length each, so the
+  whose backward pass on short sequences costs several times the plain matmul-softmax-matmul ("eager") path's
+  (docs/DECISIONS.md has the figures). Flash attention wins back its tiling only on long sequences, at a crossover
+  the kernels stage measures on each machine. Length-grouped batches have one padded length each, so the
   attention and its mask are chosen per batch: eager up to `max_len`, SDPA above. Same math, same results up to
   rounding.
 - `fast_lora_dropout(model)`: peft applies `nn.Dropout` to the input of every adapted projection, and torch's CPU
