@@ -71,6 +71,17 @@ def kernels_report() -> Path:
     return Path(os.path.relpath(project_root() / REPORTS / "kernels.json"))
 
 
+def pipeline_file() -> Path:
+    """The dvc.yaml whose stage is running, from the project root: `dvc.yaml` or `scheduling/dvc.yaml`."""
+    return Path(os.path.relpath(Path.cwd() / "dvc.yaml", project_root()))
+
+
+def repro_command() -> str:
+    """The command that reruns the running stage's pipeline from the project root (`dvc repro` is the root's)."""
+    pipeline = pipeline_file()
+    return "dvc repro" if pipeline == Path("dvc.yaml") else f"dvc repro {pipeline}"
+
+
 def report(stage: str) -> Path:
     """`reports/<stage>.json`: everything the stage has to say (numbers, reasons, ids); a DVC output, not metrics."""
     return REPORTS / f"{stage}.json"
