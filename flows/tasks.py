@@ -188,17 +188,21 @@ def stage_task(stage: str, schedule: ScheduleParams):
 
 
 def pipeline_stages(pipeline: Path = PIPELINE) -> list[str]:
-    """The stages of the root `dvc.yaml` (or of `pipeline`, e.g. scheduling/dvc.yaml), upstream first (ties keep
-    the file's order): what plain `dvc repro [pipeline]` runs. Stages of another file are addressed as DVC
+    """The stages of the root `dvc.yaml` (or of `pipeline`, e.g. scheduling/dvc.yaml) and the stages of other
+    files they depend on (scheduling's plan reads the root's kernels report), upstream first (ties keep the file's
+    order): what plain `dvc repro [pipeline]` runs. Stages of another file than the root's are addressed as DVC
     prints them (`scheduling/dvc.yaml:train`)."""
     import networkx as nx
     from dvc.repo import Repo
 
     with Repo(".") as repo:
         order = {stage: i for i, stage in enumerate(repo.index.stages)}
-        # DVC's graph points from a stage to the stages it depends on; reversed, upstream comes first.
-        ordered = nx.lexicographical_topological_sort(repo.index.graph.reverse(), key=lambda s: order[s])
-        return [stage.addressing for stage in ordered if Path(stage.dvcfile.relpath) == pipeline]
+        graph = repo.index.graph  # points from a stage to the stages it depends on
+        own = {stage for stage in graph if Path(stage.dvcfile.relpath) == pipeline}
+        wanted = own.union(*(nx.descendants(graph, stage) for stage in own))
+        # Reversed, upstream comes first.
+        ordered = nx.lexicographical_topological_sort(graph.reverse(), key=lambda s: order[s])
+        return [stage.addressing for stage in ordered if stage in wanted]
 
 
 def source_sha256(params: Params) -> str | None:
@@ -215,7 +219,8 @@ ALWAYS_CHANGED = "always changed"  # how `dvc status --json` reports a stage mar
 
 
 def _dvc_status(pipeline: Path = PIPELINE) -> dict[str, list]:
-    code, lines = dvc("status", "--json", str(pipeline), log=False)  # without a target it covers every dvc.yaml
+    # Without a target it covers every dvc.yaml; --with-deps adds the stages of other files this one depends on.
+    code, lines = dvc("status", "--json", "--with-deps", str(pipeline), log=False)
     if code != 0:
         raise StageFailed("dvc status failed:\n" + "\n".join(lines[-15:]))
     return json.loads(next((line for line in reversed(lines) if line.startswith("{")), "{}"))

@@ -193,10 +193,6 @@ class KernelsParams(Section):
         description="CUDA architectures (`sm_<major><minor>`) to compile for when no CUDA device is usable; on a "
         "CUDA machine the kernels are built for the device's own architecture instead.",
     )
-    emulate: bool = Field(
-        True, description="With no CUDA device, also run the kernels' own code on the CPU (one thread per CUDA "
-        "thread, frugaltune/kernels/emulate.py) and check it against float64; adds ~15 s the first time, ~7 s after."
-    )
     bench_batch: int = Field(8, ge=1, description="Batch size of the CPU fp32-vs-bf16 timing and the GPU 'used' check.")
     bench_seq_len: int = Field(128, ge=1, description="Sequence length of those timings (tokenize.max_length or less).")
     model_hidden: int = Field(576, ge=1, description="Hidden size of the timed layer (default: SmolLM2-135M).")

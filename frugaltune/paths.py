@@ -6,6 +6,7 @@ that holds `dvc.yaml`), which is the working directory of `dvc repro` and of eve
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,6 +55,31 @@ PLAN = REPORTS / "plan.json"  # the planner's recommendation (probe stage); trai
 
 
 METRICS = REPORTS / "metrics"
+
+
+def project_root() -> Path:
+    """The DVC project's root (the directory holding `.dvc/`) seen from the working directory of any of its
+    pipelines (scheduling/dvc.yaml runs its stages in scheduling/); the working directory outside a DVC project."""
+    here = Path.cwd()
+    return next((folder for folder in (here, *here.parents) if (folder / ".dvc").is_dir()), here)
+
+
+def kernels_report() -> Path:
+    """reports/kernels.json of the root pipeline, as a path from the working directory: the kernels stage measures
+    a machine once, in the root dvc.yaml, and every pipeline reads that one report (`../reports/kernels.json` from
+    scheduling/, which its dvc.yaml declares)."""
+    return Path(os.path.relpath(project_root() / REPORTS / "kernels.json"))
+
+
+def pipeline_file() -> Path:
+    """The dvc.yaml whose stage is running, from the project root: `dvc.yaml` or `scheduling/dvc.yaml`."""
+    return Path(os.path.relpath(Path.cwd() / "dvc.yaml", project_root()))
+
+
+def repro_command() -> str:
+    """The command that reruns the running stage's pipeline from the project root (`dvc repro` is the root's)."""
+    pipeline = pipeline_file()
+    return "dvc repro" if pipeline == Path("dvc.yaml") else f"dvc repro {pipeline}"
 
 
 def report(stage: str) -> Path:

@@ -26,10 +26,12 @@ if TYPE_CHECKING:
 
 
 def machine_facts() -> tuple[dict, dict | None]:
-    """This machine's facts (reports/hardware.json) and the kernels stage's measurement of this CPU (None when it
-    measured another one: reports in git describe the last machine that ran)."""
+    """This machine's facts (reports/hardware.json) and the kernels stage's measurement of this CPU (the root
+    pipeline's report, paths.kernels_report; None when it measured another CPU: reports in git describe the last
+    machine that ran)."""
     hardware = read_json(paths.HARDWARE) if paths.HARDWARE.exists() else {}
-    kernels = read_json(paths.report("kernels")) if paths.report("kernels").exists() else None
+    report = paths.kernels_report()
+    kernels = read_json(report) if report.exists() else None
     return hardware, planner.measured_on(hardware, kernels)
 
 

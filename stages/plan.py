@@ -5,9 +5,10 @@ the machine's RAM, or the GPU's memory), the predicted peak, the micro-batch / a
 checkpointing / precision / threads it recommends and the ETA, calibrated by a few real steps of `train.method`
 on this machine (`probe.calibrate`) in the precision the plan chose.
 
-The precision is decided once, here, from what this machine measured: `reports/kernels.json`'s `cpu` section
-(the kernels stage times a decoder layer in fp32 and bf16), or a CUDA GPU's compute capability, or
-`train.precision` when it is not `auto`. Training then uses the plan's `run` section (method, precision,
+The precision is decided once, here, from what this machine measured: the root pipeline's `reports/kernels.json`
+`cpu` section (the kernels stage times a decoder layer in fp32 and bf16, once per machine; the scheduling
+pipeline's plan reads the same report), or a CUDA GPU's compute capability, or `train.precision` when it is not
+`auto`. Training then uses the plan's `run` section (method, precision,
 micro-batch, gradient checkpointing): `train` depends on those four keys and not on the machine's facts, so a
 recalibration that only moves the ETA retrains nothing, and another machine that resolves the same run reuses
 the trained adapter.
@@ -27,7 +28,8 @@ def run(params: Params) -> dict:
     if not paths.HARDWARE.exists():
         raise FileNotFoundError(f"{paths.HARDWARE} is missing: run `dvc repro probe` first (the plan needs it).")
     hardware = read_json(paths.HARDWARE)
-    kernels = read_json(paths.report("kernels")) if paths.report("kernels").exists() else None
+    measured = paths.kernels_report()  # the root pipeline's in every pipeline: measured once per machine
+    kernels = read_json(measured) if measured.exists() else None
     plan = planner.build_plan(params, hardware, planner.measured_on(hardware, kernels))
     write_json(paths.PLAN, plan)  # atomic: temp file + rename
     print(planner.render(plan))

@@ -30,7 +30,7 @@ if __name__ == "__main__":
 import os
 import sys
 
-from frugaltune import planner, store
+from frugaltune import paths, planner, store
 from frugaltune.config import ParamsError, load_params
 from frugaltune.faults import stage_errors
 from frugaltune.recipes.train import run
@@ -52,9 +52,17 @@ def main() -> None:
                 print(f"train: {nproc} ranks: {' '.join(argv[1:])}", flush=True)
                 os.execv(argv[0], argv)
             run(params)  # on train.allocator's malloc already: see the first lines of this module
-        except (ParamsError, planner.PlanError, DivergenceError, TrainingInterrupted, OutOfMemoryAtBatchOne, ValueError,
+        except TrainingInterrupted as exc:
+            sys.exit(interrupted_message(exc))
+        except (ParamsError, planner.PlanError, DivergenceError, OutOfMemoryAtBatchOne, ValueError,
                 FileNotFoundError, checkpoint.CheckpointRefused, store.StoreError) as exc:
             sys.exit(f"train: {exc}")
+
+
+def interrupted_message(exc: TrainingInterrupted) -> str:
+    """The loop's message and the command that continues the run: the loop cannot know which pipeline runs it,
+    the stage knows (its working directory's dvc.yaml: `dvc repro scheduling/dvc.yaml` for the scheduling one)."""
+    return f"train: {exc} From the project root: `{paths.repro_command()}`."
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ Python package and is not installed.
 
 build.py compiles them (cubins + ptxas figures wherever nvcc exists; the torch extension on CUDA machines),
 reference.py holds the references, cpu.py the checks that run on every machine, emulate.py runs the kernels' code
-on the CPU (one thread per CUDA thread), cuda.py verifies and benchmarks them on a CUDA device, attention.py plugs
-the attention into transformers. The `kernels` stage (stages/kernels.py) drives them.
+on the CPU (one thread per CUDA thread; the tests and `python -m frugaltune.kernels.emulate` run it), cuda.py
+verifies and benchmarks them on a CUDA device, attention.py plugs the attention into transformers, report.py
+builds what the `kernels` stage (stages/kernels.py) writes.
 """

@@ -1,6 +1,7 @@
 """Run the CUDA kernels' own code on the CPU, one OS thread per CUDA thread, and check it against float64.
 
-Where no GPU exists (this machine, CI) this is the only way the .cu files execute: each kernel launch
+Where no GPU exists (this machine, CI) this is the only way the .cu files execute, so it is run by the unit tests
+(tests/unit/test_kernels.py) and by hand, never by the pipeline: each kernel launch
 `k<<<grid, block, 0, stream>>>(args)` is rewritten into a call of `emu_launch` (kernels/emulation/shim.h), the
 sources are compiled with the host C++ compiler against the CUDA headers, and kernels/emulation/harness.cpp runs
 ragged cases of both kernels. It checks indexing, masking, tiling, the online softmax and barrier placement; it
@@ -109,26 +110,6 @@ def emulate(build_root: Path) -> dict[str, Any]:
         "failures": failures,
         "seconds": round(time.perf_counter() - start, 2),
     }
-
-
-def per_kernel(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """The emulation result condensed per kernel, for reports/kernels.json."""
-    summary = {}
-    for kernel in build.KERNEL_SOURCES:
-        cases = [c for c in result["cases"] if c["kernel"] == kernel]
-        failed = [c for c in result["failures"] if c["kernel"] == kernel]
-        record: dict[str, Any] = {"status": "passed" if cases and not failed else "failed", "cases": len(cases)}
-        if kernel == "sgemm":
-            record["max_rel_err"] = max((c["rel_err"] for c in cases), default=None)
-            record["tolerance"] = SGEMM_TOLERANCE
-        else:
-            record["max_abs_err"] = max((c["max_abs_err"] for c in cases), default=None)
-            record["lse_max_abs_err"] = max((c["lse_max_abs_err"] for c in cases), default=None)
-            record["worst_error_over_tolerance"] = max((c["worst_ratio"] for c in cases), default=None)
-            record["tolerance"] = ATTN_TOLERANCE
-        record["failures"] = failed[:10]
-        summary[kernel] = record
-    return summary
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """End to end: the scheduling pipeline (scheduling/dvc.yaml) through `dvc repro` on a tiny random llama and a small
-synthetic trace, in a temp git+DVC project; then a second `dvc repro`
-runs only the probe (always_changed, byte-identical facts) and nothing after it.
+synthetic trace, in a temp git+DVC project (the root pipeline's probe and kernels run first: the plan reads their
+report); then a second `dvc repro` runs only the probes (always_changed, byte-identical facts) and nothing after them.
 
 Run with `make test` (or `pytest -m slow tests/e2e/test_scheduling_pipeline.py`); about a minute and a half on
 2 cores: a synthetic 400-job trace, window 4, 2 teacher episodes, 4 training steps, 2 test sequences of 32 jobs.
@@ -22,8 +22,9 @@ from tests import tiny_project
 from tests.e2e.test_pipeline import ran_stages
 
 pytestmark = pytest.mark.slow
+# `probe` twice (the root pipeline's and this one's) and the root's `kernels`: the plan reads the root's kernels report
 STAGES = ["ingest_trace", "validate_trace", "simulate_baselines", "build_sft", "import_model", "ingest", "validate",
-          "tokenize", "probe", "kernels", "plan", "train", "evaluate_policy", "register"]
+          "tokenize", "probe", "probe", "kernels", "plan", "train", "evaluate_policy", "register"]
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +102,7 @@ def test_scheduling_repro_builds_sft_trains_judges_registers_then_is_a_no_op(pro
     name, decisions, calls = served.strip().splitlines()[-1].split()
     assert name == "champion" and int(decisions) == 20 and int(calls) > 0
 
-    # As in the root pipeline: only the probe runs (always_changed), its facts are byte-identical, nothing reruns.
+    # As in the root pipeline: only the probes run (always_changed, the root's and this one's), their facts are
+    # byte-identical, nothing reruns: the kernels stage measured this machine once.
     second = tiny_project.run([sys.executable, "-m", "dvc", "repro", "scheduling/dvc.yaml"], project)
-    assert ran_stages(second) == ["probe"], second
+    assert ran_stages(second) == ["probe", "probe"], second

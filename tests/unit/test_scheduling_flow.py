@@ -7,6 +7,7 @@ tasks do).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -21,15 +22,40 @@ def test_the_flow_runs_the_scheduling_stages_upstream_first(monkeypatch):
     from flows.tasks import pipeline_stages
 
     monkeypatch.chdir(ROOT)
-    stages = [s.split(":", 1)[1] for s in pipeline_stages(SCHEDULING_PIPELINE)]
-    assert all(s.startswith("scheduling/dvc.yaml:") for s in pipeline_stages(SCHEDULING_PIPELINE))
+    addressed = pipeline_stages(SCHEDULING_PIPELINE)
+    stages = [s.removeprefix("scheduling/dvc.yaml:") for s in addressed]
     assert sorted(stages) == sorted(["ingest_trace", "validate_trace", "simulate_baselines", "build_sft",
-                                     "import_model", "ingest", "validate", "tokenize", "probe", "kernels", "plan",
-                                     "train", "evaluate_policy", "register"])
+                                     "import_model", "ingest", "validate", "tokenize", "probe", "plan",
+                                     "train", "evaluate_policy", "register", "kernels", "probe"])
     before = stages.index
     assert before("ingest_trace") < before("validate_trace") < before("build_sft") < before("ingest") \
         < before("tokenize") < before("plan") < before("train") < before("evaluate_policy") < before("register")
-    assert before("probe") < before("kernels") < before("plan")  # this machine's precision, measured here
+    # This machine's precision is measured once, by the root pipeline's kernels stage (after the root's probe):
+    # the scheduling plan reads that report and the pipeline has no kernels stage of its own.
+    assert "scheduling/dvc.yaml:kernels" not in addressed
+    assert addressed.index("probe") < addressed.index("kernels") < addressed.index("scheduling/dvc.yaml:plan")
+    assert addressed.index("scheduling/dvc.yaml:probe") < addressed.index("scheduling/dvc.yaml:plan")
+
+
+def test_the_scheduling_plan_reads_the_root_pipelines_kernels_report(tmp_path, monkeypatch):
+    """From scheduling/ (where its stages run) the kernels report is the root's, as scheduling/dvc.yaml declares."""
+    import yaml
+
+    from frugaltune import paths, planner, resolve
+
+    stages = yaml.safe_load((ROOT / "scheduling/dvc.yaml").read_text())["stages"]
+    assert "kernels" not in stages and "../reports/kernels.json" in stages["plan"]["deps"]
+    (tmp_path / ".dvc").mkdir()
+    (tmp_path / "scheduling/reports").mkdir(parents=True)
+    (tmp_path / "reports").mkdir()
+    cpu = {"model": "This CPU"}
+    (tmp_path / "scheduling/reports/hardware.json").write_text(json.dumps({"cpu": cpu}))
+    measured = {"preferred_precision": "bf16", "reason": "bf16 2x fp32", "cpu_model": "This CPU"}
+    (tmp_path / "reports/kernels.json").write_text(json.dumps({"cpu": measured}))
+    monkeypatch.chdir(tmp_path / "scheduling")
+    assert paths.kernels_report() == Path("../reports/kernels.json")
+    hardware, found = resolve.machine_facts()
+    assert found == measured and planner.recommend_precision(hardware, "auto", found)[0] is True
 
 
 def test_a_scheduling_train_stage_gets_the_training_timeout_and_register_its_retries():
