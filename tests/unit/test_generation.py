@@ -336,6 +336,20 @@ def test_generator_formats_prompts_as_trained_and_answers_with_the_adapter(lm_di
         read_labels(adapter_dir)  # no label names: a classification loader refuses it
 
 
+def _local_store(monkeypatch, tmp_path) -> str:
+    """This test's own sqlite MLflow store (and base cache) in tmp_path, as the tracking URI; returns the URI."""
+    import mlflow
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FRUGALTUNE_BASE_CACHE", str(tmp_path / "base-cache"))
+    monkeypatch.setenv("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_ID", raising=False)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    mlflow.set_tracking_uri(uri)
+    return uri
+
+
 @pytest.mark.slow  # MLflow logging + a fresh interpreter: ~25 s
 def test_logged_generative_model_loads_without_frugaltune_and_generates(lm_dir, adapter_dir, tmp_path, monkeypatch,
                                                                          capsys):
@@ -347,13 +361,7 @@ def test_logged_generative_model_loads_without_frugaltune_and_generates(lm_dir, 
 
     from frugaltune import serving
 
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("FRUGALTUNE_BASE_CACHE", str(tmp_path / "base-cache"))
-    monkeypatch.setenv("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-    monkeypatch.delenv("MLFLOW_EXPERIMENT_ID", raising=False)
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    mlflow.set_tracking_uri(uri)
+    uri = _local_store(monkeypatch, tmp_path)
     try:
         mlflow.set_experiment("gen")
         with mlflow.start_run():
@@ -472,13 +480,7 @@ def test_predict_says_which_version_it_loaded_and_chooses_among_candidates(lm_di
 
     from frugaltune import cli, serving
 
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("FRUGALTUNE_BASE_CACHE", str(tmp_path / "base-cache"))
-    monkeypatch.setenv("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-    monkeypatch.delenv("MLFLOW_EXPERIMENT_ID", raising=False)
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    mlflow.set_tracking_uri(uri)
+    _local_store(monkeypatch, tmp_path)
     try:
         mlflow.set_experiment("gen")
         with mlflow.start_run():
