@@ -26,6 +26,7 @@ files change.
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import warnings
 from collections.abc import Iterable, Sequence
@@ -608,6 +609,17 @@ def signature() -> Any:
     return ModelSignature(inputs=Schema([ColSpec("string", TEXT_COLUMN)]), outputs=Schema([ColSpec("string")]))
 
 
+def _not_the_cloudpickle_notice(record: logging.LogRecord) -> bool:
+    """False for MLflow's notice that a `python_model` object is serialized with CloudPickle, true for anything else.
+
+    The notice is harmless here: what is pickled is this module's own model class (with `generation` and
+    `input_template`), by value on purpose so that a version loads without frugaltune installed, and it is unpickled
+    only from this project's own tracking store, which holds the adapter weights loaded with the same trust. The
+    "models from code" it suggests would need this project's source beside every load.
+    """
+    return not record.getMessage().startswith("Passing a Python object as `python_model` causes it to be serialized")
+
+
 def pip_requirements() -> list[str]:
     """The runtime packages pinned to the installed versions (local tags such as `+cpu` dropped)."""
     return [f"{name}=={metadata.version(name).split('+')[0]}" for name in RUNTIME_PACKAGES]
@@ -657,6 +669,8 @@ def log_model(
         input_example = pd.DataFrame({TEXT_COLUMN: list(example_texts)})
     for module in modules:
         cloudpickle.register_pickle_by_value(module)
+    mlflow_pyfunc_logger = logging.getLogger("mlflow.pyfunc")  # where MLflow logs it (mlflow/pyfunc/__init__.py)
+    mlflow_pyfunc_logger.addFilter(_not_the_cloudpickle_notice)
     try:
         return mlflow.pyfunc.log_model(
             name=name,
@@ -669,6 +683,7 @@ def log_model(
             tags=tags,
         )
     finally:
+        mlflow_pyfunc_logger.removeFilter(_not_the_cloudpickle_notice)
         for module in modules:
             cloudpickle.unregister_pickle_by_value(module)
         os.environ.pop(hint, None)

@@ -7,6 +7,7 @@ Real MLflow with a sqlite store in a temp project; a tiny random llama + LoRA ad
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import subprocess
@@ -382,3 +383,20 @@ def test_the_runs_table_view_shows_the_headline_metric_and_key_params(project: P
     url = tracking.runs_url("http://127.0.0.1:5000", experiment.experiment_id)
     assert url.endswith(f"/#/experiments/{experiment.experiment_id}/runs?workflowType=machine_learning"
                         "&viewStateShareKey=frugaltune")
+
+
+def test_logging_a_version_prints_no_cloudpickle_notice_and_other_mlflow_warnings_still_show(
+        project: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    from frugaltune import serving
+
+    with mlflow_project(project), pytest.MonkeyPatch.context() as patch:
+        patch.setenv("FRUGALTUNE_BASE_CACHE", str(project / "base-cache"))
+        tracking.setup(EXPERIMENT)
+        capfd.readouterr()
+        with mlflow.start_run():
+            serving.log_model(project / paths.BASE_MODEL, project / paths.ADAPTER_DIR)
+        logged = capfd.readouterr()
+        logging.getLogger("mlflow.pyfunc").warning("another MLflow warning")
+        after = capfd.readouterr()
+    assert "CloudPickle" not in logged.out + logged.err, logged.err
+    assert "another MLflow warning" in after.out + after.err  # the filter is gone once the model is logged
