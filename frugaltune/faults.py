@@ -1,8 +1,9 @@
 """Faults: the disk-full message every stage gives, and the injection points the fault suite drives.
 
-Library code. `stage_errors(stage)` wraps a stage's `main()`; `inject(point, name)` is called where a fault is most
-harmful (just before an atomic rename, in the middle of a checkpoint write) and does nothing unless the fault suite
-(`tests/faults/`, `pytest -m slow tests/faults`) set FRUGALTUNE_FAULT in the stage's environment:
+Library code. `stage_errors(stage)` wraps every stage's `main()` (and turns progress bars off when the stage's
+output is not a terminal: frugaltune.console); `inject(point, name)` is called where a fault is most harmful (just
+before an atomic rename, in the middle of a checkpoint write) and does nothing unless the fault suite (`tests/faults/`,
+`pytest -m slow tests/faults`) set FRUGALTUNE_FAULT in the stage's environment:
 
     FRUGALTUNE_FAULT=<point>:<file name>:<action>[,...]   action: enospc (raise OSError ENOSPC) | hang (write the
                                                           pid to $FRUGALTUNE_FAULT_MARKER, then wait to be killed) |
@@ -18,6 +19,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from frugaltune import console
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
@@ -53,7 +56,11 @@ def disk_full_message(stage: str, exc: OSError) -> str:
 
 @contextmanager
 def stage_errors(stage: str) -> Iterator[None]:
-    """Turn a full disk into one clear line and exit status 1, for any stage (other errors pass through)."""
+    """Turn a full disk into one clear line and exit status 1, for any stage (other errors pass through).
+
+    Every stage runs in here, so this is where its progress bars are turned off unless it writes to a terminal.
+    """
+    console.quiet_progress_unless_terminal()
     try:
         yield
     except OSError as exc:

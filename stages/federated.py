@@ -47,6 +47,7 @@ from datasets import load_from_disk
 
 from frugaltune import paths, tracking
 from frugaltune.config import Params, load_params
+from frugaltune.faults import stage_errors
 from frugaltune.federated import budget, centralized, federation, keys, plans, plots, results, rows
 from frugaltune.io import read_json, write_json, write_text
 from frugaltune.models import load_tokenizer
@@ -188,7 +189,8 @@ def print_summary(report: dict) -> None:
 
 
 def main() -> None:
-    run(load_params())
+    with stage_errors("federated"):  # a full disk: one clear line; progress bars only on a terminal
+        run(load_params())
 
 
 if __name__ == "__main__":

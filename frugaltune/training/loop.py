@@ -23,6 +23,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
+from frugaltune import console
 from frugaltune.telemetry import StepTimer
 from frugaltune.training import checkpoint
 from frugaltune.training.batching import (IGNORE_INDEX, collate, collate_targets, epoch_batches, parts,
@@ -450,7 +451,7 @@ def train_classifier(
     start = time.perf_counter()
     stop: dict = {}
     bar = tqdm(total=total_steps, initial=first_step - 1, desc="train", unit="step",
-               disable=not (progress and world.is_main), dynamic_ncols=True)
+               disable=not (progress and world.is_main and console.progress_bars_on()), dynamic_ncols=True)
     with (_stop_on_signals(stop), short_sequence_attention(model, cfg.eager_attention_max_len),
           fused_int8_lora(model, cfg.fused_int8_lora)):
         step = first_step
@@ -540,7 +541,8 @@ def predict(model: torch.nn.Module, input_ids: list[list[int]], pad_token_id: in
     model.eval()
     predictions = np.zeros(len(input_ids), dtype=np.int64)
     batches = sorted_batches([len(ids) for ids in input_ids], batch_size)
-    for batch_index in tqdm(batches, desc="predict", disable=not progress, dynamic_ncols=True):
+    for batch_index in tqdm(batches, desc="predict", disable=not (progress and console.progress_bars_on()),
+                            dynamic_ncols=True):
         batch = {k: v.to(device) for k, v in collate([input_ids[i] for i in batch_index], pad_token_id).items()}
         with autocast(bf16, device):
             logits = model(**batch).logits
@@ -557,7 +559,7 @@ def lm_loss(model: torch.nn.Module, input_ids: list[list[int]], labels: list[lis
     model.eval()
     total, count = 0.0, 0
     for batch_index in tqdm(sorted_batches([len(ids) for ids in input_ids], batch_size), desc="loss",
-                            disable=not progress, dynamic_ncols=True):
+                            disable=not (progress and console.progress_bars_on()), dynamic_ncols=True):
         batch = {k: v.to(device) for k, v in collate([input_ids[i] for i in batch_index], pad_token_id).items()}
         target = collate_targets([labels[i] for i in batch_index], batch["input_ids"].shape[1]).to(device)
         shared = shared_prefix_length(batch["input_ids"], target, LoopConfig.shared_prefix_min)
