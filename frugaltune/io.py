@@ -1,6 +1,8 @@
 """Atomic file writes: a crash never leaves a half-written artifact that looks valid.
 
 Library code, used by every stage: `write_json(path, obj)`, `write_text`, `atomic_dir(path)`, `save_figure`.
+A JSON report is rewritten only when its content changed (`write_json`), so a rerun that finds nothing new leaves
+the reports kept in git as they were.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,17 @@ from typing import Any
 from frugaltune import faults
 
 
-def write_text(path: Path | str, text: str) -> None:
+# Keys whose values differ on every run that measures the same thing: how long it took (or a rate per second), or
+# when. A report that differs from the one on disk in these only says nothing new.
+VOLATILE_KEY_ENDINGS = ("seconds", "_s", "_ms", "elapsed", "timestamp")
+
+
+def write_text(path: Path | str, text: str, keep_old: Callable[[str], bool] | None = None) -> None:
+    """Write `text` to `path` under a temp name beside it, then rename it in: never a half-written `path`.
+
+    With `keep_old`, a file already at `path` whose text `keep_old` accepts stays as it is (bytes and mtime): the
+    new text is still written and checked as ever (a full disk still fails), then dropped instead of renamed in.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
@@ -28,14 +40,50 @@ def write_text(path: Path | str, text: str) -> None:
             faults.inject("write", path.name)  # tests/faults: a disk that fills up mid-write
         os.chmod(tmp, 0o644)  # mkstemp makes it private; the artifact should not be
         faults.inject("commit", path.name)  # tests/faults: killed just before the rename
+        if keep_old is not None and path.is_file() and keep_old(path.read_text(encoding="utf-8")):
+            Path(tmp).unlink()
+            return
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
 
 
+def is_volatile(key: str) -> bool:
+    """A key `ms` or ending in `seconds`, `_s`, `_ms`, `elapsed` or `timestamp` (`wall_seconds`, `duration_s`,
+    `tokens_per_s`, `step_time_mean_ms`): a duration, a rate per second or a time of day."""
+    return key == "ms" or key.endswith(VOLATILE_KEY_ENDINGS)
+
+
+def without_volatile(obj: Any) -> Any:
+    """`obj` with every volatile key (`is_volatile`) removed, at any depth."""
+    if isinstance(obj, dict):
+        return {key: without_volatile(value) for key, value in obj.items() if not is_volatile(str(key))}
+    if isinstance(obj, list):
+        return [without_volatile(value) for value in obj]
+    return obj
+
+
 def write_json(path: Path | str, obj: Any) -> None:
-    write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+    """`obj` as indented JSON, atomically; a file already there is kept when only volatile keys differ.
+
+    The rule: the old file stays, bytes and mtime, when it parses as JSON and equals the new content once every key
+    `is_volatile` (durations, rates per second, timestamps) is removed at any depth from both. Any other difference
+    (a metric, a count, a key added or removed) rewrites the file. Reports are committed, so a rerun that finds
+    nothing new (`dvc repro --force`, an upstream stage that rebuilt the same data) would otherwise dirty them only
+    for their timings; the timings kept are those of the run that produced the content. DVC is content-addressed:
+    an output left as it was is an output it finds up to date.
+    """
+    text = json.dumps(obj, indent=2, sort_keys=False) + "\n"
+    new = without_volatile(json.loads(text))  # as read back: tuples are lists, keys are strings
+
+    def same_content(old_text: str) -> bool:
+        try:
+            return without_volatile(json.loads(old_text)) == new
+        except ValueError:  # not JSON (a hand edit, a file of another kind): replace it
+            return False
+
+    write_text(path, text, keep_old=same_content)
 
 
 def write_metrics(path: Path | str, metrics: dict[str, Any]) -> None:
