@@ -7,6 +7,7 @@ Library code, no entry point of its own. The heuristic table is produced by
 The pieces, in the order data flows through them:
     swf.read_swf            a Parallel Workloads Archive trace -> Workload (typed jobs + header)
     synthetic.synthetic_workload   a seeded toy workload for tests
+    lublin.lublin_workload  the Lublin-Feitelson workload model for a machine of P processors; load scaling
     simulator.simulate      Workload jobs + Policy (+ EASY backfilling) -> SimulationResult
     policies                FCFS, SJF, WFP3, UNICEF, F1 (score functions, lower runs first)
     metrics                 bounded slowdown, waits, utilisation, queue length over time

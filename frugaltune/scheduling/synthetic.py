@@ -5,8 +5,8 @@ test feeds it to `dvc repro`):
 
     python -m frugaltune.scheduling.synthetic trace.swf --jobs 600 --procs 32 --seed 0
 
-It is a toy, not a workload model: for realistic synthetic traces use the Lublin-Feitelson model's output
-(../shared/data/swf/lublin_256.swf).
+It is a toy, not a workload model: for realistic synthetic traces use the Lublin-Feitelson model
+(`frugaltune.scheduling.lublin`).
 """
 
 from __future__ import annotations
