@@ -30,7 +30,7 @@ processor is free, so 10,000 jobs take a few seconds in CPython (the benchmark p
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -342,12 +342,16 @@ def simulate(jobs: Sequence[Job], total_procs: int, policy: Policy, *, backfill:
 
 
 def simulate_batch(job_lists: Sequence[Sequence[Job]], total_procs: int, policy: Policy, *, backfill: bool = False,
-                   window: int = DEFAULT_WINDOW) -> list[SimulationResult]:
+                   window: int = DEFAULT_WINDOW,
+                   on_decision: Callable[[Simulator, SchedulerState, Job], None] | None = None,
+                   ) -> list[SimulationResult]:
     """`simulate` for several independent job sequences, in lockstep: each round collects the pending decision of
     every unfinished sequence and, when the policy has `choose_many(states) -> jobs`, answers them in one call.
 
     Each schedule is the one `simulate` gives (the sequences never interact); an LLM policy batches its forwards
-    across sequences, which is where its time goes. Results are in the order of `job_lists`.
+    across sequences, which is where its time goes. Results are in the order of `job_lists`. `on_decision(sim,
+    state, job)` sees every answer before it is committed, with the simulation still at the decision (so an
+    observer can `sim.clone()` and look ahead, as `judge.DepartureLog` does) and must not commit itself.
     """
     sims = [Simulator(jobs, total_procs, backfill=backfill, window=window) for jobs in job_lists]
     choose_many = getattr(policy, "choose_many", None)
@@ -357,6 +361,8 @@ def simulate_batch(job_lists: Sequence[Sequence[Job]], total_procs: int, policy:
             break
         states = [state for _, state in pending]
         chosen = choose_many(states) if choose_many is not None else [policy.choose(s) for s in states]
-        for (sim, _), job in zip(pending, chosen):
+        for (sim, state), job in zip(pending, chosen):
+            if on_decision is not None:
+                on_decision(sim, state, job)
             sim.commit(job, policy.name)
     return [sim.result(policy.name) for sim in sims]
