@@ -1,30 +1,35 @@
-"""The heuristic baselines on the held-out sequences.  Run by DVC (in scheduling/) as:  python -m stages.simulate_baselines
+"""The heuristic baselines and the teacher's ceiling.  Run by DVC (in scheduling/) as:  python -m stages.simulate_baselines
 
-FCFS, SJF, WFP3, UNICEF and F1, each with and without EASY backfilling, on the test sequences of
-`scheduling.evaluation` (the held-out last part of `data/trace.swf`) at `scheduling.window`. Writes
-`reports/simulate_baselines.json` (mean/std of avg bsld and mean wait per policy and mode, the simulator's
-jobs/s), `reports/metrics/simulate_baselines.json` (avg bsld per policy and mode),
-`reports/plots/simulate_baselines_bsld.csv` and `reports/figures/baselines_bsld.png`.
+FCFS, SJF, WFP3, UNICEF and F1, each with and without EASY backfilling, at `scheduling.window`, on two workloads:
+the test sequences of `scheduling.evaluation` (the held-out last part of `data/trace.swf`) and those of
+`scheduling.second_workload` (`data/second_workload.swf`, generated, never trained on). Beside them, the lookahead
+teacher (`scheduling.sft.rollout_policies`, `horizon`) scheduling the same sequences itself, in both modes: the
+ceiling of what imitating it can reach (evaluate_policy puts it in the LLMs' table; computed here, where it is
+cached across retrains). Writes `reports/simulate_baselines.json` (mean/std of avg bsld and mean wait per policy
+and mode, per workload; the simulator's jobs/s), `reports/metrics/simulate_baselines.json` (avg bsld per policy
+and mode), `reports/plots/simulate_baselines_bsld.csv` and `reports/figures/baselines_bsld.png`.
 """
 
 from __future__ import annotations
 
 import sys
+import time
 
 from frugaltune import paths
 from frugaltune.config import Params, ParamsError, load_params
 from frugaltune.faults import stage_errors
 from frugaltune.io import write_json, write_metrics, write_text
-from frugaltune.scheduling.evaluation import evaluate, markdown_table, summary_table
+from frugaltune.scheduling.evaluation import Protocol, evaluate, markdown_table, sequences, summary_table
+from frugaltune.scheduling.judge import MODES, summarise, teacher_results
 from frugaltune.scheduling.plots import plot_bsld
 from frugaltune.scheduling.policies import HEURISTICS
-from frugaltune.scheduling.settings import load_workload, protocol
+from frugaltune.scheduling.settings import load_workload, protocol, second_protocol, teacher
+from frugaltune.scheduling.sft import LookaheadTeacher
+from frugaltune.scheduling.swf import Workload, read_swf
 
 
-def run(params: Params) -> dict:
-    sp = params.scheduling
-    workload = load_workload(paths.TRACE_COPY, sp)
-    proto = protocol(sp)
+def baselines(workload: Workload, proto: Protocol, lookahead: LookaheadTeacher) -> dict:
+    """Every heuristic and the teacher, both modes, on `proto`'s sequences of `workload`."""
     frame, _ = evaluate(workload, HEURISTICS.values(), proto)
     bsld, wait = summary_table(frame, "avg_bsld"), summary_table(frame, "mean_wait")
     policies = {}
@@ -34,23 +39,47 @@ def run(params: Params) -> dict:
                    "avg_bsld_std": float(bsld.loc[name, f"avg_bsld std{suffix}"]),
                    "mean_wait_mean": float(wait.loc[name, f"mean_wait mean{suffix}"])}
             for mode, suffix in (("no_backfill", ""), ("easy", " +EASY"))}
-    report = {"sequences": proto.n_sequences, "sequence_length": proto.sequence_length, "window": proto.window,
-              "held_out_fraction": proto.held_out_fraction, "policies": policies,
-              "simulated_jobs": int(frame["jobs"].sum()),
-              "jobs_per_s": float(frame["jobs"].sum() / frame["seconds"].sum())}
+    print(f"{workload.source}: {proto.n_sequences} sequences of {proto.sequence_length} jobs")
+    print(markdown_table(bsld))
+    tests, ceiling = sequences(workload, proto), {}
+    for mode, backfill in MODES.items():
+        began = time.perf_counter()
+        s = summarise(teacher_results(tests, workload.max_procs, lookahead, proto.window, backfill),
+                      time.perf_counter() - began)
+        ceiling[mode] = {"avg_bsld_mean": s["avg_bsld"], "avg_bsld_std": s["avg_bsld_std"],
+                         "mean_wait_mean": s["mean_wait"], "per_sequence_avg_bsld": s["per_sequence_avg_bsld"],
+                         "seconds": s["seconds"]}
+        print(f"simulate_baselines: teacher {lookahead.name} {mode}: avg bsld {s['avg_bsld']:.2f} "
+              f"({s['seconds']:.1f} s)")
+    return {"sequences": proto.n_sequences, "sequence_length": proto.sequence_length, "max_procs":
+            workload.max_procs, "policies": policies, "teacher": ceiling,
+            "simulated_jobs": int(frame["jobs"].sum()), "jobs_per_s": float(frame["jobs"].sum()
+                                                                            / frame["seconds"].sum())}
+
+
+def run(params: Params) -> dict:
+    sp = params.scheduling
+    proto, lookahead = protocol(sp), teacher(sp)
+    report = {"window": proto.window, "held_out_fraction": proto.held_out_fraction, "teacher_name": lookahead.name,
+              **baselines(load_workload(paths.TRACE_COPY, sp), proto, lookahead),
+              "second_workload": baselines(read_swf(paths.SECOND_WORKLOAD), second_protocol(sp), lookahead)}
+    policies = report["policies"]
     write_json(paths.report("simulate_baselines"), report)
-    write_metrics(paths.metrics("simulate_baselines"),
-                  {f"{name}.{mode}.avg_bsld": v[mode]["avg_bsld_mean"] for name, v in policies.items() for mode in v})
+    metrics = {f"{name}.{mode}.avg_bsld": v[mode]["avg_bsld_mean"] for name, v in policies.items() for mode in v}
+    metrics |= {f"teacher.{mode}.avg_bsld": v["avg_bsld_mean"] for mode, v in report["teacher"].items()}
+    second = report["second_workload"]
+    metrics |= {f"second_workload.{name}.{mode}.avg_bsld": v[mode]["avg_bsld_mean"]
+                for name, v in (second["policies"] | {"teacher": second["teacher"]}).items() for mode in MODES}
+    write_metrics(paths.metrics("simulate_baselines"), metrics)
     write_text(paths.plot("simulate_baselines", "bsld"), "policy,avg_bsld,avg_bsld_easy\n" + "".join(
         f"{name},{v['no_backfill']['avg_bsld_mean']:.4f},{v['easy']['avg_bsld_mean']:.4f}\n"
-        for name, v in policies.items()))
+        for name, v in (policies | {"teacher": report["teacher"]}).items()))
     plot_bsld({n: v["no_backfill"]["avg_bsld_mean"] for n, v in policies.items()}
               | {f"{n}+EASY": v["easy"]["avg_bsld_mean"] for n, v in policies.items()},
               {n: v["no_backfill"]["avg_bsld_std"] for n, v in policies.items()}
               | {f"{n}+EASY": v["easy"]["avg_bsld_std"] for n, v in policies.items()},
               paths.FIGURES / "baselines_bsld.png",
               f"{proto.n_sequences} held-out sequences of {proto.sequence_length} jobs, window {proto.window}")
-    print(markdown_table(bsld))
     print(f"simulate_baselines: {report['simulated_jobs']} jobs at {report['jobs_per_s']:,.0f} jobs/s")
     return report
 

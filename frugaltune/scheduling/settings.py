@@ -1,4 +1,5 @@
-"""From `scheduling.*` params to the library's objects: the trace, the evaluation protocol, the SFT config.
+"""From `scheduling.*` params to the library's objects: the trace, the evaluation protocol, the SFT config, the
+teacher and the second (generated) evaluation workload.
 
 Library code, imported by the scheduling pipeline's stages (`python -m stages.<name>` in scheduling/) so that each
 fact (which window, which sequences) is turned into objects in one place.
@@ -10,7 +11,9 @@ from pathlib import Path
 
 from frugaltune.config import SchedulingParams
 from frugaltune.scheduling.evaluation import Protocol
-from frugaltune.scheduling.sft import SftConfig
+from frugaltune.scheduling.lublin import at_load, lublin_workload
+from frugaltune.scheduling.policies import HEURISTICS
+from frugaltune.scheduling.sft import LookaheadTeacher, SftConfig
 from frugaltune.scheduling.swf import Workload, read_swf
 
 
@@ -30,3 +33,23 @@ def sft_config(sp: SchedulingParams) -> SftConfig:
     return SftConfig(protocol=protocol(sp), episodes=s.episodes, episode_length=s.episode_length, seed=s.seed,
                      rollout_policies=tuple(s.rollout_policies), horizon=s.horizon, backfill=sp.backfill,
                      max_running=s.max_running, order=sp.order)
+
+
+def teacher(sp: SchedulingParams) -> LookaheadTeacher:
+    """The lookahead teacher build_sft labels with, for the ceiling and the departure check."""
+    return LookaheadTeacher([HEURISTICS[name] for name in sp.sft.rollout_policies], sp.sft.horizon)
+
+
+def generate_second_workload(sp: SchedulingParams) -> Workload:
+    """`scheduling.second_workload`: the Lublin-Feitelson model for its machine size and seed, at its load."""
+    sw = sp.second_workload
+    workload = lublin_workload(sw.jobs, sw.procs, sw.seed)
+    return at_load(workload, sw.load) if sw.load is not None else workload
+
+
+def second_protocol(sp: SchedulingParams) -> Protocol:
+    """Test sequences of the second workload: drawn anywhere in it (held_out_fraction 1: none of it is trained
+    on), with the evaluation seed and the same window."""
+    sw = sp.second_workload
+    return Protocol(sequence_length=sw.sequence_length, n_sequences=sw.n_sequences, held_out_fraction=1.0,
+                    seed=sp.evaluation.seed, window=sp.window)

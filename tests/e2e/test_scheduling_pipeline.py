@@ -23,8 +23,8 @@ from tests.e2e.test_pipeline import ran_stages
 
 pytestmark = pytest.mark.slow
 # `probe` twice (the root pipeline's and this one's) and the root's `kernels`: the plan reads the root's kernels report
-STAGES = ["ingest_trace", "validate_trace", "simulate_baselines", "build_sft", "import_model", "ingest", "validate",
-          "tokenize", "probe", "probe", "kernels", "plan", "train", "evaluate_policy", "register"]
+STAGES = ["ingest_trace", "validate_trace", "generate_workload", "simulate_baselines", "build_sft", "import_model",
+          "ingest", "validate", "tokenize", "probe", "probe", "kernels", "plan", "train", "evaluate_policy", "register"]
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +46,8 @@ def project(tmp_path_factory, tiny_model_dir) -> Path:
         "evaluation": {"sequence_length": 32, "n_sequences": 2, "held_out_fraction": 0.3, "seed": 0},
         "sft": {**params["scheduling"]["sft"], "episodes": 2, "episode_length": 60, "horizon": 16},
         "llm": {**params["scheduling"]["llm"], "threads": 1},
+        "second_workload": {"procs": 32, "jobs": 300, "load": 1.2, "seed": 9, "n_sequences": 2,
+                            "sequence_length": 32},
         "validate": {"min_jobs": 100, "max_overshoot_fraction": 0.5},
     })
     path.write_text(yaml.safe_dump(params, sort_keys=False))
@@ -84,6 +86,13 @@ def test_scheduling_repro_builds_sft_trains_judges_registers_then_is_a_no_op(pro
         assert len(evaluation[name]["per_sequence_avg_bsld"]) == 2 and evaluation[name]["avg_bsld"] >= 1
         assert 0 < evaluation[name]["model_calls"] <= evaluation[name]["decisions"] == 64  # one per job
         assert evaluation[name]["decisions_per_s"] > 0
+    # Every policy, the teacher's ceiling beside them, on both workloads and in both modes
+    for workload in ("trace", "second_workload"):
+        for mode in ("no_backfill", "easy"):
+            rows = evaluation["workloads"][workload][mode]
+            assert set(rows) == {"FCFS", "SJF", "WFP3", "UNICEF", "F1", "finetuned", "base", "teacher"}
+            assert 0 <= rows["finetuned"]["departures"]["departure_share"] <= 1
+    assert evaluation["workloads"]["second_workload"]["max_procs"] == 32
     cdf = pd.read_csv(out / "reports/plots/evaluate_policy_queue_cdf.csv")
     assert list(cdf.columns) == ["queue_length", "FCFS", "SJF", "WFP3", "UNICEF", "F1", "finetuned", "base"]
     assert (cdf.iloc[-1, 1:] == 1.0).all()

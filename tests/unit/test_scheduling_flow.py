@@ -24,12 +24,14 @@ def test_the_flow_runs_the_scheduling_stages_upstream_first(monkeypatch):
     monkeypatch.chdir(ROOT)
     addressed = pipeline_stages(SCHEDULING_PIPELINE)
     stages = [s.removeprefix("scheduling/dvc.yaml:") for s in addressed]
-    assert sorted(stages) == sorted(["ingest_trace", "validate_trace", "simulate_baselines", "build_sft",
+    assert sorted(stages) == sorted(["ingest_trace", "validate_trace", "generate_workload", "simulate_baselines",
+                                     "build_sft",
                                      "import_model", "ingest", "validate", "tokenize", "probe", "plan",
                                      "train", "evaluate_policy", "register", "kernels", "probe"])
     before = stages.index
     assert before("ingest_trace") < before("validate_trace") < before("build_sft") < before("ingest") \
         < before("tokenize") < before("plan") < before("train") < before("evaluate_policy") < before("register")
+    assert before("generate_workload") < before("simulate_baselines") < before("evaluate_policy")
     # This machine's precision is measured once, by the root pipeline's kernels stage (after the root's probe):
     # the scheduling plan reads that report and the pipeline has no kernels stage of its own.
     assert "scheduling/dvc.yaml:kernels" not in addressed

@@ -78,3 +78,17 @@ def test_the_generated_trace_round_trips_through_swf(tmp_path):
 def test_a_machine_the_model_cannot_size_is_refused():
     with pytest.raises(ValueError, match="max_procs >= 2"):
         lublin_workload(10, max_procs=1)
+
+
+def test_the_pipelines_second_workload_comes_from_its_params_and_is_all_test_data():
+    from frugaltune.config import ParamsError, parse_params
+    from frugaltune.scheduling.settings import generate_second_workload, second_protocol
+
+    sp = parse_params({"scheduling": {"second_workload": {"procs": 32, "jobs": 300, "load": 1.1, "seed": 5}}}).scheduling
+    first, again = generate_second_workload(sp), generate_second_workload(sp)
+    assert first.max_procs == 32 and len(first) == 300 and offered_load(first) == pytest.approx(1.1, rel=1e-3)
+    assert [j.submit_time for j in first.jobs] == [j.submit_time for j in again.jobs]
+    proto = second_protocol(sp)
+    assert proto.held_out_fraction == 1.0 and proto.window == sp.window and proto.n_sequences == 10
+    with pytest.raises(ParamsError, match="scheduling.second_workload.procs"):
+        parse_params({"scheduling": {"second_workload": {"procs": 1}}})
