@@ -36,13 +36,15 @@ import psutil
 import pytest
 import yaml
 
+from frugaltune.config import derived_model_name
 from tests import readme_commands
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 DEPLOYMENT = "finetune/scheduled"
-MODEL_NAME = "frugaltune-sentiment"
 SOURCE = "incoming/tweets.csv"
+# register.model_name: auto names the model after the data the runs train on (the deployment's data_source)
+MODEL_NAME = derived_model_name(SOURCE, "classification")
 CRON = "0 4 1 1 *"  # 04:00 on January 1st: no scheduled run fires during the test
 
 

@@ -108,7 +108,8 @@ def test_pipeline_registry_and_champion_on_the_server_and_the_model_loads_throug
     assert champion(client) == "1"
     run_id = json.loads((repo / "reports/train.json").read_text())["mlflow_run_id"]
     assert client.get_run(run_id).data.metrics["eval.finetuned.macro_f1"] >= 0  # register logged into that run
-    for experiment in ("frugaltune", "frugaltune-base-models"):  # artifacts proxied: no path on anyone's disk
+    # the task's own experiment (named after its model) and the base models': artifacts proxied, no path on a disk
+    for experiment in (MODEL_NAME, "frugaltune-base-models"):
         assert client.get_experiment_by_name(experiment).artifact_location.startswith("mlflow-artifacts:")
     stored = list((server.home / "mlflow-server" / "artifacts").rglob("model.safetensors"))
     assert stored, "the base model is not in the server's artifact store"
