@@ -258,9 +258,10 @@ def _calibration_point(spec: dict) -> dict:
     train_classifier(model, rows, targets, cfg, spec["pad_token_id"], progress=False, batches=batches,
                      on_log=lambda record: marks.append((record["elapsed_s"], peak(), compiled())))
     busy = (time.process_time() - cpu_start) / max((time.perf_counter() - wall_start) * spec["threads"], 1e-9)
-    ends = [elapsed for elapsed, _, _ in marks]
-    steps = [{"seconds": end - start, "peak_rss_bytes": rss, "compiled_graphs": graphs - before}
-             for end, start, (_, rss, graphs), before in zip(ends, [0.0, *ends], marks, [0, *(m[2] for m in marks)])]
+    steps, previous = [], (0.0, 0)
+    for elapsed, rss, graphs in marks:  # cumulative marks -> each step's own seconds and compiled graphs
+        steps.append({"seconds": elapsed - previous[0], "peak_rss_bytes": rss, "compiled_graphs": graphs - previous[1]})
+        previous = (elapsed, graphs)
     return {"loaded_rss_bytes": loaded_rss, "steps": steps, "int8_products": bool(int8["on"]),
             "cpu_share": round(busy, 3), "allocator": allocator.active()}
 
