@@ -517,7 +517,8 @@ def decide_machine(hardware: dict, measured: dict | None, precision_setting: str
 
     - precision: `recommend_precision` (the kernels stage's measurement, a GPU's compute capability, or as set);
     - the attention crossover: `eager_attention_max_len`, measured by the kernels stage in that precision;
-    - threads: physical cores, split between the ranks on one host;
+    - threads: physical cores, split between the ranks on one host (`cores`: how many this machine has, on which
+      the federated stage lays out its clients' workers and its server's evaluation);
     - int8 products, per method in `methods`: `frugaltune.int8.decide`, which times int8 products against the
       precision's on this machine now (`dims`: the model's hidden and intermediate sizes; None: no int8).
     """
@@ -528,7 +529,7 @@ def decide_machine(hardware: dict, measured: dict | None, precision_setting: str
     cores = hardware.get("cpu", {}).get("physical_cores") or os.cpu_count() or 1
     decided = {
         "bf16": bf16, "precision": "bf16" if bf16 else "fp32", "precision_why": precision_why,
-        "precision_setting": precision_setting,
+        "precision_setting": precision_setting, "cores": cores,
         "eager_attention_max_len": eager_attention_max_len(measured, bf16, bool(gpus)),
         "threads": threads or max(1, cores // ranks),
         "threads_why": ("as configured (train.threads)" if threads else

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import psutil
 
 from frugaltune import paths, planner
 from frugaltune.io import read_json
@@ -41,13 +40,6 @@ def device() -> "torch.device":
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def physical_threads(requested: int | None = None) -> int:
-    """`requested`, else the physical cores: a second hyperthread per core adds contention, not FLOPs, to GEMMs."""
-    import torch
-
-    return requested or psutil.cpu_count(logical=False) or torch.get_num_threads()
-
-
 def read_plan(path: Path = paths.PLAN) -> dict | None:
     """reports/plan.json when it exists and describes this machine's CPU, else None (a plan from git describes
     the machine that last ran it)."""
@@ -66,8 +58,10 @@ def machine(precision_setting: str = "auto", method: str = "lora", int8_setting:
             threads: int | None = None) -> dict:
     """The machine decisions for a run that has no entry of its own in the plan (evaluation, compare, federated
     clients): the plan's when it exists and was decided for the same `precision_setting`, else decided now by the
-    plan's own function. Keys: bf16, precision_why, eager_attention_max_len, threads, int8 (a decision dict)."""
-    if plan is not None and plan.get("machine", {}).get("precision_setting") == precision_setting:
+    plan's own function. Keys: bf16, precision_why, eager_attention_max_len, threads, cores, int8 (a decision dict).
+    A plan written before `cores` was decided counts as none."""
+    decided_in_plan = (plan or {}).get("machine", {})
+    if decided_in_plan.get("precision_setting") == precision_setting and "cores" in decided_in_plan:
         decided = plan["machine"]
     else:
         hardware, measured = machine_facts()

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from frugaltune import planner
 from frugaltune.federated import aggregation, local, rows
+from frugaltune.federated.plans import machine_cores
 
 # Forward only, against forward + backward (about twice the forward) of a training step: a third per token.
 EVAL_SHARE = 1 / 3
@@ -143,13 +144,11 @@ def decide(params, plans: dict[str, list[dict]], runs: list[tuple[str, str]], la
     """How many rounds the stage runs: `federated.num_rounds`, or as many as `federated.budget_minutes` fits (the
     stage's time so far counted in), predicted from a client-round measured here. `plans`: scheme -> the clients'
     plans; `runs`: (scheme, method) of each federation, in the order the stage runs them."""
-    from frugaltune import resolve
-
     fp, tp = params.federated, params.train
     asked = fp.num_rounds
     if fp.budget_minutes is None:
         return {"minutes": None, "rounds_asked": asked, "rounds": asked, "trade": f"no budget: {asked} rounds"}
-    physical = resolve.physical_threads()
+    physical = machine_cores(params)
     machine = Machine(threads=fp.threads, workers=max(1, physical // fp.threads), server_threads=physical)
     included = sorted((p for p in plans[runs[0][0]] if p["fits"]), key=lambda p: (p["examples"], p["client"]))
     probe = included[len(included) // 2]  # a client of the median size stands for the others' speed per token

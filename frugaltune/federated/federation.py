@@ -14,9 +14,10 @@ import os
 import subprocess
 from pathlib import Path
 
-from frugaltune import paths, resolve
+from frugaltune import paths
 from frugaltune.config import FederatedParams, Params
 from frugaltune.federated import rounds, rows
+from frugaltune.federated.plans import machine_cores
 from frugaltune.federated.keys import PROJECT_ROOT
 from frugaltune.federated.launch import LocalFederation
 from frugaltune.federated.settings import NodeSettings, RunSettings
@@ -70,7 +71,7 @@ def run_settings(params: Params, method: str, out: Path, included: list[dict], l
         lr=fp.lr, server_lr=fp.server_lr, server_momentum=fp.server_momentum, lr_schedule=fp.lr_schedule,
         batch_size=fp.batch_size, seed=params.common.seed,
         # the server evaluates between rounds, while this host's clients wait: it may use every core
-        threads=resolve.physical_threads(),
+        threads=machine_cores(params),
         dp_epsilon=fp.dp.epsilon if fp.dp.enabled else 0.0, dp_delta=fp.dp.delta, dp_clip=fp.dp.clipping_norm,
         proximal_mu=fp.proximal_mu, logit_adjustment=fp.logit_adjustment, client_state=fp.client_state,
         transmit_dtype=fp.transmit_dtype, secure_aggregation=fp.secure_aggregation,
@@ -106,7 +107,7 @@ def federate(params: Params, name: str, settings: RunSettings, nodes: list[NodeS
         # Simulation Engine: one Ray worker per `threads` physical cores, so clients train side by side without
         # oversubscribing. Every process on train.allocator, the malloc the plan's calibration ran on.
         with LocalFederation(FLOWER_BIN, workdir, node_configs, PROJECT_ROOT, threads=fp.threads, runtime=fp.runtime,
-                             workers=max(1, resolve.physical_threads() // fp.threads),
+                             workers=max(1, machine_cores(params) // fp.threads),
                              allocator=params.train.allocator) as fed:
             result = fed.submit(APP, config, timeout=None)
         if (out / "done.json").exists():  # `flwr run` exits 0 even when the ServerApp raised

@@ -21,6 +21,12 @@ def machine_precision(params: Params) -> tuple[bool, int]:
     return bool(decided["bf16"]), int(decided["eager_attention_max_len"])
 
 
+def machine_cores(params: Params) -> int:
+    """The physical cores of this machine, as the plan counted them (its machine decisions): the federation lays out
+    its Ray workers (`federated.threads` cores each) and its server's evaluation threads on them."""
+    return int(resolve.machine(params.federated.precision, plan=resolve.read_plan())["cores"])
+
+
 def plan_calibration(bf16: bool) -> tuple[planner.Constants, int | None, str]:
     """(constants, threads they were measured with, where from) for the clients' time estimates: the plan stage's
     calibration (reports/plan.json) when it measured this CPU (reports/hardware.json), on a CPU, in the precision the

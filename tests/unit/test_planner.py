@@ -347,6 +347,26 @@ def test_resolve_run_refuses_before_loading_and_reads_every_decision_from_the_pl
     assert math.isclose(resolved.predicted_peak_mb, plan["methods"]["lora"]["predicted_peak_mb"])
 
 
+def test_the_federation_lays_out_its_workers_on_the_cores_the_plan_counted(tmp_path, monkeypatch):
+    """The plan's machine decisions hold the cores (from the probe's report), and the federated stage reads them
+    there; a plan written before they were decided counts as none and the decision is made again."""
+    from frugaltune import paths, resolve
+    from frugaltune.config import Params
+    from frugaltune.federated.plans import machine_cores
+
+    monkeypatch.chdir(tmp_path)
+    twelve = {**cpu_hardware(24), "cpu": {**cpu_hardware(24)["cpu"], "physical_cores": 12}}
+    decided = planner.decide_machine(twelve, None, "auto")
+    assert decided["cores"] == 12 and decided["threads"] == 12
+    assert planner.decide_machine(twelve, None, "auto", ranks=4)["cores"] == 12  # ranks share cores, not count them
+    paths.PLAN.parent.mkdir(parents=True)
+    paths.PLAN.write_text(json.dumps({"machine": {**decided, "precision_setting": "auto"}}))
+    params = Params.model_validate({"federated": {"threads": 2}})
+    assert machine_cores(params) == 12  # the plan's count, not this machine's
+    old = {key: value for key, value in decided.items() if key != "cores"}
+    assert "cores" in resolve.machine("auto", plan={"machine": old})  # decided now, from this machine's facts
+
+
 def test_sdpa_keeps_cudnn_on_a_cpu_only_machine():
     """The GPU switch (cuDNN out of SDPA's backends) must leave a CPU machine's process as it was."""
     before = torch.backends.cuda.cudnn_sdp_enabled()
