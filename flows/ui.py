@@ -185,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"MLflow UI:  {store if remote_mlflow else mlflow_ui_url(args.mlflow_port)}"
                   f"{'   (remote, from MLFLOW_TRACKING_URI)' if remote_mlflow else ''}", flush=True)
+            if not remote_mlflow:  # each task's runs table, straight in model-training mode with its columns
+                for name, url in tracking.runs_links(store, mlflow_ui_url(args.mlflow_port)):
+                    print(f"  runs of {name}: {url}", flush=True)
         print("Ctrl-C stops both." if len(servers) == 2 else "Ctrl-C stops it.", flush=True)
         while True:
             for name, (proc, _) in servers.items():

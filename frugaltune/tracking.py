@@ -164,6 +164,15 @@ def save_runs_view(client, experiment_id: str, metrics: list[str]) -> None:
         client.set_experiment_tag(experiment_id, RUNS_VIEW_TAG, value)
 
 
+def runs_links(store: str, ui: str) -> list[tuple[str, str]]:
+    """(experiment name, `runs_url`) for every experiment in `store` whose runs view frugaltune saved, by name: what
+    `make ui` prints, so a click lands on a runs table in model-training mode (MLflow's home page opens GenAI)."""
+    from mlflow import MlflowClient
+
+    found = MlflowClient(tracking_uri=store).search_experiments(filter_string=f"tags.`{RUNS_VIEW_TAG}` != ''")
+    return sorted((e.name, runs_url(ui, e.experiment_id)) for e in found)
+
+
 def runs_url(ui: str, experiment_id: str) -> str:
     """The experiment's runs table with frugaltune's columns, in the UI's model-training mode.
 

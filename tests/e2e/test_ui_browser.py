@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 from urllib.request import urlopen
 
@@ -69,9 +70,14 @@ def training_run() -> str:
 
 
 @pytest.fixture(scope="module")
-def servers(project, tmp_path_factory):
+def logs(tmp_path_factory) -> Path:
+    """Where `make ui` (ui.log) and `make deploy-pool` write what they print."""
+    return tmp_path_factory.mktemp("ui_logs")
+
+
+@pytest.fixture(scope="module")
+def servers(project, logs):
     """`make ui` (both servers) and `make deploy-pool` (the deployment) in the project; (mlflow, prefect) URLs."""
-    logs = tmp_path_factory.mktemp("ui_logs")
     prefect_port, mlflow_port = free_port(), free_port()
     env = {"PREFECT_HOME": str(logs / "prefect"), "PYTHONPATH": str(ROOT)}
     ui = start([sys.executable, "-m", "flows.ui", "--prefect-port", str(prefect_port), "--mlflow-port",
@@ -124,6 +130,28 @@ def test_mlflow_from_the_home_page_opens_the_runs_table_with_the_metric_columns(
         expect(page.get_by_role("columnheader", name=column).first).to_be_visible(timeout=30_000)
     expect(page.get_by_text("0.61").first).to_be_visible()
     screenshot(page, "mlflow-runs.png")
+
+
+def test_the_runs_link_make_ui_prints_lands_on_the_runs_table_in_a_fresh_browser(servers, logs, browser) -> None:
+    """A new browser (no Model training switch remembered) following the link `make ui` prints for the task."""
+    import re
+
+    from playwright.sync_api import expect
+
+    mlflow, _ = servers
+    deadline = time.monotonic() + 60  # printed once both servers answer, just after the fixture saw them up
+    while not (printed := re.search(r"runs of frugaltune-sentiment: (\S+)", log := (logs / "ui.log").read_text())) \
+            and time.monotonic() < deadline:
+        time.sleep(1)
+    assert printed and printed.group(1).startswith(mlflow), log[-3000:]
+    context = browser.new_context(viewport={"width": 1900, "height": 700})  # its own, empty localStorage
+    page = context.new_page()
+    page.goto(printed.group(1))
+    expect(page.get_by_text("lora-tweets-3f9a2c1")).to_be_visible(timeout=30_000)
+    for column in ("eval.finetuned.macro_f1", "final_loss"):
+        expect(page.get_by_role("columnheader", name=column).first).to_be_visible(timeout=30_000)
+    assert "/runs" in page.url and "overview" not in page.url
+    context.close()
 
 
 def test_mlflow_model_page_shows_a_handful_of_tags_per_version(servers, browser) -> None:
