@@ -28,6 +28,7 @@ evaluation and serving load the adapter onto the bf16 base as before.
 from __future__ import annotations
 
 import copy
+import math
 import time
 
 import torch
@@ -337,25 +338,35 @@ def apply(model: torch.nn.Module, decision: dict, method: str, grouped: bool = T
 
 
 def _seconds(fn, repeats: int) -> float:
-    for _ in range(3):
-        fn()
     began = time.perf_counter()
     for _ in range(repeats):
         fn()
     return (time.perf_counter() - began) / repeats
 
 
-def gemm_ratio(hidden: int, intermediate: int, bf16: bool, rows: int = 512, repeats: int = 10) -> float:
-    """int8 products against the precision's own (bf16 or fp32), on this machine's threads: the best of the
-    model's two MLP shapes each way, ~0.3 s on a 2-core CPU."""
+def gemm_ratio(hidden: int, intermediate: int, bf16: bool, rows: int = 512, rounds: int = 7,
+               repeats: int = 3) -> float:
+    """How many times faster int8 products run the model's two MLP shapes than the precision's own (bf16 or fp32),
+    on this machine's threads (~1-2 s on a 2-core CPU). The two are timed alternately, `rounds` times each, and
+    each keeps its fastest: on a shared machine a busy moment only ever adds time, so the fastest of several is
+    what the machine can do, and alternating exposes both to the same moments (docs/DECISIONS.md: one back-to-back
+    pair per shape, the best ratio kept, once turned int8 products on where they were slower)."""
     dtype = torch.bfloat16 if bf16 else torch.float32
-    ratios = []
+    pairs = []
     for k, n in ((hidden, intermediate), (intermediate, hidden)):
         a, b = torch.randn(rows, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
         ai = torch.randint(-127, 128, (rows, k), dtype=torch.int8)
         bi = torch.randint(-127, 128, (n, k), dtype=torch.int8).t()
-        ratios.append(_seconds(lambda: a @ b, repeats) / _seconds(lambda: torch._int_mm(ai, bi), repeats))
-    return max(ratios)
+        pairs.append((lambda a=a, b=b: a @ b, lambda ai=ai, bi=bi: torch._int_mm(ai, bi)))
+    for products in pairs:  # warm-up: oneDNN builds each shape's kernels on first use
+        for product in products:
+            product()
+    best = [[math.inf, math.inf] for _ in pairs]
+    for _ in range(rounds):
+        for fastest, products in zip(best, pairs):
+            for side, product in enumerate(products):
+                fastest[side] = min(fastest[side], _seconds(product, repeats))
+    return sum(plain for plain, _ in best) / sum(quantized for _, quantized in best)
 
 
 def decide(setting: str | bool, method: str, bf16: bool, hidden: int, intermediate: int, on_gpu: bool,

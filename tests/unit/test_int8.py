@@ -186,6 +186,27 @@ def test_decide_follows_the_setting_the_device_and_the_method():
     assert f"{measured['gemm_ratio']:.2f}x bf16" in measured["why"]
 
 
+def test_the_gemm_ratio_reads_the_machine_through_busy_moments(monkeypatch):
+    """A shared machine's busy moments slow whichever timing they hit: here every third timing is 10x slower, on
+    either side. The fastest of each side's alternated timings gives the ratio of the model's products as a whole
+    (4 ms plain against 3 ms int8 over both shapes), whichever timings the busy moments hit."""
+    calls = []
+    plain_ms = {576: 1.0, 1536: 3.0}  # by the plain product's inner size: int8 wins on one shape only
+    int8_ms = {576: 2.0, 1536: 1.0}
+
+    def timed(product, repeats):
+        out = product()
+        inner = 576 if out.shape[1] == 1536 else 1536
+        ms = (int8_ms if out.dtype == torch.int32 else plain_ms)[inner]
+        calls.append(out.dtype)
+        return ms * (10 if len(calls) % 3 == 0 else 1) / 1e3
+
+    monkeypatch.setattr(int8, "_seconds", timed)
+    assert int8.gemm_ratio(576, 1536, bf16=False, rows=8) == pytest.approx(4.0 / 3.0)
+    # alternated: each round times the plain product, then the int8 one, shape by shape
+    assert calls[:4] == [torch.float32, torch.int32, torch.float32, torch.int32]
+
+
 @pytest.mark.slow
 def test_without_a_compiler_quantize_and_rescale_run_eager(tmp_path):
     """A real compiler failure (a C++ compiler that does not exist, no cached kernels): same products, eager."""
