@@ -258,12 +258,21 @@ def _calibration_point(spec: dict) -> dict:
     train_classifier(model, rows, targets, cfg, spec["pad_token_id"], progress=False, batches=batches,
                      on_log=lambda record: marks.append((record["elapsed_s"], peak(), compiled())))
     busy = (time.process_time() - cpu_start) / max((time.perf_counter() - wall_start) * spec["threads"], 1e-9)
+    inference = []
+    if data.get("inference") and not spec.get("batches"):  # the trained model's forward passes, as evaluation runs them (loop.predict)
+        from frugaltune.training.loop import predict
+
+        for batch in data["inference"]["batches"]:
+            begin = time.perf_counter()
+            predict(model, [data["inference"]["rows"][i] for i in batch], spec["pad_token_id"],
+                    batch_size=len(batch), bf16=spec["loop"]["bf16"], progress=False)
+            inference.append(time.perf_counter() - begin)
     steps, previous = [], (0.0, 0)
     for elapsed, rss, graphs in marks:  # cumulative marks -> each step's own seconds and compiled graphs
         steps.append({"seconds": elapsed - previous[0], "peak_rss_bytes": rss, "compiled_graphs": graphs - previous[1]})
         previous = (elapsed, graphs)
     return {"loaded_rss_bytes": loaded_rss, "steps": steps, "int8_products": bool(int8["on"]),
-            "cpu_share": round(busy, 3), "allocator": allocator.active()}
+            "cpu_share": round(busy, 3), "allocator": allocator.active(), "inference_seconds": inference}
 
 
 def _run_point(spec: dict, timeout_s: float) -> dict:
@@ -336,7 +345,8 @@ def fit_memory(points: list[tuple[int, int]], static: float, per_token: float,
 def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, method: str, knobs: MethodKnobs,
               shape: ModelShape, *, rows: list[list[int]], targets: list, order: list[list[int]], loop: dict,
               int8: dict, gradient_checkpointing: bool, threads: int, seed: int = 0, time_samples: int = 6,
-              timeout_s: float = 900, allocator: str = "auto", task: str = "classification") -> tuple[Constants, dict]:
+              timeout_s: float = 900, allocator: str = "auto", task: str = "classification",
+              inference_rows: list[list[int]] | None = None, inference_batch: int = 32) -> tuple[Constants, dict]:
     """Time the train stage's own loop on this machine over a few of the run's own micro-batches and fit the
     memory and time constants.
 
@@ -345,9 +355,15 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
     that train: the same int8 products and fused LoRA, micro-batch and token cap, attention crossover and malloc
     (`allocator`). One fresh process runs them (calibration_batches): its first step is the run's one-time
     warm-up (timed again in a second process when it compiled graphs afresh: the run finds them in inductor's
-    cache), the others fit `step = overhead + per_token x padded tokens`, and the peak RSS after each step, the
-    steps ordered by size, fits `peak = static + per_token x part tokens`. Running the largest part a second time
-    moved the peak by 0.2% (docs/DECISIONS.md), so it runs once.
+    cache); the sampled sizes, smallest first, give the peak RSS after each step, which fits
+    `peak = static + per_token x part tokens`; run a second time under that peak they fit
+    `step = overhead + per_token x padded tokens`, and what the first pass paid beyond that is the run's start-up.
+    Running the largest part a second time moved the peak by 0.2% (docs/DECISIONS.md), so it runs once.
+
+    With `inference_rows` (an evaluation split) the same process then times the trained model's forward passes
+    over a few of that split's evaluation batches (loop.predict, `inference_batch` rows each): a warm-up, the
+    smallest, the median and the largest, which fit `batch = overhead + per_token x padded tokens` in
+    `calibration["inference"]` (the federated budget's evaluation rounds).
     """
     import tempfile
 
@@ -363,11 +379,26 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
                 "part_tokens": len(pieces[0]) * max(lengths[i] for i in batch)}
 
     picks = calibration_batches(order, lengths, lambda batch: tokens(batch)["part_tokens"], time_samples)
-    used = sorted({i for p in picks for i in order[p]})
+    # The sampled sizes run twice: first smallest to largest, each raising the high-water mark (the memory fit's
+    # points; each such step also pays for the pages it grows into), then again under the peak, as the run's steps
+    # mostly are: those second timings fit the per-token time.
+    runs = picks + picks[1:-1]
+    used = sorted({i for p in runs for i in order[p]})
     index = {old: new for new, old in enumerate(used)}
+    inference = None
+    if inference_rows:
+        from frugaltune.training.batching import sorted_batches
+
+        widths = [len(r) for r in inference_rows]
+        batches = sorted_batches(widths, inference_batch)[::-1]  # shortest first
+        chosen = [batches[len(batches) // 2], batches[0], batches[len(batches) // 2], batches[-1]]
+        inference = {"rows": [list(inference_rows[i]) for b in chosen for i in b],
+                     "batches": [list(range(sum(map(len, chosen[:n])), sum(map(len, chosen[:n + 1]))))
+                                 for n in range(len(chosen))],
+                     "padded_tokens": [len(b) * max(widths[i] for i in b) for b in chosen]}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
         json.dump({"rows": [list(rows[i]) for i in used], "targets": [targets[i] for i in used],
-                   "batches": [[index[i] for i in order[p]] for p in picks]}, handle)
+                   "batches": [[index[i] for i in order[p]] for p in runs], "inference": inference}, handle)
     spec = {"model_dir": str(model_dir), "labels": labels, "pad_token_id": pad_token_id, "seed": seed,
             "method": method, "knobs": asdict(knobs), "gradient_checkpointing": gradient_checkpointing,
             "threads": threads, "allocator": allocator, "task": task, "int8": int8, "rows_file": handle.name,
@@ -375,23 +406,28 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
     started = time.perf_counter()
     try:
         point = _run_point(spec, timeout_s)
-        steps = [{**step, **tokens(order[p])} for step, p in zip(point["steps"], picks)]
-        warm, timed = steps[0], steps[1:]
-        overhead, per_token_s = _fit_line([(s["padded_tokens"], s["seconds"]) for s in timed])
-        # The first step's excess over a warm step of its size is paid once per run. When that step compiled graphs
-        # afresh, the run will load them from inductor's cache instead: a second process runs the first step alone
-        # and measures the start-up the run will pay.
-        startup_cold = max(0.0, warm["seconds"] - (overhead + per_token_s * warm["padded_tokens"]))
+        steps = [{**step, **tokens(order[p]), "under_peak": n >= len(picks)}
+                 for n, (step, p) in enumerate(zip(point["steps"], runs))]
+        growing, again = steps[:len(picks)], steps[len(picks):]
+        warm = growing[0]
+        overhead, per_token_s = _fit_line([(s["padded_tokens"], s["seconds"]) for s in (again or growing[1:])])
+        steady = lambda step: overhead + per_token_s * step["padded_tokens"]  # noqa: E731
+        # What the first pass paid beyond a step under the peak is paid once per run: the warm-up (page faults,
+        # oneDNN's kernels for new shapes) and the growth to the peak. When the first step compiled graphs afresh,
+        # the run will load them from inductor's cache instead: a second process runs the first step alone and
+        # measures the start-up the run will pay.
+        growth = sum(max(0.0, s["seconds"] - steady(s)) for s in growing[1:])
+        startup_cold = max(0.0, warm["seconds"] - steady(warm)) + growth
         first = warm["seconds"]
         if warm.get("compiled_graphs"):
             first = _run_point({**spec, "batches": 1}, timeout_s)["steps"][0]["seconds"]
     finally:
         Path(handle.name).unlink(missing_ok=True)
     seconds = time.perf_counter() - started
-    startup = max(0.0, first - (overhead + per_token_s * warm["padded_tokens"]))
-    # Memory: the peak after the warm-up step, then after each larger part (steps run smallest first).
+    startup = max(0.0, first - steady(warm)) + growth
+    # Memory: the peak after the warm-up step, then after each larger part (the first pass runs smallest first).
     points, top = [], 0
-    for s in steps:
+    for s in growing:
         if s["part_tokens"] > top:
             points.append((s["part_tokens"], s["peak_rss_bytes"]))
             top = s["part_tokens"]
@@ -407,7 +443,13 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
                                  f"int8 products {'on' if point['int8_products'] else 'off'}, {threads} threads, "
                                  f"malloc {point['allocator']}) in {seconds:.0f} s")
     busy = point["cpu_share"] < 0.8
-    return constants, {"method": method, "steps": steps, "memory_points": points, "seconds": round(seconds, 1),
+    timed_inference = None
+    if inference:
+        pairs = list(zip(inference["padded_tokens"], point["inference_seconds"]))[1:]  # after the warm-up
+        fixed, per_token_inference = _fit_line([(float(t), s) for t, s in pairs])
+        timed_inference = {"overhead_s": fixed, "seconds_per_token": per_token_inference, "threads": threads,
+                           "batches": [{"padded_tokens": t, "seconds": round(s, 4)} for t, s in pairs]}
+    return constants, {"method": method, "steps": steps, "inference": timed_inference, "memory_points": points, "seconds": round(seconds, 1),
                        "loaded_rss_bytes": point["loaded_rss_bytes"], "bf16": bool(loop["bf16"]),
                        "allocator": point["allocator"], "gradient_checkpointing": gradient_checkpointing,
                        "int8_products": point["int8_products"], "cpu_share": point["cpu_share"],

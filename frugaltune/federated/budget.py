@@ -9,8 +9,8 @@ micro-batches, and fits `step = overhead + per_token x padded tokens`. From it:
 - a client-round is the sum of its planned steps (its own rows, batched as its loop will batch them);
 - a round runs the clients the ServerApp samples for it (aggregation.sample_clients, by client id: the same clients
   every run) on `workers` side by side (the Simulation Engine's Ray workers), then the server evaluates the test
-  split; evaluation is a forward pass, counted as a third of a training step's per-token time, on the server's
-  threads;
+  split: the same calibration process times the trained model's forward passes over a few of the test split's
+  evaluation batches, and the server's threads scale them;
 - the centralized reference trains as many examples as the first federation's clients, one process on every core.
 
 Flower's own start-up (SuperLink, Ray) is not predicted: the report puts what each round took beside its
@@ -27,8 +27,7 @@ from frugaltune import planner
 from frugaltune.federated import aggregation, local, rows
 from frugaltune.federated.plans import machine_cores
 
-# Forward only, against forward + backward (about twice the forward) of a training step: a third per token.
-EVAL_SHARE = 1 / 3
+EVAL_BATCH = 32  # local.evaluate's batch size: the server's evaluation
 
 
 @dataclass(frozen=True)
@@ -42,8 +41,9 @@ class Machine:
 
 def measure_client_round(model_dir: Path, labels: list[str], pad_token_id: int, parts: Path, plan: dict, *,
                          lora: local.LoraSpec, batch_size: int, lr: float, seed: int, bf16: bool, eager: int,
-                         threads: int, allocator: str) -> tuple[planner.Constants, dict]:
-    """The planner's calibration of the clients' loop on this machine, over client `plan`'s own rows and steps."""
+                         threads: int, allocator: str, test: Path) -> tuple[planner.Constants, dict]:
+    """The planner's calibration of the clients' loop on this machine, over client `plan`'s own rows and steps, and
+    of the server's evaluation over a few of the `test` split's batches."""
     from frugaltune.training.loop import LoopConfig
 
     input_ids, targets = local.read_examples(rows.client_file(parts, plan["client"]))
@@ -58,7 +58,8 @@ def measure_client_round(model_dir: Path, labels: list[str], pad_token_id: int, 
     return planner.calibrate(model_dir, labels, pad_token_id, "lora", knobs, shape, rows=input_ids, targets=targets,
                              order=order, loop=loop, int8={"on": False, "why": "the clients' loop has none"},
                              gradient_checkpointing=False, threads=threads, seed=seed, time_samples=4,
-                             allocator=allocator)
+                             allocator=allocator, inference_rows=local.read_examples(test)[0],
+                             inference_batch=EVAL_BATCH)
 
 
 def step_seconds(constants: planner.Constants, batches: list[tuple[int, int]]) -> float:
@@ -82,13 +83,15 @@ def makespan(seconds: list[float], workers: int) -> float:
     return max(ends)
 
 
-def evaluation_seconds(constants: planner.Constants, test: Path, machine: Machine, batch_size: int = 32) -> float:
+def evaluation_seconds(inference: dict, test: Path, machine: Machine) -> float:
+    """The server's evaluation of the test split (local.evaluate's batches), from the calibration's timed forward
+    passes (`inference`: on the clients' threads) scaled to the server's threads."""
     lengths = [len(ids) for ids in local.read_examples(test)[0]]
     from frugaltune.training.batching import sorted_batches
 
-    batches = [(len(b), max(lengths[i] for i in b)) for b in sorted_batches(lengths, batch_size)]
-    per_token = planner.Constants(step_overhead_s=0.0, seconds_per_token=constants.seconds_per_token * EVAL_SHARE)
-    return step_seconds(per_token, batches) * machine.threads / machine.server_threads
+    batches = [(len(b), max(lengths[i] for i in b)) for b in sorted_batches(lengths, EVAL_BATCH)]
+    timed = planner.Constants(step_overhead_s=inference["overhead_s"], seconds_per_token=inference["seconds_per_token"])
+    return step_seconds(timed, batches) * inference["threads"] / machine.server_threads
 
 
 def predict_rounds(constants: planner.Constants, parts: Path, plans: list[dict], *, asked: int, fraction: float,
@@ -157,8 +160,8 @@ def decide(params, plans: dict[str, list[dict]], runs: list[tuple[str, str]], la
     constants, calibration = measure_client_round(
         model_dir, labels, pad_token_id, data / f"partitions_{runs[0][0]}", probe, lora=lora,
         batch_size=fp.batch_size, lr=fp.lr, seed=params.common.seed, bf16=bf16, eager=eager, threads=fp.threads,
-        allocator=tp.allocator)
-    evaluation = evaluation_seconds(constants, data / "test.parquet", machine)
+        allocator=tp.allocator, test=data / "test.parquet")
+    evaluation = evaluation_seconds(calibration["inference"], data / "test.parquet", machine)
     predicted = {f"{method}_{scheme}": predict_rounds(
         constants, data / f"partitions_{scheme}", plans[scheme], asked=asked, fraction=fp.fraction,
         min_completed=fp.min_completed, batch_size=fp.batch_size, seed=params.common.seed, machine=machine,
@@ -179,6 +182,7 @@ def decide(params, plans: dict[str, list[dict]], runs: list[tuple[str, str]], la
             "calibration": {"client": probe["client"], "source": constants.source, "seconds": calibration["seconds"],
                             "step_overhead_s": constants.step_overhead_s,
                             "seconds_per_token": constants.seconds_per_token,
+                            "evaluation": calibration["inference"],
                             "machine_busy": calibration["machine_busy"], "busy_note": calibration["busy_note"]},
             "machine": asdict(machine)}
 

@@ -274,11 +274,15 @@ def test_calibration_times_the_runs_own_loop_and_gives_an_eta(tiny_model_dir):
         tiny_model_dir, LABELS, tokenizer.pad_token_id, "lora", planner.MethodKnobs(), shape, rows=rows,
         targets=[i % 3 for i in range(64)], order=order, loop=loop, int8={"on": False, "why": "test"},
         gradient_checkpointing=False, threads=1, time_samples=4)
-    timed = calibration["steps"]
-    assert len(timed) == 1 + 3 + 1  # warm-up, the sampled sizes but the largest, the largest part
-    assert timed[-1]["part_tokens"] == max(s["part_tokens"] for s in timed) <= 96
-    assert all(s["seconds"] > 0 and s["peak_rss_bytes"] > 100 * 2**20 for s in timed)
+    steps = calibration["steps"]
+    # warm-up, the sampled sizes but the largest, the largest part; then the sampled sizes again under the peak
+    assert len(steps) == 1 + 3 + 1 + 3
+    timed, again = steps[:5], steps[5:]
+    assert timed[-1]["part_tokens"] == max(s["part_tokens"] for s in steps) <= 96
+    assert all(s["seconds"] > 0 and s["peak_rss_bytes"] > 100 * 2**20 for s in steps)
     assert [s["padded_tokens"] for s in timed[1:-1]] == sorted(s["padded_tokens"] for s in timed[1:-1])
+    assert [s["padded_tokens"] for s in again] == [s["padded_tokens"] for s in timed[1:-1]]
+    assert [s["under_peak"] for s in steps] == [False] * 5 + [True] * 3
     assert constants.seconds_per_token > 0 and constants.step_overhead_s >= 0 and constants.startup_s >= 0
     assert constants.runtime_bytes > 100 * 2**20  # a Python process with torch loaded
     assert constants.calibrated_method == "lora" and "the run's own loop" in constants.source
