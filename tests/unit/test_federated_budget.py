@@ -57,7 +57,7 @@ def test_a_smaller_budget_runs_fewer_rounds_and_says_what_was_traded(federation_
     # and the server's evaluation from the same process's timed forward passes over the test split's batches
     timed = roomy["calibration"]["evaluation"]
     assert len(timed["batches"]) == 3 and all(b["seconds"] > 0 and b["padded_tokens"] > 0 for b in timed["batches"])
-    assert timed["seconds_per_token"] > 0 and roomy["evaluation_seconds"] > 0
+    assert timed["seconds_per_token"] > 0 and roomy["evaluation_seconds"] >= 0  # a tiny model's rounds to 0.00 s
     predicted = roomy["runs"]["fedavg_iid"]
     assert [r["round"] for r in predicted] == [1, 2, 3, 4, 5, 6]
     # a round: its clients' training, then the server's evaluation (a tiny model's rounds to 0.00 s on a fast CPU)
