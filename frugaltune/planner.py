@@ -259,13 +259,13 @@ def _calibration_point(spec: dict) -> dict:
                      on_log=lambda record: marks.append((record["elapsed_s"], peak(), compiled())))
     busy = (time.process_time() - cpu_start) / max((time.perf_counter() - wall_start) * spec["threads"], 1e-9)
     inference = []
-    if data.get("inference") and not spec.get("batches"):  # the trained model's forward passes, as evaluation runs them (loop.predict)
+    if data.get("inference") and not spec.get("batches"):  # forward passes, as evaluation runs them
         from frugaltune.training.loop import predict
 
-        for batch in data["inference"]["batches"]:
+        for batch in data["inference"]["batches"]:  # each batch: its rows' token ids
             begin = time.perf_counter()
-            predict(model, [data["inference"]["rows"][i] for i in batch], spec["pad_token_id"],
-                    batch_size=len(batch), bf16=spec["loop"]["bf16"], progress=False)
+            predict(model, batch, spec["pad_token_id"], batch_size=len(batch), bf16=spec["loop"]["bf16"],
+                    progress=False)
             inference.append(time.perf_counter() - begin)
     steps, previous = [], (0.0, 0)
     for elapsed, rss, graphs in marks:  # cumulative marks -> each step's own seconds and compiled graphs
@@ -392,9 +392,7 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
         widths = [len(r) for r in inference_rows]
         batches = sorted_batches(widths, inference_batch)[::-1]  # shortest first
         chosen = [batches[len(batches) // 2], batches[0], batches[len(batches) // 2], batches[-1]]
-        inference = {"rows": [list(inference_rows[i]) for b in chosen for i in b],
-                     "batches": [list(range(sum(map(len, chosen[:n])), sum(map(len, chosen[:n + 1]))))
-                                 for n in range(len(chosen))],
+        inference = {"batches": [[list(inference_rows[i]) for i in b] for b in chosen],
                      "padded_tokens": [len(b) * max(widths[i] for i in b) for b in chosen]}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
         json.dump({"rows": [list(rows[i]) for i in used], "targets": [targets[i] for i in used],
@@ -449,7 +447,8 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
         fixed, per_token_inference = _fit_line([(float(t), s) for t, s in pairs])
         timed_inference = {"overhead_s": fixed, "seconds_per_token": per_token_inference, "threads": threads,
                            "batches": [{"padded_tokens": t, "seconds": round(s, 4)} for t, s in pairs]}
-    return constants, {"method": method, "steps": steps, "inference": timed_inference, "memory_points": points, "seconds": round(seconds, 1),
+    return constants, {"method": method, "steps": steps, "inference": timed_inference, "memory_points": points,
+                       "seconds": round(seconds, 1),
                        "loaded_rss_bytes": point["loaded_rss_bytes"], "bf16": bool(loop["bf16"]),
                        "allocator": point["allocator"], "gradient_checkpointing": gradient_checkpointing,
                        "int8_products": point["int8_products"], "cpu_share": point["cpu_share"],

@@ -26,8 +26,10 @@ from pathlib import Path
 from frugaltune import planner
 from frugaltune.federated import aggregation, local, rows
 from frugaltune.federated.plans import machine_cores
+from frugaltune.federated.settings import RunSettings
 
-EVAL_BATCH = 32  # local.evaluate's batch size: the server's evaluation
+# The batch the ServerApp evaluates with (the stage leaves RunSettings' default)
+EVAL_BATCH = RunSettings.model_fields["eval_batch_size"].default
 
 
 @dataclass(frozen=True)
@@ -41,9 +43,9 @@ class Machine:
 
 def measure_client_round(model_dir: Path, labels: list[str], pad_token_id: int, parts: Path, plan: dict, *,
                          lora: local.LoraSpec, batch_size: int, lr: float, seed: int, bf16: bool, eager: int,
-                         threads: int, allocator: str, test: Path) -> tuple[planner.Constants, dict]:
+                         threads: int, allocator: str, test_ids: list[list[int]]) -> tuple[planner.Constants, dict]:
     """The planner's calibration of the clients' loop on this machine, over client `plan`'s own rows and steps, and
-    of the server's evaluation over a few of the `test` split's batches."""
+    of the server's evaluation over a few of the test split's batches (`test_ids`)."""
     from frugaltune.training.loop import LoopConfig
 
     input_ids, targets = local.read_examples(rows.client_file(parts, plan["client"]))
@@ -58,8 +60,7 @@ def measure_client_round(model_dir: Path, labels: list[str], pad_token_id: int, 
     return planner.calibrate(model_dir, labels, pad_token_id, "lora", knobs, shape, rows=input_ids, targets=targets,
                              order=order, loop=loop, int8={"on": False, "why": "the clients' loop has none"},
                              gradient_checkpointing=False, threads=threads, seed=seed, time_samples=4,
-                             allocator=allocator, inference_rows=local.read_examples(test)[0],
-                             inference_batch=EVAL_BATCH)
+                             allocator=allocator, inference_rows=test_ids, inference_batch=EVAL_BATCH)
 
 
 def step_seconds(constants: planner.Constants, batches: list[tuple[int, int]]) -> float:
@@ -83,10 +84,10 @@ def makespan(seconds: list[float], workers: int) -> float:
     return max(ends)
 
 
-def evaluation_seconds(inference: dict, test: Path, machine: Machine) -> float:
+def evaluation_seconds(inference: dict, test_ids: list[list[int]], machine: Machine) -> float:
     """The server's evaluation of the test split (local.evaluate's batches), from the calibration's timed forward
     passes (`inference`: on the clients' threads) scaled to the server's threads."""
-    lengths = [len(ids) for ids in local.read_examples(test)[0]]
+    lengths = [len(ids) for ids in test_ids]
     from frugaltune.training.batching import sorted_batches
 
     batches = [(len(b), max(lengths[i] for i in b)) for b in sorted_batches(lengths, EVAL_BATCH)]
@@ -157,11 +158,12 @@ def decide(params, plans: dict[str, list[dict]], runs: list[tuple[str, str]], la
     probe = included[len(included) // 2]  # a client of the median size stands for the others' speed per token
     bf16, eager = precision
     lora = local.LoraSpec(fp.lora.r, fp.lora.alpha, fp.lora.dropout, tuple(fp.lora.target_modules))
+    test_ids = local.read_examples(data / "test.parquet")[0]
     constants, calibration = measure_client_round(
         model_dir, labels, pad_token_id, data / f"partitions_{runs[0][0]}", probe, lora=lora,
         batch_size=fp.batch_size, lr=fp.lr, seed=params.common.seed, bf16=bf16, eager=eager, threads=fp.threads,
-        allocator=tp.allocator, test=data / "test.parquet")
-    evaluation = evaluation_seconds(calibration["inference"], data / "test.parquet", machine)
+        allocator=tp.allocator, test_ids=test_ids)
+    evaluation = evaluation_seconds(calibration["inference"], test_ids, machine)
     predicted = {f"{method}_{scheme}": predict_rounds(
         constants, data / f"partitions_{scheme}", plans[scheme], asked=asked, fraction=fp.fraction,
         min_completed=fp.min_completed, batch_size=fp.batch_size, seed=params.common.seed, machine=machine,
