@@ -14,6 +14,14 @@ glibc with `M_MMAP_THRESHOLD` lowered returns every large tensor to the OS and f
 step time. mimalloc (size-segregated pages) with purging off (`MIMALLOC_PURGE_DELAY=-1`: freed pages stay with the
 process for reuse, no page faults per step) keeps RSS within ~10% of live memory at glibc's step time. That makes
 peak RSS a property of the method, not of the heap's history, and lets the planner predict it.
+
+Every such process also gets `PROCESS_ENV`, whichever malloc it runs on: bounds on the two caches that oneDNN (the
+library behind PyTorch's bf16 products on CPU) keeps per tensor shape. A run meets a new shape with nearly every
+batch width, and each cached primitive keeps its own buffers, so with the defaults (1,024 entries each) RSS climbed
+for the whole run, past what any short calibration sees. ideep's cache (`LRU_CACHE_CAPACITY`) is kept at 1:
+oneDNN's own finds the primitive. oneDNN's (`ONEDNN_PRIMITIVE_CACHE_CAPACITY`) keeps 128 (64 and 256 timed alike;
+0 re-creates every primitive at every call, many times slower). The default run's peak fell and its step time did
+not move (docs/DECISIONS.md, "oneDNN's caches").
 """
 
 from __future__ import annotations
@@ -27,6 +35,8 @@ CHOICES = ("auto", "mimalloc", "system")
 # Freed pages stay with the process: reusing them costs nothing, returning them costs a page fault per 4 KiB on
 # the next step (measured: purge on = +45% step time, purge off = glibc's step time).
 MIMALLOC_ENV = {"MIMALLOC_PURGE_DELAY": "-1"}
+# Read when the caches are first built (the first bf16 product): set before that, in the environment.
+PROCESS_ENV = {"LRU_CACHE_CAPACITY": "1", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "128"}
 _REEXEC_MARK = "FRUGALTUNE_ALLOCATOR_REEXEC"
 
 
@@ -70,8 +80,10 @@ def resolve(choice: str) -> str:
 
 
 def child_env(choice: str, env: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment for a child process that should run on `choice` (LD_PRELOAD added or removed)."""
+    """The environment for a child process that should run on `choice` (LD_PRELOAD added or removed, and
+    `PROCESS_ENV`)."""
     env = dict(os.environ if env is None else env)
+    env.update({k: env.get(k, v) for k, v in PROCESS_ENV.items()})  # a value the user set wins
     preload = [p for p in env.get("LD_PRELOAD", "").split(":") if p and "libmimalloc" not in p]
     if resolve(choice) == "mimalloc":
         preload.insert(0, str(mimalloc_library()))
@@ -110,6 +122,8 @@ def reexec_with(choice: str) -> str:
     wanted = resolve(choice)
     tried = os.environ.pop(_REEXEC_MARK, None)  # popped: this process's own children decide for themselves
     if wanted == active() or tried:
+        for key, value in PROCESS_ENV.items():  # no re-exec: in time all the same, before the first product
+            os.environ.setdefault(key, value)
         return active()
     env = child_env(choice)
     env[_REEXEC_MARK] = "1"

@@ -178,8 +178,8 @@ class ProbeParams(Section):
         "machine's memory and time constants (an ETA needs it); false = analytic estimates only."
     )
     calibration_steps: int = Field(
-        4, ge=2, le=20, description="Micro-batches of the run the calibration times, at evenly spaced sizes (plus a "
-        "warm-up step and the run's largest part)."
+        4, ge=2, le=20, description="Micro-batches of the run the calibration times, twice each: the smallest (its "
+        "first step is the warm-up), evenly spaced sizes and the run's largest part."
     )
 
 

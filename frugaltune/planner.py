@@ -288,17 +288,18 @@ def _run_point(spec: dict, timeout_s: float) -> dict:
 
 
 def calibration_batches(order: list[list[int]], lengths: list[int], part_tokens, time_samples: int) -> list[int]:
-    """Positions in `order` (the run's micro-batches) that the calibration runs: the median batch first (its first
-    step pays the one-time warm-up: page faults, oneDNN and compiled kernels), then `time_samples` batches at
-    evenly spaced quantiles of their padded tokens, smallest first, and last the batch with the largest part, which
-    sets the run's peak memory (`part_tokens(batch)`: its part's padded tokens as the loop splits it)."""
+    """Positions in `order` (the run's micro-batches) that the calibration runs, `time_samples` sizes in all: the
+    smallest batch first (its first step also pays the one-time warm-up: page faults, oneDNN and compiled kernels,
+    at the lowest price), then batches at evenly spaced quantiles of their padded tokens, and last the batch with
+    the largest part, which sets the run's peak memory (`part_tokens(batch)`: its part's padded tokens as the loop
+    splits it) and stands for the top of the range."""
     if not order:
         return []
     by_size = sorted(range(len(order)), key=lambda i: len(order[i]) * max(lengths[j] for j in order[i]))
     worst = max(range(len(order)), key=lambda i: part_tokens(order[i]))
-    picks = [by_size[len(by_size) // 2]]
     count = max(2, time_samples)
-    for q in range(count):
+    picks = []
+    for q in range(count - 1):
         position = by_size[round(q * (len(by_size) - 1) / (count - 1))]
         if position not in picks and position != worst:
             picks.append(position)
@@ -358,7 +359,8 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
     cache); the sampled sizes, smallest first, give the peak RSS after each step, which fits
     `peak = static + per_token x part tokens`; run a second time under that peak they fit
     `step = overhead + per_token x padded tokens`, and what the first pass paid beyond that is the run's start-up.
-    Running the largest part a second time moved the peak by 0.2% (docs/DECISIONS.md), so it runs once.
+    The largest part's second run, after smaller ones, finds the heap in pieces and may place its activations anew,
+    as the run's does (docs/DECISIONS.md): the peak the plan keeps is the process's over both passes.
 
     With `inference_rows` (an evaluation split) the same process then times the trained model's forward passes
     over a few of that split's evaluation batches (loop.predict, `inference_batch` rows each): a warm-up, the
@@ -382,7 +384,7 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
     # The sampled sizes run twice: first smallest to largest, each raising the high-water mark (the memory fit's
     # points; each such step also pays for the pages it grows into), then again under the peak, as the run's steps
     # mostly are: those second timings fit the per-token time.
-    runs = picks + picks[1:-1]
+    runs = picks + picks
     used = sorted({i for p in runs for i in order[p]})
     index = {old: new for new, old in enumerate(used)}
     inference = None
@@ -429,6 +431,7 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
         if s["part_tokens"] > top:
             points.append((s["part_tokens"], s["peak_rss_bytes"]))
             top = s["part_tokens"]
+    points[-1] = (top, max(s["peak_rss_bytes"] for s in steps))  # the largest part again, after smaller ones
     per_token = activation_bytes_per_token(shape, bool(loop["bf16"]), gradient_checkpointing)
     static = sum(v for k, v in memory_estimate(shape, method, bf16=bool(loop["bf16"]), micro_batch=0, seq_len=1,
                                                gradient_checkpointing=gradient_checkpointing, knobs=knobs,

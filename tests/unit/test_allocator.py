@@ -62,6 +62,23 @@ def test_reexec_switches_the_running_process_once_keeping_pid_and_argv(tmp_path)
     assert json.loads(out[-1])["after"] == "system"
 
 
+def test_every_training_process_bounds_onednns_shape_caches_unless_the_user_set_them(tmp_path):
+    """A child (the calibration, the federation's processes) gets the bounds in its environment; a process that
+    needs no re-exec sets them in its own before torch's first product; a value the user exported wins."""
+    env = allocator.child_env("system", {"PATH": os.environ.get("PATH", "")})
+    assert {k: env[k] for k in allocator.PROCESS_ENV} == allocator.PROCESS_ENV == {
+        "LRU_CACHE_CAPACITY": "1", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "128"}
+    assert allocator.child_env("auto", {"LRU_CACHE_CAPACITY": "1024"})["LRU_CACHE_CAPACITY"] == "1024"
+    script = tmp_path / "entry.py"
+    script.write_text("import json, os\nfrom frugaltune import allocator\nallocator.reexec_with('system')\n"
+                      "print(json.dumps({k: os.environ.get(k) for k in allocator.PROCESS_ENV}))\n")
+    base = {k: v for k, v in os.environ.items() if k not in allocator.PROCESS_ENV and k != "LD_PRELOAD"}
+    run = lambda env: json.loads(subprocess.run([sys.executable, str(script)], env=env, capture_output=True,  # noqa: E731
+                                                text=True, check=True).stdout)
+    assert run(base) == allocator.PROCESS_ENV
+    assert run({**base, "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0"})["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "0"
+
+
 def test_mimalloc_asked_for_but_missing_says_how_to_fix(monkeypatch):
     monkeypatch.setattr(allocator, "mimalloc_library", lambda: None)
     assert allocator.resolve("auto") == "system"  # auto falls back quietly

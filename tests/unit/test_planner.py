@@ -258,8 +258,8 @@ def test_gradient_checkpointing_gives_the_same_loss(tiny_model_dir):
 
 
 def test_calibration_times_the_runs_own_loop_and_gives_an_eta(tiny_model_dir):
-    """The calibration runs training's own loop (LoopConfig, token cap) over the run's own micro-batches: a warm-up,
-    the sampled sizes smallest first, and the part that sets the peak last."""
+    """The calibration runs training's own loop (LoopConfig, token cap) over the run's own micro-batches: the sampled
+    sizes smallest first (the smallest's first step is the warm-up) and the part that sets the peak last, twice."""
     from dataclasses import asdict
 
     from frugaltune.training.loop import LoopConfig
@@ -275,14 +275,17 @@ def test_calibration_times_the_runs_own_loop_and_gives_an_eta(tiny_model_dir):
         targets=[i % 3 for i in range(64)], order=order, loop=loop, int8={"on": False, "why": "test"},
         gradient_checkpointing=False, threads=1, time_samples=4)
     steps = calibration["steps"]
-    # warm-up, the sampled sizes but the largest, the largest part; then the sampled sizes again under the peak
-    assert len(steps) == 1 + 3 + 1 + 3
-    timed, again = steps[:5], steps[5:]
+    # the smallest (warm-up), two sizes between, the largest part; then all four again under the peak
+    assert len(steps) == 4 + 4
+    timed, again = steps[:4], steps[4:]
     assert timed[-1]["part_tokens"] == max(s["part_tokens"] for s in steps) <= 96
     assert all(s["seconds"] > 0 and s["peak_rss_bytes"] > 100 * 2**20 for s in steps)
-    assert [s["padded_tokens"] for s in timed[1:-1]] == sorted(s["padded_tokens"] for s in timed[1:-1])
-    assert [s["padded_tokens"] for s in again] == [s["padded_tokens"] for s in timed[1:-1]]
-    assert [s["under_peak"] for s in steps] == [False] * 5 + [True] * 3
+    assert [s["padded_tokens"] for s in timed[:-1]] == sorted(s["padded_tokens"] for s in timed[:-1])
+    assert timed[0]["padded_tokens"] == min(s["padded_tokens"] for s in steps)
+    assert [s["padded_tokens"] for s in again] == [s["padded_tokens"] for s in timed]
+    assert [s["under_peak"] for s in steps] == [False] * 4 + [True] * 4
+    # the peak kept for the largest part is the process's, over both passes
+    assert calibration["memory_points"][-1][1] == max(s["peak_rss_bytes"] for s in steps)
     assert constants.seconds_per_token > 0 and constants.step_overhead_s >= 0 and constants.startup_s >= 0
     assert constants.runtime_bytes > 100 * 2**20  # a Python process with torch loaded
     assert constants.calibrated_method == "lora" and "the run's own loop" in constants.source
