@@ -13,7 +13,7 @@ import yaml
 from tests import tiny_project
 
 ROOT = tiny_project.ROOT
-PIPELINES = ("dvc.yaml", "scheduling/dvc.yaml")  # compare/dvc.yaml: not persisted (its header says why)
+PIPELINES = ("dvc.yaml", "scheduling/dvc.yaml", "federated/dvc.yaml")  # compare/dvc.yaml: not persisted (its header says why)
 
 
 def outputs(dvc_yaml: Path) -> dict[str, dict]:
