@@ -6,12 +6,21 @@ Run the tests with `make test` (unit + e2e) or `make test-fast` (unit only).
 from __future__ import annotations
 
 import importlib.metadata
+import os
 from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
 
 from frugaltune.models import build_tiny_model
+
+# The tests train tiny models (hidden 32), whose bf16 steps cost less than creating their oneDNN primitives: under
+# the product's cache bounds (frugaltune.allocator.PROCESS_ENV, a win for every model it trains) such steps ran
+# 1.3-1.8x slower (docs/DECISIONS.md, "oneDNN's caches"). Every process the tests start keeps PyTorch's own
+# capacities instead: a value in the environment wins over the bounds, as a user's does. test_allocator.py checks
+# the bounds themselves with these removed.
+for _name in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY"):
+    os.environ.setdefault(_name, "1024")
 
 
 @pytest.fixture(scope="session")
