@@ -79,15 +79,20 @@ def resolve(choice: str) -> str:
     return "system"
 
 
+def _unless_set(env, values: dict[str, str]) -> dict[str, str]:
+    """`values` with the ones `env` already has in their place: a value the user set wins."""
+    return {k: env.get(k, v) for k, v in values.items()}
+
+
 def child_env(choice: str, env: dict[str, str] | None = None) -> dict[str, str]:
     """The environment for a child process that should run on `choice` (LD_PRELOAD added or removed, and
     `PROCESS_ENV`)."""
     env = dict(os.environ if env is None else env)
-    env.update({k: env.get(k, v) for k, v in PROCESS_ENV.items()})  # a value the user set wins
+    env.update(_unless_set(env, PROCESS_ENV))
     preload = [p for p in env.get("LD_PRELOAD", "").split(":") if p and "libmimalloc" not in p]
     if resolve(choice) == "mimalloc":
         preload.insert(0, str(mimalloc_library()))
-        env.update({k: env.get(k, v) for k, v in MIMALLOC_ENV.items()})
+        env.update(_unless_set(env, MIMALLOC_ENV))
     if preload:
         env["LD_PRELOAD"] = ":".join(preload)
     else:
@@ -122,8 +127,7 @@ def reexec_with(choice: str) -> str:
     wanted = resolve(choice)
     tried = os.environ.pop(_REEXEC_MARK, None)  # popped: this process's own children decide for themselves
     if wanted == active() or tried:
-        for key, value in PROCESS_ENV.items():  # no re-exec: in time all the same, before the first product
-            os.environ.setdefault(key, value)
+        os.environ.update(_unless_set(os.environ, PROCESS_ENV))  # no re-exec: still before the first product
         return active()
     env = child_env(choice)
     env[_REEXEC_MARK] = "1"

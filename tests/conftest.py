@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
+from frugaltune.allocator import PROCESS_ENV
 from frugaltune.models import build_tiny_model
 
 # The tests train tiny models (hidden 32), whose bf16 steps cost less than creating their oneDNN primitives: under
@@ -19,8 +20,8 @@ from frugaltune.models import build_tiny_model
 # 1.3-1.8x slower (docs/DECISIONS.md, "oneDNN's caches"). Every process the tests start keeps PyTorch's own
 # capacities instead: a value in the environment wins over the bounds, as a user's does. test_allocator.py checks
 # the bounds themselves with these removed.
-for _name in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY"):
-    os.environ.setdefault(_name, "1024")
+for _name in PROCESS_ENV:
+    os.environ.setdefault(_name, "1024")  # PyTorch's own capacity for both caches
 
 
 @pytest.fixture(scope="session")
