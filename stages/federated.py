@@ -23,8 +23,9 @@ federated_labels.csv` (per-client label counts), `reports/plots/federated_client
 `reports/figures/federated_rounds.png` (metric vs round and vs bytes) and `reports/figures/federated_clients.png`
 (each client's measured time and memory against its plan); one MLflow run with the per-round metrics.
 With `federated.budget_minutes`, the report's `budget` says how many of `num_rounds` fit (frugaltune/federated/
-budget.py: a client-round measured on this machine) and each run's `round_seconds` puts every round's predicted
-seconds beside what it took. With `federated.centralized_baseline`, the report's `centralized` is LoRA trained in one process on as many examples
+budget.py: a client-round measured on this machine, then the first federation's round 1, which can start that
+federation over with fewer rounds; the first decision is kept as `initial`) and each run's `round_seconds` puts
+every round's predicted seconds beside what it took. With `federated.centralized_baseline`, the report's `centralized` is LoRA trained in one process on as many examples
 as the first run's clients trained on (the federation's LoRA and seed, the train stage's lr, batch and schedule; the
 same test split), and each run gets its `macro_f1_gap_to_centralized`.
 """
@@ -62,8 +63,9 @@ CLIENTS_PNG = paths.FIGURES / "federated_clients.png"
 
 
 def run_federation(params: Params, scheme: str, method: str, client_plans: list[dict], labels: list[str],
-                   pad_token_id: int) -> Path:
-    """One federation of `method` on the `scheme` partition, to its last round; the folder of its rounds."""
+                   pad_token_id: int, watch=None) -> Path | None:
+    """One federation of `method` on the `scheme` partition, to its last round; the folder of its rounds (None:
+    `watch`, the budget's, stopped it to start over with fewer rounds)."""
     fp = params.federated
     parts = DATA / f"partitions_{scheme}"
     included = federation.included_clients(fp, client_plans)
@@ -73,7 +75,7 @@ def run_federation(params: Params, scheme: str, method: str, client_plans: list[
     settings = federation.run_settings(params, method, out, included, labels, pad_token_id, precision)
     nodes = federation.node_settings(fp, parts, out, included, precision)
     return federation.federate(params, f"{scheme}/{method}", settings, nodes,
-                               paths.FEDERATED_CHECKPOINTS / "work" / f"{method}_{scheme}")
+                               paths.FEDERATED_CHECKPOINTS / "work" / f"{method}_{scheme}", watch)
 
 
 def run(params: Params) -> dict:
@@ -117,13 +119,24 @@ def run(params: Params) -> dict:
                                                     plans.machine_precision(params), time.perf_counter() - began,
                                                     DATA, paths.BASE_MODEL)
         print(f"federated: budget: {decision['trade']}", flush=True)
-        ran = params.model_copy(update={"federated": fp.model_copy(update={"num_rounds": decision["rounds"],
-                                                                           "budget_minutes": None})})
+        # and once more after the first federation's round 1, from what it took (budget.FirstRound)
+        watch = budget.FirstRound(decision, f"{runs[0][1]}_{runs[0][0]}", began) if fp.budget_minutes else None
         for scheme, method in runs:
             name = f"{method}_{scheme}"
             print(f"federated: {name}: {decision['rounds']} rounds over {fp.num_clients} clients", flush=True)
             run_began = time.perf_counter()
-            out = outs[name] = run_federation(ran, scheme, method, report["clients"][scheme], labels, pad_token_id)
+            ran = params.model_copy(update={"federated": fp.model_copy(update={"num_rounds": decision["rounds"],
+                                                                               "budget_minutes": None})})
+            out = run_federation(ran, scheme, method, report["clients"][scheme], labels, pad_token_id, watch)
+            if watch is not None:
+                decision = report["budget"] = budget.with_replan(decision, watch.found)
+                print(f"federated: budget: {decision.get('replan', {}).get('trade', decision['trade'])}", flush=True)
+                watch = None
+            if out is None:  # fewer rounds fit than the first federation was started with: it starts over
+                ran = ran.model_copy(update={"federated": ran.federated.model_copy(
+                    update={"num_rounds": decision["rounds"]})})
+                out = run_federation(ran, scheme, method, report["clients"][scheme], labels, pad_token_id)
+            outs[name] = out
             summary, found = results.summarize(out, paths.BASE_MODEL)
             adapter = paths.FEDERATED_ADAPTERS / name
             results.export_adapter(out, params, labels, pad_token_id, adapter, template.template if template else None)
@@ -150,7 +163,7 @@ def run(params: Params) -> dict:
             mlflow.log_metrics({f"centralized.{k}": v for k, v in central["final"].items()})
         report["wall_seconds"] = decision["measured_seconds"] = round(time.perf_counter() - began, 1)
         write_outputs(report, round_rows, label_rows, clients)
-    print_summary(report)
+    results.print_summary(report)
     return report
 
 
@@ -168,24 +181,6 @@ def write_outputs(report: dict, round_rows: list[dict], label_rows: list[dict], 
     for figure in (ROUNDS_PNG, CLIENTS_PNG):
         mlflow.log_artifact(str(figure))
     mlflow.log_artifact(str(REPORT))
-
-
-def print_summary(report: dict) -> None:
-    for name, summary in report["runs"].items():
-        final = summary["final"]
-        print(f"federated: {name}: test macro-F1 {final['macro_f1']:.4f} accuracy {final['accuracy']:.4f} "
-              f"(base {summary['baseline']['macro_f1']:.4f}); {summary['bytes_up_per_client_round_max']:,} bytes up "
-              f"per client per round, full model / adapter {summary['full_model_over_adapter']}x"
-              + (f"; {summary['macro_f1_gap_to_centralized']:+.4f} macro-F1 below centralized"
-                 if "macro_f1_gap_to_centralized" in summary else ""))
-    if "centralized" in report:
-        central = report["centralized"]
-        print(f"federated: centralized LoRA, {central['examples']} examples ({central['steps']} steps of "
-              f"{central['batch_size']}): test macro-F1 {central['final']['macro_f1']:.4f} accuracy "
-              f"{central['final']['accuracy']:.4f}")
-    print(f"federated: budget: {report['budget']['trade']}; measured {report['wall_seconds'] / 60:.1f} min")
-    print(f"federated: {report['wall_seconds']:.0f} s in all; each run "
-          + ", ".join(f"{name} {summary['wall_seconds']:.0f} s" for name, summary in report["runs"].items()))
 
 
 def main() -> None:

@@ -13,18 +13,27 @@ micro-batches, and fits `step = overhead + per_token x padded tokens`. From it:
   evaluation batches, and the server's threads scale them;
 - the centralized reference trains as many examples as the first federation's clients, one process on every core.
 
-Flower's own start-up (SuperLink, Ray) is not predicted: the report puts what each round took beside its
-prediction, and `wall_seconds` beside the stage's.
+The calibration's process is not the federation's: the clients' steps in a Ray worker and the server's evaluation
+have taken well over what the calibration timed, and Flower's start-up is not timed at all (docs/DECISIONS.md,
+"The budget decided twice"). So the decision is made twice. `FirstRound` watches the first federation: once its
+round 1 is on disk, `replan` scales every predicted round by what that round took against its prediction (the
+clients' and the evaluation's apart), prices each federation's start (Flower's start-up and round 0, as measured)
+and chooses again. When fewer rounds fit, the first federation is stopped and started over with them (a round's
+learning rate depends on the number of rounds, so its round 1 is not reusable): the round and start it wasted are
+counted. The report keeps the first decision as `initial`, and puts what each round took beside the final
+prediction.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from frugaltune import planner
-from frugaltune.federated import aggregation, local, rows
+from frugaltune.federated import aggregation, local, rounds, rows
 from frugaltune.federated.plans import machine_cores
 from frugaltune.federated.settings import RunSettings
 
@@ -189,12 +198,93 @@ def decide(params, plans: dict[str, list[dict]], runs: list[tuple[str, str]], la
             "machine": asdict(machine)}
 
 
+def replan(decision: dict, first: str, measured: dict, opening_s: float, launched_s: float, now_s: float) -> dict:
+    """The rounds that fit, once the first federation (`first`, launched `launched_s` into the stage, now `now_s`)
+    has run its round 1 (`measured`: its JSON, the clients' `round_seconds` and the server's `evaluation_seconds`)
+    and took `opening_s` to start and evaluate round 0. Every federation's rounds are scaled by that round against
+    its prediction, the clients' and the evaluation's apart; the centralized reference's share is not (it is one
+    process, as the calibration). `restart`: the first federation stops and starts over with `rounds`, which only
+    happens when that fits more of the budget than going on with the rounds it runs."""
+    asked, predicted = decision["rounds"], decision["runs"][first][0]
+    training = measured["round_seconds"] / max(predicted["training_seconds"], 1e-9)
+    evaluation = measured["evaluation_seconds"] / decision["evaluation_seconds"] if decision["evaluation_seconds"] \
+        else 1.0
+    per_round, runs = [], {}
+    for number in range(asked):
+        federations = sum(found[number]["seconds"] for found in decision["runs"].values())
+        trained = sum(found[number]["training_seconds"] for found in decision["runs"].values())
+        central = decision["per_round_seconds"][number] - federations  # the reference's share, as predicted
+        per_round.append(trained * training + (federations - trained) * evaluation + central)
+    for name, found in decision["runs"].items():
+        runs[name] = [{**r, "training_seconds": round(r["training_seconds"] * training, 2),
+                       "seconds": round(r["training_seconds"] * training
+                                        + (r["seconds"] - r["training_seconds"]) * evaluation, 2)} for r in found]
+    budget_s, fixed = decision["minutes"] * 60, len(decision["runs"]) * opening_s
+    going_on = launched_s + fixed + sum(per_round)  # the rounds it runs, nothing wasted
+    again = choose_rounds(asked, budget_s, now_s, fixed, per_round)  # over: this start and round 1 are lost
+    restart = going_on > budget_s and again["rounds"] < asked
+    rounds_, predicted_s = (again["rounds"], again["predicted_seconds"]) if restart else (asked, round(going_on, 1))
+    fits = predicted_s <= budget_s
+    measured_as = (f"after {first}'s round 1 ({training:.2f}x the calibration's training, {evaluation:.2f}x its "
+                   f"evaluation, {opening_s:.0f} s to start and evaluate round 0)")
+    minutes, predicted_min = budget_s / 60, predicted_s / 60
+    if restart:
+        trade = (f"{measured_as}: {rounds_} of {asked} rounds fit in {minutes:g} min (predicted {predicted_min:.1f} "
+                 f"min); {first} starts over with {rounds_}" + ("" if fits else ", over the budget all the same"))
+    else:
+        trade = (f"{measured_as}: the {asked} rounds " + (f"fit in {minutes:g} min" if fits else
+                 f"run over the {minutes:g} min budget (starting over with fewer would not end sooner)")
+                 + f", predicted {predicted_min:.1f} min")
+    return {"after_round": 1, "run": first, "training_scale": round(training, 3),
+            "evaluation_scale": round(evaluation, 3), "opening_seconds": round(opening_s, 1),
+            "rounds": rounds_, "predicted_seconds": predicted_s, "fits": fits,
+            "restart": restart, "trade": trade, "per_round_seconds": [round(s, 2) for s in per_round[:rounds_]],
+            "runs": {name: found[:rounds_] for name, found in runs.items()}}
+
+
+class FirstRound:
+    """federation.federate's watch over the stage's first federation (`first` of `decision`; `began`: the stage's
+    time.perf_counter() at its start): `start()` at each launch, then called with the federation's folder until it
+    says stop. Once round 1 is on disk it replans (`replan`; `self.found`) and says stop when the federation should
+    start over with fewer rounds. A federation that resumed rounds from an earlier invocation is not replanned:
+    its start is not this one's."""
+
+    def __init__(self, decision: dict, first: str, began: float):
+        self.decision, self.first, self.began = decision, first, began
+        self.found: dict | None = None
+        self.launched_s = self.launched_at = 0.0
+
+    def start(self) -> None:
+        self.launched_s, self.launched_at = time.perf_counter() - self.began, time.time()
+
+    def __call__(self, out: Path) -> bool:
+        if self.found is not None or (rounds.last_completed_round(out) or 0) < 1:
+            return False
+        opening = rounds.round_path(out, 0, "json").stat().st_mtime - self.launched_at
+        if opening <= 0:  # round 0 is older than this launch: resumed
+            self.found = {"skipped": "the first federation resumed rounds of an earlier run: no replan"}
+            return False
+        measured = json.loads(rounds.round_path(out, 1, "json").read_text())
+        self.found = replan(self.decision, self.first, measured, opening, self.launched_s,
+                            time.perf_counter() - self.began)
+        return self.found["restart"]
+
+
+def with_replan(decision: dict, found: dict | None) -> dict:
+    """The stage's budget after `FirstRound`: the final rounds, prediction and trade, the first decision kept as
+    `initial`."""
+    if not found or "rounds" not in found:
+        return {**decision, **({"replan": found} if found else {})}
+    initial = {key: decision[key] for key in ("rounds", "predicted_seconds", "fits", "trade", "per_round_seconds")}
+    final = {key: found[key] for key in ("rounds", "predicted_seconds", "fits", "trade", "per_round_seconds", "runs")}
+    replanned = {key: value for key, value in found.items() if key not in final}
+    return {**decision, **final, "initial": initial, "replan": replanned}
+
+
 def beside_measured(predicted: list[dict], out: Path) -> list[dict]:
     """Each completed round of the run in `out`: its predicted seconds beside what it took (its clients' round and
     the server's evaluation)."""
-    from frugaltune.federated.rounds import reports
-
     by_round = {p["round"]: p for p in predicted}
     return [{"round": r["round"], "predicted_seconds": by_round.get(r["round"], {}).get("seconds"),
              "measured_seconds": round(r.get("round_seconds", 0.0) + r.get("evaluation_seconds", 0.0), 2)}
-            for r in reports(out) if r["round"] > 0]
+            for r in rounds.reports(out) if r["round"] > 0]

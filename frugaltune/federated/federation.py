@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import threading
 from pathlib import Path
 
 from frugaltune import paths
@@ -92,8 +93,11 @@ def node_settings(fp: FederatedParams, parts: Path, out: Path, included: list[di
             for p in included]
 
 
-def federate(params: Params, name: str, settings: RunSettings, nodes: list[NodeSettings], workdir: Path) -> Path:
-    """Run the federation `settings` describes over `nodes` until done.json says it finished; its rounds' folder."""
+def federate(params: Params, name: str, settings: RunSettings, nodes: list[NodeSettings], workdir: Path,
+             watch=None) -> Path | None:
+    """Run the federation `settings` describes over `nodes` until done.json says it finished; its rounds' folder.
+    `watch` (budget.FirstRound): `watch.start()` at each launch, then `watch(out)` every second while it runs; when
+    it answers True the federation is stopped and this returns None."""
     fp = params.federated
     out = Path(settings.out_dir)
     config, node_configs = settings.to_flower(), [node.to_flower() for node in nodes]
@@ -109,7 +113,13 @@ def federate(params: Params, name: str, settings: RunSettings, nodes: list[NodeS
         with LocalFederation(FLOWER_BIN, workdir, node_configs, PROJECT_ROOT, threads=fp.threads, runtime=fp.runtime,
                              workers=max(1, machine_cores(params) // fp.threads),
                              allocator=params.train.allocator) as fed:
+            if watch is not None:
+                watch.start()
+            watching = Watching(fed, out, watch) if watch is not None else None
             result = fed.submit(APP, config, timeout=None)
+            stopped = watching.finish() if watching else False
+        if stopped:
+            return None
         if (out / "done.json").exists():  # `flwr run` exits 0 even when the ServerApp raised
             return out
         failure = f"the ServerApp did not finish{serverapp_status(workdir)}:\n{result.stdout[-4000:]}"
@@ -121,6 +131,34 @@ def federate(params: Params, name: str, settings: RunSettings, nodes: list[NodeS
         print(f"federated {name}: ended before training a round; starting it once more from round "
               f"{before or 0}. First attempt: {failure[-1500:]}", flush=True)
         attempt += 1
+
+
+class Watching:
+    """A thread that calls `watch(out)` every second while `fed` runs, and stops every process of `fed` when it
+    answers True (`flwr run` then returns, and `federate` returns None)."""
+
+    def __init__(self, fed: LocalFederation, out: Path, watch):
+        self.fed, self.out, self.watch = fed, out, watch
+        self.done, self.stopped, self.error = threading.Event(), False, None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self.done.wait(1.0):
+                if self.watch(self.out):
+                    self.stopped = True
+                    self.fed.stop()
+                    return
+        except Exception as error:  # raised again by finish(), in the stage's thread
+            self.error = error
+
+    def finish(self) -> bool:
+        self.done.set()
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.stopped
 
 
 def serverapp_status(workdir: Path) -> str:

@@ -94,3 +94,23 @@ def csv_text(found: list[dict], fields: list[str]) -> str:
     writer.writeheader()
     writer.writerows(found)
     return buffer.getvalue()
+
+
+def print_summary(report: dict) -> None:
+    """The federated stage's closing lines: each run's final figures, the reference's, the budget against the
+    measured time."""
+    for name, summary in report["runs"].items():
+        final = summary["final"]
+        print(f"federated: {name}: test macro-F1 {final['macro_f1']:.4f} accuracy {final['accuracy']:.4f} "
+              f"(base {summary['baseline']['macro_f1']:.4f}); {summary['bytes_up_per_client_round_max']:,} bytes up "
+              f"per client per round, full model / adapter {summary['full_model_over_adapter']}x"
+              + (f"; {summary['macro_f1_gap_to_centralized']:+.4f} macro-F1 below centralized"
+                 if "macro_f1_gap_to_centralized" in summary else ""))
+    if "centralized" in report:
+        central = report["centralized"]
+        print(f"federated: centralized LoRA, {central['examples']} examples ({central['steps']} steps of "
+              f"{central['batch_size']}): test macro-F1 {central['final']['macro_f1']:.4f} accuracy "
+              f"{central['final']['accuracy']:.4f}")
+    print(f"federated: budget: {report['budget']['trade']}; measured {report['wall_seconds'] / 60:.1f} min")
+    print(f"federated: {report['wall_seconds']:.0f} s in all; each run "
+          + ", ".join(f"{name} {summary['wall_seconds']:.0f} s" for name, summary in report["runs"].items()))

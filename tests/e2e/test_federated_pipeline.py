@@ -145,7 +145,13 @@ def test_the_stage_runs_three_supernodes_for_two_rounds_sending_only_the_adapter
     assert run["rounds"] == 2 and run["failures"] == 0
     # federated.budget_minutes (40 by default): a client-round measured here; both rounds fit, and each round's
     # predicted seconds stand beside what it took
-    assert report["budget"]["rounds"] == 2 and report["budget"]["trade"].startswith("2 rounds asked, all fit in 40 min")
+    assert report["budget"]["initial"]["trade"].startswith("2 rounds asked, all fit in 40 min")
+    # then the first federation's round 1 (of its second start: the first did not reach round 0) rescaled the
+    # prediction, and both rounds still fit: it went on
+    replan = report["budget"]["replan"]
+    assert report["budget"]["rounds"] == 2 and not replan["restart"] and replan["training_scale"] > 0
+    assert report["budget"]["trade"].startswith("after fedavg_iid's round 1") and "the 2 rounds fit in 40 min" in \
+        report["budget"]["trade"]
     assert [r["round"] for r in run["round_seconds"]] == [1, 2]
     assert all(r["predicted_seconds"] > 0 and r["measured_seconds"] > 0 for r in run["round_seconds"])
     # what this invocation took: the run (both of its starts) inside the stage's whole
@@ -315,6 +321,32 @@ def test_the_simulation_engine_runs_the_same_apps_and_its_workers_build_the_mode
     assert [c["client-state-resumed"] for c in clients] == [0, 0, 0, 1, 1, 1], clients  # round 1 fresh, 2 kept
     for i in range(len(RANKS)):  # only the newest state stays on the client's disk
         assert [p.name for p in (world / "simulation_state" / f"client_{i}").iterdir()] == ["client_state_002.pt"]
+
+
+def test_the_budgets_watch_stops_a_running_federation_and_nothing_of_it_outlives_it(world: Path):
+    """federation.Watching, as the stage's budget uses it (budget.FirstRound): once round 1 is on disk the watch says
+    stop; every process of the federation ends, `flwr run` returns, and the run is not finished (the stage starts
+    it over with fewer rounds)."""
+    from frugaltune.federated.federation import Watching
+
+    out = world / "watched_out"
+    seen = []
+
+    def watch(folder: Path) -> bool:
+        seen.append((folder / "rounds/round_001.json").exists())
+        return seen[-1]
+
+    fed = LocalFederation(FLOWER_BIN, world / "watched", [{"data": str(world / f"client_{i}.parquet"), "lora-rank": r}
+                                                          for i, r in enumerate(RANKS)], ROOT, runtime="simulation",
+                          workers=1)
+    with fed:
+        watching = Watching(fed, out, watch)
+        result = fed.submit(APP, run_config(world, out, **{"num-rounds": 50}), timeout=600)
+        assert watching.finish() is True
+    assert seen[-1] and not all(seen), seen  # it watched while rounds ran, and said stop after round 1
+    assert not (out / "done.json").exists() and (out / "rounds/round_001.json").exists(), result.stdout[-3000:]
+    assert not (out / "rounds/round_050.json").exists()
+    assert not fed.strays(), [process.cmdline()[:2] for process in fed.strays()]
 
 
 def test_partitions_are_deterministic_for_a_seed_and_skewed_by_dirichlet(world: Path, tmp_path: Path):

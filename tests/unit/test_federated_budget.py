@@ -89,3 +89,77 @@ def test_clients_run_longest_first_on_the_first_free_worker():
     assert budget.makespan([3.0, 1.0, 2.0], workers=1) == 6.0
     assert budget.makespan([3.0, 1.0, 2.0], workers=2) == 3.0
     assert budget.makespan([], workers=2) == 0.0
+
+
+def planned(rounds: int = 6) -> dict:
+    """A decision as `decide` makes it: three federations of 20 s of clients + 5 s of evaluation a round, and the
+    centralized reference's 10 s share of each round, in a 10-minute budget, 30 s spent before the rounds."""
+    runs = {name: [{"round": n, "clients": [0, 1], "training_seconds": 20.0, "seconds": 25.0, "steps": 8}
+                   for n in range(1, rounds + 1)] for name in ("fedavg_dirichlet", "ffa_dirichlet", "fedavg_iid")}
+    return {"minutes": 10.0, "rounds_asked": 10, "rounds": rounds, "predicted_seconds": 555.0, "fits": True,
+            "trade": "10 rounds asked, 6 fit", "evaluation_seconds": 5.0, "per_round_seconds": [85.0] * rounds,
+            "runs": runs}
+
+
+def test_the_first_round_as_predicted_keeps_the_rounds_it_runs():
+    found = budget.replan(planned(), "fedavg_dirichlet", {"round_seconds": 20.0, "evaluation_seconds": 5.0},
+                          opening_s=5.0, launched_s=30.0, now_s=60.0)
+    # 30 s spent + 3 starts of 5 s + 6 rounds of 85 s: the 555 s predicted before, nothing to start over
+    assert found["rounds"] == 6 and not found["restart"] and found["fits"]
+    assert found["predicted_seconds"] == pytest.approx(555.0)
+    assert found["training_scale"] == 1.0 and found["evaluation_scale"] == 1.0
+    assert "the 6 rounds fit in 10 min, predicted 9.2 min" in found["trade"]
+
+
+def test_a_slower_first_round_starts_the_first_federation_over_with_the_rounds_that_fit():
+    found = budget.replan(planned(), "fedavg_dirichlet", {"round_seconds": 40.0, "evaluation_seconds": 7.5},
+                          opening_s=20.0, launched_s=30.0, now_s=100.0)
+    assert found["training_scale"] == 2.0 and found["evaluation_scale"] == 1.5
+    # a round is now 3 x (40 + 7.5) + 10 (the reference's share, not scaled) = 152.5 s, and each federation's start
+    # 20 s: from now (100 s: this start and round 1 are lost), 2 rounds end at 100 + 60 + 305 = 465 s, 3 past 600
+    assert found["restart"] and found["rounds"] == 2 and found["fits"]
+    assert found["predicted_seconds"] == pytest.approx(465.0)
+    assert found["per_round_seconds"] == [152.5, 152.5]
+    assert [r["seconds"] for r in found["runs"]["fedavg_iid"]] == [47.5, 47.5]
+    assert found["trade"].endswith("2 of 6 rounds fit in 10 min (predicted 7.8 min); fedavg_dirichlet starts "
+                                   "over with 2")
+    # the stage's report: the final decision on top, the first one kept, each round's prediction the new one
+    report = budget.with_replan(planned(), found)
+    assert report["rounds"] == 2 and report["initial"]["rounds"] == 6 and report["replan"]["restart"]
+    assert report["runs"]["fedavg_dirichlet"][0]["seconds"] == 47.5 and "runs" not in report["replan"]
+
+
+def test_starting_over_that_ends_no_sooner_goes_on_and_says_it_runs_over():
+    # one round asked: fewer is not possible, so the federation goes on and the trade says it runs over
+    found = budget.replan(planned(rounds=1), "fedavg_dirichlet", {"round_seconds": 200.0, "evaluation_seconds": 5.0},
+                          opening_s=20.0, launched_s=30.0, now_s=250.0)
+    assert found["rounds"] == 1 and not found["restart"] and not found["fits"]
+    assert "the 1 rounds run over the 10 min budget" in found["trade"]
+
+
+def test_the_watch_replans_once_round_1_is_on_disk_and_not_a_resumed_run(tmp_path):
+    import time
+
+    def write_round(out, number, **values):
+        (out / "rounds").mkdir(parents=True, exist_ok=True)
+        (out / "rounds" / f"round_{number:03d}.json").write_text(json.dumps({"round": number, **values}))
+
+    fresh = tmp_path / "fresh"
+    watch = budget.FirstRound(planned(), "fedavg_dirichlet", began=time.perf_counter() - 30.0)
+    watch.start()
+    assert watch(fresh) is False and watch.found is None  # nothing on disk yet
+    time.sleep(0.05)  # file times are coarser than time.time()
+    write_round(fresh, 0)
+    assert watch(fresh) is False and watch.found is None  # round 0 only
+    write_round(fresh, 1, round_seconds=40.0, evaluation_seconds=7.5)
+    assert watch(fresh) is True and watch.found["restart"]  # 2x slower: start over (the case above)
+    assert watch(fresh) is False  # decided once
+
+    resumed = tmp_path / "resumed"
+    write_round(resumed, 0)
+    write_round(resumed, 1, round_seconds=40.0, evaluation_seconds=7.5)
+    time.sleep(0.05)
+    watch = budget.FirstRound(planned(), "fedavg_dirichlet", began=time.perf_counter())
+    watch.start()
+    assert watch(resumed) is False and "resumed" in watch.found["skipped"]
+    assert budget.with_replan(planned(), watch.found)["rounds"] == 6  # the decision stands, the skip recorded
