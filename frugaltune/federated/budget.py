@@ -209,16 +209,13 @@ def replan(decision: dict, first: str, measured: dict, opening_s: float, launche
     training = measured["round_seconds"] / max(predicted["training_seconds"], 1e-9)
     evaluation = measured["evaluation_seconds"] / decision["evaluation_seconds"] if decision["evaluation_seconds"] \
         else 1.0
-    per_round, runs = [], {}
-    for number in range(asked):
-        federations = sum(found[number]["seconds"] for found in decision["runs"].values())
-        trained = sum(found[number]["training_seconds"] for found in decision["runs"].values())
-        central = decision["per_round_seconds"][number] - federations  # the reference's share, as predicted
-        per_round.append(trained * training + (federations - trained) * evaluation + central)
-    for name, found in decision["runs"].items():
-        runs[name] = [{**r, "training_seconds": round(r["training_seconds"] * training, 2),
-                       "seconds": round(r["training_seconds"] * training
-                                        + (r["seconds"] - r["training_seconds"]) * evaluation, 2)} for r in found]
+    runs = {name: [{**r, "training_seconds": round(r["training_seconds"] * training, 2),
+                    "seconds": round(r["training_seconds"] * training
+                                     + (r["seconds"] - r["training_seconds"]) * evaluation, 2)} for r in found]
+            for name, found in decision["runs"].items()}
+    # each round: the federations' scaled rounds, plus the reference's share as predicted (what `decide` added)
+    per_round = [sum(found[n]["seconds"] for found in runs.values()) + decision["per_round_seconds"][n]
+                 - sum(found[n]["seconds"] for found in decision["runs"].values()) for n in range(asked)]
     budget_s, fixed = decision["minutes"] * 60, len(decision["runs"]) * opening_s
     going_on = launched_s + fixed + sum(per_round)  # the rounds it runs, nothing wasted
     again = choose_rounds(asked, budget_s, now_s, fixed, per_round)  # over: this start and round 1 are lost

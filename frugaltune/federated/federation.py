@@ -113,8 +113,6 @@ def federate(params: Params, name: str, settings: RunSettings, nodes: list[NodeS
         with LocalFederation(FLOWER_BIN, workdir, node_configs, PROJECT_ROOT, threads=fp.threads, runtime=fp.runtime,
                              workers=max(1, machine_cores(params) // fp.threads),
                              allocator=params.train.allocator) as fed:
-            if watch is not None:
-                watch.start()
             watching = Watching(fed, out, watch) if watch is not None else None
             result = fed.submit(APP, config, timeout=None)
             stopped = watching.finish() if watching else False
@@ -134,11 +132,14 @@ def federate(params: Params, name: str, settings: RunSettings, nodes: list[NodeS
 
 
 class Watching:
-    """A thread that calls `watch(out)` every second while `fed` runs, and stops every process of `fed` when it
-    answers True (`flwr run` then returns, and `federate` returns None)."""
+    """`watch.start()` at this launch, then a thread that calls `watch(out)` every second while `fed` runs, and stops
+    every process of `fed` when it answers True (`flwr run` then returns, and `federate` returns None)."""
 
     def __init__(self, fed: LocalFederation, out: Path, watch):
         self.fed, self.out, self.watch = fed, out, watch
+        start = getattr(watch, "start", None)
+        if start is not None:
+            start()
         self.done, self.stopped, self.error = threading.Event(), False, None
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
