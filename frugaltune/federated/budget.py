@@ -17,8 +17,9 @@ The calibration's process is not the federation's: the clients' steps in a Ray w
 have taken well over what the calibration timed, and Flower's start-up is not timed at all (docs/DECISIONS.md,
 "The budget decided twice"). So the decision is made twice. `FirstRound` watches the first federation: once its
 round 1 is on disk, `replan` scales every predicted round by what that round took against its prediction (the
-clients' and the evaluation's apart), prices each federation's start (Flower's start-up and round 0, as measured)
-and chooses again. When fewer rounds fit, the first federation is stopped and started over with them (a round's
+clients' and the evaluation's apart; the centralized reference's training as the clients'), prices each
+federation's start (Flower's start-up and round 0, as measured) and its end (Flower's shutdown and the export, at
+the start-up's measured price) and chooses again. When fewer rounds fit, the first federation is stopped and started over with them (a round's
 learning rate depends on the number of rounds, so its round 1 is not reusable): the round and start it wasted are
 counted. The report keeps the first decision as `initial`, and puts what each round took beside the final
 prediction.
@@ -202,9 +203,11 @@ def replan(decision: dict, first: str, measured: dict, opening_s: float, launche
     """The rounds that fit, once the first federation (`first`, launched `launched_s` into the stage, now `now_s`)
     has run its round 1 (`measured`: its JSON, the clients' `round_seconds` and the server's `evaluation_seconds`)
     and took `opening_s` to start and evaluate round 0. Every federation's rounds are scaled by that round against
-    its prediction, the clients' and the evaluation's apart; the centralized reference's share is not (it is one
-    process, as the calibration). `restart`: the first federation stops and starts over with `rounds`, which only
-    happens when that fits more of the budget than going on with the rounds it runs."""
+    its prediction, the clients' and the evaluation's apart, and the centralized reference's share as the clients'
+    training (the same loop on the same machine, whose speed moved since the calibration). Each federation's start
+    costs `opening_s`; its end (Flower's shutdown, the export) is priced as its start-up, `opening_s` less round 1's
+    evaluation: the same processes stop as started. `restart`: the first federation stops and starts over with
+    `rounds`, which only happens when that fits more of the budget than going on with the rounds it runs."""
     asked, predicted = decision["rounds"], decision["runs"][first][0]
     training = measured["round_seconds"] / max(predicted["training_seconds"], 1e-9)
     evaluation = measured["evaluation_seconds"] / decision["evaluation_seconds"] if decision["evaluation_seconds"] \
@@ -213,17 +216,20 @@ def replan(decision: dict, first: str, measured: dict, opening_s: float, launche
                     "seconds": round(r["training_seconds"] * training
                                      + (r["seconds"] - r["training_seconds"]) * evaluation, 2)} for r in found]
             for name, found in decision["runs"].items()}
-    # each round: the federations' scaled rounds, plus the reference's share as predicted (what `decide` added)
-    per_round = [sum(found[n]["seconds"] for found in runs.values()) + decision["per_round_seconds"][n]
-                 - sum(found[n]["seconds"] for found in decision["runs"].values()) for n in range(asked)]
-    budget_s, fixed = decision["minutes"] * 60, len(decision["runs"]) * opening_s
+    # each round: the federations' scaled rounds, plus the reference's share (what `decide` added) scaled as training
+    per_round = [sum(found[n]["seconds"] for found in runs.values()) + training * (
+        decision["per_round_seconds"][n] - sum(found[n]["seconds"] for found in decision["runs"].values()))
+        for n in range(asked)]
+    closing = max(0.0, opening_s - measured.get("evaluation_seconds", 0.0))
+    budget_s, fixed = decision["minutes"] * 60, len(decision["runs"]) * (opening_s + closing)
     going_on = launched_s + fixed + sum(per_round)  # the rounds it runs, nothing wasted
-    again = choose_rounds(asked, budget_s, now_s, fixed, per_round)  # over: this start and round 1 are lost
+    # over: this start and round 1 are lost, and the stopped federation's shutdown is paid too
+    again = choose_rounds(asked, budget_s, now_s + closing, fixed, per_round)
     restart = going_on > budget_s and again["rounds"] < asked
     rounds_, predicted_s = (again["rounds"], again["predicted_seconds"]) if restart else (asked, round(going_on, 1))
     fits = predicted_s <= budget_s
     measured_as = (f"after {first}'s round 1 ({training:.2f}x the calibration's training, {evaluation:.2f}x its "
-                   f"evaluation, {opening_s:.0f} s to start and evaluate round 0)")
+                   f"evaluation, {opening_s:.0f} s to start and evaluate round 0, {closing:.0f} s priced to end)")
     minutes, predicted_min = budget_s / 60, predicted_s / 60
     if restart:
         trade = (f"{measured_as}: {rounds_} of {asked} rounds fit in {minutes:g} min (predicted {predicted_min:.1f} "
@@ -234,6 +240,7 @@ def replan(decision: dict, first: str, measured: dict, opening_s: float, launche
                  + f", predicted {predicted_min:.1f} min")
     return {"after_round": 1, "run": first, "training_scale": round(training, 3),
             "evaluation_scale": round(evaluation, 3), "opening_seconds": round(opening_s, 1),
+            "closing_seconds": round(closing, 1),
             "rounds": rounds_, "predicted_seconds": predicted_s, "fits": fits,
             "restart": restart, "trade": trade, "per_round_seconds": [round(s, 2) for s in per_round[:rounds_]],
             "runs": {name: found[:rounds_] for name, found in runs.items()}}

@@ -103,25 +103,27 @@ def planned(rounds: int = 6) -> dict:
 
 def test_the_first_round_as_predicted_keeps_the_rounds_it_runs():
     found = budget.replan(planned(), "fedavg_dirichlet", {"round_seconds": 20.0, "evaluation_seconds": 5.0},
-                          opening_s=5.0, launched_s=30.0, now_s=60.0)
-    # 30 s spent + 3 starts of 5 s + 6 rounds of 85 s: the 555 s predicted before, nothing to start over
+                          opening_s=7.5, launched_s=30.0, now_s=60.0)
+    # 30 s spent + 3 starts of 7.5 s (2.5 s of Flower's start-up, and round 0's 5 s of evaluation) + 3 ends priced
+    # as the start-up + 6 rounds of 85 s: 570 s, nothing to start over
     assert found["rounds"] == 6 and not found["restart"] and found["fits"]
-    assert found["predicted_seconds"] == pytest.approx(555.0)
+    assert found["predicted_seconds"] == pytest.approx(570.0) and found["closing_seconds"] == 2.5
     assert found["training_scale"] == 1.0 and found["evaluation_scale"] == 1.0
-    assert "the 6 rounds fit in 10 min, predicted 9.2 min" in found["trade"]
+    assert "the 6 rounds fit in 10 min, predicted 9.5 min" in found["trade"]
 
 
 def test_a_slower_first_round_starts_the_first_federation_over_with_the_rounds_that_fit():
     found = budget.replan(planned(), "fedavg_dirichlet", {"round_seconds": 40.0, "evaluation_seconds": 7.5},
                           opening_s=20.0, launched_s=30.0, now_s=100.0)
     assert found["training_scale"] == 2.0 and found["evaluation_scale"] == 1.5
-    # a round is now 3 x (40 + 7.5) + 10 (the reference's share, not scaled) = 152.5 s, and each federation's start
-    # 20 s: from now (100 s: this start and round 1 are lost), 2 rounds end at 100 + 60 + 305 = 465 s, 3 past 600
+    # a round is now 3 x (40 + 7.5) + 2 x 10 (the reference's share, scaled as the clients' training) = 162.5 s;
+    # each federation's start 20 s and its end 12.5 s (the start less round 1's evaluation). From now (100 s: this
+    # start and round 1 are lost) and the stopped federation's end: 2 rounds end at 112.5 + 97.5 + 325 = 535 s
     assert found["restart"] and found["rounds"] == 2 and found["fits"]
-    assert found["predicted_seconds"] == pytest.approx(465.0)
-    assert found["per_round_seconds"] == [152.5, 152.5]
+    assert found["predicted_seconds"] == pytest.approx(535.0)
+    assert found["per_round_seconds"] == [162.5, 162.5]
     assert [r["seconds"] for r in found["runs"]["fedavg_iid"]] == [47.5, 47.5]
-    assert found["trade"].endswith("2 of 6 rounds fit in 10 min (predicted 7.8 min); fedavg_dirichlet starts "
+    assert found["trade"].endswith("2 of 6 rounds fit in 10 min (predicted 8.9 min); fedavg_dirichlet starts "
                                    "over with 2")
     # the stage's report: the final decision on top, the first one kept, each round's prediction the new one
     report = budget.with_replan(planned(), found)
