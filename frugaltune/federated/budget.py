@@ -19,10 +19,10 @@ have taken well over what the calibration timed, and Flower's start-up is not ti
 round 1 is on disk, `replan` scales every predicted round by what that round took against its prediction (the
 clients' and the evaluation's apart; the centralized reference's training as the clients'), prices each
 federation's start (Flower's start-up and round 0, as measured) and its end (Flower's shutdown and the export, at
-the start-up's measured price) and chooses again. When fewer rounds fit, the first federation is stopped and started over with them (a round's
-learning rate depends on the number of rounds, so its round 1 is not reusable): the round and start it wasted are
-counted. The report keeps the first decision as `initial`, and puts what each round took beside the final
-prediction.
+the start-up's measured price) and chooses again. When fewer rounds fit, the first federation is stopped and
+started over with them (a round's learning rate depends on the number of rounds, so its round 1 is not reusable):
+the round and start it wasted are counted. The report keeps the first decision as `initial`, and puts what each
+round took beside the final prediction.
 """
 
 from __future__ import annotations
@@ -220,7 +220,7 @@ def replan(decision: dict, first: str, measured: dict, opening_s: float, launche
     per_round = [sum(found[n]["seconds"] for found in runs.values()) + training * (
         decision["per_round_seconds"][n] - sum(found[n]["seconds"] for found in decision["runs"].values()))
         for n in range(asked)]
-    closing = max(0.0, opening_s - measured.get("evaluation_seconds", 0.0))
+    closing = max(0.0, opening_s - measured["evaluation_seconds"])
     budget_s, fixed = decision["minutes"] * 60, len(decision["runs"]) * (opening_s + closing)
     going_on = launched_s + fixed + sum(per_round)  # the rounds it runs, nothing wasted
     # over: this start and round 1 are lost, and the stopped federation's shutdown is paid too
