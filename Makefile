@@ -84,11 +84,12 @@ chromium:
 		{ apt-get install -y -q chromium || { apt-get update -q && apt-get install -y -q chromium; }; } || \
 		echo "chromium: not installed (needs root and apt-get); tests/e2e/test_ui_browser.py will be skipped"; }
 
-# The unit and fault tests run on two workers, a file to each (their module fixtures stay whole); the end-to-end
-# tests alone, one after the other, as they start servers and time out on rounds (docs/DECISIONS.md, "make test").
+# Two workers, a file to each (module fixtures and the tests that continue one story stay whole): the unit and fault
+# tests, then the end-to-end tests, whose servers and round timeouts leave room for a second worker beside them
+# (docs/DECISIONS.md, "make test").
 test: install flower-env chromium lint
 	python -m pytest -q tests/unit tests/faults tests/gpu -m "not gpu" -n 2 --dist loadfile --durations=10
-	python -m pytest -q tests/e2e -m "not gpu" --durations=25
+	python -m pytest -q tests/e2e -m "not gpu" -n 2 --dist loadfile --durations=25
 
 # The guards: import-linter (the layers and contracts in pyproject.toml), ruff (a small bug-finding rule set) and
 # vulture (dead code; vulture_whitelist.py lists what frameworks call by name). Seconds; part of `make test`.

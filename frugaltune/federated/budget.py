@@ -18,11 +18,11 @@ have taken well over what the calibration timed, and Flower's start-up is not ti
 "The budget decided twice"). So the decision is made twice. `FirstRound` watches the first federation: once its
 round 1 is on disk, `replan` scales every predicted round by what that round took against its prediction (the
 clients' and the evaluation's apart; the centralized reference's training as the clients'), prices each
-federation's start (Flower's start-up and round 0, as measured) and its end (Flower's shutdown and the export, at
-the start-up's measured price) and chooses again. When fewer rounds fit, the first federation is stopped and
-started over with them (a round's learning rate depends on the number of rounds, so its round 1 is not reusable):
-the round and start it wasted are counted. The report keeps the first decision as `initial`, and puts what each
-round took beside the final prediction.
+federation's start (Flower's start-up, as measured; round 0's evaluation only once: the federations start from the
+same bytes and share it) and its end (Flower's shutdown and the export, at the start-up's measured price) and
+chooses again. When fewer rounds fit, the first federation is stopped and started over with them (a round's learning
+rate depends on the number of rounds, so its round 1 is not reusable): the round and start it wasted are counted.
+The report keeps the first decision as `initial`, and puts what each round took beside the final prediction.
 """
 
 from __future__ import annotations
@@ -187,7 +187,8 @@ def decide(params, plans: dict[str, list[dict]], runs: list[tuple[str, str]], la
                                                    tp.batch_size * tp.grad_accum, machine)
                      for seconds, r in zip(per_round, first)]
     spent = spent_s + calibration["seconds"]
-    decision = choose_rounds(asked, fp.budget_minutes * 60, spent, len(runs) * evaluation, per_round)
+    # round 0 is evaluated once: the federations start from the same bytes (server_app.start_evaluation)
+    decision = choose_rounds(asked, fp.budget_minutes * 60, spent, evaluation, per_round)
     return {"minutes": fp.budget_minutes, **decision, "spent_before_rounds_s": round(spent, 1),
             "evaluation_seconds": round(evaluation, 2), "per_round_seconds": [round(s, 2) for s in per_round],
             "runs": {name: found[:max(1, decision["rounds"])] for name, found in predicted.items()},
@@ -199,15 +200,18 @@ def decide(params, plans: dict[str, list[dict]], runs: list[tuple[str, str]], la
             "machine": asdict(machine)}
 
 
-def replan(decision: dict, first: str, measured: dict, opening_s: float, launched_s: float, now_s: float) -> dict:
+def replan(decision: dict, first: str, measured: dict, opening_s: float, start_evaluation_s: float, launched_s: float,
+           now_s: float) -> dict:
     """The rounds that fit, once the first federation (`first`, launched `launched_s` into the stage, now `now_s`)
     has run its round 1 (`measured`: its JSON, the clients' `round_seconds` and the server's `evaluation_seconds`)
-    and took `opening_s` to start and evaluate round 0. Every federation's rounds are scaled by that round against
-    its prediction, the clients' and the evaluation's apart, and the centralized reference's share as the clients'
-    training (the same loop on the same machine, whose speed moved since the calibration). Each federation's start
-    costs `opening_s`; its end (Flower's shutdown, the export) is priced as its start-up, `opening_s` less round 1's
-    evaluation: the same processes stop as started. `restart`: the first federation stops and starts over with
-    `rounds`, which only happens when that fits more of the budget than going on with the rounds it runs."""
+    and took `opening_s` to start and evaluate round 0, of which `start_evaluation_s` evaluating. Every federation's
+    rounds are scaled by that round against its prediction, the clients' and the evaluation's apart, and the
+    centralized reference's share as the clients' training (the same loop on the same machine, whose speed moved
+    since the calibration). The other federations start from the same bytes and read round 0's evaluation
+    (server_app.start_evaluation): each start costs the start-up, `opening_s` less that evaluation; each end
+    (Flower's shutdown, the export) is priced as the start-up: the same processes stop as started. `restart`: the
+    first federation stops and starts over with `rounds`, which only happens when that fits more of the budget than
+    going on with the rounds it runs."""
     asked, predicted = decision["rounds"], decision["runs"][first][0]
     training = measured["round_seconds"] / max(predicted["training_seconds"], 1e-9)
     evaluation = measured["evaluation_seconds"] / decision["evaluation_seconds"] if decision["evaluation_seconds"] \
@@ -220,16 +224,19 @@ def replan(decision: dict, first: str, measured: dict, opening_s: float, launche
     per_round = [sum(found[n]["seconds"] for found in runs.values()) + training * (
         decision["per_round_seconds"][n] - sum(found[n]["seconds"] for found in decision["runs"].values()))
         for n in range(asked)]
-    closing = max(0.0, opening_s - measured["evaluation_seconds"])
-    budget_s, fixed = decision["minutes"] * 60, len(decision["runs"]) * (opening_s + closing)
-    going_on = launched_s + fixed + sum(per_round)  # the rounds it runs, nothing wasted
-    # over: this start and round 1 are lost, and the stopped federation's shutdown is paid too
-    again = choose_rounds(asked, budget_s, now_s + closing, fixed, per_round)
+    closing = start_up = max(0.0, opening_s - start_evaluation_s)
+    budget_s, federations = decision["minutes"] * 60, len(decision["runs"])
+    # the rounds it runs, nothing wasted: this start, the others' and every end
+    going_on = launched_s + opening_s + (federations - 1) * start_up + federations * closing + sum(per_round)
+    # over: this start and round 1 are lost, and the stopped federation's shutdown is paid too; every federation
+    # then starts (round 0's evaluation is kept) and ends
+    again = choose_rounds(asked, budget_s, now_s + closing, federations * (start_up + closing), per_round)
     restart = going_on > budget_s and again["rounds"] < asked
     rounds_, predicted_s = (again["rounds"], again["predicted_seconds"]) if restart else (asked, round(going_on, 1))
     fits = predicted_s <= budget_s
     measured_as = (f"after {first}'s round 1 ({training:.2f}x the calibration's training, {evaluation:.2f}x its "
-                   f"evaluation, {opening_s:.0f} s to start and evaluate round 0, {closing:.0f} s priced to end)")
+                   f"evaluation, {opening_s:.0f} s to start and evaluate round 0, {start_up:.0f} s priced for each "
+                   "other start and each end)")
     minutes, predicted_min = budget_s / 60, predicted_s / 60
     if restart:
         trade = (f"{measured_as}: {rounds_} of {asked} rounds fit in {minutes:g} min (predicted {predicted_min:.1f} "
@@ -269,8 +276,9 @@ class FirstRound:
             self.found = {"skipped": "the first federation resumed rounds of an earlier run: no replan"}
             return False
         measured = json.loads(rounds.round_path(out, 1, "json").read_text())
-        self.found = replan(self.decision, self.first, measured, opening, self.launched_s,
-                            time.perf_counter() - self.began)
+        start = json.loads(rounds.round_path(out, 0, "json").read_text())
+        self.found = replan(self.decision, self.first, measured, opening, start["evaluation_seconds"],
+                            self.launched_s, time.perf_counter() - self.began)
         return self.found["restart"]
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from frugaltune import paths
 from frugaltune.config import FederatedParams, Params
-from frugaltune.federated import rounds, rows
+from frugaltune.federated import keys, rounds, rows
 from frugaltune.federated.plans import machine_cores
 from frugaltune.federated.keys import PROJECT_ROOT
 from frugaltune.federated.launch import LocalFederation
@@ -62,9 +62,10 @@ def run_settings(params: Params, method: str, out: Path, included: list[dict], l
     this project, the clients the plans include and the rounds to run (default `federated.num_rounds`)."""
     fp = params.federated
     bf16, _ = precision
+    test = paths.FEDERATED_DATA / "test.parquet"
     return RunSettings(
-        out_dir=str(out), model_dir=str(paths.BASE_MODEL.resolve()),
-        test_data=str((paths.FEDERATED_DATA / "test.parquet").resolve()), labels=labels,
+        out_dir=str(out), model_dir=str(paths.BASE_MODEL.resolve()), test_data=str(test.resolve()), labels=labels,
+        start_evaluations=str(keys.start_evaluations(test).resolve()),
         pad_token_id=pad_token_id, num_rounds=num_rounds or fp.num_rounds, fraction=fp.fraction,
         min_clients=min(len(included), max(fp.min_completed, 2)), min_completed=fp.min_completed,
         round_timeout=float(fp.round_timeout_s), method=method, lora_r=fp.lora.r, lora_alpha=fp.lora.alpha,

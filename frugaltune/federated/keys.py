@@ -13,6 +13,7 @@ from pathlib import Path
 
 from frugaltune import paths
 from frugaltune.config import Params
+from frugaltune.federated.rows import rows_fingerprint
 from frugaltune.io import read_json
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -52,3 +53,12 @@ def run_key(params: Params, scheme: str, method: str, data: str, plans: list[dic
                        "model": base_weights_sha(), "code": round_code_sha256(), "data": data, "steps": steps},
                       sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def start_evaluations(test: Path) -> Path:
+    """Where the stage's federations share round 0's evaluation (server_app.start_evaluation): a folder named by what
+    that evaluation depends on beyond the start's bytes and the evaluation's settings, which name its files: the
+    base weights (a folder's path does not say which), the round code and the test split's rows."""
+    blob = json.dumps({"model": base_weights_sha(), "code": round_code_sha256(), "test": rows_fingerprint([test])},
+                      sort_keys=True)
+    return paths.FEDERATED_CHECKPOINTS / "start_evaluations" / hashlib.sha256(blob.encode()).hexdigest()[:16]

@@ -142,6 +142,34 @@ def evaluate_global(model, tensors, test, settings: RunSettings) -> dict:
                           settings.eval_batch_size, bf16=settings.precision == "bf16")
 
 
+def start_evaluation(model, start: Path, test, settings: RunSettings) -> dict:
+    """Round 0's report: the seeded start (`start`, its safetensors) evaluated, and the seconds that took. Every
+    federation of a stage starts from the same bytes (one base, seed and LoRA shape; FedAvg and FFA alike), so with
+    `start-evaluations` the evaluation is kept there, named by those bytes and the evaluation's own settings, and a
+    later federation with the same start reads it (0 seconds; `evaluation_reused` names the file)."""
+    def evaluate() -> dict:
+        began = time.perf_counter()
+        evaluation = evaluate_global(model, load_file(str(start)), test, settings)
+        return {"round": 0, "evaluation": evaluation, "evaluation_seconds": round(time.perf_counter() - began, 3)}
+
+    if not settings.start_evaluations:
+        return evaluate()
+    with start.open("rb") as handle:
+        digest = hashlib.file_digest(handle, "sha256")
+    config = settings.to_flower()
+    digest.update(json.dumps({key: config[key] for key in ("model-dir", "test-data", "labels", "pad-token-id",
+                                                           "eval-batch-size", "precision", "threads")},
+                             sort_keys=True).encode())
+    kept = Path(settings.start_evaluations) / f"round_000_{digest.hexdigest()[:16]}.json"
+    if kept.exists():
+        return {"round": 0, "evaluation": json.loads(kept.read_text())["evaluation"], "evaluation_seconds": 0.0,
+                "evaluation_reused": str(kept)}
+    report = evaluate()
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(kept, lambda p: p.write_text(json.dumps({"evaluation": report["evaluation"]}, indent=2)))
+    return report
+
+
 def run_secure_round(grid: Grid, context: Context, settings: RunSettings, number: int,
                      tensors: dict[str, torch.Tensor], sampled: list[int]) -> tuple[dict, dict]:
     """One round under SecAgg+ (frugaltune/federated/secure.py): the server gets the weighted mean of the padded
@@ -235,7 +263,7 @@ def main(grid: Grid, context: Context) -> None:
         # with bf16 on the wire the start is its bf16 value too: FFA's A then never changes from round 0 on
         tensors = wire.round_trip(local.trainable_tensors(model), settings.transmit_dtype)
         atomic_write(round_path(out, 0, "safetensors"), lambda p: save_file(tensors, str(p)))
-        report = {"round": 0, "evaluation": evaluate_global(model, tensors, test, settings)}
+        report = start_evaluation(model, round_path(out, 0, "safetensors"), test, settings)
         atomic_write(round_path(out, 0, "json"), lambda p: p.write_text(json.dumps(report, indent=2)))
         last = 0
     else:

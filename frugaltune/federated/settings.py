@@ -108,6 +108,9 @@ class RunSettings(ClientTraining):
     secure_max_weight: float = 1000.0  # SecAgg+: the largest num_examples of a client (weights quantized by it)
     precision: Literal["fp32", "bf16"] = "fp32"  # the server's evaluation (the clients': their node settings)
     simulation_nodes: str = ""  # Simulation Engine: a JSON file of the virtual nodes' NodeSettings, by partition-id
+    # a folder the stage gives the federations of one base, test split and round code: round 0's evaluation is kept
+    # there under the start's bytes, and a federation with the same start reads it instead of evaluating it again
+    start_evaluations: str = ""
 
     def round_lr(self, number: int) -> float:
         """The clients' lr in round `number`: the decay of centralized training across the rounds, or `lr`."""

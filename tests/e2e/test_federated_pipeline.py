@@ -230,12 +230,13 @@ def test_the_stage_runs_three_supernodes_for_two_rounds_sending_only_the_adapter
 def test_a_killed_supernode_does_not_stop_the_round_and_a_killed_server_resumes(world: Path):
     out = world / "ffa_out"
     # round-timeout: a killed SuperNode never answers, and the SuperLink notices it only after 2 missed heartbeats
-    # (>= 20 s), so the round ends at the timeout; 40 s leaves the live clients room on a busy 2-core machine.
+    # (>= 20 s), so the round ends at the timeout; 60 s leaves the live clients room on a 2-core machine that
+    # also runs another test file (make test runs the end-to-end files on two workers).
     # with client-side DP on: each update clipped to norm 0.5, noise for ε = 50 per round
     # min-clients 3: round 1 waits for all three SuperNodes (supernode_2 must be sampled, to be killed mid-round)
     # and bf16 on the wire, FedProx on: both only change what the clients compute and send; server momentum and a
     # decaying lr: the server's optimizer state must survive the kill, and FFA's A must stay put under momentum
-    config = run_config(world, out, method="ffa", **{"min-completed": 2, "min-clients": 3, "round-timeout": 40.0,
+    config = run_config(world, out, method="ffa", **{"min-completed": 2, "min-clients": 3, "round-timeout": 60.0,
                                                      "dp-epsilon": 50.0, "dp-clip": 0.5, "transmit-dtype": "bf16",
                                                      "proximal-mu": 0.1, "server-momentum": 0.5,
                                                      "lr-schedule": "linear"})
@@ -521,3 +522,48 @@ def test_secagg_plus_gives_the_plain_mean_without_showing_the_server_an_update(w
     assert not result["product_error"]
     # quantization: 2^22 levels over +-8 after weighting by 40/40 -> a few 1e-6; the update itself is far larger
     assert result["max_diff"] < 2e-5 and result["moved"] > 10 * result["max_diff"]
+
+
+START_SCRIPT = """
+import json, sys, tomllib
+from pathlib import Path
+from safetensors.torch import save_file
+from frugaltune.federated import local, server_app
+from frugaltune.federated.settings import RunSettings
+world, app_toml, shared = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
+config = {**tomllib.loads(app_toml.read_text())["tool"]["flwr"]["app"]["config"], "model-dir": str(world / "model"),
+          "test-data": str(world / "test.parquet"), "labels": json.dumps(["a", "b", "c"]), "pad-token-id": 0,
+          "lora-r": 4, "lora-alpha": 8, "start-evaluations": str(shared)}
+settings = RunSettings.from_flower(config)
+test = local.read_examples(settings.test_data)
+found = []
+for seed, method in ((0, "fedavg"), (0, "ffa"), (1, "fedavg")):  # FedAvg and FFA start alike; another seed does not
+    run = settings.model_copy(update={"seed": seed, "method": method})
+    model = local.build_model(run.model_dir, ["a", "b", "c"], 0, run.seed, run.lora())
+    start = world / f"start_{seed}_{method}.safetensors"
+    save_file(local.trainable_tensors(model), str(start))
+    found.append(server_app.start_evaluation(model, start, test, run))
+plain = server_app.start_evaluation(model, start, test, settings.model_copy(update={"seed": 1, "start_evaluations": ""}))
+print(json.dumps({"found": found, "plain": plain, "kept": sorted(p.name for p in shared.iterdir())}))
+"""
+
+
+def test_federations_with_the_same_start_evaluate_round_0_once(world: Path):
+    """The stage's federations start from the same bytes (one base, seed and LoRA shape; FedAvg and FFA alike): the
+    first evaluates round 0 and keeps it in `start-evaluations`, the next reads it (0 seconds, the file named); a
+    start of other bytes (another seed) is evaluated, and so is any start without the folder."""
+    import subprocess
+
+    shared = world / "start_evaluations"
+    out = subprocess.run([str(FLOWER_BIN / "python"), "-c", START_SCRIPT, str(world), str(APP / "pyproject.toml"),
+                          str(shared)], cwd=ROOT, check=True, capture_output=True, text=True,
+                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+                              "HF_HUB_OFFLINE": "1"})
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    first, same, other = result["found"]
+    assert "evaluation_reused" not in first and first["evaluation_seconds"] > 0
+    assert same["evaluation_reused"].startswith(str(shared)) and same["evaluation_seconds"] == 0.0
+    assert same["evaluation"] == first["evaluation"]
+    assert "evaluation_reused" not in other and other["evaluation"] != first["evaluation"]
+    assert len(result["kept"]) == 2  # one file a start
+    assert "evaluation_reused" not in result["plain"] and result["plain"]["evaluation"] == other["evaluation"]

@@ -103,27 +103,27 @@ def planned(rounds: int = 6) -> dict:
 
 def test_the_first_round_as_predicted_keeps_the_rounds_it_runs():
     found = budget.replan(planned(), "fedavg_dirichlet", {"round_seconds": 20.0, "evaluation_seconds": 5.0},
-                          opening_s=7.5, launched_s=30.0, now_s=60.0)
-    # 30 s spent + 3 starts of 7.5 s (2.5 s of Flower's start-up, and round 0's 5 s of evaluation) + 3 ends priced
-    # as the start-up + 6 rounds of 85 s: 570 s, nothing to start over
+                          opening_s=7.5, start_evaluation_s=5.0, launched_s=30.0, now_s=60.0)
+    # 30 s spent + the first start of 7.5 s (2.5 s of Flower's start-up, and round 0's 5 s of evaluation) + 2 starts
+    # of 2.5 s (round 0's evaluation is shared) + 3 ends priced as the start-up + 6 rounds of 85 s: 560 s
     assert found["rounds"] == 6 and not found["restart"] and found["fits"]
-    assert found["predicted_seconds"] == pytest.approx(570.0) and found["closing_seconds"] == 2.5
+    assert found["predicted_seconds"] == pytest.approx(560.0) and found["closing_seconds"] == 2.5
     assert found["training_scale"] == 1.0 and found["evaluation_scale"] == 1.0
-    assert "the 6 rounds fit in 10 min, predicted 9.5 min" in found["trade"]
+    assert "the 6 rounds fit in 10 min, predicted 9.3 min" in found["trade"]
 
 
 def test_a_slower_first_round_starts_the_first_federation_over_with_the_rounds_that_fit():
     found = budget.replan(planned(), "fedavg_dirichlet", {"round_seconds": 40.0, "evaluation_seconds": 7.5},
-                          opening_s=20.0, launched_s=30.0, now_s=100.0)
+                          opening_s=20.0, start_evaluation_s=7.5, launched_s=30.0, now_s=100.0)
     assert found["training_scale"] == 2.0 and found["evaluation_scale"] == 1.5
     # a round is now 3 x (40 + 7.5) + 2 x 10 (the reference's share, scaled as the clients' training) = 162.5 s;
-    # each federation's start 20 s and its end 12.5 s (the start less round 1's evaluation). From now (100 s: this
-    # start and round 1 are lost) and the stopped federation's end: 2 rounds end at 112.5 + 97.5 + 325 = 535 s
+    # each start and each end 12.5 s (the first start less round 0's evaluation, which the restart reads). From now
+    # (100 s: this start and round 1 are lost) and the stopped federation's end: 2 rounds end at 112.5 + 75 + 325 s
     assert found["restart"] and found["rounds"] == 2 and found["fits"]
-    assert found["predicted_seconds"] == pytest.approx(535.0)
+    assert found["predicted_seconds"] == pytest.approx(512.5)
     assert found["per_round_seconds"] == [162.5, 162.5]
     assert [r["seconds"] for r in found["runs"]["fedavg_iid"]] == [47.5, 47.5]
-    assert found["trade"].endswith("2 of 6 rounds fit in 10 min (predicted 8.9 min); fedavg_dirichlet starts "
+    assert found["trade"].endswith("2 of 6 rounds fit in 10 min (predicted 8.5 min); fedavg_dirichlet starts "
                                    "over with 2")
     # the stage's report: the final decision on top, the first one kept, each round's prediction the new one
     report = budget.with_replan(planned(), found)
@@ -134,7 +134,7 @@ def test_a_slower_first_round_starts_the_first_federation_over_with_the_rounds_t
 def test_starting_over_that_ends_no_sooner_goes_on_and_says_it_runs_over():
     # one round asked: fewer is not possible, so the federation goes on and the trade says it runs over
     found = budget.replan(planned(rounds=1), "fedavg_dirichlet", {"round_seconds": 200.0, "evaluation_seconds": 5.0},
-                          opening_s=20.0, launched_s=30.0, now_s=250.0)
+                          opening_s=20.0, start_evaluation_s=5.0, launched_s=30.0, now_s=250.0)
     assert found["rounds"] == 1 and not found["restart"] and not found["fits"]
     assert "the 1 rounds run over the 10 min budget" in found["trade"]
 
@@ -151,7 +151,7 @@ def test_the_watch_replans_once_round_1_is_on_disk_and_not_a_resumed_run(tmp_pat
     watch.start()
     assert watch(fresh) is False and watch.found is None  # nothing on disk yet
     time.sleep(0.05)  # file times are coarser than time.time()
-    write_round(fresh, 0)
+    write_round(fresh, 0, evaluation_seconds=7.5)
     assert watch(fresh) is False and watch.found is None  # round 0 only
     write_round(fresh, 1, round_seconds=40.0, evaluation_seconds=7.5)
     assert watch(fresh) is True and watch.found["restart"]  # 2x slower: start over (the case above)
