@@ -142,14 +142,14 @@ def evaluate_global(model, tensors, test, settings: RunSettings) -> dict:
                           settings.eval_batch_size, bf16=settings.precision == "bf16")
 
 
-def start_evaluation(model, start: Path, test, settings: RunSettings) -> dict:
-    """Round 0's report: the seeded start (`start`, its safetensors) evaluated, and the seconds that took. Every
+def start_evaluation(model, tensors: dict[str, torch.Tensor], start: Path, test, settings: RunSettings) -> dict:
+    """Round 0's report: the seeded start (`tensors`, kept as `start`) evaluated, and the seconds that took. Every
     federation of a stage starts from the same bytes (one base, seed and LoRA shape; FedAvg and FFA alike), so with
     `start-evaluations` the evaluation is kept there, named by those bytes and the evaluation's own settings, and a
     later federation with the same start reads it (0 seconds; `evaluation_reused` names the file)."""
     def evaluate() -> dict:
         began = time.perf_counter()
-        evaluation = evaluate_global(model, load_file(str(start)), test, settings)
+        evaluation = evaluate_global(model, tensors, test, settings)
         return {"round": 0, "evaluation": evaluation, "evaluation_seconds": round(time.perf_counter() - began, 3)}
 
     if not settings.start_evaluations:
@@ -263,7 +263,7 @@ def main(grid: Grid, context: Context) -> None:
         # with bf16 on the wire the start is its bf16 value too: FFA's A then never changes from round 0 on
         tensors = wire.round_trip(local.trainable_tensors(model), settings.transmit_dtype)
         atomic_write(round_path(out, 0, "safetensors"), lambda p: save_file(tensors, str(p)))
-        report = start_evaluation(model, round_path(out, 0, "safetensors"), test, settings)
+        report = start_evaluation(model, tensors, round_path(out, 0, "safetensors"), test, settings)
         atomic_write(round_path(out, 0, "json"), lambda p: p.write_text(json.dumps(report, indent=2)))
         last = 0
     else:

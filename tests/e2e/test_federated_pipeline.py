@@ -540,10 +540,11 @@ found = []
 for seed, method in ((0, "fedavg"), (0, "ffa"), (1, "fedavg")):  # FedAvg and FFA start alike; another seed does not
     run = settings.model_copy(update={"seed": seed, "method": method})
     model = local.build_model(run.model_dir, ["a", "b", "c"], 0, run.seed, run.lora())
-    start = world / f"start_{seed}_{method}.safetensors"
-    save_file(local.trainable_tensors(model), str(start))
-    found.append(server_app.start_evaluation(model, start, test, run))
-plain = server_app.start_evaluation(model, start, test, settings.model_copy(update={"seed": 1, "start_evaluations": ""}))
+    start, tensors = world / f"start_{seed}_{method}.safetensors", local.trainable_tensors(model)
+    save_file(tensors, str(start))
+    found.append(server_app.start_evaluation(model, tensors, start, test, run))
+plain = server_app.start_evaluation(model, tensors, start, test,
+                                    settings.model_copy(update={"seed": 1, "start_evaluations": ""}))
 print(json.dumps({"found": found, "plain": plain, "kept": sorted(p.name for p in shared.iterdir())}))
 """
 
