@@ -178,19 +178,20 @@ def decide(params, plans: dict[str, list[dict]], runs: list[tuple[str, str]], la
         constants, data / f"partitions_{scheme}", plans[scheme], asked=asked, fraction=fp.fraction,
         min_completed=fp.min_completed, batch_size=fp.batch_size, seed=params.common.seed, machine=machine,
         evaluation=evaluation) for scheme, method in runs}
-    per_round = [sum(rounds_[n]["seconds"] for rounds_ in predicted.values()) for n in range(asked)]
+    reference = [0.0] * asked
     if fp.centralized_baseline:  # it trains as many examples as the first federation's clients: a share per round
         lengths = [len(ids) for ids in local.read_examples(data / "train.parquet")[0]]
         mean_length = sum(lengths) / max(1, len(lengths))
-        first = next(iter(predicted.values()))
-        per_round = [seconds + centralized_seconds(constants, r["steps"] * fp.batch_size, mean_length,
-                                                   tp.batch_size * tp.grad_accum, machine)
-                     for seconds, r in zip(per_round, first)]
+        reference = [centralized_seconds(constants, r["steps"] * fp.batch_size, mean_length,
+                                         tp.batch_size * tp.grad_accum, machine)
+                     for r in next(iter(predicted.values()))]
+    per_round = [sum(rounds_[n]["seconds"] for rounds_ in predicted.values()) + reference[n] for n in range(asked)]
     spent = spent_s + calibration["seconds"]
     # round 0 is evaluated once: the federations start from the same bytes (server_app.start_evaluation)
     decision = choose_rounds(asked, fp.budget_minutes * 60, spent, evaluation, per_round)
     return {"minutes": fp.budget_minutes, **decision, "spent_before_rounds_s": round(spent, 1),
             "evaluation_seconds": round(evaluation, 2), "per_round_seconds": [round(s, 2) for s in per_round],
+            "reference_seconds": [round(s, 2) for s in reference[:max(1, decision["rounds"])]],
             "runs": {name: found[:max(1, decision["rounds"])] for name, found in predicted.items()},
             "calibration": {"client": probe["client"], "source": constants.source, "seconds": calibration["seconds"],
                             "step_overhead_s": constants.step_overhead_s,
@@ -220,10 +221,9 @@ def replan(decision: dict, first: str, measured: dict, opening_s: float, start_e
                     "seconds": round(r["training_seconds"] * training
                                      + (r["seconds"] - r["training_seconds"]) * evaluation, 2)} for r in found]
             for name, found in decision["runs"].items()}
-    # each round: the federations' scaled rounds, plus the reference's share (what `decide` added) scaled as training
-    per_round = [sum(found[n]["seconds"] for found in runs.values()) + training * (
-        decision["per_round_seconds"][n] - sum(found[n]["seconds"] for found in decision["runs"].values()))
-        for n in range(asked)]
+    # each round: the federations' scaled rounds, plus the reference's share scaled as training
+    per_round = [sum(found[n]["seconds"] for found in runs.values()) + training * decision["reference_seconds"][n]
+                 for n in range(asked)]
     closing = start_up = max(0.0, opening_s - start_evaluation_s)
     budget_s, federations = decision["minutes"] * 60, len(decision["runs"])
     # the rounds it runs, nothing wasted: this start, the others' and every end
@@ -242,8 +242,9 @@ def replan(decision: dict, first: str, measured: dict, opening_s: float, start_e
         trade = (f"{measured_as}: {rounds_} of {asked} rounds fit in {minutes:g} min (predicted {predicted_min:.1f} "
                  f"min); {first} starts over with {rounds_}" + ("" if fits else ", over the budget all the same"))
     else:
-        trade = (f"{measured_as}: the {asked} rounds " + (f"fit in {minutes:g} min" if fits else
-                 f"run over the {minutes:g} min budget (starting over with fewer would not end sooner)")
+        them, one = (f"the {asked} rounds", "") if asked != 1 else ("the 1 round", "s")
+        trade = (f"{measured_as}: {them} " + (f"fit{one} in {minutes:g} min" if fits else
+                 f"run{one} over the {minutes:g} min budget (starting over with fewer would not end sooner)")
                  + f", predicted {predicted_min:.1f} min")
     return {"after_round": 1, "run": first, "training_scale": round(training, 3),
             "evaluation_scale": round(evaluation, 3), "opening_seconds": round(opening_s, 1),

@@ -65,6 +65,8 @@ def test_a_smaller_budget_runs_fewer_rounds_and_says_what_was_traded(federation_
     assert all(r["seconds"] == pytest.approx(r["training_seconds"] + roomy["evaluation_seconds"], abs=0.011)
                for r in predicted)
     assert roomy["per_round_seconds"][0] > predicted[0]["seconds"]  # the centralized reference's share on top
+    assert roomy["reference_seconds"][0] > 0 and roomy["per_round_seconds"][0] == pytest.approx(
+        sum(found[0]["seconds"] for found in roomy["runs"].values()) + roomy["reference_seconds"][0], abs=0.03)
 
     # a budget with room for two of the six rounds, on this measurement
     two = roomy["spent_before_rounds_s"] + roomy["evaluation_seconds"] + sum(roomy["per_round_seconds"][:2]) + 1e-3
@@ -98,7 +100,7 @@ def planned(rounds: int = 6) -> dict:
                    for n in range(1, rounds + 1)] for name in ("fedavg_dirichlet", "ffa_dirichlet", "fedavg_iid")}
     return {"minutes": 10.0, "rounds_asked": 10, "rounds": rounds, "predicted_seconds": 555.0, "fits": True,
             "trade": "10 rounds asked, 6 fit", "evaluation_seconds": 5.0, "per_round_seconds": [85.0] * rounds,
-            "runs": runs}
+            "reference_seconds": [10.0] * rounds, "runs": runs}
 
 
 def test_the_first_round_as_predicted_keeps_the_rounds_it_runs():
@@ -136,7 +138,7 @@ def test_starting_over_that_ends_no_sooner_goes_on_and_says_it_runs_over():
     found = budget.replan(planned(rounds=1), "fedavg_dirichlet", {"round_seconds": 200.0, "evaluation_seconds": 5.0},
                           opening_s=20.0, start_evaluation_s=5.0, launched_s=30.0, now_s=250.0)
     assert found["rounds"] == 1 and not found["restart"] and not found["fits"]
-    assert "the 1 rounds run over the 10 min budget" in found["trade"]
+    assert "the 1 round runs over the 10 min budget" in found["trade"]
 
 
 def test_the_watch_replans_once_round_1_is_on_disk_and_not_a_resumed_run(tmp_path):
