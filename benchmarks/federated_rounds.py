@@ -12,6 +12,7 @@ centralized LoRA on as many examples.
     python benchmarks/federated_rounds.py --transmit-dtype bf16               # bf16 on the wire's accuracy cost
     python benchmarks/federated_rounds.py --seeds 1 --server-opt adam --server-adam-lr 0.01 0.03  # FedAdam
     python benchmarks/federated_rounds.py --proximal-mu 0.1 1                 # FedProx's accuracy effect
+    python benchmarks/federated_rounds.py --seeds 42 1 2 --rounds 5 --head-lr 0 0.004 --centralized  # head's rate
     python benchmarks/federated_rounds.py --seeds 1 2 --head classwise --ema 0.5   # label-aware head, global EMA
     python benchmarks/federated_rounds.py --seeds 1 2 --batch-size 4 --local-steps 32   # more steps, same examples
     python benchmarks/federated_rounds.py --seeds 1 2 --only-centralized --batch-size 4 --local-steps 32
@@ -104,6 +105,8 @@ def main() -> None:
     parser.add_argument("--method", default="fedavg", choices=["fedavg", "ffa"])
     parser.add_argument("--server-lr", type=float, nargs="+", default=None)
     parser.add_argument("--lr", type=float, default=None, help="the clients' learning rate")
+    parser.add_argument("--head-lr", type=float, nargs="+", default=None,
+                        help="the clients' head rates to compare (0 = the clients' lr; default: federated.head_lr)")
     parser.add_argument("--local-steps", type=int, default=None)
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--fraction", type=float, default=None,
@@ -178,6 +181,7 @@ def main() -> None:
                if args.server_adam_lr is None or args.server_momentum is not None else [])
     servers += [(args.server_opt, eta, 0.0) for eta in args.server_adam_lr or []]
     mus = args.proximal_mu if args.proximal_mu is not None else [settings.proximal_mu]
+    heads = args.head_lr if args.head_lr is not None else [settings.head_lr]
     if epsilon > 0:
         from frugaltune.federated.privacy import privatize  # imports flwr
     test = local.read_examples("data/federated/test.parquet")
@@ -196,13 +200,15 @@ def main() -> None:
         server = local.build_model("models/base", labels, pad, seed, spec, bf16=bf16)
         start = local.trainable_tensors(server)
         finals: dict[str, float] = {}
-        planned = [] if args.only_centralized else [(server, mu) for server in servers for mu in mus]
+        planned = [] if args.only_centralized else [(server, mu, head) for server in servers for mu in mus
+                                                    for head in heads]
         steps = rounds * per_round * local_steps  # replaced by what each federation trained
-        for (optimizer, server_lr, momentum), mu in planned:
+        for (optimizer, server_lr, momentum), mu, head_lr in planned:
             setting = (f"server_lr {server_lr:g}, momentum {momentum:g}" if optimizer == "sgd"
                        else f"{optimizer} server_lr {server_lr:g}")
             setting += (f", FedProx mu {mu:g}" if mu else "") + (", classwise head" if args.head == "classwise" else "")
             setting += ", client AdamW state kept" if client_state == "kept" else ""
+            setting += f", head lr {head_lr:g}" if len(heads) > 1 or args.head_lr is not None else ""
             began, tensors, curve, steps, velocity = time.perf_counter(), dict(start), [], 0, None
             ema, ema_curve, moments = None, [], {}
             for number in range(1, rounds + 1):
@@ -221,6 +227,7 @@ def main() -> None:
                             param.requires_grad_(args.method != "ffa")
                     input_ids, targets = data[plan["client"]]
                     result = local.train_locally(model, input_ids, targets, pad, steps=local_steps, lr=round_lr,
+                                                 head_lr=head_lr * round_lr / lr if head_lr else None,
                                                  batch_size=batch, micro_batch_size=None,
                                                  seed=seed * 1000 + number, bf16=bf16, eager_attention_max_len=eager,
                                                  logit_adjustment=adjust, proximal_mu=mu,

@@ -576,6 +576,9 @@ class FederatedParams(Section):
     round_budget_s: float | None = Field(None, gt=0, description="Seconds a client may spend training in a round; "
                                          "null = no time cap (plans without calibration cannot estimate time).")
     lr: float = Field(5e-4, gt=0, description="Clients' learning rate (constant within a round).")
+    head_lr: float | None = Field(None, gt=0, description="The clients' rate for the classification head, which "
+                                  "starts untrained (the train stage's `head_lr`); it follows `lr_schedule` as `lr` "
+                                  "does. null = `lr`.")
     server_lr: float = Field(1.0, gt=0, description="Server learning rate: the next global adapter is global + "
                              "server_lr * (aggregate - global) (FedAvg with server SGD, Reddi et al. 2021). 1 = plain "
                              "FedAvg/FFA; > 1 makes up for clients that each move only their own local steps' worth "

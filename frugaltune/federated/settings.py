@@ -66,6 +66,7 @@ class ClientTraining(FlowerRecord):
     lora_target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
     local_steps: int = 4
     lr: float = 0.0002
+    head_lr: float = 0.0  # the head's rate (0 = lr); a round's is scaled by the round's decay as lr is
     batch_size: int = 8
     seed: int = 42
     dp_epsilon: float = 0.0  # 0 = no differential privacy; > 0: clip the update to dp_clip and add Gaussian noise
@@ -118,7 +119,8 @@ class RunSettings(ClientTraining):
 
     def for_round(self, number: int) -> RoundSettings:
         shared = self.model_dump(include=set(ClientTraining.model_fields))
-        return RoundSettings(**{**shared, "lr": self.round_lr(number)}, round=number)
+        lr = self.round_lr(number)
+        return RoundSettings(**{**shared, "lr": lr, "head_lr": self.head_lr * lr / self.lr}, round=number)
 
 
 class NodeSettings(FlowerRecord):

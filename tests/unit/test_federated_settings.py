@@ -56,6 +56,9 @@ def test_a_round_carries_the_runs_training_settings_and_the_rounds_lr():
     first, last = settings.for_round(1), settings.for_round(7)
     assert first.lr == pytest.approx(0.002 * (1 - 0.5 / 7)) and last.lr == pytest.approx(0.002 * 0.5 / 7)
     assert (first.round, first.method, first.lora_r, first.client_state) == (1, "ffa", 16, "kept")
+    assert first.head_lr == 0.0  # unset: the head trains at the round's lr
+    headed = settings.model_copy(update={"head_lr": 0.004}).for_round(7)
+    assert headed.head_lr == pytest.approx(0.004 * 0.5 / 7) and headed.lr == last.lr  # decayed as lr is
     # SecAgg+ adds its own keys to the config a client reads: ignored
     received = {**as_flower_parses_it(last.to_flower()), "secure-names": "[]", "secure-upload": "[]"}
     assert RoundSettings.from_flower(received) == last
