@@ -63,7 +63,7 @@ CLIENTS_PNG = paths.FIGURES / "federated_clients.png"
 
 
 def run_federation(params: Params, scheme: str, method: str, client_plans: list[dict], labels: list[str],
-                   pad_token_id: int, watch=None) -> Path | None:
+                   pad_token_id: int, watch: federation.Watch | None = None) -> Path | None:
     """One federation of `method` on the `scheme` partition, to its last round; the folder of its rounds (None:
     `watch`, the budget's, stopped it to start over with fewer rounds)."""
     fp = params.federated

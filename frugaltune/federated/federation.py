@@ -14,6 +14,7 @@ import os
 import subprocess
 import threading
 from pathlib import Path
+from typing import Protocol
 
 from frugaltune import paths
 from frugaltune.config import FederatedParams, Params
@@ -95,7 +96,7 @@ def node_settings(fp: FederatedParams, parts: Path, out: Path, included: list[di
 
 
 def federate(params: Params, name: str, settings: RunSettings, nodes: list[NodeSettings], workdir: Path,
-             watch=None) -> Path | None:
+             watch: Watch | None = None) -> Path | None:
     """Run the federation `settings` describes over `nodes` until done.json says it finished; its rounds' folder.
     `watch` (budget.FirstRound): `watch.start()` at each launch, then `watch(out)` every second while it runs; when
     it answers True the federation is stopped and this returns None."""
@@ -132,15 +133,23 @@ def federate(params: Params, name: str, settings: RunSettings, nodes: list[NodeS
         attempt += 1
 
 
+class Watch(Protocol):
+    """What `federate` calls while a federation runs (budget.FirstRound is the stage's)."""
+
+    def start(self) -> None:
+        """At each launch of the federation."""
+
+    def __call__(self, out: Path) -> bool:
+        """Every second while it runs, with its rounds' folder: True stops it."""
+
+
 class Watching:
     """`watch.start()` at this launch, then a thread that calls `watch(out)` every second while `fed` runs, and stops
     every process of `fed` when it answers True (`flwr run` then returns, and `federate` returns None)."""
 
-    def __init__(self, fed: LocalFederation, out: Path, watch):
+    def __init__(self, fed: LocalFederation, out: Path, watch: Watch):
         self.fed, self.out, self.watch = fed, out, watch
-        start = getattr(watch, "start", None)
-        if start is not None:
-            start()
+        watch.start()
         self.done, self.stopped, self.error = threading.Event(), False, None
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()

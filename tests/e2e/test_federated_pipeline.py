@@ -331,11 +331,17 @@ def test_the_budgets_watch_stops_a_running_federation_and_nothing_of_it_outlives
     from frugaltune.federated.federation import Watching
 
     out = world / "watched_out"
-    seen = []
+    seen, launches = [], []
 
-    def watch(folder: Path) -> bool:
-        seen.append((folder / "rounds/round_001.json").exists())
-        return seen[-1]
+    class Watch:  # federation.Watch, as budget.FirstRound is one
+        def start(self) -> None:
+            launches.append(time.time())
+
+        def __call__(self, folder: Path) -> bool:
+            seen.append((folder / "rounds/round_001.json").exists())
+            return seen[-1]
+
+    watch = Watch()
 
     fed = LocalFederation(FLOWER_BIN, world / "watched", [{"data": str(world / f"client_{i}.parquet"), "lora-rank": r}
                                                           for i, r in enumerate(RANKS)], ROOT, runtime="simulation",
@@ -344,6 +350,7 @@ def test_the_budgets_watch_stops_a_running_federation_and_nothing_of_it_outlives
         watching = Watching(fed, out, watch)
         result = fed.submit(APP, run_config(world, out, **{"num-rounds": 50}), timeout=600)
         assert watching.finish() is True
+    assert len(launches) == 1  # started once, at the launch
     assert seen[-1] and not all(seen), seen  # it watched while rounds ran, and said stop after round 1
     assert not (out / "done.json").exists() and (out / "rounds/round_001.json").exists(), result.stdout[-3000:]
     assert not (out / "rounds/round_050.json").exists()
