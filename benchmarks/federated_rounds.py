@@ -10,10 +10,8 @@ centralized LoRA on as many examples.
     python benchmarks/federated_rounds.py --seeds 42 1 2 --centralized        # the gap over seeds, not one
     python benchmarks/federated_rounds.py --seeds 42 1 2 --fraction 1         # every client in every round
     python benchmarks/federated_rounds.py --transmit-dtype bf16               # bf16 on the wire's accuracy cost
-    python benchmarks/federated_rounds.py --seeds 1 --server-opt adam --server-adam-lr 0.01 0.03  # FedAdam
     python benchmarks/federated_rounds.py --proximal-mu 0.1 1                 # FedProx's accuracy effect
     python benchmarks/federated_rounds.py --seeds 42 1 2 --rounds 5 --head-lr 0 0.004 --centralized  # head's rate
-    python benchmarks/federated_rounds.py --seeds 1 2 --head classwise --ema 0.5   # label-aware head, global EMA
     python benchmarks/federated_rounds.py --seeds 1 2 --batch-size 4 --local-steps 32   # more steps, same examples
     python benchmarks/federated_rounds.py --seeds 1 2 --only-centralized --batch-size 4 --local-steps 32
     .venv-flower/bin/python benchmarks/federated_rounds.py --dp-epsilon 10    # client DP's accuracy cost
@@ -34,17 +32,13 @@ the plan's (frugaltune.resolve).
 --seeds runs the whole comparison once per seed (model and adapter initialisation, batch order, the clients sampled;
 the partitions stay the stage's, drawn with common.seed) and, with --centralized, prints each seed's gap and their
 mean and spread.
---server-opt adam|yogi with --server-adam-lr replaces FedAvgM by Reddi et al.'s (2021) adaptive server optimizers
-(`adaptive_step` below; the FedAvgM settings then run only when --server-momentum is given too). --head classwise
-averages each row of the head over the clients in proportion to their examples of that row's label (`classwise_head`)
-instead of their examples of all labels. --ema B also evaluates, after each round, the exponential average of the
-global adapters so far (B x previous + (1 - B) x this round's), a server-side smoothing that costs no round.
 --batch-size B --local-steps K changes the clients' batch and steps (the centralized baseline keeps as many
 examples; --centralized-lr, --centralized-head-lr and --centralized-batch-size change its recipe, e.g. `0.002 0.002 8`
 for the clients' settings it trained with until 2026-11-26; --only-centralized runs the baseline alone). --client-state
 kept lets each client continue AdamW's moments and step count from its previous round instead of starting a fresh
 optimizer every round (`federated.client_state`, train_locally's `optimizer_state`). SCAFFOLD's control variates,
-measured here and lost (docs/DECISIONS.md), were deleted; git history has them.
+FedAdam / FedYogi on the server, the head averaged per label and an EMA of the globals were measured here and lost
+(docs/DECISIONS.md); they were deleted, and git history has them.
 """
 
 from __future__ import annotations
@@ -63,41 +57,6 @@ from frugaltune.federated import aggregation, federation, local, wire
 from frugaltune.federated.centralized import baseline as centralized_baseline
 from frugaltune.hardware import cpu_facts
 from frugaltune.models import load_tokenizer
-
-def adaptive_step(global_tensors: dict, aggregated: dict, eta: float, state: dict, kind: str, beta1: float = 0.9,
-                  beta2: float = 0.99, tau: float = 1e-3) -> tuple[dict, dict]:
-    """FedAdam / FedYogi (Reddi et al., 2021, Algorithm 2, no bias correction, v starting at tau^2): the clients' mean
-    minus the global is the pseudo-gradient d; m = b1 m + (1 - b1) d; v = b2 v + (1 - b2) d^2 (Adam) or
-    v - (1 - b2) d^2 sign(v - d^2) (Yogi); global + eta m / (sqrt(v) + tau). Each coordinate steps about eta in the
-    direction the rounds agree on, however small its own updates, which is what label-skewed rounds lack: a head row
-    or B entry that only a few clients move gets a full step. Under FFA, A's d is 0, so A stays the shared one."""
-    m, v, new = dict(state.get("m", {})), dict(state.get("v", {})), {}
-    for name, tensor in aggregated.items():
-        d = tensor.float() - global_tensors[name].float()
-        m[name] = beta1 * m[name] + (1 - beta1) * d if name in m else (1 - beta1) * d
-        previous = v.get(name, torch.full_like(d, tau * tau))
-        squared = d * d
-        v[name] = (beta2 * previous + (1 - beta2) * squared if kind == "adam"
-                   else previous - (1 - beta2) * squared * torch.sign(previous - squared))
-        new[name] = (global_tensors[name].float() + eta * m[name] / (v[name].sqrt() + tau)).to(tensor.dtype)
-    return new, {"m": m, "v": v}
-
-
-def classwise_head(mean: dict, updates: list, counts: list) -> dict:
-    """The head's rows averaged by each client's count of the row's label (rows of labels no sampled client holds
-    keep the example-weighted mean). Under label skew a client holding few or no examples of a label only pushes
-    that label's row away from its own labels; weighting row c by n_c lets the clients that saw c set it."""
-    out = dict(mean)
-    weights = torch.stack([torch.as_tensor(c, dtype=torch.float64) for c in counts])  # clients x labels
-    for name in mean:
-        if "score" not in name.split(".") or mean[name].dim() != 2 or mean[name].shape[0] != weights.shape[1]:
-            continue
-        rows = torch.stack([tensors[name].double() for tensors, _ in updates])  # clients x labels x hidden
-        total = weights.sum(0)
-        by_label = (weights[:, :, None] * rows).sum(0) / total.clamp(min=1)[:, None]
-        out[name] = torch.where((total > 0)[:, None], by_label, mean[name].double()).to(mean[name].dtype)
-    return out
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -123,16 +82,8 @@ def main() -> None:
     parser.add_argument("--dp-epsilon", type=float, default=None,
                         help="> 0: each reply clipped to federated.dp.clipping_norm and noised for this epsilon "
                              "(privacy.privatize; needs flwr: run with .venv-flower/bin/python); 0 = off")
-    parser.add_argument("--server-opt", choices=["adam", "yogi"], default="adam",
-                        help="the adaptive server optimizer --server-adam-lr runs (adaptive_step)")
-    parser.add_argument("--server-adam-lr", type=float, nargs="+", default=None,
-                        help="server learning rates of --server-opt, each a setting")
     parser.add_argument("--proximal-mu", type=float, nargs="+", default=None,
                         help="FedProx's mu for the clients (0 = off), each a setting with every server setting")
-    parser.add_argument("--head", choices=["mean", "classwise"], default="mean",
-                        help="the head's aggregation: example-weighted mean, or per label (classwise_head)")
-    parser.add_argument("--ema", type=float, default=None,
-                        help="also evaluate the exponential average of the global adapters with this weight")
     parser.add_argument("--seeds", type=int, nargs="+", default=None,
                         help="training seeds, each a whole run (default: common.seed)")
     parser.add_argument("--centralized", action="store_true", help="also the stage's centralized baseline")
@@ -177,9 +128,7 @@ def main() -> None:
     epsilon, adjust, spec = settings.dp_epsilon, settings.logit_adjustment, settings.lora()
     server_lrs = args.server_lr or [settings.server_lr]
     momenta = args.server_momentum if args.server_momentum is not None else [settings.server_momentum]
-    servers = ([("sgd", s, m) for s in server_lrs for m in momenta]
-               if args.server_adam_lr is None or args.server_momentum is not None else [])
-    servers += [(args.server_opt, eta, 0.0) for eta in args.server_adam_lr or []]
+    servers = [(s, m) for s in server_lrs for m in momenta]
     mus = args.proximal_mu if args.proximal_mu is not None else [settings.proximal_mu]
     heads = args.head_lr if args.head_lr is not None else [settings.head_lr]
     if epsilon > 0:
@@ -203,17 +152,15 @@ def main() -> None:
         planned = [] if args.only_centralized else [(server, mu, head) for server in servers for mu in mus
                                                     for head in heads]
         steps = rounds * per_round * local_steps  # replaced by what each federation trained
-        for (optimizer, server_lr, momentum), mu, head_lr in planned:
-            setting = (f"server_lr {server_lr:g}, momentum {momentum:g}" if optimizer == "sgd"
-                       else f"{optimizer} server_lr {server_lr:g}")
-            setting += (f", FedProx mu {mu:g}" if mu else "") + (", classwise head" if args.head == "classwise" else "")
+        for (server_lr, momentum), mu, head_lr in planned:
+            setting = f"server_lr {server_lr:g}, momentum {momentum:g}" + (f", FedProx mu {mu:g}" if mu else "")
             setting += ", client AdamW state kept" if client_state == "kept" else ""
             setting += f", head lr {head_lr:g}" if len(heads) > 1 or args.head_lr is not None else ""
             began, tensors, curve, steps, velocity = time.perf_counter(), dict(start), [], 0, None
-            ema, ema_curve, moments = None, [], {}
+            moments = {}
             for number in range(1, rounds + 1):
                 sampled = aggregation.sample_clients(range(len(plans)), ids, per_round, seed, number)  # the ServerApp's
-                updates, round_lr, counts = [], settings.round_lr(number), []
+                updates, round_lr = [], settings.round_lr(number)
                 tensors = wire.round_trip(tensors, dtype) if dtype != "fp32" else tensors  # what the clients receive
                 for index in sampled:
                     plan = plans[index]
@@ -239,22 +186,8 @@ def main() -> None:
                         trained, _ = privatize(trained, aggregation.slice_to_rank(tensors, plan["lora_rank"]),
                                                settings.dp_clip, epsilon, settings.dp_delta)
                     updates.append((wire.round_trip(trained, dtype) if dtype != "fp32" else trained, len(targets)))
-                    counts.append(torch.bincount(torch.tensor(targets), minlength=len(labels)).tolist())
                 mean = aggregation.aggregate(tensors, updates, args.method)
-                if args.head == "classwise":
-                    mean = classwise_head(mean, updates, counts)
-                if optimizer == "sgd":
-                    tensors, velocity = aggregation.server_momentum_step(tensors, mean, server_lr, momentum, velocity)
-                else:
-                    tensors, velocity = adaptive_step(tensors, mean, server_lr, velocity or {}, optimizer)
-                if args.ema is not None:
-                    ema = dict(tensors) if ema is None else {
-                        name: (args.ema * ema[name].float() + (1 - args.ema) * t.float()).to(t.dtype)
-                        for name, t in tensors.items()}
-                    local.load_tensors(server, ema)
-                    ema_curve.append(local.evaluate(server, *test, labels, pad, bf16=bf16)["macro_f1"])
-                    print(f"  {setting}, round {number}: EMA {args.ema:g} of the globals: test macro-F1 "
-                          f"{ema_curve[-1]:.4f}", flush=True)
+                tensors, velocity = aggregation.server_momentum_step(tensors, mean, server_lr, momentum, velocity)
                 local.load_tensors(server, tensors)
                 evaluating = time.perf_counter()
                 curve.append(local.evaluate(server, *test, labels, pad, bf16=bf16)["macro_f1"])
@@ -262,8 +195,6 @@ def main() -> None:
                       f"({time.perf_counter() - began:.0f} s so far; this round's evaluation of {len(test[1])} test "
                       f"rows {time.perf_counter() - evaluating:.1f} s)", flush=True)
             finals[setting] = curve[-1]
-            if ema_curve:
-                finals[f"{setting}, EMA {args.ema:g}"] = ema_curve[-1]
             print(f"  {setting}: test macro-F1 per round "
                   f"{' / '.join(f'{v:.3f}' for v in curve)} ({time.perf_counter() - began:.0f} s, {steps} client steps "
                   f"= {steps * batch} examples)", flush=True)
