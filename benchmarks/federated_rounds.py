@@ -19,7 +19,7 @@ centralized LoRA on as many examples.
 Run from the repository root after `make federated` (it reads data/federated/partitions_<scheme>/, the clients'
 plans in reports/federated.json, data/federated/test.parquet, models/base and reports/plan.json). It makes the
 rounds the ServerApp makes with the same library calls (local.build_model at each client's planned rank,
-aggregation.slice_to_rank, local.train_locally at aggregation.round_lr, aggregation.aggregate,
+aggregation.slice_to_rank, local.train_locally at RunSettings.for_round's rates, aggregation.aggregate,
 aggregation.server_momentum_step) but without Flower: clients run one after the other in this process, sampled
 as the ServerApp samples them (the same positions in client-id order), with no per-client micro-batch. Its
 figures compare settings with each other (the first server lr and momentum given are the baseline). Prints the
@@ -155,12 +155,13 @@ def main() -> None:
         for (server_lr, momentum), mu, head_lr in planned:
             setting = f"server_lr {server_lr:g}, momentum {momentum:g}" + (f", FedProx mu {mu:g}" if mu else "")
             setting += ", client AdamW state kept" if client_state == "kept" else ""
-            setting += f", head lr {head_lr:g}" if len(heads) > 1 or args.head_lr is not None else ""
+            setting += f", head lr {head_lr:g}" if args.head_lr is not None else ""
+            run = settings.model_copy(update={"head_lr": head_lr})  # its rounds' rates: RunSettings.for_round
             began, tensors, curve, steps, velocity = time.perf_counter(), dict(start), [], 0, None
             moments = {}
             for number in range(1, rounds + 1):
                 sampled = aggregation.sample_clients(range(len(plans)), ids, per_round, seed, number)  # the ServerApp's
-                updates, round_lr = [], settings.round_lr(number)
+                updates, given = [], run.for_round(number)
                 tensors = wire.round_trip(tensors, dtype) if dtype != "fp32" else tensors  # what the clients receive
                 for index in sampled:
                     plan = plans[index]
@@ -173,8 +174,8 @@ def main() -> None:
                         if aggregation.is_lora_a(name):
                             param.requires_grad_(args.method != "ffa")
                     input_ids, targets = data[plan["client"]]
-                    result = local.train_locally(model, input_ids, targets, pad, steps=local_steps, lr=round_lr,
-                                                 head_lr=head_lr * round_lr / lr if head_lr else None,
+                    result = local.train_locally(model, input_ids, targets, pad, steps=local_steps, lr=given.lr,
+                                                 head_lr=given.head_lr or None,
                                                  batch_size=batch, micro_batch_size=None,
                                                  seed=seed * 1000 + number, bf16=bf16, eager_attention_max_len=eager,
                                                  logit_adjustment=adjust, proximal_mu=mu,

@@ -152,7 +152,8 @@ def train(msg: Message, context: Context) -> Message:
         resumed = bool(moments)
     result = local.train_locally(
         model, input_ids, targets, settings.pad_token_id, steps=node.local_steps or settings.local_steps,
-        lr=settings.lr, head_lr=settings.head_lr or None, batch_size=settings.batch_size, micro_batch_size=node.micro_batch,
+        lr=settings.lr, head_lr=settings.head_lr or None, batch_size=settings.batch_size,
+        micro_batch_size=node.micro_batch,
         seed=settings.seed * 1000 + number, proximal_mu=settings.proximal_mu, bf16=bf16,
         eager_attention_max_len=node.eager_attention_max_len, logit_adjustment=settings.logit_adjustment,
         optimizer_state=moments)

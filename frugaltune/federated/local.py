@@ -112,8 +112,8 @@ def head_module(model: torch.nn.Module) -> torch.nn.Module:
 
 def train_locally(model: torch.nn.Module, input_ids: list[list[int]], labels: list[int], pad_token_id: int, *,
                   steps: int, lr: float, batch_size: int, micro_batch_size: int | None, seed: int,
-                  head_lr: float | None = None, proximal_mu: float = 0.0, bf16: bool = False, eager_attention_max_len: int = 0,
-                  logit_adjustment: bool = False, scheduler: str = "constant",
+                  head_lr: float | None = None, proximal_mu: float = 0.0, bf16: bool = False,
+                  eager_attention_max_len: int = 0, logit_adjustment: bool = False, scheduler: str = "constant",
                   warmup_ratio: float = 0.0, optimizer_state: dict | None = None) -> TrainResult:
     """`steps` optimizer steps of the project's loop on this client's examples (no checkpoints: a round is short and
     the server keeps every completed round); `proximal_mu` > 0 adds FedProx's proximal term to the loss. `bf16` and
@@ -132,9 +132,10 @@ def train_locally(model: torch.nn.Module, input_ids: list[list[int]], labels: li
 
     `optimizer_state`: AdamW's moments from this client's previous round, continued instead of restarted, and
     replaced by this round's on return (`federated.client_state: kept`; train_classifier says how)."""
-    cfg = LoopConfig(lr=lr, head_lr=head_lr, max_steps=steps, batch_size=batch_size, micro_batch_size=micro_batch_size, seed=seed,
-                     warmup_ratio=warmup_ratio, scheduler=scheduler, log_every=max(1, steps), checkpoint_dir=None,
-                     bf16=bf16, eager_attention_max_len=eager_attention_max_len)
+    cfg = LoopConfig(lr=lr, head_lr=head_lr, max_steps=steps, batch_size=batch_size,
+                     micro_batch_size=micro_batch_size, seed=seed, warmup_ratio=warmup_ratio, scheduler=scheduler,
+                     log_every=max(1, steps), checkpoint_dir=None, bf16=bf16,
+                     eager_attention_max_len=eager_attention_max_len)
     regularizer = proximal_term(model, proximal_mu) if proximal_mu > 0 else None
     hook = None
     if logit_adjustment:
