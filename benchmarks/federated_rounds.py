@@ -28,7 +28,8 @@ own, frugaltune.federated.centralized.baseline: one process, the whole training 
 clients trained on, the federation's LoRA, the train stage's lr, head lr, batch and schedule), and the CPU, threads
 and precision. Every flag left out takes its params.yaml `federated` value, read through the same typed settings the
 stage gives Flower (frugaltune.federated.settings.RunSettings, from federation.run_settings); --precision auto takes
-the plan's (frugaltune.resolve).
+the plan's, and the clients and the reference train with the plan's int8 products for LoRA as the stage's do
+(frugaltune.federated.plans.machine_precision; --int8-products false trains without them).
 --seeds runs the whole comparison once per seed (model and adapter initialisation, batch order, the clients sampled;
 the partitions stay the stage's, drawn with common.seed) and, with --centralized, prints each seed's gap and their
 mean and spread.
@@ -51,10 +52,10 @@ from pathlib import Path
 
 import torch
 
-from frugaltune import resolve
 from frugaltune.config import load_params
 from frugaltune.federated import aggregation, federation, local, wire
 from frugaltune.federated.centralized import baseline as centralized_baseline
+from frugaltune.federated.plans import machine_precision
 from frugaltune.hardware import cpu_facts
 from frugaltune.models import load_tokenizer
 
@@ -73,6 +74,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=None,
                         help="the clients' batch")
     parser.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto")
+    parser.add_argument("--int8-products", choices=["auto", "true", "false"], default=None,
+                        help="the clients' and the reference's int8 products (train.int8_products; default: params)")
     parser.add_argument("--server-momentum", type=float, nargs="+", default=None,
                         help="FedAvgM's momentum (0 = none); with several server lrs, every pair is run")
     parser.add_argument("--lr-schedule", choices=["constant", "linear", "cosine"], default=None,
@@ -113,16 +116,20 @@ def main() -> None:
     if args.dp_epsilon is not None:
         override["dp"] = fp.dp.model_copy(update={"enabled": args.dp_epsilon > 0,
                                                   "epsilon": args.dp_epsilon or fp.dp.epsilon})
-    params = params.model_copy(update={"federated": fp.model_copy(update=override)})
-    decided = resolve.machine(args.precision, plan=resolve.read_plan())  # the plan's, as the stage's clients
-    bf16, eager = bool(decided["bf16"]), int(decided["eager_attention_max_len"])
+    override["precision"] = args.precision
+    train = {"int8_products": {"true": True, "false": False}.get(args.int8_products, args.int8_products)} \
+        if args.int8_products else {}
+    params = params.model_copy(update={"federated": fp.model_copy(update=override),
+                                       "train": params.train.model_copy(update=train)})
+    precision = machine_precision(params)  # the plan's, as the stage's clients
+    bf16, eager = precision.bf16, precision.eager
     labels = json.loads(Path("data/splits/labels.json").read_text())["labels"]
     plans = sorted((plan for plan in json.loads(Path("reports/federated.json").read_text())["clients"][args.scheme]
                     if plan["fits"]), key=lambda plan: plan["client"])
     pad = json.loads(Path("models/base/config.json").read_text()).get("pad_token_id")
     pad = pad if pad is not None else load_tokenizer("models/base").pad_token_id
     settings = federation.run_settings(params, args.method, Path("checkpoints/federated/benchmark"), plans, labels,
-                                       pad, (bf16, eager))
+                                       pad, precision)
     lr, local_steps, rounds, batch = settings.lr, settings.local_steps, settings.num_rounds, settings.batch_size
     client_state, schedule, dtype = settings.client_state, settings.lr_schedule, settings.transmit_dtype
     epsilon, adjust, spec = settings.dp_epsilon, settings.logit_adjustment, settings.lora()
@@ -138,7 +145,8 @@ def main() -> None:
                                                 ".parquet") for plan in plans}
     per_round = max(settings.min_completed, math.ceil(settings.fraction * len(plans)))
     ids = {index: plan["client"] for index, plan in enumerate(plans)}  # plans are in client-id order
-    print(f"{cpu_facts()['model']}, {torch.get_num_threads()} threads, {'bf16' if bf16 else 'fp32'}; "
+    print(f"{cpu_facts()['model']}, {torch.get_num_threads()} threads, {'bf16' if bf16 else 'fp32'}"
+          f"{', int8 products' if precision.int8 else ''}; "
           f"{args.scheme}/{args.method}, {rounds} rounds, {per_round} of {len(plans)} clients x {local_steps} "
           f"steps of {batch}, lr {lr} ({schedule} over rounds), logit adjustment "
           f"{'on' if adjust else 'off'}, {dtype} on the wire, DP epsilon {epsilon:g}", flush=True)
@@ -167,7 +175,8 @@ def main() -> None:
                     plan = plans[index]
                     if plan["lora_rank"] not in models:
                         models[plan["lora_rank"]] = local.build_model("models/base", labels, pad, seed, spec,
-                                                                      plan["lora_rank"], bf16=bf16)
+                                                                      plan["lora_rank"], bf16=bf16,
+                                                                      int8=precision.int8)
                     model = models[plan["lora_rank"]]
                     local.load_tensors(model, aggregation.slice_to_rank(tensors, plan["lora_rank"]))
                     for name, param in model.named_parameters():  # FFA: A frozen, as the ClientApp does
@@ -204,7 +213,7 @@ def main() -> None:
                                                     ("batch_size", args.centralized_batch_size)) if value is not None}
             central = centralized_baseline(
                 params.model_copy(update={"train": params.train.model_copy(update=recipe)}), labels, pad,
-                steps * batch, seed=seed, precision=(bf16, eager))  # as many examples as the clients saw
+                steps * batch, seed=seed, precision=precision)  # as many examples as the clients saw
             final = central["final"]
             print(f"  centralized, lr {central['lr']} (head {central['head_lr']}), {central['scheduler']} schedule, "
                   f"{central['steps']} steps of {central['batch_size']} ({central['examples']} examples of "

@@ -242,10 +242,13 @@ def _calibration_point(spec: dict) -> dict:
     peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # noqa: E731
     data = json.loads(Path(spec["rows_file"]).read_text())
     rows, targets, batches = data["rows"], data["targets"], data["batches"][:spec.get("batches") or None]
-    model = prepare_model(spec["model_dir"], spec["labels"], spec["pad_token_id"], spec["seed"], spec["method"],
-                          MethodKnobs(**{k: tuple(v) if isinstance(v, list) else v for k, v in spec["knobs"].items()}),
-                          spec["loop"]["bf16"], spec["gradient_checkpointing"],
-                          task=spec["task"])
+    def build():
+        return prepare_model(spec["model_dir"], spec["labels"], spec["pad_token_id"], spec["seed"], spec["method"],
+                             MethodKnobs(**{k: tuple(v) if isinstance(v, list) else v
+                                            for k, v in spec["knobs"].items()}),
+                             spec["loop"]["bf16"], spec["gradient_checkpointing"], task=spec["task"])
+
+    model = build()
     loaded_rss = peak()
     int8 = apply_int8(model, spec["int8"], spec["method"])
     cfg = LoopConfig(**{**spec["loop"], "checkpoint_dir": None, "resume": False, "max_steps": None, "grad_accum": 1,
@@ -262,9 +265,11 @@ def _calibration_point(spec: dict) -> dict:
     if data.get("inference") and not spec.get("batches"):  # forward passes, as evaluation runs them
         from frugaltune.training.loop import predict
 
+        # evaluation runs the plain model (int8 products are training's): a model as loaded, when they were on
+        evaluated = build() if int8["on"] else model
         for batch in data["inference"]["batches"]:  # each batch: its rows' token ids
             begin = time.perf_counter()
-            predict(model, batch, spec["pad_token_id"], batch_size=len(batch), bf16=spec["loop"]["bf16"],
+            predict(evaluated, batch, spec["pad_token_id"], batch_size=len(batch), bf16=spec["loop"]["bf16"],
                     progress=False)
             inference.append(time.perf_counter() - begin)
     steps, previous = [], (0.0, 0)
@@ -362,8 +367,8 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
     The largest part's second run, after smaller ones, finds the heap in pieces and may place its activations anew,
     as the run's does (docs/DECISIONS.md): the peak the plan keeps is the process's over both passes.
 
-    With `inference_rows` (an evaluation split) the same process then times the trained model's forward passes
-    over a few of that split's evaluation batches (loop.predict, `inference_batch` rows each): a warm-up, the
+    With `inference_rows` (an evaluation split) the same process then times the model's forward passes, as
+    evaluation runs them (without int8 products), over a few of that split's evaluation batches (loop.predict, `inference_batch` rows each): a warm-up, the
     smallest, the median and the largest, which fit `batch = overhead + per_token x padded tokens` in
     `calibration["inference"]` (the federated budget's evaluation rounds).
     """

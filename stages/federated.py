@@ -71,7 +71,8 @@ def run_federation(params: Params, scheme: str, method: str, client_plans: list[
     included = federation.included_clients(fp, client_plans)
     precision = plans.machine_precision(params)  # every client of this stage trains on this machine
     data = rows.data_fingerprint(parts, DATA / "test.parquet")
-    out = (paths.FEDERATED_CHECKPOINTS / keys.run_key(params, scheme, method, data, client_plans)).resolve()
+    key = keys.run_key(params, scheme, method, data, client_plans, precision)
+    out = (paths.FEDERATED_CHECKPOINTS / key).resolve()
     settings = federation.run_settings(params, method, out, included, labels, pad_token_id, precision)
     nodes = federation.node_settings(fp, parts, out, included, precision)
     return federation.federate(params, f"{scheme}/{method}", settings, nodes,
@@ -112,7 +113,7 @@ def run(params: Params) -> dict:
             label_rows += [{"partition": scheme, "client": c["client"], "label": labels[int(k)], "count": n}
                            for c in summary["clients"] for k, n in c["label_histogram"].items()]
             report["clients"][scheme] = plans.plan_clients(fp, summary, parts, paths.BASE_MODEL, len(labels),
-                                                           max_length, seed, plans.machine_precision(params)[0])
+                                                           max_length, seed, plans.machine_precision(params))
         # the rounds that fit federated.budget_minutes, from a client-round measured here; the federations are
         # identified by the rounds they run, not by the budget that chose them
         decision = report["budget"] = budget.decide(params, report["clients"], runs, labels, pad_token_id,

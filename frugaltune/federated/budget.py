@@ -3,14 +3,14 @@ every round of every federation the stage runs (and its centralized reference), 
 
 Library code, used by the federated stage; never run. The measurement is the planner's own calibration
 (planner.calibrate): one fresh process runs the clients' loop (training.loop.train_classifier with the LoopConfig
-local.train_locally builds: constant lr, the plan's micro-batch, no int8 products) over a few of a client's own
-micro-batches, and fits `step = overhead + per_token x padded tokens`. From it:
+local.train_locally builds: constant lr, the plan's micro-batch, the clients' precision and int8 products) over a
+few of a client's own micro-batches, and fits `step = overhead + per_token x padded tokens`. From it:
 
 - a client-round is the sum of its planned steps (its own rows, batched as its loop will batch them);
 - a round runs the clients the ServerApp samples for it (aggregation.sample_clients, by client id: the same clients
   every run) on `workers` side by side (the Simulation Engine's Ray workers), then the server evaluates the test
-  split: the same calibration process times the trained model's forward passes over a few of the test split's
-  evaluation batches, and the server's threads scale them;
+  split: the same calibration process times the model's forward passes (the server's plain model) over a few of
+  the test split's evaluation batches, and the server's threads scale them;
 - the centralized reference trains as many examples as the first federation's clients, one process on every core.
 
 The calibration's process is not the federation's: the clients' steps in a Ray worker and the server's evaluation
@@ -35,7 +35,7 @@ from pathlib import Path
 
 from frugaltune import planner
 from frugaltune.federated import aggregation, local, rounds, rows
-from frugaltune.federated.plans import machine_cores
+from frugaltune.federated.plans import Precision, machine_cores
 from frugaltune.federated.settings import RunSettings
 
 # The batch the ServerApp evaluates with (the stage leaves RunSettings' default)
@@ -52,10 +52,11 @@ class Machine:
 
 
 def measure_client_round(model_dir: Path, labels: list[str], pad_token_id: int, parts: Path, plan: dict, *,
-                         lora: local.LoraSpec, batch_size: int, lr: float, seed: int, bf16: bool, eager: int,
+                         lora: local.LoraSpec, batch_size: int, lr: float, seed: int, precision: Precision,
                          threads: int, allocator: str, test_ids: list[list[int]]) -> tuple[planner.Constants, dict]:
-    """The planner's calibration of the clients' loop on this machine, over client `plan`'s own rows and steps, and
-    of the server's evaluation over a few of the test split's batches (`test_ids`)."""
+    """The planner's calibration of the clients' loop on this machine, over client `plan`'s own rows and steps, with
+    their precision and int8 products, and of the server's evaluation over a few of the test split's batches
+    (`test_ids`)."""
     from frugaltune.training.loop import LoopConfig
 
     input_ids, targets = local.read_examples(rows.client_file(parts, plan["client"]))
@@ -66,9 +67,10 @@ def measure_client_round(model_dir: Path, labels: list[str], pad_token_id: int, 
     steps, order = planner.planned_order([len(r) for r in input_ids], batch_size, 1, 1.0, plan["local_steps"], seed)
     loop = asdict(LoopConfig(lr=lr, max_steps=steps, batch_size=batch_size, micro_batch_size=plan["micro_batch_size"],
                              seed=seed, warmup_ratio=0.0, scheduler="constant", log_every=1, checkpoint_dir=None,
-                             bf16=bf16, eager_attention_max_len=eager))
+                             bf16=precision.bf16, eager_attention_max_len=precision.eager))
     return planner.calibrate(model_dir, labels, pad_token_id, "lora", knobs, shape, rows=input_ids, targets=targets,
-                             order=order, loop=loop, int8={"on": False, "why": "the clients' loop has none"},
+                             order=order, loop=loop,
+                             int8={"on": precision.int8, "why": "the plan's int8 decision for the clients' LoRA"},
                              gradient_checkpointing=False, threads=threads, seed=seed, time_samples=4,
                              allocator=allocator, inference_rows=test_ids, inference_batch=EVAL_BATCH)
 
@@ -154,7 +156,7 @@ def choose_rounds(asked: int, budget_s: float, spent_s: float, fixed_s: float, p
 
 
 def decide(params, plans: dict[str, list[dict]], runs: list[tuple[str, str]], labels: list[str], pad_token_id: int,
-           precision: tuple[bool, int], spent_s: float, data: Path, model_dir: Path) -> dict:
+           precision: Precision, spent_s: float, data: Path, model_dir: Path) -> dict:
     """How many rounds the stage runs: `federated.num_rounds`, or as many as `federated.budget_minutes` fits (the
     stage's time so far counted in), predicted from a client-round measured here. `plans`: scheme -> the clients'
     plans; `runs`: (scheme, method) of each federation, in the order the stage runs them."""
@@ -166,12 +168,11 @@ def decide(params, plans: dict[str, list[dict]], runs: list[tuple[str, str]], la
     machine = Machine(threads=fp.threads, workers=max(1, physical // fp.threads), server_threads=physical)
     included = sorted((p for p in plans[runs[0][0]] if p["fits"]), key=lambda p: (p["examples"], p["client"]))
     probe = included[len(included) // 2]  # a client of the median size stands for the others' speed per token
-    bf16, eager = precision
     lora = local.LoraSpec(fp.lora.r, fp.lora.alpha, fp.lora.dropout, tuple(fp.lora.target_modules))
     test_ids = local.read_examples(data / "test.parquet")[0]
     constants, calibration = measure_client_round(
         model_dir, labels, pad_token_id, data / f"partitions_{runs[0][0]}", probe, lora=lora,
-        batch_size=fp.batch_size, lr=fp.lr, seed=params.common.seed, bf16=bf16, eager=eager, threads=fp.threads,
+        batch_size=fp.batch_size, lr=fp.lr, seed=params.common.seed, precision=precision, threads=fp.threads,
         allocator=tp.allocator, test_ids=test_ids)
     evaluation = evaluation_seconds(calibration["inference"], test_ids, machine)
     predicted = {f"{method}_{scheme}": predict_rounds(

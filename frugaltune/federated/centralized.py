@@ -15,7 +15,7 @@ import time
 from frugaltune import paths
 from frugaltune.config import Params
 from frugaltune.federated import keys, local, rounds, rows
-from frugaltune.federated.plans import machine_precision
+from frugaltune.federated.plans import Precision, machine_precision
 from frugaltune.io import read_json, write_json
 
 # the train stage's recipe fields the reference trains with (baseline)
@@ -30,12 +30,12 @@ def examples_trained(out, batch_size: int) -> int:
 
 
 def baseline(params: Params, labels: list[str], pad_token_id: int, examples: int, seed: int | None = None,
-             precision: tuple[bool, int] | None = None) -> dict:
+             precision: Precision | None = None) -> dict:
     """Centralized LoRA: the train stage's own recipe (`train.lr`, `train.head_lr`, `train.batch_size`, its
     schedule, clipping and weight decay) on the federation's LoRA (`federated.lora`), trained in one process on
     data/federated/train.parquet (the clients' rows, wrapped as theirs are) for as many examples as the federation's
     clients trained on, and evaluated on the same test split by the same function as the server's rounds. `seed`
-    (default `common.seed`) and `precision` ((bf16?, eager attention up to), default this machine's decision) let
+    (default `common.seed`) and `precision` (plans.Precision, default this machine's decision) let
     a benchmark run it over seeds. Why the train stage's recipe and not the clients' lr and batch: docs/DECISIONS.md,
     "The centralized reference is the train stage's recipe"."""
     import torch
@@ -48,8 +48,8 @@ def baseline(params: Params, labels: list[str], pad_token_id: int, examples: int
     steps = max(1, round(examples / per_step))
     threads = torch.get_num_threads()
     spec = local.LoraSpec(fp.lora.r, fp.lora.alpha, fp.lora.dropout, tuple(fp.lora.target_modules))
-    bf16, eager = precision or machine_precision(params)  # as the clients train
-    model = local.build_model(paths.BASE_MODEL, labels, pad_token_id, seed, spec, bf16=bf16)
+    bf16, eager, int8 = precision or machine_precision(params)  # as the clients train
+    model = local.build_model(paths.BASE_MODEL, labels, pad_token_id, seed, spec, bf16=bf16, int8=int8)
     input_ids, targets = local.read_examples(paths.FEDERATED_DATA / "train.parquet")
     cfg = LoopConfig(lr=tp.lr, head_lr=tp.head_lr, lora_plus_ratio=tp.lora_plus_ratio, weight_decay=tp.weight_decay,
                      scheduler=tp.scheduler, warmup_ratio=tp.warmup_ratio, max_steps=steps, batch_size=tp.batch_size,
@@ -60,22 +60,28 @@ def baseline(params: Params, labels: list[str], pad_token_id: int, examples: int
     train_classifier(model, input_ids, targets, cfg, pad_token_id, progress=False)
     seconds = time.perf_counter() - began
     test_ids, test_targets = local.read_examples(paths.FEDERATED_DATA / "test.parquet")
+    if int8:  # evaluated as the server evaluates the federations' globals: their tensors in the plain model
+        trained = local.trainable_tensors(model)
+        model = local.build_model(paths.BASE_MODEL, labels, pad_token_id, seed, spec, bf16=bf16)
+        local.load_tensors(model, trained)
     final = local.evaluate(model, test_ids, test_targets, labels, pad_token_id, bf16=bf16)
     return {"examples": steps * per_step, "steps": steps, "batch_size": per_step, "lr": tp.lr,
-            "head_lr": tp.head_lr, "precision": "bf16" if bf16 else "fp32", "scheduler": tp.scheduler,
+            "head_lr": tp.head_lr, "precision": "bf16" if bf16 else "fp32", "int8_products": int8,
+            "scheduler": tp.scheduler,
             "warmup_ratio": tp.warmup_ratio, "training_rows": len(targets), "threads": threads,
             "train_seconds": round(seconds, 1),
             "peak_rss_mb": round(peak_rss_mb()), "final": final}
 
 
-def reference_key(params: Params, examples: int, pad_token_id: int, bf16: bool, eager: int, threads: int) -> str:
+def reference_key(params: Params, examples: int, pad_token_id: int, precision: Precision, threads: int) -> str:
     """The centralized reference's identity: what its numbers depend on (the recipe, the federation's LoRA, seed,
     examples, pad id, precision, threads, base weights, the training and evaluation code with `baseline`'s own
     source, and the rows of data/federated/train.parquet and test.parquet). The run keys' rule, for one run."""
     data = paths.FEDERATED_DATA
     blob = json.dumps({"recipe": {k: getattr(params.train, k) for k in REFERENCE_RECIPE},
                        "lora": params.federated.lora.model_dump(), "seed": params.common.seed, "examples": examples,
-                       "pad_token_id": pad_token_id, "bf16": bf16, "eager": eager, "threads": threads,
+                       "pad_token_id": pad_token_id, "bf16": precision.bf16, "eager": precision.eager,
+                       "int8": precision.int8, "threads": threads,
                        "model": keys.base_weights_sha(), "code": keys.round_code_sha256(),
                        "function": inspect.getsource(baseline),
                        "data": rows.rows_fingerprint([data / "train.parquet", data / "test.parquet"])},
@@ -89,13 +95,13 @@ def reference(params: Params, labels: list[str], pad_token_id: int, examples: in
     result says so (`reused_from`); its seconds are those it was trained in."""
     import torch
 
-    bf16, eager = machine_precision(params)
+    precision = machine_precision(params)
     kept = paths.FEDERATED_CHECKPOINTS / "centralized" / (
-        reference_key(params, examples, pad_token_id, bf16, eager, torch.get_num_threads()) + ".json")
+        reference_key(params, examples, pad_token_id, precision, torch.get_num_threads()) + ".json")
     if kept.exists():
         central = read_json(kept)
         print(f"federated: centralized LoRA reused from {kept} (trained in {central['train_seconds']} s)", flush=True)
         return {**central, "reused_from": str(kept)}
-    central = baseline(params, labels, pad_token_id, examples, precision=(bf16, eager))
+    central = baseline(params, labels, pad_token_id, examples, precision=precision)
     write_json(kept, central)  # atomic (frugaltune.io): a killed stage leaves none, not half of one
     return central

@@ -8,10 +8,10 @@ with PYTHONPATH at the project root, after the ServerApp is started by `flwr run
 fine-tuning"). The node config is what this machine owns: `data` (its tokenized rows, parquet: input_ids, labels;
 they never leave it), optionally `model-dir` (its copy of the base model; default: the server's path),
 `lora-rank` (<= the global rank; default the global rank), `micro-batch`, `local-steps` (its plan's, which a round
-budget may lower; default the run's), `threads`, `precision` (fp32 | bf16:
-what this machine measured faster; default fp32), `eager-attention-max-len` (its plan) and `state-dir` (where it
-keeps its optimizer's moments between rounds when the run's `client-state` is `kept`; without it the client starts
-each round fresh and says so in its metrics). These keys are settings.NodeSettings; a round's settings arrive with
+budget may lower; default the run's), `threads`, `precision` (fp32 | bf16: what this machine measured faster;
+default fp32), `eager-attention-max-len` and `int8-products` (its plan's; default 0 and false) and `state-dir`
+(where it keeps its optimizer's moments between rounds when the run's `client-state` is `kept`; without it the
+client starts each round fresh and says so in its metrics). These keys are settings.NodeSettings; a round's settings arrive with
 its message as settings.RoundSettings.
 
 In Flower's Simulation Engine (the `federated` stage's default on one machine) a virtual node's config is only its
@@ -86,16 +86,16 @@ def node_settings(context: Context) -> NodeSettings:
 
 
 def cached_model(model_dir: str, labels: list[str], pad_token_id: int, seed: int, spec: local.LoraSpec,
-                 rank: int, bf16: bool = False) -> tuple[torch.nn.Module, bool]:
+                 rank: int, bf16: bool = False, int8: bool = False) -> tuple[torch.nn.Module, bool]:
     """The LoRA model for `rank`, built once per process, and whether this call reused it. Every trainable tensor
     (A, B, head) is overwritten by the round's global before training, so a reused model trains exactly as a fresh
     one; what a previous call froze (FFA's A) trains again until the caller freezes it."""
-    key = (model_dir, tuple(labels), pad_token_id, seed, spec, rank, bf16)
+    key = (model_dir, tuple(labels), pad_token_id, seed, spec, rank, bf16, int8)
     reused = key in _MODELS
     if not reused:
         if len(_MODELS) >= 2:  # a worker sees at most the ranks of its clients; keep memory bounded
             _MODELS.pop(next(iter(_MODELS)))
-        model = local.build_model(model_dir, labels, pad_token_id, seed, spec, rank, bf16=bf16)
+        model = local.build_model(model_dir, labels, pad_token_id, seed, spec, rank, bf16=bf16, int8=int8)
         _MODELS[key] = (model, [name for name, param in model.named_parameters() if param.requires_grad])
     model, trainable = _MODELS[key]
     params = dict(model.named_parameters())
@@ -137,7 +137,7 @@ def train(msg: Message, context: Context) -> Message:
 
     bf16 = node.precision == "bf16"
     model, reused = cached_model(node.model_dir or settings.model_dir, list(settings.labels), settings.pad_token_id,
-                                 settings.seed, spec, rank, bf16)
+                                 settings.seed, spec, rank, bf16, node.int8_products)
     local.load_tensors(model, aggregation.slice_to_rank(received, rank))
     if settings.method == "ffa":
         local.freeze_lora_a(model)

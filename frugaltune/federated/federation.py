@@ -19,7 +19,7 @@ from typing import Protocol
 from frugaltune import paths
 from frugaltune.config import FederatedParams, Params
 from frugaltune.federated import keys, rounds, rows
-from frugaltune.federated.plans import machine_cores
+from frugaltune.federated.plans import Precision, machine_cores
 from frugaltune.federated.keys import PROJECT_ROOT
 from frugaltune.federated.launch import LocalFederation
 from frugaltune.federated.settings import NodeSettings, RunSettings
@@ -58,11 +58,11 @@ def included_clients(fp: FederatedParams, plans: list[dict]) -> list[dict]:
 
 
 def run_settings(params: Params, method: str, out: Path, included: list[dict], labels: list[str], pad_token_id: int,
-                 precision: tuple[bool, int], num_rounds: int | None = None) -> RunSettings:
+                 precision: Precision, num_rounds: int | None = None) -> RunSettings:
     """The run config of one federation: `federated.*` under Flower's keys, with the paths, labels and pad id of
     this project, the clients the plans include and the rounds to run (default `federated.num_rounds`)."""
     fp = params.federated
-    bf16, _ = precision
+    bf16 = precision.bf16
     test = paths.FEDERATED_DATA / "test.parquet"
     return RunSettings(
         out_dir=str(out), model_dir=str(paths.BASE_MODEL.resolve()), test_data=str(test.resolve()), labels=labels,
@@ -85,13 +85,14 @@ def run_settings(params: Params, method: str, out: Path, included: list[dict], l
 
 
 def node_settings(fp: FederatedParams, parts: Path, out: Path, included: list[dict],
-                  precision: tuple[bool, int]) -> list[NodeSettings]:
-    """Each included client's node settings: its rows and its plan. Its own disk, simulated, is a folder of the
-    run: where it keeps its optimizer's moments between rounds (client_state: kept)."""
-    bf16, eager = precision
+                  precision: Precision) -> list[NodeSettings]:
+    """Each included client's node settings: its rows, its plan and this machine's precision (every client of the
+    stage trains here). Its own disk, simulated, is a folder of the run: where it keeps its optimizer's moments
+    between rounds (client_state: kept)."""
     return [NodeSettings(data=str(rows.client_file(parts, p["client"]).resolve()), lora_rank=p["lora_rank"],
                          micro_batch=p["micro_batch_size"], local_steps=p["local_steps"], threads=fp.threads,
-                         client_id=p["client"], precision="bf16" if bf16 else "fp32", eager_attention_max_len=eager,
+                         client_id=p["client"], precision="bf16" if precision.bf16 else "fp32",
+                         eager_attention_max_len=precision.eager, int8_products=precision.int8,
                          state_dir=str(out / "clients" / f"client_{p['client']}"))
             for p in included]
 

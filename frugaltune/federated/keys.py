@@ -25,7 +25,7 @@ PROJECT_ROOT = Path(__file__).resolve().parents[2]
 ROUND_CODE = ("frugaltune/federated/aggregation.py", "frugaltune/federated/client_app.py",
               "frugaltune/federated/local.py", "frugaltune/federated/privacy.py", "frugaltune/federated/secure.py",
               "frugaltune/federated/server_app.py", "frugaltune/federated/settings.py",
-              "frugaltune/federated/wire.py", "frugaltune/training")
+              "frugaltune/federated/wire.py", "frugaltune/training", "frugaltune/int8.py")
 
 
 def round_code_sha256() -> str:
@@ -43,14 +43,18 @@ def base_weights_sha() -> str | None:
     return read_json(report).get("weights_sha256") if report.exists() else None
 
 
-def run_key(params: Params, scheme: str, method: str, data: str, plans: list[dict] | None = None) -> str:
+def run_key(params: Params, scheme: str, method: str, data: str, plans: list[dict] | None = None,
+            precision: tuple | None = None) -> str:
     """The federation's identity in checkpoints/federated/: its settings, seed, base weights, round code, `data`
-    (rows.data_fingerprint) and the local steps each client's plan gave it (`round_budget_s` makes them the
-    calibration's: a recalibration that moves them is another federation, one that does not resumes this one)."""
+    (rows.data_fingerprint), the local steps each client's plan gave it (`round_budget_s` makes them the
+    calibration's: a recalibration that moves them is another federation, one that does not resumes this one) and
+    the clients' precision on this machine (plans.Precision: bf16, attention crossover, int8 products), which the
+    plan decides by measurement: a plan that decides otherwise starts a new federation."""
     fp = params.federated
     steps = {str(p["client"]): p["local_steps"] for p in plans or [] if p.get("fits")}
     blob = json.dumps({"federated": fp.model_dump(), "seed": params.common.seed, "scheme": scheme, "method": method,
-                       "model": base_weights_sha(), "code": round_code_sha256(), "data": data, "steps": steps},
+                       "model": base_weights_sha(), "code": round_code_sha256(), "data": data, "steps": steps,
+                       **({"precision": list(precision)} if precision is not None else {})},
                       sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

@@ -40,14 +40,21 @@ class _Knobs:  # what prepare_model reads from `train.lora`
 
 
 def build_model(model_dir: Path | str, labels: list[str], pad_token_id: int, seed: int, lora: LoraSpec,
-                rank: int | None = None, bf16: bool = False) -> torch.nn.Module:
+                rank: int | None = None, bf16: bool = False, int8: bool = False) -> torch.nn.Module:
     """The base model with the seeded head and LoRA of `rank` (default: the global rank), alpha scaled to keep
     alpha/r (see aggregation.client_alpha). `bf16`: the model will train or evaluate under bf16 autocast, so its
     frozen projections are stored in bf16 once, as the train stage's are (`prepare_model`): the same products,
-    without a cast of every frozen weight at every use and with half their memory."""
+    without a cast of every frozen weight at every use and with half their memory. `int8`: a model that trains
+    with the plan's int8 products (frugaltune/int8.py, as the train stage's LoRA): its frozen Linears in int8; the
+    tensors that train and travel (A, B, head) are the same, so it takes and gives the same globals."""
     rank = rank or lora.r
     knobs = _Knobs(rank, aggregation.client_alpha(lora.alpha, lora.r, rank), lora.dropout, lora.target_modules)
-    return prepare_model(model_dir, labels, pad_token_id, seed, "lora", knobs, bf16=bf16)
+    model = prepare_model(model_dir, labels, pad_token_id, seed, "lora", knobs, bf16=bf16)
+    if int8:
+        from frugaltune import int8 as products
+
+        products.apply(model, {"on": True, "why": "the plan's int8 decision for LoRA"}, "lora")
+    return model
 
 
 def trainable_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:

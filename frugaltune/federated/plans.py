@@ -7,6 +7,7 @@ Library code, used by the federated stage and the centralized reference; never r
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 from frugaltune import paths, planner, resolve
 from frugaltune.config import FederatedParams, Params
@@ -14,11 +15,20 @@ from frugaltune.federated import profiles, rows
 from frugaltune.io import read_json
 
 
-def machine_precision(params: Params) -> tuple[bool, int]:
-    """(bf16?, eager attention up to this many tokens) for the clients on this machine: the plan's machine decisions
-    (frugaltune.resolve), or `federated.precision` when it is set."""
-    decided = resolve.machine(params.federated.precision, plan=resolve.read_plan())
-    return bool(decided["bf16"]), int(decided["eager_attention_max_len"])
+class Precision(NamedTuple):
+    """How this machine's clients (and the centralized reference) train: the plan's machine decisions for LoRA."""
+    bf16: bool
+    eager: int  # eager attention up to this many tokens
+    int8: bool = False  # int8 products with the frozen weights (frugaltune/int8.py), as the train stage's LoRA
+
+
+def machine_precision(params: Params) -> Precision:
+    """The clients' precision on this machine: the plan's machine decisions (frugaltune.resolve) for LoRA, or
+    `federated.precision` when it is set; int8 products as the plan decided them for LoRA (`train.int8_products`:
+    the project's one switch for them)."""
+    decided = resolve.machine(params.federated.precision, "lora", params.train.int8_products,
+                              plan=resolve.read_plan(), dims=resolve.model_dims())
+    return Precision(bool(decided["bf16"]), int(decided["eager_attention_max_len"]), bool(decided["int8"]["on"]))
 
 
 def machine_cores(params: Params) -> int:
@@ -27,10 +37,11 @@ def machine_cores(params: Params) -> int:
     return int(resolve.machine(params.federated.precision, plan=resolve.read_plan())["cores"])
 
 
-def plan_calibration(bf16: bool) -> tuple[planner.Constants, int | None, str]:
+def plan_calibration(bf16: bool, int8: bool = False) -> tuple[planner.Constants, int | None, str]:
     """(constants, threads they were measured with, where from) for the clients' time estimates: the plan stage's
     calibration (reports/plan.json) when it measured this CPU (reports/hardware.json), on a CPU, in the precision the
-    clients train in; else the planner's uncalibrated defaults, and the plans carry no time estimate."""
+    clients train in, with their int8 products or without as they; else the planner's uncalibrated defaults, and the
+    plans carry no time estimate."""
     if not paths.PLAN.exists():
         return planner.Constants(), None, f"{paths.PLAN} missing: no time estimate (dvc repro plan)"
     plan = read_json(paths.PLAN)
@@ -43,8 +54,9 @@ def plan_calibration(bf16: bool) -> tuple[planner.Constants, int | None, str]:
         why = f"{paths.PLAN} is not calibrated (probe.calibrate)"
     elif plan.get("run", {}).get("precision") != precision:
         why = f"{paths.PLAN} was calibrated in {plan.get('run', {}).get('precision')}, the clients train in {precision}"
-    elif (plan.get("calibration") or {}).get("int8_products"):  # the clients' loop has no int8 products
-        why = f"{paths.PLAN} was calibrated with int8 products, which the clients do not use"
+    elif bool((plan.get("calibration") or {}).get("int8_products")) != int8:
+        why = (f"{paths.PLAN} was calibrated {'with' if not int8 else 'without'} int8 products, the clients train "
+               f"{'with' if int8 else 'without'}")
     else:
         return planner.Constants(**values), plan.get("threads"), f"{paths.PLAN}: {values.get('source')}"
     return planner.Constants(), None, why + ": no time estimate"
@@ -56,12 +68,12 @@ def method_knobs(fp: FederatedParams) -> planner.MethodKnobs:
 
 
 def plan_clients(fp: FederatedParams, summary: dict, parts: Path, model_dir: Path, num_labels: int, max_length: int,
-                 seed: int, bf16: bool) -> list[dict]:
+                 seed: int, precision: Precision) -> list[dict]:
     """Each client's plan on its declared hardware (frugaltune/federated/profiles.py): method, rank, micro-batch and
     local steps, with the time the plan stage's calibration of this CPU predicts (`round_budget_s` caps the steps by
     it) and the memory the planner's model predicts."""
     knobs = method_knobs(fp)
-    constants, calibrated_cores, source = plan_calibration(bf16)
+    constants, calibrated_cores, source = plan_calibration(precision.bf16, precision.int8)
     plans = []
     for entry in summary["clients"]:
         preset = fp.profiles[entry["client"] % len(fp.profiles)]

@@ -136,4 +136,5 @@ class NodeSettings(FlowerRecord):
     partition_id: int | None = None  # Flower's, under the Simulation Engine
     precision: Literal["fp32", "bf16"] = "fp32"
     eager_attention_max_len: int = 0
+    int8_products: bool = False  # its frozen products in int8 (frugaltune/int8.py): what its plan measured faster
     state_dir: str | None = None  # where it keeps AdamW's moments between rounds (client_state: kept)

@@ -227,6 +227,11 @@ def test_client_plans_use_the_plan_stages_calibration_only_of_this_cpu_and_preci
     assert (constants.seconds_per_token, constants.startup_s, cores) == (0.002, 4.0, 2) and "calibrated here" in why
     constants, cores, why = plan_calibration(bf16=False)  # measured in bf16, the clients train in fp32
     assert constants.seconds_per_token is None and cores is None and "fp32" in why
+    # calibrated with the int8 products the clients train with (or without, as they): used; otherwise not
+    (tmp_path / "reports/plan.json").write_text(json.dumps(plan | {"calibration": {"int8_products": True}}))
+    assert plan_calibration(bf16=True, int8=True)[0].seconds_per_token == 0.002
+    constants, cores, why = plan_calibration(bf16=True)
+    assert constants.seconds_per_token is None and "with int8 products" in why
     (tmp_path / "reports/plan.json").write_text(json.dumps(plan | {"device": {"kind": "cpu", "name": "CPU B"}}))
     constants, cores, why = plan_calibration(bf16=True)  # a plan in git from another machine
     assert constants.seconds_per_token is None and "CPU B" in why
@@ -286,6 +291,37 @@ def test_a_bf16_client_stores_its_frozen_projections_in_bf16_and_trains_as_autoc
     assert {t.dtype for t in trained[True].values()} == {torch.float32}
     for name, tensor in trained[False].items():
         torch.testing.assert_close(trained[True][name], tensor, rtol=0, atol=1e-6)
+
+
+def test_an_int8_client_trains_the_same_tensors_and_keeps_ffas_a(tiny_model_dir, smol_tokenizer):
+    """The plan's int8 products in a client (local.build_model(int8=True)): its frozen Linears become int8, the
+    tensors that train and travel keep their names and shapes, FFA's frozen A stays the global's, and the update
+    is the plain model's up to int8's rounding."""
+    from frugaltune import int8
+
+    pad = smol_tokenizer.pad_token_id
+    spec = local.LoraSpec(4, 8, 0.0, ("q_proj", "v_proj"))
+    g = torch.Generator().manual_seed(7)
+    ids = [torch.randint(5, 500, (6,), generator=g).tolist() for _ in range(16)]
+    labels = [i % 3 for i in range(16)]
+    plain = local.build_model(tiny_model_dir, ["a", "b", "c"], pad, seed=0, lora=spec)
+    quantized = local.build_model(tiny_model_dir, ["a", "b", "c"], pad, seed=0, lora=spec, int8=True)
+    assert any(isinstance(m, int8.Int8FrozenLinear) for m in quantized.modules())
+    assert not any(isinstance(m, int8.Int8FrozenLinear) for m in plain.modules())
+    start = local.trainable_tensors(plain)
+    assert {k: v.shape for k, v in local.trainable_tensors(quantized).items()} == {k: v.shape for k, v in start.items()}
+    updates = {}
+    for name, model in (("plain", plain), ("int8", quantized)):
+        local.load_tensors(model, start)
+        local.freeze_lora_a(model)
+        local.train_locally(model, ids, labels, pad, steps=3, lr=0.01, batch_size=8, micro_batch_size=None, seed=0)
+        trained = local.trainable_tensors(model)
+        assert not any(agg.is_lora_a(k) for k in trained)  # FFA: A neither trains nor travels
+        assert all(p.equal(start[k]) for k, p in model.named_parameters() if k in start and agg.is_lora_a(k))
+        updates[name] = torch.cat([(trained[k] - start[k]).flatten() for k in sorted(trained)])
+    assert updates["int8"].norm() > 0
+    cosine = torch.nn.functional.cosine_similarity(updates["int8"], updates["plain"], dim=0)
+    assert cosine > 0.9, f"int8 client's update points elsewhere than the plain one's (cosine {cosine:.3f})"
 
 
 def test_a_kept_client_state_continues_adamw_and_changes_the_update(tiny_model_dir, smol_tokenizer):
@@ -410,11 +446,16 @@ def test_a_round_exists_when_its_json_does_and_velocities_are_not_rounds(tmp_pat
 def test_the_federated_run_key_changes_with_the_code_that_computes_rounds(monkeypatch, tmp_path):
     from frugaltune.config import load_params
     from frugaltune.federated import keys
+    from frugaltune.federated.plans import Precision
 
     params = load_params()
     key = keys.run_key(params, "dirichlet", "fedavg", "rows")
     assert keys.run_key(params, "dirichlet", "fedavg", "rows") == key
     assert keys.run_key(params, "dirichlet", "fedavg", "other rows") != key  # new data: a new federation
+    # the plan deciding int8 products (or bf16) for the clients: a new federation, not a resume of the other's rounds
+    plain, int8 = Precision(False, 0, False), Precision(False, 0, True)
+    assert keys.run_key(params, "dirichlet", "fedavg", "rows", precision=plain) != keys.run_key(
+        params, "dirichlet", "fedavg", "rows", precision=int8)
     copy = tmp_path / "frugaltune" / "federated"
     copy.mkdir(parents=True)
     for entry in keys.ROUND_CODE:  # the same code elsewhere: the same key; one changed byte: another key
@@ -463,6 +504,7 @@ def test_the_centralized_reference_key_follows_what_the_reference_trains_on(monk
 
     from frugaltune.config import load_params
     from frugaltune.federated.centralized import reference_key
+    from frugaltune.federated.plans import Precision
 
     params = load_params()
     monkeypatch.chdir(tmp_path)  # the reference's rows: data/federated/ of the project it runs in
@@ -474,15 +516,16 @@ def test_the_centralized_reference_key_follows_what_the_reference_trains_on(monk
         pq.write_table(pa.table({"input_ids": [[4]], "labels": [0]}), data / "test.parquet")
 
     write([0, 1])
-    key = reference_key(params, 6400, 2, True, 512, 2)
-    assert reference_key(params, 6400, 2, True, 512, 2) == key
-    changed = [reference_key(params, 3200, 2, True, 512, 2),  # fewer examples
-               reference_key(params, 6400, 0, True, 512, 2),  # another pad id
-               reference_key(params, 6400, 2, False, 512, 2),  # fp32
-               reference_key(params, 6400, 2, True, 512, 1),  # 1 thread: other bf16 sums
+    key = reference_key(params, 6400, 2, Precision(True, 512), 2)
+    assert reference_key(params, 6400, 2, Precision(True, 512), 2) == key
+    changed = [reference_key(params, 3200, 2, Precision(True, 512), 2),  # fewer examples
+               reference_key(params, 6400, 0, Precision(True, 512), 2),  # another pad id
+               reference_key(params, 6400, 2, Precision(False, 512), 2),  # fp32
+               reference_key(params, 6400, 2, Precision(True, 512), 1),  # 1 thread: other bf16 sums
                reference_key(params.model_copy(update={"train": params.train.model_copy(update={"lr": 1e-3})}),
-                             6400, 2, True, 512, 2)]  # the recipe
+                             6400, 2, Precision(True, 512), 2),  # the recipe
+               reference_key(params, 6400, 2, Precision(True, 512, int8=True), 2)]  # trained with int8 products
     assert key not in changed and len(set(changed)) == len(changed)
     write([0, 2])  # one label of the union of the clients' rows
-    assert reference_key(params, 6400, 2, True, 512, 2) != key
+    assert reference_key(params, 6400, 2, Precision(True, 512), 2) != key
 

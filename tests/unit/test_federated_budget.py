@@ -14,6 +14,7 @@ import pytest
 
 from frugaltune.config import parse_params
 from frugaltune.federated import budget
+from frugaltune.federated.plans import Precision
 
 CLIENTS = 3
 
@@ -44,8 +45,8 @@ def decide(data, model_dir, pad_token_id: int, minutes: float) -> dict:
         "threads": 1, "budget_minutes": minutes}})
     plans = {"iid": [{"client": c, "fits": True, "lora_rank": 4, "micro_batch_size": None, "local_steps": 3,
                       "examples": 24} for c in range(CLIENTS)]}
-    return budget.decide(params, plans, [("iid", "fedavg")], ["a", "b", "c"], pad_token_id, (False, 0), 0.0, data,
-                         model_dir)
+    return budget.decide(params, plans, [("iid", "fedavg")], ["a", "b", "c"], pad_token_id, Precision(False, 0), 0.0,
+                         data, model_dir)
 
 
 def test_a_smaller_budget_runs_fewer_rounds_and_says_what_was_traded(federation_data, tiny_model_dir,
@@ -83,7 +84,7 @@ def test_a_smaller_budget_runs_fewer_rounds_and_says_what_was_traded(federation_
 
 def test_no_budget_runs_every_round_asked_without_measuring():
     params = parse_params({"federated": {"num_rounds": 4, "budget_minutes": None}})
-    assert budget.decide(params, {}, [], [], 0, (False, 0), 0.0, None, None) == {
+    assert budget.decide(params, {}, [], [], 0, Precision(False, 0), 0.0, None, None) == {
         "minutes": None, "rounds_asked": 4, "rounds": 4, "trade": "no budget: 4 rounds"}
 
 
