@@ -11,8 +11,8 @@ they never leave it), optionally `model-dir` (its copy of the base model; defaul
 budget may lower; default the run's), `threads`, `precision` (fp32 | bf16: what this machine measured faster;
 default fp32), `eager-attention-max-len` and `int8-products` (its plan's; default 0 and false) and `state-dir`
 (where it keeps its optimizer's moments between rounds when the run's `client-state` is `kept`; without it the
-client starts each round fresh and says so in its metrics). These keys are settings.NodeSettings; a round's settings arrive with
-its message as settings.RoundSettings.
+client starts each round fresh and says so in its metrics). These keys are settings.NodeSettings; a round's
+settings arrive with its message as settings.RoundSettings.
 
 In Flower's Simulation Engine (the `federated` stage's default on one machine) a virtual node's config is only its
 `partition-id`; the same keys then come from the run config's `simulation-nodes` (a JSON list, one entry per

@@ -31,7 +31,9 @@ def summarize(out: Path, model_dir: Path) -> tuple[dict, list[dict]]:
         clients = report.get("clients", [])
         sent += sum(c["bytes-up"] + c["bytes-down"] for c in clients)
         found.append({"round": report["round"], **report["evaluation"], "bytes_total": sent,
-                      "clients_completed": report.get("completed", 0)})
+                      "clients_completed": report.get("completed", 0),
+                      # rounds before the last may be evaluated on a sample of the split (round_eval_rows)
+                      "evaluation_rows": report.get("evaluation_rows", "")})
     ups = [c["bytes-up"] for r in reports for c in r.get("clients", [])]
     downs = [c["bytes-down"] for r in reports for c in r.get("clients", [])]
     summary = {"final": reports[-1]["evaluation"], "baseline": reports[0]["evaluation"],
