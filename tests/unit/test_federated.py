@@ -324,6 +324,26 @@ def test_an_int8_client_trains_the_same_tensors_and_keeps_ffas_a(tiny_model_dir,
     assert cosine > 0.9, f"int8 client's update points elsewhere than the plain one's (cosine {cosine:.3f})"
 
 
+def test_a_client_reports_its_own_rounds_peak_not_the_workers_largest_so_far():
+    """A simulation worker runs client after client: the ClientApp resets the high-water mark when a round's
+    message arrives (loop.reset_peak_rss), so a small client after a large one reports its own peak. In a fresh
+    process: the reset is the whole process's."""
+    import subprocess
+    import sys
+
+    code = ("import numpy as np\n"
+            "from frugaltune.training.loop import peak_rss_mb, reset_peak_rss\n"
+            "before = peak_rss_mb()\n"
+            "large = np.ones(40_000_000)\n"  # 320 MB, every page touched
+            "high = peak_rss_mb()\n"
+            "del large\n"
+            "print(before, high, reset_peak_rss(), peak_rss_mb())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    before, high, reset, after = float(out[0]), float(out[1]), out[2], float(out[3])
+    assert high - before > 250  # the large job raised the peak
+    assert reset == "True" and high - after > 250  # after the reset: what the process holds now, not the old peak
+
+
 def test_rounds_before_the_last_evaluate_the_same_label_stratified_sample_and_the_last_the_whole_split():
     labels = [0] * 50 + [1] * 30 + [2] * 20
     ids = [[i + 5] for i in range(100)]
