@@ -567,6 +567,11 @@ class FederatedParams(Section):
         40, gt=0, description="Wall time the whole stage may take: the plan measures a client-round on this machine "
         "and runs as many of `num_rounds` as fit, the report saying what was traded "
         "(frugaltune/federated/budget.py). null = every round asked, however long.")
+    round_eval_rows: int | None = Field(
+        None, ge=1, description="Rows of the test split the server evaluates after every round but the last: a "
+        "fixed sample, label-stratified and seeded (local.sample_rows). The last round, the result, and round 0 "
+        "are evaluated on the whole split. Only the last round's figure is a result; the others draw the curve, "
+        "and the budget buys rounds with the time saved. null = the whole split after every round.")
     fraction: float = Field(0.5, gt=0, le=1, description="Share of the connected clients sampled each round.")
     min_completed: int = Field(2, ge=1, description="Completion floor: a round counts when at least this many "
                                "sampled clients reply; failed or late clients are left out of its average.")

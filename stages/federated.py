@@ -144,7 +144,8 @@ def run(params: Params) -> dict:
             summary["adapter_dir"] = str(adapter)
             summary["partition"], summary["method"] = scheme, method
             summary["wall_seconds"] = round(time.perf_counter() - run_began, 1)
-            summary["round_seconds"] = budget.beside_measured(decision.get("runs", {}).get(name, []), out)
+            summary["round_seconds"] = budget.beside_measured(decision.get("runs", {}).get(name, []), out,
+                                                              decision.get("last_evaluation_extra_s", 0.0))
             report["runs"][name] = summary
             clients += results.client_rows(name, out, report["clients"][scheme])
             for row in found:
@@ -172,7 +173,7 @@ def write_outputs(report: dict, round_rows: list[dict], label_rows: list[dict], 
     """The report, the CSVs and the figures, each logged to the MLflow run in progress."""
     write_json(REPORT, report)
     write_text(ROUNDS_CSV, results.csv_text(round_rows, ["run", "round", "accuracy", "macro_f1", "loss",
-                                                         "bytes_total", "clients_completed"]))
+                                                         "bytes_total", "clients_completed", "evaluation_rows"]))
     write_text(LABELS_CSV, results.csv_text(label_rows, ["partition", "client", "label", "count"]))
     write_text(CLIENTS_CSV, results.csv_text(clients, ["run", "client", "preset", "rounds", "peak_rss_mb",
                                                        "predicted_peak_mb", "seconds", "predicted_seconds_here",

@@ -169,16 +169,20 @@ def decide(params, plans: dict[str, list[dict]], runs: list[tuple[str, str]], la
     included = sorted((p for p in plans[runs[0][0]] if p["fits"]), key=lambda p: (p["examples"], p["client"]))
     probe = included[len(included) // 2]  # a client of the median size stands for the others' speed per token
     lora = local.LoraSpec(fp.lora.r, fp.lora.alpha, fp.lora.dropout, tuple(fp.lora.target_modules))
-    test_ids = local.read_examples(data / "test.parquet")[0]
+    test_ids, test_labels = local.read_examples(data / "test.parquet")
     constants, calibration = measure_client_round(
         model_dir, labels, pad_token_id, data / f"partitions_{runs[0][0]}", probe, lora=lora,
         batch_size=fp.batch_size, lr=fp.lr, seed=params.common.seed, precision=precision, threads=fp.threads,
         allocator=tp.allocator, test_ids=test_ids)
-    evaluation = evaluation_seconds(calibration["inference"], test_ids, machine)
+    evaluation = evaluation_seconds(calibration["inference"], test_ids, machine)  # the whole split
+    # rounds before the last evaluate a sample of it (server_app.evaluation_split); each federation's last the whole
+    sample = local.sample_rows(test_labels, fp.round_eval_rows or 0, params.common.seed)
+    between = evaluation_seconds(calibration["inference"], [test_ids[i] for i in sample], machine)
+    last_extra = evaluation - between
     predicted = {f"{method}_{scheme}": predict_rounds(
         constants, data / f"partitions_{scheme}", plans[scheme], asked=asked, fraction=fp.fraction,
         min_completed=fp.min_completed, batch_size=fp.batch_size, seed=params.common.seed, machine=machine,
-        evaluation=evaluation) for scheme, method in runs}
+        evaluation=between) for scheme, method in runs}
     reference = [0.0] * asked
     if fp.centralized_baseline:  # it trains as many examples as the first federation's clients: a share per round
         lengths = [len(ids) for ids in local.read_examples(data / "train.parquet")[0]]
@@ -188,10 +192,12 @@ def decide(params, plans: dict[str, list[dict]], runs: list[tuple[str, str]], la
                      for r in next(iter(predicted.values()))]
     per_round = [sum(rounds_[n]["seconds"] for rounds_ in predicted.values()) + reference[n] for n in range(asked)]
     spent = spent_s + calibration["seconds"]
-    # round 0 is evaluated once: the federations start from the same bytes (server_app.start_evaluation)
-    decision = choose_rounds(asked, fp.budget_minutes * 60, spent, evaluation, per_round)
+    # round 0 is evaluated once: the federations start from the same bytes (server_app.start_evaluation); each
+    # federation's last round evaluates the whole split
+    decision = choose_rounds(asked, fp.budget_minutes * 60, spent, evaluation + len(runs) * last_extra, per_round)
     return {"minutes": fp.budget_minutes, **decision, "spent_before_rounds_s": round(spent, 1),
-            "evaluation_seconds": round(evaluation, 2), "per_round_seconds": [round(s, 2) for s in per_round],
+            "evaluation_seconds": round(between, 2), "evaluation_rows": len(sample),
+            "last_evaluation_extra_s": round(last_extra, 2), "per_round_seconds": [round(s, 2) for s in per_round],
             "reference_seconds": [round(s, 2) for s in reference[:max(1, decision["rounds"])]],
             "runs": {name: found[:max(1, decision["rounds"])] for name, found in predicted.items()},
             "calibration": {"client": probe["client"], "source": constants.source, "seconds": calibration["seconds"],
@@ -216,8 +222,11 @@ def replan(decision: dict, first: str, measured: dict, opening_s: float, start_e
     going on with the rounds it runs."""
     asked, predicted = decision["rounds"], decision["runs"][first][0]
     training = measured["round_seconds"] / max(predicted["training_seconds"], 1e-9)
-    evaluation = measured["evaluation_seconds"] / decision["evaluation_seconds"] if decision["evaluation_seconds"] \
-        else 1.0
+    # round 1 evaluated the sample, or the whole split when it is the last
+    extra = decision.get("last_evaluation_extra_s", 0.0)
+    expected = decision["evaluation_seconds"] + (extra if asked == 1 else 0.0)
+    evaluation = measured["evaluation_seconds"] / expected if expected else 1.0
+    extra *= evaluation  # each federation's last round: the whole split, at the evaluation's measured speed
     runs = {name: [{**r, "training_seconds": round(r["training_seconds"] * training, 2),
                     "seconds": round(r["training_seconds"] * training
                                      + (r["seconds"] - r["training_seconds"]) * evaluation, 2)} for r in found]
@@ -228,10 +237,11 @@ def replan(decision: dict, first: str, measured: dict, opening_s: float, start_e
     closing = start_up = max(0.0, opening_s - start_evaluation_s)
     budget_s, federations = decision["minutes"] * 60, len(decision["runs"])
     # the rounds it runs, nothing wasted: this start, the others' and every end
-    going_on = launched_s + opening_s + (federations - 1) * start_up + federations * closing + sum(per_round)
+    going_on = (launched_s + opening_s + (federations - 1) * start_up + federations * (closing + extra)
+                + sum(per_round))
     # over: this start and round 1 are lost, and the stopped federation's shutdown is paid too; every federation
     # then starts (round 0's evaluation is kept) and ends
-    again = choose_rounds(asked, budget_s, now_s + closing, federations * (start_up + closing), per_round)
+    again = choose_rounds(asked, budget_s, now_s + closing, federations * (start_up + closing + extra), per_round)
     restart = going_on > budget_s and again["rounds"] < asked
     rounds_, predicted_s = (again["rounds"], again["predicted_seconds"]) if restart else (asked, round(going_on, 1))
     fits = predicted_s <= budget_s
@@ -249,6 +259,7 @@ def replan(decision: dict, first: str, measured: dict, opening_s: float, start_e
                  + f", predicted {predicted_min:.1f} min")
     return {"after_round": 1, "run": first, "training_scale": round(training, 3),
             "evaluation_scale": round(evaluation, 3), "opening_seconds": round(opening_s, 1),
+            "last_evaluation_extra_s": round(extra, 2),
             "closing_seconds": round(closing, 1),
             "rounds": rounds_, "predicted_seconds": predicted_s, "fits": fits,
             "restart": restart, "trade": trade, "per_round_seconds": [round(s, 2) for s in per_round[:rounds_]],
@@ -290,15 +301,18 @@ def with_replan(decision: dict, found: dict | None) -> dict:
     if not found or "rounds" not in found:
         return {**decision, **({"replan": found} if found else {})}
     initial = {key: decision[key] for key in ("rounds", "predicted_seconds", "fits", "trade", "per_round_seconds")}
-    final = {key: found[key] for key in ("rounds", "predicted_seconds", "fits", "trade", "per_round_seconds", "runs")}
+    final = {key: found[key] for key in ("rounds", "predicted_seconds", "fits", "trade", "per_round_seconds", "runs",
+                                         "last_evaluation_extra_s")}
     replanned = {key: value for key, value in found.items() if key not in final}
     return {**decision, **final, "initial": initial, "replan": replanned}
 
 
-def beside_measured(predicted: list[dict], out: Path) -> list[dict]:
+def beside_measured(predicted: list[dict], out: Path, last_extra_s: float = 0.0) -> list[dict]:
     """Each completed round of the run in `out`: its predicted seconds beside what it took (its clients' round and
-    the server's evaluation)."""
-    by_round = {p["round"]: p for p in predicted}
+    the server's evaluation); the last round predicted `last_extra_s` longer (the whole test split evaluated)."""
+    last = max((p["round"] for p in predicted), default=0)
+    by_round = {p["round"]: {**p, "seconds": round(p["seconds"] + last_extra_s, 2)} if p["round"] == last else p
+                for p in predicted}
     return [{"round": r["round"], "predicted_seconds": by_round.get(r["round"], {}).get("seconds"),
              "measured_seconds": round(r.get("round_seconds", 0.0) + r.get("evaluation_seconds", 0.0), 2)}
             for r in rounds.reports(out) if r["round"] > 0]

@@ -11,8 +11,8 @@ they never leave it), optionally `model-dir` (its copy of the base model; defaul
 budget may lower; default the run's), `threads`, `precision` (fp32 | bf16: what this machine measured faster;
 default fp32), `eager-attention-max-len` and `int8-products` (its plan's; default 0 and false) and `state-dir`
 (where it keeps its optimizer's moments between rounds when the run's `client-state` is `kept`; without it the
-client starts each round fresh and says so in its metrics). These keys are settings.NodeSettings; a round's settings arrive with
-its message as settings.RoundSettings.
+client starts each round fresh and says so in its metrics). These keys are settings.NodeSettings; a round's
+settings arrive with its message as settings.RoundSettings.
 
 In Flower's Simulation Engine (the `federated` stage's default on one machine) a virtual node's config is only its
 `partition-id`; the same keys then come from the run config's `simulation-nodes` (a JSON list, one entry per
@@ -26,7 +26,8 @@ the plan it is (its `client-id` or `partition-id`), so the server samples the sa
 Each train message carries the global adapter (ArrayRecord "arrays") and the round's settings (ConfigRecord
 "config"). The reply carries the trained tensors and MetricRecord "metrics": num-examples (the FedAvg weight),
 train-loss, bytes-down / bytes-up (the serialized Array payloads, exactly what the record carries; halved with
-`transmit-dtype` bf16, both ways), seconds, peak RSS, mimalloc (1 when the process runs on it); with
+`transmit-dtype` bf16, both ways), seconds, peak RSS (this round's: the high-water mark is reset when the message
+arrives, `peak-rss-of-round`), mimalloc (1 when the process runs on it); with
 `dp-epsilon` > 0 the update is clipped and noised first (frugaltune/federated/privacy.py) and dp-update-norm /
 dp-noise-std say how. With the run's `secure-aggregation` on, the round arrives as Flower's SecAgg+ protocol
 messages (frugaltune/federated/secure.py): the same training, the reply masked by secaggplus_mod.
@@ -46,7 +47,7 @@ from frugaltune import allocator
 from frugaltune.federated import aggregation, local, rounds, secure, wire
 from frugaltune.federated.privacy import privatize
 from frugaltune.federated.settings import NodeSettings, RoundSettings, RunSettings
-from frugaltune.training.loop import peak_rss_mb
+from frugaltune.training.loop import peak_rss_mb, reset_peak_rss
 
 # SecAgg+'s protocol messages go through Flower's secaggplus_mod; the others straight to `train`
 app = ClientApp(mods=[secure.secure_when_asked])
@@ -119,6 +120,8 @@ def identify(msg: Message, context: Context) -> Message:
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     started = time.perf_counter()
+    # this round's own peak: a simulation worker runs client after client, and its lifetime peak is the largest's
+    own_peak = reset_peak_rss()
     node = node_settings(context)
     legacy = secure.is_fitins(msg)  # SecAgg+: the global and config arrive as a FitIns, the reply is a FitRes
     if legacy:
@@ -171,6 +174,7 @@ def train(msg: Message, context: Context) -> Message:
         "num-examples": len(targets), "train-loss": float(result.final_loss), "steps": result.steps,
         "bytes-down": bytes_down, "lora-rank": rank, "model-reused": int(reused),
         "seconds": round(time.perf_counter() - started, 3), "peak-rss-mb": round(peak_rss_mb(), 1),
+        "peak-rss-of-round": int(own_peak),  # 0: the process's peak so far (the kernel refused the reset)
         "client-state-kept": int(kept), "client-state-resumed": int(resumed),
         # which malloc this client trained on (its time and memory depend on it; the launcher sets it)
         "mimalloc": int(allocator.active() == "mimalloc"),

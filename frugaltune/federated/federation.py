@@ -72,7 +72,7 @@ def run_settings(params: Params, method: str, out: Path, included: list[dict], l
         round_timeout=float(fp.round_timeout_s), method=method, lora_r=fp.lora.r, lora_alpha=fp.lora.alpha,
         lora_dropout=fp.lora.dropout, lora_target_modules=fp.lora.target_modules, local_steps=fp.local_steps,
         lr=fp.lr, head_lr=fp.head_lr or 0.0, server_lr=fp.server_lr, server_momentum=fp.server_momentum,
-        lr_schedule=fp.lr_schedule,
+        lr_schedule=fp.lr_schedule, round_eval_rows=fp.round_eval_rows or 0,
         batch_size=fp.batch_size, seed=params.common.seed,
         # the server evaluates between rounds, while this host's clients wait: it may use every core
         threads=machine_cores(params),

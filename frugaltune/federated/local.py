@@ -158,6 +158,35 @@ def train_locally(model: torch.nn.Module, input_ids: list[list[int]], labels: li
             hook.remove()
 
 
+def sample_rows(labels: list[int], count: int, seed: int) -> list[int]:
+    """Indices of `count` rows (all when `count` is 0 or not fewer), each label's share as in `labels` (largest
+    remainders), drawn with `seed`, in their original order: the server's evaluation between rounds, the same rows
+    after every round."""
+    if not count or count >= len(labels):
+        return list(range(len(labels)))
+    by_label: dict[int, list[int]] = {}
+    for index, label in enumerate(labels):
+        by_label.setdefault(label, []).append(index)
+    quotas = {label: count * len(rows) / len(labels) for label, rows in by_label.items()}
+    taken = {label: int(quota) for label, quota in quotas.items()}
+    for label in sorted(quotas, key=lambda k: (taken[k] - quotas[k], k))[:count - sum(taken.values())]:
+        taken[label] += 1
+    generator = np.random.default_rng(seed)
+    chosen = [int(i) for label, rows in by_label.items()
+              for i in generator.choice(rows, size=taken[label], replace=False)]
+    return sorted(chosen)
+
+
+def evaluation_split(test: tuple[list, list], number: int, num_rounds: int, rows: int, seed: int) -> tuple[list, list]:
+    """What the server evaluates after round `number` of `num_rounds`: the whole test split (input ids, labels)
+    after the last round, whose figure is the result; `rows` of it after the others (sample_rows: the same rows
+    every round), which only draw the curve. `rows` 0: the whole split every round."""
+    if number >= num_rounds or not rows:
+        return test
+    chosen = sample_rows(test[1], rows, seed)
+    return [test[0][i] for i in chosen], [test[1][i] for i in chosen]
+
+
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, input_ids: list[list[int]], labels: list[int], label_names: list[str],
              pad_token_id: int, batch_size: int = 32, bf16: bool = False) -> dict:

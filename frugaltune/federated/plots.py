@@ -32,6 +32,9 @@ def plot_rounds(rows: list[dict], path: Path, metric: str = "macro_f1") -> None:
         by_bytes.plot([r["bytes_total"] / 2 ** 20 for r in mine], [r[metric] for r in mine], marker="o", label=run)
     by_round.set_xlabel("round (0 = the seeded start)")
     by_round.set_ylabel(f"test {metric}")
+    sampled = sorted({r["evaluation_rows"] for r in rows if r.get("evaluation_rows")})
+    if len(sampled) > 1:  # rounds before the last on a sample (federated.round_eval_rows): say so
+        by_round.set_title(f"rounds before the last: {sampled[0]} test rows; the last: {sampled[-1]}", fontsize=8)
     by_bytes.set_xlabel("MiB sent, up + down, all clients (cumulative)")
     for ax in (by_round, by_bytes):
         ax.grid(alpha=0.3)

@@ -31,10 +31,14 @@ def summarize(out: Path, model_dir: Path) -> tuple[dict, list[dict]]:
         clients = report.get("clients", [])
         sent += sum(c["bytes-up"] + c["bytes-down"] for c in clients)
         found.append({"round": report["round"], **report["evaluation"], "bytes_total": sent,
-                      "clients_completed": report.get("completed", 0)})
+                      "clients_completed": report.get("completed", 0),
+                      # rounds before the last may be evaluated on a sample of the split (round_eval_rows)
+                      "evaluation_rows": report.get("evaluation_rows", "")})
     ups = [c["bytes-up"] for r in reports for c in r.get("clients", [])]
     downs = [c["bytes-down"] for r in reports for c in r.get("clients", [])]
     summary = {"final": reports[-1]["evaluation"], "baseline": reports[0]["evaluation"],
+               # a run stopped before its last round ends on a round evaluated on the sample (round_eval_rows)
+               "final_evaluation_rows": reports[-1].get("evaluation_rows", found[-1].get("evaluation_rows")),
                "rounds": len(reports) - 1, "bytes_up_per_client_round_max": max(ups, default=0),
                "bytes_down_per_client_round": max(downs, default=0), "bytes_total": sent,
                "adapter_bytes": adapter_bytes, "full_model_bytes": full_bytes,

@@ -46,7 +46,8 @@ app = ServerApp()
 RESULT_KEYS = ("model-dir", "labels", "test-data", "method", "lora-r", "lora-alpha", "lora-dropout",
                "lora-target-modules", "local-steps", "lr", "server-lr", "batch-size", "seed", "fraction", "pad-token-id",
                "dp-epsilon", "dp-delta", "dp-clip", "proximal-mu", "transmit-dtype", "secure-aggregation",
-               "precision", "logit-adjustment", "server-momentum", "lr-schedule", "client-state")
+               "precision", "logit-adjustment", "server-momentum", "lr-schedule", "client-state",
+               "round-eval-rows")
 
 
 class CompletionFloorError(RuntimeError):
@@ -60,7 +61,7 @@ def atomic_write(path: Path, write) -> None:
 
 
 # Result keys added after federations were first kept on disk, at the value that reproduces those federations
-DEFAULTS = {"server-momentum": 0.0, "lr-schedule": "constant", "client-state": "fresh"}
+DEFAULTS = {"server-momentum": 0.0, "lr-schedule": "constant", "client-state": "fresh", "round-eval-rows": 0}
 
 
 def identity(settings: RunSettings) -> dict:
@@ -283,15 +284,17 @@ def main(grid: Grid, context: Context) -> None:
             atomic_write(velocity_path(out, number),
                          lambda p: save_file({k: v.contiguous() for k, v in velocity.items()}, str(p)))
         evaluating = time.perf_counter()
-        report["evaluation"] = evaluate_global(model, tensors, test, settings)
+        split = local.evaluation_split(test, number, settings.num_rounds, settings.round_eval_rows, settings.seed)
+        report["evaluation"] = evaluate_global(model, tensors, split, settings)
+        report["evaluation_rows"] = len(split[1])
         # beside round_seconds (the clients'): what the budget's prediction of a round is compared with
         report["evaluation_seconds"] = round(time.perf_counter() - evaluating, 3)
         atomic_write(round_path(out, number, "safetensors"), lambda p: save_file(tensors, str(p)))
         atomic_write(round_path(out, number, "json"), lambda p: p.write_text(json.dumps(report, indent=2)))
         evaluation = report["evaluation"]
         print(f"federated: round {number}: {report['completed']}/{report['sampled']} clients, test accuracy "
-              f"{evaluation['accuracy']:.4f} macro-F1 {evaluation['macro_f1']:.4f} loss {evaluation['loss']:.4f}",
-              flush=True)
+              f"{evaluation['accuracy']:.4f} macro-F1 {evaluation['macro_f1']:.4f} loss {evaluation['loss']:.4f} "
+              f"({len(split[1])} of {len(test[1])} test rows)", flush=True)
     digest = hashlib.sha256(json.dumps(identity(settings), sort_keys=True).encode()).hexdigest()
     atomic_write(out / "done.json", lambda p: p.write_text(json.dumps(
         {"rounds": settings.num_rounds, "config_sha256": digest}, indent=2)))

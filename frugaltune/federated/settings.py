@@ -104,6 +104,7 @@ class RunSettings(ClientTraining):
     server_momentum: float = 0.0  # FedAvgM: the global moves along v = momentum * v + mean update (0 = none)
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"  # the clients' lr across the rounds
     eval_batch_size: int = 32
+    round_eval_rows: int = 0  # rows of the test split evaluated after each round but the last (0 = all of them)
     threads: int = 1  # the server's evaluation
     secure_aggregation: bool = False  # SecAgg+: the server sees only the weighted mean of the updates
     secure_max_weight: float = 1000.0  # SecAgg+: the largest num_examples of a client (weights quantized by it)

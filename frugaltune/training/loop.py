@@ -114,8 +114,28 @@ class TrainResult:
 
 
 def peak_rss_mb() -> float:
-    """Peak resident set size of this process so far (Linux reports KiB)."""
+    """Peak resident set size of this process so far, or since `reset_peak_rss` (Linux's VmHWM, in KiB; elsewhere
+    getrusage's lifetime peak)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def reset_peak_rss() -> bool:
+    """Start this process's peak RSS again from what it holds now (Linux: "5" written to /proc/self/clear_refs), so
+    that a process running one job after another (a Simulation Engine worker: client after client) reports each
+    job's own peak through `peak_rss_mb`. False where the kernel refuses: the peak is then the process's so far."""
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+        return True
+    except OSError:
+        return False
 
 
 def autocast(bf16: bool, device: torch.device):

@@ -324,6 +324,44 @@ def test_an_int8_client_trains_the_same_tensors_and_keeps_ffas_a(tiny_model_dir,
     assert cosine > 0.9, f"int8 client's update points elsewhere than the plain one's (cosine {cosine:.3f})"
 
 
+def test_a_client_reports_its_own_rounds_peak_not_the_workers_largest_so_far():
+    """A simulation worker runs client after client: the ClientApp resets the high-water mark when a round's
+    message arrives (loop.reset_peak_rss), so a small client after a large one reports its own peak. In a fresh
+    process: the reset is the whole process's."""
+    import subprocess
+    import sys
+
+    code = ("import numpy as np\n"
+            "from frugaltune.training.loop import peak_rss_mb, reset_peak_rss\n"
+            "before = peak_rss_mb()\n"
+            "large = np.ones(40_000_000)\n"  # 320 MB, every page touched
+            "high = peak_rss_mb()\n"
+            "del large\n"
+            "print(before, high, reset_peak_rss(), peak_rss_mb())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    before, high, reset, after = float(out[0]), float(out[1]), out[2], float(out[3])
+    assert high - before > 250  # the large job raised the peak
+    assert reset == "True" and high - after > 250  # after the reset: what the process holds now, not the old peak
+
+
+def test_rounds_before_the_last_evaluate_the_same_label_stratified_sample_and_the_last_the_whole_split():
+    labels = [0] * 50 + [1] * 30 + [2] * 20
+    ids = [[i + 5] for i in range(100)]
+    chosen = local.sample_rows(labels, 10, seed=42)
+    assert len(chosen) == 10 and chosen == sorted(set(chosen))
+    assert [sum(labels[i] == k for i in chosen) for k in range(3)] == [5, 3, 2]  # each label's share of the split
+    assert local.sample_rows(labels, 10, seed=42) == chosen and local.sample_rows(labels, 10, seed=1) != chosen
+    odd = local.sample_rows(labels, 7, seed=0)  # 3.5 / 2.1 / 1.4: the largest remainders get the last rows
+    assert [sum(labels[i] == k for i in odd) for k in range(3)] == [4, 2, 1]
+    assert local.sample_rows(labels, 0, seed=0) == local.sample_rows(labels, 500, seed=0) == list(range(100))
+    test = (ids, labels)
+    between = local.evaluation_split(test, 2, 4, 10, seed=42)
+    assert between == ([ids[i] for i in chosen], [labels[i] for i in chosen])
+    assert local.evaluation_split(test, 3, 4, 10, seed=42) == between  # the same rows every round
+    assert local.evaluation_split(test, 4, 4, 10, seed=42) == test  # the last round: the result, the whole split
+    assert local.evaluation_split(test, 2, 4, 0, seed=42) == test  # round_eval_rows null: the whole split
+
+
 def test_a_kept_client_state_continues_adamw_and_changes_the_update(tiny_model_dir, smol_tokenizer):
     """federated.client_state: kept. Round 1 fills the dict with AdamW's state; round 2 starts from it (its step
     count goes on from 3 to 6) and so takes another step than a fresh optimizer from the same weights would."""

@@ -38,11 +38,11 @@ def federation_data(tmp_path_factory):
     return data
 
 
-def decide(data, model_dir, pad_token_id: int, minutes: float) -> dict:
+def decide(data, model_dir, pad_token_id: int, minutes: float, eval_rows: int | None = None) -> dict:
     params = parse_params({"common": {"seed": 0}, "federated": {
         "num_clients": CLIENTS, "partition": "iid", "methods": ["fedavg"], "iid_control": False, "num_rounds": 6,
         "fraction": 0.7, "min_completed": 2, "local_steps": 3, "batch_size": 4, "lora": {"r": 4, "alpha": 8},
-        "threads": 1, "budget_minutes": minutes}})
+        "threads": 1, "budget_minutes": minutes, "round_eval_rows": eval_rows}})
     plans = {"iid": [{"client": c, "fits": True, "lora_rank": 4, "micro_batch_size": None, "local_steps": 3,
                       "examples": 24} for c in range(CLIENTS)]}
     return budget.decide(params, plans, [("iid", "fedavg")], ["a", "b", "c"], pad_token_id, Precision(False, 0), 0.0,
@@ -76,9 +76,12 @@ def test_a_smaller_budget_runs_fewer_rounds_and_says_what_was_traded(federation_
     assert chosen["rounds"] == 2 and chosen["fits"]
     assert chosen["trade"].startswith(f"6 rounds asked, 2 fit in {two / 60:g} min")
 
-    # a budget nothing fits: one round still runs, and the decision says it will not fit
-    tight = decide(federation_data, tiny_model_dir, smol_tokenizer.pad_token_id, minutes=0.0001)
+    assert roomy["evaluation_rows"] == 30  # every round evaluates the whole test split
+    # a budget nothing fits: one round still runs, and the decision says it will not fit. Rounds before the last
+    # evaluate 10 of the 30 test rows: priced per round; each federation's last round the whole split on top
+    tight = decide(federation_data, tiny_model_dir, smol_tokenizer.pad_token_id, minutes=0.0001, eval_rows=10)
     assert tight["rounds"] == 1 and not tight["fits"] and "not even 1 fits" in tight["trade"]
+    assert tight["evaluation_rows"] == 10 and tight["last_evaluation_extra_s"] >= 0
     assert len(tight["runs"]["fedavg_iid"]) == 1
 
 
@@ -132,6 +135,28 @@ def test_a_slower_first_round_starts_the_first_federation_over_with_the_rounds_t
     report = budget.with_replan(planned(), found)
     assert report["rounds"] == 2 and report["initial"]["rounds"] == 6 and report["replan"]["restart"]
     assert report["runs"]["fedavg_dirichlet"][0]["seconds"] == 47.5 and "runs" not in report["replan"]
+
+
+def test_each_federations_last_round_is_priced_with_the_whole_splits_evaluation(tmp_path):
+    """round_eval_rows: rounds before the last evaluate a sample (the 5 s a round above); each federation's last
+    round evaluates the whole split, 10 s more, scaled as round 1's evaluation was."""
+    decision = {**planned(), "last_evaluation_extra_s": 10.0}
+    found = budget.replan(decision, "fedavg_dirichlet", {"round_seconds": 20.0, "evaluation_seconds": 5.0},
+                          opening_s=7.5, start_evaluation_s=5.0, launched_s=30.0, now_s=60.0)
+    assert found["predicted_seconds"] == pytest.approx(560.0 + 3 * 10.0) and found["rounds"] == 6
+    slower = budget.replan(decision, "fedavg_dirichlet", {"round_seconds": 20.0, "evaluation_seconds": 7.5},
+                           opening_s=7.5, start_evaluation_s=5.0, launched_s=30.0, now_s=60.0)
+    assert slower["last_evaluation_extra_s"] == 15.0  # 1.5x the evaluation
+    assert budget.with_replan(decision, slower)["last_evaluation_extra_s"] == 15.0
+    # the report: the last round's prediction carries the whole split's evaluation
+    out = tmp_path / "run"
+    (out / "rounds").mkdir(parents=True)
+    for number in (0, 1, 2):
+        (out / "rounds" / f"round_{number:03d}.json").write_text(json.dumps(
+            {"round": number, "round_seconds": 20.0, "evaluation_seconds": 5.0 if number < 2 else 15.0}))
+    predicted = [{"round": n, "seconds": 25.0} for n in (1, 2)]
+    assert [r["predicted_seconds"] for r in budget.beside_measured(predicted, out, 10.0)] == [25.0, 35.0]
+    assert [r["measured_seconds"] for r in budget.beside_measured(predicted, out, 10.0)] == [25.0, 35.0]
 
 
 def test_starting_over_that_ends_no_sooner_goes_on_and_says_it_runs_over():
