@@ -313,8 +313,9 @@ class TrainParams(Section):
     group_by_length: bool = Field(True, description="Batch sequences of similar length together (less padding).")
     int8_products: Literal["auto"] | bool = Field(
         False, description="Products with the frozen base weights in int8 (frugaltune/int8.py; the adapters, head "
-        "and optimizer unchanged): `auto` = on for LoRA on a CPU where int8 multiplies >= 1.5x faster than the "
-        "precision in use, measured at the start of the run; evaluation and serving stay on the bf16/fp32 base.")
+        "and optimizer unchanged): `auto` = on for LoRA on a CPU that trains in bf16 where int8 multiplies >= 1.5x "
+        "faster than bf16, measured by the plan (off in fp32 training: it lost quality there, docs/DECISIONS.md); "
+        "evaluation and serving stay on the bf16/fp32 base. The federated clients and their reference follow it.")
     input_template: str | None = Field(
         None, description="classification: the text around every input, `{text}` where the input goes (e.g. "
         "\"{text}\\nSentiment:\"); null = the bare input; `auto` = `{text}\\n<data.label_column>:` (\"{text}\\n"

@@ -371,9 +371,11 @@ def gemm_ratio(hidden: int, intermediate: int, bf16: bool, rows: int = 512, roun
 
 def decide(setting: str | bool, method: str, bf16: bool, hidden: int, intermediate: int, on_gpu: bool,
            measured: dict | None = None) -> dict:
-    """Whether to train with int8 products: `true`/`false` as set; `auto` on a CPU, for AUTO_METHODS, where int8
-    multiplies at least MIN_GEMM_RATIO x faster than the precision in use, measured here and now. Called by the
-    plan alone (frugaltune.planner.decide_machine); `measured`, when given, keeps the timing for the next call."""
+    """Whether to train with int8 products: `true`/`false` as set; `auto` on a CPU, for AUTO_METHODS, under bf16,
+    where int8 multiplies at least MIN_GEMM_RATIO x faster than bf16, measured here and now. Not under fp32: their
+    quality was measured against bf16 training, and against fp32 training they lost it (docs/DECISIONS.md, "The
+    federation on this CPU"). Called by the plan alone (frugaltune.planner.decide_machine); `measured`, when given,
+    keeps the timing for the next call."""
     if setting is False or setting == "false":
         return {"on": False, "why": "train.int8_products is false"}
     if on_gpu:
@@ -384,6 +386,9 @@ def decide(setting: str | bool, method: str, bf16: bool, hidden: int, intermedia
         return {"on": True, "why": "train.int8_products is true"}
     if method not in AUTO_METHODS:
         return {"on": False, "why": f"auto covers {', '.join(AUTO_METHODS)} (measured there), not {method}"}
+    if not bf16:
+        return {"on": False, "why": "auto covers bf16 training (measured there); in fp32 training int8 products "
+                                    "lost quality (docs/DECISIONS.md)"}
     if measured is None or "ratio" not in measured:
         measured = {} if measured is None else measured
         measured["ratio"] = gemm_ratio(hidden, intermediate, bf16)

@@ -237,6 +237,18 @@ def test_client_plans_use_the_plan_stages_calibration_only_of_this_cpu_and_preci
     assert constants.seconds_per_token is None and "CPU B" in why
 
 
+def test_the_clients_take_the_plans_int8_decision_unless_int8_products_is_set(monkeypatch):
+    from frugaltune import resolve
+    from frugaltune.config import parse_params
+    from frugaltune.federated.plans import Precision, machine_precision
+
+    plan = {"machine": {"precision_setting": "auto", "cores": 2, "bf16": False, "eager_attention_max_len": 0,
+                        "int8": {"lora": {"on": True, "why": "measured 3.6x"}}}}
+    monkeypatch.setattr(resolve, "read_plan", lambda: plan)
+    assert machine_precision(parse_params({"train": {"int8_products": "auto"}})) == Precision(False, 0, True)
+    assert machine_precision(parse_params({"train": {"int8_products": False}})) == Precision(False, 0, False)
+
+
 def test_an_unknown_preset_names_the_presets():
     with pytest.raises(ValueError, match="laptop"):
         profiles.resolve("phone")

@@ -184,6 +184,8 @@ def test_decide_follows_the_setting_the_device_and_the_method():
     measured = int8.decide("auto", "lora", True, 64, 128, False)
     assert measured["on"] == (measured["gemm_ratio"] >= int8.MIN_GEMM_RATIO)
     assert f"{measured['gemm_ratio']:.2f}x bf16" in measured["why"]
+    fp32 = int8.decide("auto", "lora", False, 64, 128, False)  # fp32 training: they lost quality there
+    assert fp32["on"] is False and "fp32" in fp32["why"] and "gemm_ratio" not in fp32
 
 
 def test_the_gemm_ratio_reads_the_machine_through_busy_moments(monkeypatch):
