@@ -368,9 +368,10 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
     as the run's does (docs/DECISIONS.md): the peak the plan keeps is the process's over both passes.
 
     With `inference_rows` (an evaluation split) the same process then times the model's forward passes, as
-    evaluation runs them (without int8 products), over a few of that split's evaluation batches (loop.predict, `inference_batch` rows each): a warm-up, the
-    smallest, the median and the largest, which fit `batch = overhead + per_token x padded tokens` in
-    `calibration["inference"]` (the federated budget's evaluation rounds).
+    evaluation runs them (without int8 products), over a few of that split's evaluation batches (loop.predict,
+    `inference_batch` rows each): a warm-up, the smallest, the median and the largest, which fit
+    `batch = overhead + per_token x padded tokens` in `calibration["inference"]` (the federated budget's
+    evaluation rounds).
     """
     import tempfile
 

@@ -38,7 +38,7 @@ def summarize(out: Path, model_dir: Path) -> tuple[dict, list[dict]]:
     downs = [c["bytes-down"] for r in reports for c in r.get("clients", [])]
     summary = {"final": reports[-1]["evaluation"], "baseline": reports[0]["evaluation"],
                # a run stopped before its last round ends on a round evaluated on the sample (round_eval_rows)
-               "final_evaluation_rows": reports[-1].get("evaluation_rows", found[-1].get("evaluation_rows")),
+               "final_evaluation_rows": found[-1]["evaluation_rows"],
                "rounds": len(reports) - 1, "bytes_up_per_client_round_max": max(ups, default=0),
                "bytes_down_per_client_round": max(downs, default=0), "bytes_total": sent,
                "adapter_bytes": adapter_bytes, "full_model_bytes": full_bytes,
