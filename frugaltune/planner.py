@@ -585,7 +585,7 @@ def decide_machine(hardware: dict, measured: dict | None, precision_setting: str
         "threads_why": ("as configured (train.threads)" if threads else
                         "physical cores: a second hyperthread adds contention, not FLOPs, to these matmuls"
                         + (f"; {ranks} processes share them" if ranks > 1 else "")),
-        "int8": {},
+        "int8": {}, "int8_setting": int8_setting_name(int8_setting),
     }
     if dims and methods:
         from frugaltune import int8
@@ -598,6 +598,11 @@ def decide_machine(hardware: dict, measured: dict | None, precision_setting: str
             decided["int8"][method] = int8.decide(int8_setting, method, bf16, dims[0], dims[1],
                                                   bool(gpus) and torch.cuda.is_available(), ratio)
     return decided
+
+
+def int8_setting_name(setting: str | bool) -> str:
+    """`train.int8_products` as the plan records it: "auto", "true" or "false" (params may hold a YAML bool)."""
+    return {True: "true", False: "false"}.get(setting, str(setting)) if isinstance(setting, bool) else str(setting)
 
 
 def memory_limit(hardware: dict, limit_gb: float | None) -> tuple[int, str]:

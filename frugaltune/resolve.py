@@ -59,7 +59,9 @@ def machine(precision_setting: str = "auto", method: str = "lora", int8_setting:
     """The machine decisions for a run that has no entry of its own in the plan (evaluation, compare, federated
     clients): the plan's when it exists and was decided for the same `precision_setting`, else decided now by the
     plan's own function. Keys: bf16, precision_why, eager_attention_max_len, threads, cores, int8 (a decision dict).
-    A plan written before `cores` was decided counts as none."""
+    A plan written before `cores` was decided counts as none. The int8 decision is the plan's when it was made with
+    the same `int8_setting` (a plan without the record: made with "auto"), else made now by the plan's function for
+    that setting: a caller that sets true / false gets what it set, whatever the plan was made with."""
     decided_in_plan = (plan or {}).get("machine", {})
     if decided_in_plan.get("precision_setting") == precision_setting and "cores" in decided_in_plan:
         decided = plan["machine"]
@@ -67,7 +69,13 @@ def machine(precision_setting: str = "auto", method: str = "lora", int8_setting:
         hardware, measured = machine_facts()
         decided = planner.decide_machine(hardware, measured, precision_setting, int8_setting,
                                          (method,) if dims else (), dims, threads, ranks)
-    int8 = decided["int8"].get(method) or {"on": False, "why": f"no int8 decision for {method} (no plan)"}
+    setting = planner.int8_setting_name(int8_setting)
+    if decided.get("int8_setting", "auto") != setting:
+        hardware, measured = machine_facts()
+        decided = {**decided, "int8_setting": setting,
+                   "int8": planner.decide_machine(hardware, measured, decided["precision_setting"], int8_setting,
+                                                  (method,) if dims else (), dims, threads, ranks)["int8"]}
+    int8 = decided["int8"].get(method) or {"on": False, "why": f"no int8 decision for {method} (no model dims)"}
     return {**decided, "int8": int8}
 
 

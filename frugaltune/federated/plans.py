@@ -26,12 +26,9 @@ def machine_precision(params: Params) -> Precision:
     """The clients' precision on this machine: the plan's machine decisions (frugaltune.resolve) for LoRA, or
     `federated.precision` when it is set; int8 products as the plan decided them for LoRA (`train.int8_products`:
     the project's one switch for them)."""
-    setting = params.train.int8_products
-    decided = resolve.machine(params.federated.precision, "lora", setting, plan=resolve.read_plan(),
-                              dims=resolve.model_dims())
-    # true / false as set (the plan's machine section holds the decision of the setting it was made with)
-    int8 = bool(decided["int8"]["on"]) if setting == "auto" else bool(setting)
-    return Precision(bool(decided["bf16"]), int(decided["eager_attention_max_len"]), int8)
+    decided = resolve.machine(params.federated.precision, "lora", params.train.int8_products,
+                              plan=resolve.read_plan(), dims=resolve.model_dims())
+    return Precision(bool(decided["bf16"]), int(decided["eager_attention_max_len"]), bool(decided["int8"]["on"]))
 
 
 def machine_cores(params: Params) -> int:

@@ -340,7 +340,7 @@ def test_resolve_run_refuses_before_loading_and_reads_every_decision_from_the_pl
     params = Params.model_validate({"train": {"method": "full"}})
     with pytest.raises(planner.PlanError, match="cannot fit"):
         resolve.resolve_run(params, use_plan=True)
-    lora = Params.model_validate({"train": {"method": "lora"}})
+    lora = Params.model_validate({"train": {"method": "lora", "int8_products": True}})  # as the plan was made
     resolved = resolve.resolve_run(lora, use_plan=True)
     assert resolved.micro_batch_size == plan["methods"]["lora"]["micro_batch_size"]
     assert resolved.gradient_checkpointing == plan["methods"]["lora"]["gradient_checkpointing"]
@@ -352,6 +352,26 @@ def test_resolve_run_refuses_before_loading_and_reads_every_decision_from_the_pl
     assert resolve.resolve_run(forced, use_plan=True).gradient_checkpointing is True
     assert resolve.resolve_run(params, use_plan=False).micro_batch_size == 16
     assert math.isclose(resolved.predicted_peak_mb, plan["methods"]["lora"]["predicted_peak_mb"])
+
+
+def test_a_caller_gets_the_int8_products_it_set_whatever_the_plan_was_made_with(tmp_path, monkeypatch):
+    """resolve.machine takes the plan's int8 decision only when the plan was made with the caller's setting;
+    true / false set by a caller (a benchmark's flag, the federated clients) win over a plan made with another."""
+    from frugaltune import paths, resolve
+
+    monkeypatch.chdir(tmp_path)
+    made_on = planner.decide_machine(cpu_hardware(24), None, int8_setting=True, dims=(576, 1536))
+    assert made_on["int8_setting"] == "true" and made_on["int8"]["lora"]["on"] is True
+    plan = {"machine": made_on}
+    assert resolve.machine("auto", "lora", "true", plan, dims=(576, 1536))["int8"]["on"] is True  # the plan's
+    off = resolve.machine("auto", "lora", False, plan, dims=(576, 1536))["int8"]
+    assert off == {"on": False, "why": "train.int8_products is false"}
+    paths.PLAN.parent.mkdir(parents=True)
+    # a plan written before the setting was recorded was made with auto: true asked of it is decided again
+    older = {"machine": {key: value for key, value in planner.decide_machine(
+        cpu_hardware(24), None, int8_setting=False, dims=(576, 1536)).items() if key != "int8_setting"}}
+    assert resolve.machine("auto", "lora", "true", older, dims=(576, 1536))["int8"]["on"] is True
+    assert resolve.machine("auto", "lora", "auto", older, dims=(576, 1536))["int8"]["on"] is False  # the plan's
 
 
 def test_the_federation_lays_out_its_workers_on_the_cores_the_plan_counted(tmp_path, monkeypatch):
