@@ -35,16 +35,14 @@ def child(args: argparse.Namespace) -> dict:
     from frugaltune.config import load_params
     from frugaltune.federated import local
     from frugaltune.io import read_json
-    from frugaltune.models import load_tokenizer
+    from frugaltune.models import pad_token_id
     from frugaltune.training.loop import peak_rss_mb
 
     params = load_params()
     fp = params.federated
     torch.set_num_threads(fp.threads)
     labels = read_json(paths.LABELS)["labels"]
-    pad = json.loads((paths.BASE_MODEL / "config.json").read_text()).get("pad_token_id")
-    if pad is None:  # as the stage: the tokenizer's pad id
-        pad = load_tokenizer(paths.BASE_MODEL).pad_token_id
+    pad = pad_token_id(paths.BASE_MODEL)
     decided = resolve.machine(fp.precision, plan=resolve.read_plan())  # the plan's, as the stage's clients read it
     bf16, eager = bool(decided["bf16"]), int(decided["eager_attention_max_len"])
     plans = [p for p in read_json(paths.report("federated"))["clients"]["dirichlet"] if p["fits"]]

@@ -15,18 +15,18 @@ baseline is the model without int8 products.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
+from frugaltune import paths
 from frugaltune.config import load_params
 from frugaltune.federated import local
 from frugaltune.federated.plans import machine_precision
 from frugaltune.hardware import cpu_facts
-from frugaltune.models import load_tokenizer
+from frugaltune.io import read_json
+from frugaltune.models import pad_token_id
 
 
 def main() -> None:
@@ -41,9 +41,8 @@ def main() -> None:
     fp = params.federated
     precision = machine_precision(params)
     torch.set_num_threads(fp.threads)
-    labels = json.loads(Path("data/splits/labels.json").read_text())["labels"]
-    pad = json.loads(Path("models/base/config.json").read_text()).get("pad_token_id")
-    pad = pad if pad is not None else load_tokenizer("models/base").pad_token_id
+    labels = read_json(paths.LABELS)["labels"]
+    pad = pad_token_id(paths.BASE_MODEL)
     spec = local.LoraSpec(fp.lora.r, fp.lora.alpha, fp.lora.dropout, tuple(fp.lora.target_modules))
     ids, targets = local.read_examples(f"data/federated/partitions_{args.scheme}/client_{args.client}.parquet")
     steps = args.steps or fp.local_steps

@@ -52,12 +52,14 @@ from pathlib import Path
 
 import torch
 
+from frugaltune import paths
 from frugaltune.config import load_params
 from frugaltune.federated import aggregation, federation, local, wire
 from frugaltune.federated.centralized import baseline as centralized_baseline
 from frugaltune.federated.plans import machine_precision
 from frugaltune.hardware import cpu_facts
-from frugaltune.models import load_tokenizer
+from frugaltune.io import read_json
+from frugaltune.models import pad_token_id
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -123,11 +125,10 @@ def main() -> None:
                                        "train": params.train.model_copy(update=train)})
     precision = machine_precision(params)  # the plan's, as the stage's clients
     bf16, eager = precision.bf16, precision.eager
-    labels = json.loads(Path("data/splits/labels.json").read_text())["labels"]
+    labels = read_json(paths.LABELS)["labels"]
     plans = sorted((plan for plan in json.loads(Path("reports/federated.json").read_text())["clients"][args.scheme]
                     if plan["fits"]), key=lambda plan: plan["client"])
-    pad = json.loads(Path("models/base/config.json").read_text()).get("pad_token_id")
-    pad = pad if pad is not None else load_tokenizer("models/base").pad_token_id
+    pad = pad_token_id(paths.BASE_MODEL)
     settings = federation.run_settings(params, args.method, Path("checkpoints/federated/benchmark"), plans, labels,
                                        pad, precision)
     lr, local_steps, rounds, batch = settings.lr, settings.local_steps, settings.num_rounds, settings.batch_size

@@ -26,7 +26,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from frugaltune.io import atomic_dir, sha256_file
+from frugaltune.io import atomic_dir, read_json, sha256_file
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 HUB_HOST = ("huggingface.co", 443)
@@ -175,6 +175,13 @@ def load_tokenizer(model_dir: Path | str) -> PreTrainedTokenizerBase:
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def pad_token_id(model_dir: Path | str, tokenizer: PreTrainedTokenizerBase | None = None) -> int:
+    """The pad id the federation (its clients, server and reference) and its benchmarks train with: the model
+    config's, else the tokenizer's (`load_tokenizer`'s, loaded here unless `tokenizer` is given)."""
+    found = read_json(Path(model_dir) / "config.json").get("pad_token_id")
+    return found if found is not None else (tokenizer or load_tokenizer(model_dir)).pad_token_id
 
 
 def qlora_quantization(quant_type: str = "nf4", double_quant: bool = True, compute_dtype=torch.float32):

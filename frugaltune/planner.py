@@ -602,7 +602,7 @@ def decide_machine(hardware: dict, measured: dict | None, precision_setting: str
 
 def int8_setting_name(setting: str | bool) -> str:
     """`train.int8_products` as the plan records it: "auto", "true" or "false" (params may hold a YAML bool)."""
-    return {True: "true", False: "false"}.get(setting, str(setting)) if isinstance(setting, bool) else str(setting)
+    return ("true" if setting else "false") if isinstance(setting, bool) else str(setting)
 
 
 def memory_limit(hardware: dict, limit_gb: float | None) -> tuple[int, str]:

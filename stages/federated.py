@@ -46,12 +46,11 @@ from pathlib import Path
 import mlflow
 from datasets import load_from_disk
 
-from frugaltune import paths, tracking
+from frugaltune import models, paths, tracking
 from frugaltune.config import Params, load_params
 from frugaltune.faults import stage_errors
 from frugaltune.federated import budget, centralized, federation, keys, plans, plots, results, rows
 from frugaltune.io import read_json, write_json, write_text
-from frugaltune.models import load_tokenizer
 
 DATA = paths.FEDERATED_DATA
 REPORT = paths.report("federated")
@@ -85,15 +84,13 @@ def run(params: Params) -> dict:
     federation.require_flower()
     labels = read_json(paths.LABELS)["labels"]
     tokenized = load_from_disk(str(paths.TOKENIZED_DIR))
-    tokenizer = load_tokenizer(paths.BASE_MODEL)
+    tokenizer = models.load_tokenizer(paths.BASE_MODEL)
     max_length = params.tokenize.max_length
     # the clients' partitions and the server's test split are cut from these rows, wrapped as the train stage wraps
     template = rows.classifier_template(params, tokenizer)
     rows.write_split(tokenized["train"], DATA / "train.parquet", template, max_length)
     rows.write_split(tokenized["test"], DATA / "test.parquet", template, max_length)
-    pad_token_id = json.loads((paths.BASE_MODEL / "config.json").read_text()).get("pad_token_id")
-    if pad_token_id is None:  # as the train stage: the tokenizer's pad id
-        pad_token_id = tokenizer.pad_token_id
+    pad_token_id = models.pad_token_id(paths.BASE_MODEL, tokenizer)
 
     runs = [(fp.partition, method) for method in fp.methods]
     if fp.iid_control and fp.partition != "iid":

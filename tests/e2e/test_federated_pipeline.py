@@ -95,6 +95,7 @@ def test_the_stage_runs_three_supernodes_for_two_rounds_sending_only_the_adapter
     figures; then `stages.federated_register.run` registers the global adapter as the centralized one would be."""
     import datasets
 
+    from frugaltune import models
     from frugaltune.config import parse_params
     from frugaltune.federated import centralized
     from frugaltune.federated.plans import machine_precision
@@ -180,8 +181,7 @@ def test_the_stage_runs_three_supernodes_for_two_rounds_sending_only_the_adapter
     assert run["macro_f1_gap_to_centralized"] == pytest.approx(central["final"]["macro_f1"] - run["final"]["macro_f1"],
                                                                abs=1e-4)
     # trained once per reference key: the same reference again is read back, not retrained
-    pad_token_id = json.loads((project / "models/base/config.json").read_text()).get("pad_token_id")
-    pad_token_id = smol_tokenizer.pad_token_id if pad_token_id is None else pad_token_id  # as the stage
+    pad_token_id = models.pad_token_id(project / "models/base", smol_tokenizer)  # as the stage
     again = centralized.reference(params, ["a", "b", "c"], pad_token_id, 80)
     assert again.get("reused_from") and again["final"] == central["final"], again
     rows = (project / "reports/plots/federated_rounds.csv").read_text().splitlines()

@@ -1,5 +1,6 @@
 """Model sources: local HF dirs, GGUF packages, hub ids without network; the import is atomic and reported."""
 
+import json
 import time
 
 import pytest
@@ -47,3 +48,14 @@ def test_directory_without_config_is_rejected(tmp_path):
 def test_nonsense_source_is_rejected():
     with pytest.raises(ModelSourceError, match="not a `gguf:<package>`"):
         resolve_source("./nowhere/at/all")
+
+
+def test_the_pad_id_is_the_configs_else_the_tokenizers(tmp_path):
+    from types import SimpleNamespace
+
+    from frugaltune.models import pad_token_id
+
+    (tmp_path / "config.json").write_text(json.dumps({"pad_token_id": 2}))
+    assert pad_token_id(tmp_path, SimpleNamespace(pad_token_id=7)) == 2
+    (tmp_path / "config.json").write_text(json.dumps({"pad_token_id": None}))
+    assert pad_token_id(tmp_path, SimpleNamespace(pad_token_id=7)) == 7

@@ -357,16 +357,15 @@ def test_resolve_run_refuses_before_loading_and_reads_every_decision_from_the_pl
 def test_a_caller_gets_the_int8_products_it_set_whatever_the_plan_was_made_with(tmp_path, monkeypatch):
     """resolve.machine takes the plan's int8 decision only when the plan was made with the caller's setting;
     true / false set by a caller (a benchmark's flag, the federated clients) win over a plan made with another."""
-    from frugaltune import paths, resolve
+    from frugaltune import resolve
 
-    monkeypatch.chdir(tmp_path)
+    monkeypatch.chdir(tmp_path)  # no reports here: the machine's facts are the empty defaults
     made_on = planner.decide_machine(cpu_hardware(24), None, int8_setting=True, dims=(576, 1536))
     assert made_on["int8_setting"] == "true" and made_on["int8"]["lora"]["on"] is True
     plan = {"machine": made_on}
     assert resolve.machine("auto", "lora", "true", plan, dims=(576, 1536))["int8"]["on"] is True  # the plan's
     off = resolve.machine("auto", "lora", False, plan, dims=(576, 1536))["int8"]
     assert off == {"on": False, "why": "train.int8_products is false"}
-    paths.PLAN.parent.mkdir(parents=True)
     # a plan written before the setting was recorded was made with auto: true asked of it is decided again
     older = {"machine": {key: value for key, value in planner.decide_machine(
         cpu_hardware(24), None, int8_setting=False, dims=(576, 1536)).items() if key != "int8_setting"}}
