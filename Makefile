@@ -107,7 +107,7 @@ exps: install
 
 
 test-fast: install lint
-	python -m pytest -q tests/unit -m "not slow and not gpu"
+	python -m pytest -q tests/unit -m "not slow and not gpu" -n 2 --dist loadfile
 
 # Benchmarks compare against a named baseline in one process run and print ratios (minutes; not part of CI).
 bench: install
