@@ -108,7 +108,7 @@ def machine(precision: str = "auto", method: str = "lora", int8: bool = False) -
     from frugaltune import resolve
     from frugaltune.config import load_params
 
-    setting = load_params().train.int8_products if int8 else "auto"
+    setting = load_params().train.int8_products if int8 else None  # None: int8 not asked, nothing decided again
     return resolve.machine(precision, method, setting, resolve.read_plan(),
                            dims=resolve.model_dims() if int8 else None)
 

@@ -12,6 +12,10 @@ attention crossover; `planner.calibrate`: the run's own loop over a few of its m
 and the run itself then trains in a fresh process, set up by the same `frugaltune.training.setup` calls as the
 train stage, on the same malloc; its peak RSS (ru_maxrss) and the loop's wall time are measured.
 
+lora's rows run first: their calibration also times every other method on one micro-batch, as the plan stage does
+for the methods it does not calibrate, and each other method's row shows that estimate beside its own calibration's
+(`peak_from_lora_mb`, `seconds_from_lora`): what the plan stage prints for a method it was not configured with.
+
 Writes `reports/plan_accuracy.csv` + `.md` (the table, kept in git, naming the CPU), `reports/plots/plan_accuracy.csv`
 (for `dvc plots show reports/plots/plan_accuracy.csv`) and `reports/plan_accuracy.png`. Targets: peak within +-15%,
 ETA within +-25%.
@@ -90,7 +94,11 @@ def measure(method: str, length: int, steps: int, threads: int, decided: dict, m
             "steps": result.steps, "malloc": allocator.active()}
 
 
-def predict(method: str, length: int, steps: int, threads: int, hw: dict) -> dict:
+def predict(method: str, length: int, steps: int, threads: int, hw: dict, others: tuple[str, ...] = (),
+            constants=None) -> dict:
+    """The plan of `method`'s run: calibrated on that method itself (timing `others` too, as the plan stage times
+    the methods it does not calibrate), or, given another method's calibrated `constants`, the plan stage's estimate
+    for a method it did not calibrate."""
     from frugaltune import planner
     from frugaltune.models import load_tokenizer
 
@@ -104,15 +112,21 @@ def predict(method: str, length: int, steps: int, threads: int, hw: dict) -> dic
     shape = planner.model_shape(BASE, len(names), method, knobs)
     draft = planner.make_plan(run, hw, {method: shape}, planner.Constants(), decided=decided)["methods"][method]
     _, order = planner.planned_order(list(run.lengths), batch, run.grad_accum, run.epochs, run.max_steps, run.seed)
-    constants, calibration = planner.calibrate(
-        BASE, names, load_tokenizer(BASE).pad_token_id, method, knobs, shape, rows=ids, targets=labels, order=order,
-        loop=asdict(_loop(params, method, decided, draft["micro_batch_size"])), int8=decided["int8"][method],
-        gradient_checkpointing=False, threads=threads, seed=run.seed, time_samples=params.probe.calibration_steps,
-        allocator=params.train.allocator)
+    calibration = {"seconds": None}
+    if constants is None:
+        timed = [{"method": m, "knobs": run.knobs.get(m, planner.MethodKnobs()),
+                  "int8": _decided(params, m, threads)["int8"][m]} for m in others]
+        constants, calibration = planner.calibrate(
+            BASE, names, load_tokenizer(BASE).pad_token_id, method, knobs, shape, rows=ids, targets=labels,
+            order=order, loop=asdict(_loop(params, method, decided, draft["micro_batch_size"])),
+            int8=decided["int8"][method], gradient_checkpointing=False, threads=threads, seed=run.seed,
+            time_samples=params.probe.calibration_steps, allocator=params.train.allocator, others=timed,
+            others_share=None)  # every method timed: the 20-step runs are shorter than any calibration
     plan = planner.make_plan(run, hw, {method: shape}, constants, decided=decided)["methods"][method]
     return {"peak_bytes": plan["predicted_peak_bytes"], "eta_seconds": plan["eta_seconds"],
             "largest_batch": plan["largest_batch"], "decided": decided, "micro": plan["micro_batch_size"],
-            "calibration_seconds": calibration["seconds"], "int8": decided["int8"][method]["on"]}
+            "calibration_seconds": calibration["seconds"], "int8": decided["int8"][method]["on"],
+            "constants": constants}
 
 
 def default_run(hw: dict) -> dict | None:
@@ -178,10 +192,19 @@ def main() -> None:
     common.require(BASE, TOKENIZED, LABELS_FILE)
     rows = [row for row in [default_run(hw)] if row]
     malloc, child_malloc = allocator.child_env(load_params().train.allocator), "none run"
-    for method in args.methods:
+    # lora first: its calibration, timing the other methods on one micro-batch as the plan stage does, gives each
+    # other method's row the estimate the plan stage would print for it (eta_from_lora)
+    methods = sorted(args.methods, key=lambda m: m != "lora")
+    from_lora = {}
+    for method in methods:
         for length in args.lengths:
             print(f"{method} at length {length}: calibrating ...", flush=True)
-            predicted = predict(method, length, args.steps, threads, hw)
+            others = tuple(m for m in methods if m != "lora") if method == "lora" else ()
+            predicted = predict(method, length, args.steps, threads, hw, others=others)
+            if method == "lora":
+                from_lora[length] = predicted["constants"]
+            estimated = (predict(method, length, args.steps, threads, hw, constants=from_lora[length])
+                         if method != "lora" and length in from_lora else None)
             print(f"{method} at length {length}: training ...", flush=True)
             job = {"method": method, "length": length, "decided": predicted["decided"], "micro": predicted["micro"]}
             measured = common.run_child([sys.executable, __file__, "--measure", json.dumps(job), "--steps",
@@ -194,21 +217,35 @@ def main() -> None:
                          "measured_peak_mb": round(measured["peak_rss_bytes"] / 2**20),
                          "predicted_seconds": round(predicted["eta_seconds"], 1),
                          "measured_seconds": round(measured["seconds"], 1),
-                         "calibration_seconds": predicted["calibration_seconds"]})
+                         "calibration_seconds": predicted["calibration_seconds"],
+                         "peak_from_lora_mb": round(estimated["peak_bytes"] / 2**20) if estimated else None,
+                         "seconds_from_lora": round(estimated["eta_seconds"], 1) if estimated else None})
     for row in rows:
         row["peak_error"] = round(row["predicted_peak_mb"] / row["measured_peak_mb"] - 1, 4)
         row["eta_error"] = round(row["predicted_seconds"] / row["measured_seconds"] - 1, 4)
+        for kind, measured_key, key in (("peak", "measured_peak_mb", "peak_from_lora_mb"),
+                                        ("eta", "measured_seconds", "seconds_from_lora")):
+            row.setdefault(key, None)
+            row[f"{kind}_from_lora_error"] = (round(row[key] / row[measured_key] - 1, 4) if row[key] is not None
+                                              else None)
         print(f"  {row['method']} @ {row['length']}: peak {row['predicted_peak_mb']} MB predicted, "
               f"{row['measured_peak_mb']} MB measured ({row['peak_error']:+.1%}); time {row['predicted_seconds']} s "
               f"predicted, {row['measured_seconds']} s measured ({row['eta_error']:+.1%})", flush=True)
     measured = {"malloc": child_malloc}
     columns = list(rows[0])
-    csv = "\n".join([",".join(columns)] + [",".join(str(r[c]) for c in columns) for r in rows]) + "\n"
+    csv = "\n".join([",".join(columns)] + [",".join("" if r[c] is None else str(r[c]) for c in columns) for r in rows]) + "\n"
     header = "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns) + "\n"
-    md = header + "".join("| " + " | ".join(f"{r[c]:+.1%}" if c.endswith("error") else str(r[c]) for c in columns)
-                          + " |\n" for r in rows)
+    shown = lambda value, column: ("-" if value is None else f"{value:+.1%}" if column.endswith("error")  # noqa: E731
+                                   else str(value))
+    md = header + "".join("| " + " | ".join(shown(r[c], c) for c in columns) + " |\n" for r in rows)
     within = all(abs(r["peak_error"]) <= 0.15 for r in rows), all(abs(r["eta_error"]) <= 0.25 for r in rows)
+    estimated = [r for r in rows if r["eta_from_lora_error"] is not None]
+    within_estimated = (all(abs(r["peak_from_lora_error"]) <= 0.15 for r in estimated),
+                        all(abs(r["eta_from_lora_error"]) <= 0.25 for r in estimated))
     md += (f"\nPeak RSS within +-15%: {'yes' if within[0] else 'NO'}; ETA within +-25%: {'yes' if within[1] else 'NO'}. "
+           f"The plan stage's estimates for the methods it does not calibrate (`*_from_lora`: lora's calibration, "
+           f"each method's step timed against lora's on one micro-batch): peak within +-15% "
+           f"{'yes' if within_estimated[0] else 'NO'}, ETA within +-25% {'yes' if within_estimated[1] else 'NO'}. "
            f"{args.steps} steps of params.yaml's batch per method row, {threads} threads, malloc "
            f"{measured['malloc']}, {hw['cpu']['model']}. "
            "Regenerate: `python benchmarks/plan_accuracy.py`.\n")

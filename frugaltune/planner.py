@@ -28,7 +28,10 @@ runtime constant; the time fit turns the run's exact padded-token count into an 
 the first step at the peak shape costs beyond a warm one (page faults for the memory the run keeps; on a 20-step
 run it is a fifth of the time, on the default 178-step run ~3%). Calibration runs on the training process's malloc
 (`train.allocator`, see frugaltune/allocator.py). Methods other than the
-calibrated one reuse its constants, their time scaled by the training FLOPs per token (6N full, 4N adapters).
+calibrated one reuse its memory constants; their time is the calibrated step's times each one's own step time
+against it, both timed on the same micro-batch in the calibration's process (`Constants.method_cost`): adapters
+alike in FLOPs differ in what their kernels cost (NF4 dequantization, DoRA's norms, PreLayer's missing adapter
+matmuls). A method not timed falls back to its training FLOPs per token (6N full, 4N adapters).
 """
 
 from __future__ import annotations
@@ -160,6 +163,9 @@ class Constants:
     # once per run: the first step at the peak shape faults in the memory the run keeps (and picks kernels)
     startup_s: float = 0.0
     calibrated_method: str | None = None
+    # Each other method's step time relative to the calibrated one's, timed on the same micro-batch in the same
+    # process (calibrate's `others`); a method missing here is scaled by its training FLOPs per token instead.
+    method_cost: dict[str, float] = field(default_factory=dict)
     source: str = "analytic defaults (not calibrated)"
 
 
@@ -184,6 +190,13 @@ def activation_bytes_per_token(shape: ModelShape, bf16: bool, gradient_checkpoin
     return float(values * per_value + 2 * h * 4)  # + embeddings output and final norm, fp32
 
 
+def logits_bytes_per_token(shape: ModelShape, trains: bool = True) -> float:
+    """Bytes of logits per token: fp32, kept with their gradient and the loss's softmax when training. A
+    classifier's few labels cost nothing; a causal LM's vocabulary (49,152 for SmolLM2) costs as much as a third of
+    its activations, and grows with the micro-batch as they do."""
+    return float(shape.num_labels * 4 * (3 if trains else 1))
+
+
 def memory_estimate(shape: ModelShape, method: str, *, bf16: bool, micro_batch: int, seq_len: int,
                     gradient_checkpointing: bool, constants: Constants = Constants(), device: str = "cpu",
                     knobs: MethodKnobs = MethodKnobs()) -> dict[str, int]:
@@ -198,7 +211,9 @@ def memory_estimate(shape: ModelShape, method: str, *, bf16: bool, micro_batch: 
         "activations": int(constants.activation_scale * tokens
                            * activation_bytes_per_token(shape, bf16, gradient_checkpointing)) if trains
         else int(tokens * shape.hidden * 4 * 4),  # inference: a few live hidden states
-        "logits": tokens * shape.num_labels * 4 * (3 if trains else 1),
+        # scaled as the activations are: calibration fits their sum's growth per token (calibrate)
+        "logits": int((constants.activation_scale if trains else 1.0) * tokens
+                      * logits_bytes_per_token(shape, trains)),
     }
     parts["peak"] = sum(parts.values())
     return parts
@@ -242,10 +257,10 @@ def _calibration_point(spec: dict) -> dict:
     peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # noqa: E731
     data = json.loads(Path(spec["rows_file"]).read_text())
     rows, targets, batches = data["rows"], data["targets"], data["batches"][:spec.get("batches") or None]
-    def build():
-        return prepare_model(spec["model_dir"], spec["labels"], spec["pad_token_id"], spec["seed"], spec["method"],
+    def build(which: dict = spec):
+        return prepare_model(spec["model_dir"], spec["labels"], spec["pad_token_id"], spec["seed"], which["method"],
                              MethodKnobs(**{k: tuple(v) if isinstance(v, list) else v
-                                            for k, v in spec["knobs"].items()}),
+                                            for k, v in which["knobs"].items()}),
                              spec["loop"]["bf16"], spec["gradient_checkpointing"], task=spec["task"])
 
     model = build()
@@ -276,8 +291,59 @@ def _calibration_point(spec: dict) -> dict:
     for elapsed, rss, graphs in marks:  # cumulative marks -> each step's own seconds and compiled graphs
         steps.append({"seconds": elapsed - previous[0], "peak_rss_bytes": rss, "compiled_graphs": graphs - previous[1]})
         previous = (elapsed, graphs)
+    others = {}
+    if spec.get("others") and not spec.get("batches"):
+        model = evaluated = None  # noqa: F841 (their memory goes before the other methods are built)
+        under_peak = sorted(step["seconds"] for step in steps[len(steps) // 2:])
+        step_s = under_peak[len(under_peak) // 2]  # the median step under the peak: about the run's mean step
+        budget = None
+        if spec.get("others_share") is not None:  # what timing them may cost: a share of the run the plan plans
+            budget = spec["others_share"] * spec["run_steps"] * step_s
+        others = _time_other_methods(spec, build, rows, targets, cfg, step_s, budget)
     return {"loaded_rss_bytes": loaded_rss, "steps": steps, "int8_products": bool(int8["on"]),
-            "cpu_share": round(busy, 3), "allocator": allocator.active(), "inference_seconds": inference}
+            "cpu_share": round(busy, 3), "allocator": allocator.active(), "inference_seconds": inference,
+            "others": others}
+
+
+def _time_other_methods(spec: dict, build, rows: list, targets: list, cfg, step_s: float,
+                        budget_s: float | None) -> dict:
+    """Each method in `spec["others"]` built as its training builds it (its knobs, its int8 decision) and timed on
+    one of the run's micro-batches (`spec["others_batch"]`, a calibrated one). A method that cannot be built for
+    this task is reported with its error, not timed; one that the calibration's budget (`budget_s` seconds left,
+    None: no bound) cannot pay for, about four of the calibrated method's steps (`step_s`), is reported skipped."""
+    import gc
+
+    from frugaltune.training.loop import train_classifier
+    from frugaltune.training.setup import apply_int8
+
+    timed = {}
+    batch = spec["others_batch"]
+    # The warm-up step runs two of the batch's rows: it allocates the method's gradients and optimizer state and
+    # touches its kernels at a fraction of a full step's price (the calibration should cost little of the run).
+    # Then the batch twice, the faster kept: one step alone read the machine's noise and a new model's first
+    # full-size step (docs/DECISIONS.md, "Each method its own ETA").
+    for other in spec["others"]:
+        seconds: list[float] = []
+        began = time.perf_counter()
+        if budget_s is not None and budget_s < 4 * step_s:
+            timed[other["method"]] = {"skipped": f"the budget for timing other methods ({spec['others_share']:.0%} "
+                                                 "of the run) is spent"}
+            continue
+        try:
+            model = build({"method": other["method"], "knobs": other["knobs"]})
+            apply_int8(model, other["int8"], other["method"])
+            train_classifier(model, rows, targets, cfg, spec["pad_token_id"], progress=False,
+                             batches=[batch[:2], batch, batch],
+                             on_log=lambda record: seconds.append(record["elapsed_s"]))
+            timed[other["method"]] = {"seconds": min(seconds[1] - seconds[0], seconds[2] - seconds[1]),
+                                      "steps_s": [round(seconds[1] - seconds[0], 4), round(seconds[2] - seconds[1], 4)]}
+        except Exception as error:  # noqa: BLE001 -- e.g. a method this task does not support: no figure for it
+            timed[other["method"]] = {"error": f"{type(error).__name__}: {error}"[:300]}
+        model = None
+        gc.collect()
+        if budget_s is not None:
+            budget_s -= time.perf_counter() - began
+    return timed
 
 
 def _run_point(spec: dict, timeout_s: float) -> dict:
@@ -352,7 +418,8 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
               shape: ModelShape, *, rows: list[list[int]], targets: list, order: list[list[int]], loop: dict,
               int8: dict, gradient_checkpointing: bool, threads: int, seed: int = 0, time_samples: int = 6,
               timeout_s: float = 900, allocator: str = "auto", task: str = "classification",
-              inference_rows: list[list[int]] | None = None, inference_batch: int = 32) -> tuple[Constants, dict]:
+              inference_rows: list[list[int]] | None = None, inference_batch: int = 32,
+              others: list[dict] | None = None, others_share: float | None = 0.1) -> tuple[Constants, dict]:
     """Time the train stage's own loop on this machine over a few of the run's own micro-batches and fit the
     memory and time constants.
 
@@ -372,6 +439,14 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
     `inference_batch` rows each): a warm-up, the smallest, the median and the largest, which fit
     `batch = overhead + per_token x padded tokens` in `calibration["inference"]` (the federated budget's
     evaluation rounds).
+
+    `others` (each {"method", "knobs": MethodKnobs, "int8": its decision}): the same process then builds each of
+    those methods and times it on the sampled micro-batch nearest the run's mean step, twice (the faster kept),
+    after a two-row warm-up step;
+    its time over the calibrated method's fitted step on that micro-batch is its `Constants.method_cost`, so that
+    every method the plan lists gets an ETA measured here, not copied. Timing them costs at most `others_share` of
+    the run the plan plans (None: no bound), on top of the configured method's own calibration: a method that
+    share cannot pay for is skipped and keeps the FLOPs estimate, saying so.
     """
     import tempfile
 
@@ -409,6 +484,15 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
             "method": method, "knobs": asdict(knobs), "gradient_checkpointing": gradient_checkpointing,
             "threads": threads, "allocator": allocator, "task": task, "int8": int8, "rows_file": handle.name,
             "loop": {k: v for k, v in loop.items() if k != "checkpoint_dir"}}
+    # The other methods are timed on the sampled micro-batch nearest the run's mean step: a method's cost against
+    # another's depends on the batch (full fine-tuning's optimizer step is fixed, its weight gradients grow with the
+    # tokens), and the ETA is the sum of the run's steps, which the mean step stands for.
+    mean_tokens = sum(tokens(batch)["padded_tokens"] for batch in order) / max(len(order), 1)
+    typical = min(picks, key=lambda p: abs(tokens(order[p])["padded_tokens"] - mean_tokens))
+    if others:
+        spec["others"] = [{"method": o["method"], "knobs": asdict(o["knobs"]), "int8": o["int8"]} for o in others]
+        spec["others_batch"] = [index[i] for i in order[typical]]
+        spec.update(others_share=others_share, run_steps=len(order))
     started = time.perf_counter()
     try:
         point = _run_point(spec, timeout_s)
@@ -438,14 +522,19 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
             points.append((s["part_tokens"], s["peak_rss_bytes"]))
             top = s["part_tokens"]
     points[-1] = (top, max(s["peak_rss_bytes"] for s in steps))  # the largest part again, after smaller ones
-    per_token = activation_bytes_per_token(shape, bool(loop["bf16"]), gradient_checkpointing)
+    # what grows with a part's tokens: the activations saved for backward and the logits (a causal LM's are large)
+    per_token = (activation_bytes_per_token(shape, bool(loop["bf16"]), gradient_checkpointing)
+                 + logits_bytes_per_token(shape))
     static = sum(v for k, v in memory_estimate(shape, method, bf16=bool(loop["bf16"]), micro_batch=0, seq_len=1,
                                                gradient_checkpointing=gradient_checkpointing, knobs=knobs,
                                                constants=Constants(runtime_bytes=0)).items() if k != "peak")
     scale, runtime = fit_memory(points, static, per_token, point["loaded_rss_bytes"])
+    reference = steady(tokens(order[typical]))
+    method_cost = {m: round(t["seconds"] / reference, 3) for m, t in point["others"].items()
+                   if "seconds" in t and reference > 0}
     constants = Constants(runtime_bytes=max(0, int(runtime)), activation_scale=round(scale, 4),
                           step_overhead_s=overhead, seconds_per_token=per_token_s, startup_s=round(startup, 3),
-                          calibrated_method=method,
+                          calibrated_method=method, method_cost=method_cost,
                           source=f"calibrated: the run's own loop over {len(steps)} of its micro-batches ({method}, "
                                  f"int8 products {'on' if point['int8_products'] else 'off'}, {threads} threads, "
                                  f"malloc {point['allocator']}) in {seconds:.0f} s")
@@ -457,6 +546,8 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
         timed_inference = {"overhead_s": fixed, "seconds_per_token": per_token_inference, "threads": threads,
                            "batches": [{"padded_tokens": t, "seconds": round(s, 4)} for t, s in pairs]}
     return constants, {"method": method, "steps": steps, "inference": timed_inference, "memory_points": points,
+                       "others": {"padded_tokens": tokens(order[typical])["padded_tokens"],
+                                  "calibrated_step_s": round(reference, 4), **point["others"]} if others else None,
                        "seconds": round(seconds, 1),
                        "loaded_rss_bytes": point["loaded_rss_bytes"], "bf16": bool(loop["bf16"]),
                        "allocator": point["allocator"], "gradient_checkpointing": gradient_checkpointing,
@@ -678,14 +769,19 @@ def plan_method(method: str, run: RunSpec, hardware: dict, shape: ModelShape, co
         padded -= sum(max(rows - parts, 0) * run.shared_prefix for rows, _ in batches)
     eta, eta_note = None, "no calibration: run `frugaltune plan` with calibration for an ETA"
     if constants.seconds_per_token is not None and method != "none":
-        factor = 1.0
-        if constants.calibrated_method and constants.calibrated_method != method:
-            factor = FLOPS_FACTOR[method] / FLOPS_FACTOR[constants.calibrated_method]
+        factor, calibrated = 1.0, constants.calibrated_method
+        if calibrated and calibrated != method:
+            factor = constants.method_cost.get(method) or FLOPS_FACTOR[method] / FLOPS_FACTOR[calibrated]
         recompute = 4 / 3 if ckpt else 1.0  # checkpointing reruns the forward pass: +1 forward per 3 passes
-        eta = (constants.startup_s + steps * constants.step_overhead_s
-               + padded * constants.seconds_per_token * factor * recompute)
-        eta_note = ("measured on this machine" if factor == 1.0 else
-                    f"from the {constants.calibrated_method} calibration x {factor:.2f} (training FLOPs per token)")
+        eta = (constants.startup_s + (steps * constants.step_overhead_s
+                                      + padded * constants.seconds_per_token * recompute) * factor)
+        if not calibrated or calibrated == method:
+            eta_note = "measured on this machine"
+        elif method in constants.method_cost:
+            eta_note = (f"the {calibrated} calibration x {factor:.2f}: a step of {method} timed here against one of "
+                        f"{calibrated} on the same micro-batch")
+        else:
+            eta_note = f"the {calibrated} calibration x {factor:.2f} (training FLOPs per token: {method} not timed)"
     elif method == "none":
         eta, eta_note = 0.0, "nothing to train"
     grad_accum = run.grad_accum * split
@@ -908,11 +1004,19 @@ def build_plan(params: "Params", hardware: dict[str, Any], measured_precision: d
         rows=rows, targets=list(train_split["labels"]), order=order, loop=asdict(loop),
         int8=decided["int8"].get(method, {"on": False, "why": "not decided"}),
         gradient_checkpointing=entry["gradient_checkpointing"], threads=decided["threads"], seed=params.common.seed,
-        time_samples=params.probe.calibration_steps, allocator=params.train.allocator, task=task)
+        time_samples=params.probe.calibration_steps, allocator=params.train.allocator, task=task,
+        # every other method the plan lists and memory allows, timed on one micro-batch: each gets its own ETA
+        others=[{"method": m, "knobs": knobs.get(m, MethodKnobs()),
+                 "int8": decided["int8"].get(m, {"on": False, "why": "not decided"})}
+                for m in methods if m not in ("none", method) and draft["methods"][m]["fits"]])
     if calibration["busy_note"]:
         log(f"plan: {calibration['busy_note']}")
-    return make_plan(spec, hardware, shapes, constants, limit_gb, calibration, measured_precision=measured_precision,
+    plan = make_plan(spec, hardware, shapes, constants, limit_gb, calibration, measured_precision=measured_precision,
                      decided=decided)
+    eta = plan["methods"][method]["eta_seconds"]
+    # What planning cost against what it plans (the calibration should stay a small share of the run)
+    calibration["share_of_run"] = round(calibration["seconds"] / eta, 3) if eta else None
+    return plan
 
 
 def render(plan: dict) -> str:

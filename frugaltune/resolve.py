@@ -53,7 +53,7 @@ def read_plan(path: Path = paths.PLAN) -> dict | None:
     return plan
 
 
-def machine(precision_setting: str = "auto", method: str = "lora", int8_setting: str | bool = "auto",
+def machine(precision_setting: str = "auto", method: str = "lora", int8_setting: str | bool | None = None,
             plan: dict | None = None, ranks: int = 1, dims: tuple[int, int] | None = None,
             threads: int | None = None) -> dict:
     """The machine decisions for a run that has no entry of its own in the plan (evaluation, compare, federated
@@ -61,16 +61,19 @@ def machine(precision_setting: str = "auto", method: str = "lora", int8_setting:
     plan's own function. Keys: bf16, precision_why, eager_attention_max_len, threads, cores, int8 (a decision dict).
     A plan written before `cores` was decided counts as none. The int8 decision is the plan's when it was made with
     the same `int8_setting` (a plan without the record: made with "auto"), else made now by the plan's function for
-    that setting: a caller that sets true / false gets what it set, whatever the plan was made with."""
+    that setting: a caller that sets true / false gets what it set, whatever the plan was made with. A caller
+    that does not use int8 products (evaluation, the core count) leaves `int8_setting` None: nothing is decided
+    again for it."""
     decided_in_plan = (plan or {}).get("machine", {})
     if decided_in_plan.get("precision_setting") == precision_setting and "cores" in decided_in_plan:
         decided = plan["machine"]
     else:
         hardware, measured = machine_facts()
-        decided = planner.decide_machine(hardware, measured, precision_setting, int8_setting,
+        decided = planner.decide_machine(hardware, measured, precision_setting,
+                                         "auto" if int8_setting is None else int8_setting,
                                          (method,) if dims else (), dims, threads, ranks)
-    setting = planner.int8_setting_name(int8_setting)
-    if decided.get("int8_setting", "auto") != setting:
+    setting = None if int8_setting is None else planner.int8_setting_name(int8_setting)
+    if setting is not None and decided.get("int8_setting", "auto") != setting:
         hardware, measured = machine_facts()
         decided = {**decided, "int8_setting": setting,
                    "int8": planner.decide_machine(hardware, measured, decided["precision_setting"], int8_setting,

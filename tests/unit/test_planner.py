@@ -300,6 +300,49 @@ def test_calibration_times_the_runs_own_loop_and_gives_an_eta(tiny_model_dir):
     json.dumps(plan)  # the plan is written as JSON: nothing in it may be unserialisable
 
 
+def test_every_method_the_plan_lists_gets_its_own_timed_estimate(tiny_model_dir):
+    """The methods the plan does not calibrate are each built and timed on one of the run's micro-batches in the
+    calibration's process: their ETA is the calibrated step times their own measured cost, not a copy of lora's; a
+    method that cannot be built keeps the FLOPs estimate and says so."""
+    from dataclasses import asdict
+
+    tokenizer = load_tokenizer(tiny_model_dir)
+    shape = planner.model_shape(tiny_model_dir, len(LABELS), "lora")
+    lengths = [8 + (i * 7) % 25 for i in range(48)]
+    rows = [[5 + j % 50 for j in range(n)] for n in lengths]
+    _, order = planner.planned_order(lengths, 8, 1, 1.0, None, seed=0)
+    off = {"on": False, "why": "test"}
+    constants, calibration = planner.calibrate(
+        tiny_model_dir, LABELS, tokenizer.pad_token_id, "lora", planner.MethodKnobs(), shape, rows=rows,
+        targets=[i % 3 for i in range(48)], order=order, loop=asdict(LoopConfig(lr=1e-3, batch_size=8)),
+        int8=off, gradient_checkpointing=False, threads=1, time_samples=3,
+        others=[{"method": "prelayer", "knobs": planner.MethodKnobs(), "int8": off},
+                {"method": "full", "knobs": planner.MethodKnobs(), "int8": off},
+                {"method": "dora", "knobs": planner.MethodKnobs(target_modules=("no_such_module",)), "int8": off}],
+        others_share=None)
+    assert set(constants.method_cost) == {"prelayer", "full"}
+    assert all(cost > 0 for cost in constants.method_cost.values())
+    assert calibration["others"]["calibrated_step_s"] > 0 and calibration["others"]["padded_tokens"] > 0
+    assert "no_such_module" in calibration["others"]["dora"]["error"]
+    methods = ("lora", "prelayer", "full", "dora")
+    plan = planner.make_plan(run_spec("lora", lengths=lengths, seq_len=32, batch_size=8), cpu_hardware(),
+                             {m: planner.model_shape(tiny_model_dir, 3, m) for m in methods}, constants)
+    lora, prelayer = plan["methods"]["lora"], plan["methods"]["prelayer"]
+    cost = constants.method_cost["prelayer"]
+    assert prelayer["eta_seconds"] == pytest.approx(constants.startup_s + (lora["eta_seconds"] - constants.startup_s)
+                                                    * cost, abs=0.1)
+    assert "timed here" in prelayer["eta_note"] and f"x {cost:.2f}" in prelayer["eta_note"]
+    assert "not timed" in plan["methods"]["dora"]["eta_note"]  # FLOPs: the same as lora's, and it says why
+    json.dumps(plan)
+    # a calibration that already cost more than its share of this (tiny) run times no other method, and says so
+    constants, calibration = planner.calibrate(
+        tiny_model_dir, LABELS, tokenizer.pad_token_id, "lora", planner.MethodKnobs(), shape, rows=rows,
+        targets=[i % 3 for i in range(48)], order=order, loop=asdict(LoopConfig(lr=1e-3, batch_size=8)),
+        int8=off, gradient_checkpointing=False, threads=1, time_samples=2,
+        others=[{"method": "prelayer", "knobs": planner.MethodKnobs(), "int8": off}])
+    assert constants.method_cost == {} and "budget" in calibration["others"]["prelayer"]["skipped"]
+
+
 def test_the_memory_fit_keeps_the_largest_parts_measured_peak():
     """Full fine-tuning's high-water mark grew at every step, the small ones too (optimizer state, the allocator):
     the slope overshot, and a runtime clamped at zero put the largest part 29% above its own measured peak. These
@@ -371,6 +414,9 @@ def test_a_caller_gets_the_int8_products_it_set_whatever_the_plan_was_made_with(
         cpu_hardware(24), None, int8_setting=False, dims=(576, 1536)).items() if key != "int8_setting"}}
     assert resolve.machine("auto", "lora", "true", older, dims=(576, 1536))["int8"]["on"] is True
     assert resolve.machine("auto", "lora", "auto", older, dims=(576, 1536))["int8"]["on"] is False  # the plan's
+    # a caller that does not use int8 products (evaluation, the core count) gets the plan's record, decided once
+    monkeypatch.setattr(planner, "decide_machine", lambda *a, **k: pytest.fail("decided again for nothing"))
+    assert resolve.machine("auto", "lora", plan=plan)["int8"]["on"] is True
 
 
 def test_the_federation_lays_out_its_workers_on_the_cores_the_plan_counted(tmp_path, monkeypatch):
