@@ -487,9 +487,11 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
     # The other methods are timed on the sampled micro-batch nearest the run's mean step: a method's cost against
     # another's depends on the batch (full fine-tuning's optimizer step is fixed, its weight gradients grow with the
     # tokens), and the ETA is the sum of the run's steps, which the mean step stands for.
-    mean_tokens = sum(tokens(batch)["padded_tokens"] for batch in order) / max(len(order), 1)
-    typical = min(picks, key=lambda p: abs(tokens(order[p])["padded_tokens"] - mean_tokens))
+    typical_tokens = None  # the timed micro-batch's tokens (calibrate's `tokens`), when others are timed
     if others:
+        mean_tokens = sum(tokens(batch)["padded_tokens"] for batch in order) / len(order)
+        typical = min(picks, key=lambda p: abs(tokens(order[p])["padded_tokens"] - mean_tokens))
+        typical_tokens = tokens(order[typical])
         spec["others"] = [{"method": o["method"], "knobs": asdict(o["knobs"]), "int8": o["int8"]} for o in others]
         spec["others_batch"] = [index[i] for i in order[typical]]
         spec.update(others_share=others_share, run_steps=len(order))
@@ -529,7 +531,7 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
                                                gradient_checkpointing=gradient_checkpointing, knobs=knobs,
                                                constants=Constants(runtime_bytes=0)).items() if k != "peak")
     scale, runtime = fit_memory(points, static, per_token, point["loaded_rss_bytes"])
-    reference = steady(tokens(order[typical]))
+    reference = steady(typical_tokens) if typical_tokens else 0.0
     method_cost = {m: round(t["seconds"] / reference, 3) for m, t in point["others"].items()
                    if "seconds" in t and reference > 0}
     constants = Constants(runtime_bytes=max(0, int(runtime)), activation_scale=round(scale, 4),
@@ -546,7 +548,7 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
         timed_inference = {"overhead_s": fixed, "seconds_per_token": per_token_inference, "threads": threads,
                            "batches": [{"padded_tokens": t, "seconds": round(s, 4)} for t, s in pairs]}
     return constants, {"method": method, "steps": steps, "inference": timed_inference, "memory_points": points,
-                       "others": {"padded_tokens": tokens(order[typical])["padded_tokens"],
+                       "others": {"padded_tokens": typical_tokens["padded_tokens"],
                                   "calibrated_step_s": round(reference, 4), **point["others"]} if others else None,
                        "seconds": round(seconds, 1),
                        "loaded_rss_bytes": point["loaded_rss_bytes"], "bf16": bool(loop["bf16"]),
