@@ -410,6 +410,30 @@ class SchedulingSftParams(Section):
                          "further and costs more (32 was worse than F1 alone on lublin_256, 128 beat it).")
     max_running: int = Field(4, ge=0, description="Running jobs listed in a prompt (soonest expected end first; "
                              "the rest counted): each costs ~5 tokens.")
+    generated_episodes: int = Field(0, ge=0, description="Extra teacher episodes on Lublin-Feitelson workloads "
+                                    "(frugaltune/scheduling/lublin.py) of episode_length jobs, from seed pairs "
+                                    "(seed, i) no evaluation workload uses.")
+    generated_procs: list[int] = Field([256], min_length=1, description="Machine sizes the generated episodes "
+                                       "cycle through.")
+    generated_loads: list[float] = Field([1.0], min_length=1, description="Offered loads the generated episodes "
+                                         "cycle through (each size at each load in turn).")
+    agree_share: float | None = Field(None, ge=0, le=1, description="At most this share of the SFT rows answers "
+                                      "'A' (the order heuristic's pick, which the teacher makes at ~88% of "
+                                      "decisions): the rest are sampled out, every departure kept; null keeps all.")
+
+    @field_validator("generated_procs")
+    @classmethod
+    def _machine_sizes(cls, procs: list[int]) -> list[int]:
+        if min(procs) < 2:
+            raise ValueError(f"generated_procs {procs}: the model sizes jobs in log2 of the machine; give sizes >= 2.")
+        return procs
+
+    @field_validator("generated_loads")
+    @classmethod
+    def _loads(cls, loads: list[float]) -> list[float]:
+        if min(loads) <= 0:
+            raise ValueError(f"generated_loads {loads}: give offered loads > 0 (1.0 asks for the whole machine).")
+        return loads
 
 
 class SchedulingLlmParams(Section):

@@ -34,8 +34,10 @@ def run(params: Params) -> dict:
     write_metrics(paths.metrics("build_sft"), {"rows": report["rows"], **{
         f"{name}.avg_bsld": value for name, value in report["avg_bsld"].items()}})
     best = min((n for n in report["avg_bsld"] if n != "teacher"), key=report["avg_bsld"].get)
-    print(f"build_sft: {len(rows)} rows from {report['episodes']} episodes; teacher avg bsld "
-          f"{report['avg_bsld']['teacher']:.1f} vs best heuristic {best} {report['avg_bsld'][best]:.1f}")
+    print(f"build_sft: {len(rows)} rows ({report['rows_departure_share']:.0%} departing from 'A') of "
+          f"{report['labelled_rows']} labelled in {report['episodes']} trace and {report['generated_episodes']} "
+          f"generated episodes; teacher avg bsld {report['avg_bsld']['teacher']:.1f} vs best heuristic {best} "
+          f"{report['avg_bsld'][best]:.1f}")
     if not report["teacher_beats_best_heuristic"]:
         print(f"build_sft: warning: the teacher does not beat {best} on these episodes; the student will not "
               "either. Raise scheduling.sft.horizon or add rollout_policies.", file=sys.stderr)

@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -143,10 +144,11 @@ def arrival_times(rng: np.random.Generator, n: int, p: LublinParams = LublinPara
     return times
 
 
-def lublin_workload(n_jobs: int, max_procs: int, seed: int = 0,
+def lublin_workload(n_jobs: int, max_procs: int, seed: int | Sequence[int] = 0,
                     params: LublinParams = LublinParams()) -> Workload:
     """`n_jobs` jobs of the Lublin-Feitelson model for a machine of `max_procs` processors, reproducible from `seed`
-    (see the module docstring). Submit times are whole seconds, the first job's is its first inter-arrival."""
+    (see the module docstring): an integer, or a sequence of them (numpy's SeedSequence entropy, so the training
+    episodes' seed pairs never give the stream of an evaluation workload's single-integer seed). Submit times are whole seconds, the first job's is its first inter-arrival."""
     if n_jobs < 1 or max_procs < 2:
         raise ValueError(f"lublin_workload needs n_jobs >= 1 and max_procs >= 2 (the model sizes parallel jobs in "
                          f"log2 of the machine); got n_jobs={n_jobs}, max_procs={max_procs}.")
@@ -155,8 +157,9 @@ def lublin_workload(n_jobs: int, max_procs: int, seed: int = 0,
     runs = run_times(rng, sizes, params)
     submits = np.floor(arrival_times(rng, n_jobs, params)).astype(int)
     rows = [(i + 1, int(s), int(r), int(n), int(r)) for i, (s, r, n) in enumerate(zip(submits, runs, sizes))]
+    named = seed if isinstance(seed, int) else list(seed)
     return workload_from_rows(rows, max_procs=max_procs,
-                              source=f"<lublin-feitelson n={n_jobs} procs={max_procs} seed={seed}>")
+                              source=f"<lublin-feitelson n={n_jobs} procs={max_procs} seed={named}>")
 
 
 def offered_load(workload: Workload) -> float:

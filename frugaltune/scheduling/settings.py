@@ -32,7 +32,9 @@ def sft_config(sp: SchedulingParams) -> SftConfig:
     s = sp.sft
     return SftConfig(protocol=protocol(sp), episodes=s.episodes, episode_length=s.episode_length, seed=s.seed,
                      rollout_policies=tuple(s.rollout_policies), horizon=s.horizon, backfill=sp.backfill,
-                     max_running=s.max_running, order=sp.order)
+                     max_running=s.max_running, order=sp.order, generated_episodes=s.generated_episodes,
+                     generated_procs=tuple(s.generated_procs), generated_loads=tuple(s.generated_loads),
+                     agree_share=s.agree_share)
 
 
 def teacher(sp: SchedulingParams) -> LookaheadTeacher:

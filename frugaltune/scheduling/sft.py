@@ -24,8 +24,14 @@ their actual run times: the teacher is clairvoyant about the near future, which 
 requested times, is not; that gap is the point of a teacher. Ties keep the first rollout heuristic's own choice,
 so the teacher never differs from that heuristic without a measured reason.
 
-Episodes come only from the training part of the trace (before `evaluation.held_out_start`), so the held-out
-sequences the policies are judged on are never seen in training.
+Episodes come from the training part of the trace (before `evaluation.held_out_start`), so the held-out
+sequences the policies are judged on are never seen in training, and, when `generated_episodes` asks for them, from
+the Lublin-Feitelson model (`lublin.py`) for other machine sizes and offered loads, each from a seed pair
+(`seed`, episode) that no evaluation workload uses (the second workload's seed is a single integer).
+
+The teacher agrees with F1, whose pick the prompts letter "A", at ~88% of decisions on lublin_256; a student fed
+that share learns to answer "A" (it did: the same bsld as F1 on every held-out sequence). `agree_share` samples
+the agreeing rows down (seeded) so they are at most that share of the rows; every departure is kept.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from frugaltune.scheduling.evaluation import Protocol, held_out_start
+from frugaltune.scheduling.lublin import at_load, lublin_workload
 from frugaltune.scheduling.metrics import BSLD_TAU, sequence_metrics
 from frugaltune.scheduling.policies import HEURISTICS, ScorePolicy
 from frugaltune.scheduling.simulator import SchedulerState, SimulationResult, Simulator, simulate
@@ -182,6 +189,15 @@ class SftConfig:
     max_running: int = 4
     order: str = "queue"
     """How prompts letter the visible jobs (`listed`); the pipeline's default is F1 (scheduling.order)."""
+    generated_episodes: int = 0
+    """Extra teacher episodes on Lublin-Feitelson workloads of `episode_length` jobs (module docstring)."""
+    generated_procs: tuple[int, ...] = (256,)
+    """Machine sizes the generated episodes cycle through."""
+    generated_loads: tuple[float, ...] = (1.0,)
+    """Offered loads the generated episodes cycle through (after the sizes: episode i has size i % len(procs) and
+    load (i // len(procs)) % len(loads))."""
+    agree_share: float | None = None
+    """At most this share of the rows answers the order's first job (the others are sampled out); None keeps all."""
 
 
 def episode_starts(workload: Workload, cfg: SftConfig) -> np.ndarray:
@@ -194,10 +210,30 @@ def episode_starts(workload: Workload, cfg: SftConfig) -> np.ndarray:
     return np.random.default_rng(cfg.seed).integers(0, room + 1, size=cfg.episodes)
 
 
+def generated_episodes(cfg: SftConfig) -> list[Workload]:
+    """The `generated_episodes` workloads: episode i is `episode_length` Lublin-Feitelson jobs for its machine size,
+    from the seed pair (cfg.seed, i), scaled to its offered load."""
+    episodes = []
+    for i in range(cfg.generated_episodes):
+        procs = cfg.generated_procs[i % len(cfg.generated_procs)]
+        load = cfg.generated_loads[(i // len(cfg.generated_procs)) % len(cfg.generated_loads)]
+        episodes.append(at_load(lublin_workload(cfg.episode_length, procs, seed=[cfg.seed, i]), load))
+    return episodes
+
+
+def _fewer_agreeing(rows: list[dict], share: float, seed: int) -> list[dict]:
+    """`rows` with those answering "A" sampled down to at most `share` of the result (seeded; order kept)."""
+    agree = [i for i, row in enumerate(rows) if row["response"] == LETTERS[0]]
+    depart = len(rows) - len(agree)
+    keep = len(agree) if share >= 1 else min(len(agree), int(share * depart / (1 - share)))
+    kept = set(np.random.default_rng(seed).choice(agree, size=keep, replace=False).tolist()) if keep else set()
+    return [row for i, row in enumerate(rows) if row["response"] != LETTERS[0] or i in kept]
+
+
 def build_sft(workload: Workload, cfg: SftConfig) -> tuple[list[dict], dict]:
-    """Teacher episodes on the training part -> (SFT rows, report). The report compares the teacher's average
-    bounded slowdown with every heuristic's on the very same episodes: a student can only beat the heuristics if
-    its teacher does."""
+    """Teacher episodes on the training part (and generated ones) -> (SFT rows, report). The report compares the
+    teacher's average bounded slowdown with every heuristic's on the very same episodes, per source: a student can
+    only beat the heuristics if its teacher does."""
     unknown = [name for name in cfg.rollout_policies if name not in HEURISTICS]
     if unknown:
         raise ValueError(f"scheduling.sft.rollout_policies: {unknown} are not heuristics; choose from "
@@ -205,32 +241,50 @@ def build_sft(workload: Workload, cfg: SftConfig) -> tuple[list[dict], dict]:
     if not 1 <= cfg.protocol.window <= MAX_WINDOW:
         raise ValueError(f"scheduling.window = {cfg.protocol.window}: prompts letter the visible jobs A..Z, so "
                          f"the window must be 1..{MAX_WINDOW}.")
+    if cfg.agree_share is not None and not 0 <= cfg.agree_share <= 1:
+        raise ValueError(f"scheduling.sft.agree_share = {cfg.agree_share}: give a share in [0, 1], or null to "
+                         "keep every row.")
     teacher = LookaheadTeacher([HEURISTICS[n] for n in cfg.rollout_policies], cfg.horizon)
+    episodes = [("trace", workload.max_procs, workload.jobs[start:start + cfg.episode_length])
+                for start in episode_starts(workload, cfg)]
+    episodes += [("generated", w.max_procs, w.jobs) for w in generated_episodes(cfg)]
     rows: list[dict] = []
-    bsld: dict[str, list[float]] = {"teacher": [], **{name: [] for name in HEURISTICS}}
+    bsld: dict[str, dict[str, list[float]]] = {}
     decisions = 0
-    for number, start in enumerate(episode_starts(workload, cfg)):
-        jobs = workload.jobs[start:start + cfg.episode_length]
-        result, episode_rows = teacher_episode(jobs, workload.max_procs, teacher, cfg.protocol.window,
-                                               cfg.backfill, cfg.max_running, cfg.order)
+    for number, (source, procs, jobs) in enumerate(episodes):
+        result, episode_rows = teacher_episode(jobs, procs, teacher, cfg.protocol.window, cfg.backfill,
+                                               cfg.max_running, cfg.order)
         for row in episode_rows:
             row["episode"] = number
         rows.extend(episode_rows)
         decisions += result.decisions
-        bsld["teacher"].append(sequence_metrics(result).avg_bsld)
+        per = bsld.setdefault(source, {"teacher": [], **{name: [] for name in HEURISTICS}})
+        per["teacher"].append(sequence_metrics(result).avg_bsld)
         for name, policy in HEURISTICS.items():
-            heuristic = simulate(jobs, workload.max_procs, policy, backfill=cfg.backfill, window=cfg.protocol.window)
-            bsld[name].append(sequence_metrics(heuristic).avg_bsld)
-    mean = {name: float(np.mean(values)) for name, values in bsld.items()}
-    wins = {name: int(sum(t <= h for t, h in zip(bsld["teacher"], bsld[name]))) for name in HEURISTICS}
+            heuristic = simulate(jobs, procs, policy, backfill=cfg.backfill, window=cfg.protocol.window)
+            per[name].append(sequence_metrics(heuristic).avg_bsld)
+    departures = sum(row["response"] != LETTERS[0] for row in rows)
+    labelled = len(rows)
+    if cfg.agree_share is not None:
+        rows = _fewer_agreeing(rows, cfg.agree_share, cfg.seed)
+    means = {source: {name: float(np.mean(values)) for name, values in per.items()} for source, per in bsld.items()}
+    trace = means.get("trace", next(iter(means.values())))
+    wins = {name: int(sum(t <= h for t, h in zip(bsld["trace"]["teacher"], bsld["trace"][name])))
+            for name in HEURISTICS} if "trace" in bsld else {}
     report = {
         "teacher": teacher.name,
         "episodes": cfg.episodes,
+        "generated_episodes": cfg.generated_episodes,
         "decisions": decisions,
+        "labelled_rows": labelled,
+        "departures": departures,
+        "departure_share": departures / labelled if labelled else 0.0,
         "rows": len(rows),
+        "rows_departure_share": sum(row["response"] != LETTERS[0] for row in rows) / len(rows) if rows else 0.0,
         "rollouts": teacher.rollouts,
-        "avg_bsld": mean,
+        "avg_bsld": trace,
+        "avg_bsld_by_source": means,
         "teacher_not_worse_episodes": wins,
-        "teacher_beats_best_heuristic": bool(mean["teacher"] < min(mean[n] for n in HEURISTICS)),
+        "teacher_beats_best_heuristic": bool(trace["teacher"] < min(trace[n] for n in HEURISTICS)),
     }
     return rows, report

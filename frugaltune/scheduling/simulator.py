@@ -202,17 +202,31 @@ class Simulator:
         self._pending: SchedulerState | None = None    # the decision asked for and not yet committed
         self.done = False
 
-    def clone(self, future_arrivals: int | None = None) -> "Simulator":
+    def clone(self, future_arrivals: int | None = None, future: Sequence[Job] | None = None) -> "Simulator":
         """An independent copy at this point (a pending decision included); the jobs themselves are shared.
 
         `future_arrivals`: the copy admits only that many more jobs (a bounded lookahead: a rollout that must
         schedule the rest of a long trace would cost more than it tells about this decision).
+        `future`: the jobs the copy admits after the ones already arrived, instead of the true ones (a rollout over
+        an imagined future: a teacher that knows only what a policy could know); submit times not before the clock.
         """
         other = object.__new__(Simulator)
         other.__dict__.update(self.__dict__)
-        if future_arrivals is not None:
-            other.arrival_limit = min(self.arrival_limit, self.next_arrival + max(future_arrivals, 0))
-        other.start = self.start.copy()
+        if future is not None:
+            if future_arrivals is not None:
+                raise ValueError("clone(): give future_arrivals (a cut of the true arrivals) or future, not both.")
+            known = self.arrivals[:self.next_arrival]
+            other.arrivals = list(known) + sorted(future, key=lambda j: (j.submit_time, j.job_id))
+            if other.arrivals[len(known):] and other.arrivals[len(known)].submit_time < self.clock:
+                raise ValueError(f"clone(): a future job is submitted at {other.arrivals[len(known)].submit_time}, "
+                                 f"before the clock {self.clock}; shift it to the clock or later.")
+            other._index = {id(job): i for i, job in enumerate(other.arrivals)}
+            other.start = np.concatenate([self.start[:self.next_arrival], np.full(len(future), np.nan)])
+            other.arrival_limit = len(other.arrivals)
+        else:
+            if future_arrivals is not None:
+                other.arrival_limit = min(self.arrival_limit, self.next_arrival + max(future_arrivals, 0))
+            other.start = self.start.copy()
         other.waiting = list(self.waiting)
         other.running = dict(self.running)
         other._completions = list(self._completions)  # a copied heap is still a heap

@@ -353,6 +353,36 @@ def test_stepping_the_simulator_with_clones_gives_the_schedule_simulate_gives():
         assert np.array_equal(got.queue_lengths, expected.queue_lengths)
 
 
+def test_a_clone_over_a_given_future_schedules_it_and_the_true_future_reproduces_a_cut_clone():
+    # The sampled-future teacher (benchmarks/teacher_learnability.py) rolls out over jobs that never arrive in the
+    # original: given the true next arrivals as the future, the clone must schedule exactly as clone(h) does.
+    import dataclasses
+
+    from frugaltune.scheduling.simulator import Simulator
+
+    workload = synthetic_workload(120, max_procs=32, seed=3, mean_interarrival=30.0)
+    sim = Simulator(workload.jobs, 32, window=8)
+    for _ in range(30):
+        sim.commit(SJF.choose(sim.next_decision()))
+    state = sim.next_decision()
+    true_next = sim.arrivals[sim.next_arrival:sim.next_arrival + 16]
+    cut, given = sim.clone(future_arrivals=16), sim.clone(future=true_next)
+    cut.run_to_end(SJF)
+    given.run_to_end(SJF)
+    started = {job: t for job, t in cut.result("SJF").schedule().items() if not np.isnan(t)}  # the cut: never run
+    assert len(started) == sim.next_arrival + 16  # every job known at the decision, and the 16 admitted
+    assert given.result("SJF").schedule() == started
+    imagined = [dataclasses.replace(job, job_id=1000 + i, submit_time=state.clock + 60.0 * i)
+                for i, job in enumerate(workload.jobs[:5])]
+    other = sim.clone(future=imagined)
+    other.run_to_end(SJF)
+    ids = set(other.result("SJF").schedule())
+    assert {1000, 1001, 1002, 1003, 1004} <= ids and not ids & {j.job_id for j in true_next}
+    assert sim.next_decision() is state  # the original is untouched
+    with pytest.raises(ValueError, match="before the clock"):
+        sim.clone(future=[dataclasses.replace(workload.jobs[0], submit_time=state.clock - 1)])
+
+
 def test_commit_rejects_a_job_outside_the_visible_window():
     from frugaltune.scheduling.simulator import Simulator
 

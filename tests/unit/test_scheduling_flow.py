@@ -84,3 +84,9 @@ def test_scheduling_params_reject_a_window_prompts_cannot_letter_and_unknown_heu
         parse_params({"scheduling": {"sft": {"rollout_policies": ["LIFO"]}}})
     with pytest.raises(ParamsError, match="scheduling.sft.horizn"):
         parse_params({"scheduling": {"sft": {"horizn": 3}}})
+    with pytest.raises(ParamsError, match="generated_procs"):
+        parse_params({"scheduling": {"sft": {"generated_procs": [1, 64]}}})
+    with pytest.raises(ParamsError, match="generated_loads"):
+        parse_params({"scheduling": {"sft": {"generated_loads": [0.0]}}})
+    with pytest.raises(ParamsError, match="scheduling.sft.agree_share"):
+        parse_params({"scheduling": {"sft": {"agree_share": 1.2}}})

@@ -16,6 +16,7 @@ from frugaltune.scheduling.sft import (
     build_sft,
     encode_state,
     episode_starts,
+    generated_episodes,
     job_labels,
     listed,
     teacher_episode,
@@ -113,6 +114,38 @@ def test_the_builder_is_deterministic_uses_only_the_training_part_and_answers_wi
         assert row["response"] in row["candidates"] and 2 <= len(row["candidates"]) <= 6
         assert row["prompt"].startswith("Pick the job to run next.")
     assert set(report["avg_bsld"]) == {"teacher", "FCFS", "SJF", "WFP3", "UNICEF", "F1"}
+
+
+def test_generated_episodes_cycle_sizes_and_loads_and_never_share_the_second_workloads_stream():
+    from frugaltune.scheduling.lublin import lublin_workload, offered_load
+
+    cfg = SftConfig(episodes=0, episode_length=64, generated_episodes=4, generated_procs=(32, 64),
+                    generated_loads=(0.8, 1.2), seed=5)
+    episodes = generated_episodes(cfg)
+    assert [w.max_procs for w in episodes] == [32, 64, 32, 64]
+    assert [round(offered_load(w), 2) for w in episodes] == pytest.approx([0.8, 0.8, 1.2, 1.2], abs=0.02)
+    assert all(len(w.jobs) == 64 for w in episodes)
+    # Seed pair (5, i), never an evaluation workload's integer seed: (5, 1) is not seed 5's or 1's stream.
+    sizes = [job.requested_procs for job in lublin_workload(64, 64, seed=[5, 1]).jobs]
+    for single in (5, 1):
+        assert sizes != [job.requested_procs for job in lublin_workload(64, 64, seed=single).jobs]
+
+
+def test_agreeing_rows_are_sampled_down_to_their_share_and_every_departure_is_kept():
+    workload = synthetic_workload(600, max_procs=32, seed=1, mean_interarrival=20.0)
+    base = dict(protocol=Protocol(window=6, held_out_fraction=0.3), episodes=3, episode_length=64, horizon=16,
+                order="F1", generated_episodes=2, generated_procs=(32,), generated_loads=(1.1,))
+    every, report = build_sft(workload, SftConfig(**base))
+    fewer, fewer_report = build_sft(workload, SftConfig(**base, agree_share=0.5))
+    departures = [row for row in every if row["response"] != "A"]
+    assert report["departures"] == len(departures) > 0 and report["labelled_rows"] == len(every)
+    assert set(report["avg_bsld_by_source"]) == {"trace", "generated"}
+    assert [row for row in fewer if row["response"] != "A"] == departures  # all kept, in order
+    agreeing = sum(row["response"] == "A" for row in fewer)
+    assert agreeing == min(len(every) - len(departures), len(departures))  # 50%: as many as departures
+    assert fewer_report["rows"] == len(fewer) and fewer_report["rows_departure_share"] >= 0.5
+    with pytest.raises(ValueError, match="agree_share = 1.5"):
+        build_sft(workload, SftConfig(**base, agree_share=1.5))
 
 
 def test_the_builder_names_the_fix_when_the_training_part_is_too_short():
