@@ -44,7 +44,8 @@ def project(tmp_path_factory, tiny_model_dir) -> Path:
     params["scheduling"].update({
         "trace": "../traces/synthetic.swf", "window": 4,
         "evaluation": {"sequence_length": 32, "n_sequences": 2, "held_out_fraction": 0.3, "seed": 0},
-        "sft": {**params["scheduling"]["sft"], "episodes": 2, "episode_length": 60, "horizon": 16},
+        "sft": {**params["scheduling"]["sft"], "episodes": 2, "episode_length": 60, "horizon": 16,
+                "generated_episodes": 2, "generated_procs": [16, 32]},
         "llm": {**params["scheduling"]["llm"], "threads": 1},
         "second_workload": {"procs": 32, "jobs": 300, "load": 1.2, "seed": 9, "n_sequences": 2,
                             "sequence_length": 32},
@@ -71,6 +72,11 @@ def test_scheduling_repro_builds_sft_trains_judges_registers_then_is_a_no_op(pro
 
     rows = pd.read_json(out / "data/sft.jsonl", lines=True)
     assert len(rows) == reports["build_sft"]["rows"] > 10
+    # agree_share (0.6 in the params file): rows answering "A" sampled down, every departure kept
+    assert reports["build_sft"]["generated_episodes"] == 2 and set(reports["build_sft"]["avg_bsld_by_source"]) == {
+        "trace", "generated"}
+    assert (rows["response"] != "A").sum() == reports["build_sft"]["departures"] > 0
+    assert reports["build_sft"]["rows_departure_share"] >= 0.4 - 1e-9
     assert all(r in c and 2 <= len(c) <= 4 for r, c in zip(rows["response"], rows["candidates"]))
     assert reports["train"]["steps"] == 4
     # Training and the policies run in the precision the plan resolved from this machine's measurements
