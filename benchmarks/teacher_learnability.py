@@ -3,6 +3,7 @@ know only what a policy could know.
 
     python benchmarks/teacher_learnability.py                 # 8 trace + 10 generated episodes, ~6 min on 2 cores
     python benchmarks/teacher_learnability.py --generated 0 --samples 4
+    python benchmarks/teacher_learnability.py --backfill      # EASY episodes: the LLM picks the head job
 
 Run from the repository root. Two measurements on the training episodes `build_sft` labels (the scheduling
 pipeline's defaults: `scheduling/data/lublin_256.swf`, window 8, F1 lettering, episodes of 256 jobs):
@@ -133,11 +134,12 @@ def main() -> None:
     parser.add_argument("--generated", type=int, default=10, help="generated episodes beside the 8 of the trace")
     parser.add_argument("--samples", type=int, nargs="+", default=[4, 16], help="imagined futures per decision")
     parser.add_argument("--horizon", type=int, default=64, help="jobs in each imagined future")
+    parser.add_argument("--backfill", action="store_true", help="EASY backfilling in every episode")
     args = parser.parse_args()
     workload = read_swf(args.trace)
     protocol = Protocol(window=WINDOW)
     cfg = SftConfig(protocol=protocol, episodes=8, episode_length=256, order="F1", generated_episodes=args.generated,
-                    generated_procs=(128, 256), generated_loads=(0.9, 1.05, 1.2))
+                    generated_procs=(128, 256), generated_loads=(0.9, 1.05, 1.2), backfill=args.backfill)
     began = time.perf_counter()
     rows, report = build_sft(workload, cfg)
     learned = learnability(rows) | {"seconds": time.perf_counter() - began}
@@ -149,23 +151,27 @@ def main() -> None:
 
     episodes = [workload.jobs[s:s + 256] for s in episode_starts(workload, cfg)]
     pool = workload.jobs[:held_out_start(workload, protocol)]
-    f1 = [sequence_metrics(simulate(jobs, workload.max_procs, F1, window=WINDOW)).avg_bsld for jobs in episodes]
+    f1 = [sequence_metrics(simulate(jobs, workload.max_procs, F1, window=WINDOW,
+                                                        backfill=args.backfill)).avg_bsld for jobs in episodes]
     teachers = [LookaheadTeacher([F1], 128), SampledFutureTeacher(pool, 0, 0)]
     teachers += [SampledFutureTeacher(pool, k, args.horizon) for k in args.samples]
     rows_out = {"F1": {"avg_bsld": float(np.mean(f1)), "vs_f1": 1.0, "seconds": 0.0}}
-    print(f"\nteachers on the {len(episodes)} training episodes of the trace, no backfilling (avg bsld, ratio to F1)")
+    print(f"\nteachers on the {len(episodes)} training episodes of the trace, "
+          f"{'EASY' if args.backfill else 'no'} backfilling (avg bsld, ratio to F1)")
     print(f"  {'F1':40s} {np.mean(f1):8.1f}  1.000")
     for teacher in teachers:
         began = time.perf_counter()
-        bsld = [sequence_metrics(teacher_episode(jobs, workload.max_procs, teacher, WINDOW, order="F1")[0]).avg_bsld
+        bsld = [sequence_metrics(teacher_episode(jobs, workload.max_procs, teacher, WINDOW, args.backfill,
+                                                   order="F1")[0]).avg_bsld
                 for jobs in episodes]
         name = "true future (the pipeline's), h=128" if isinstance(teacher, LookaheadTeacher) else teacher.name
         rows_out[name] = {"avg_bsld": float(np.mean(bsld)), "vs_f1": float(np.mean(bsld) / np.mean(f1)),
                           "seconds": time.perf_counter() - began}
         print(f"  {name:40s} {np.mean(bsld):8.1f}  {np.mean(bsld) / np.mean(f1):.3f}  "
               f"({rows_out[name]['seconds']:.0f} s)")
-    write_results("teacher_learnability", {"cpu": cpu_facts(), "trace": args.trace, "learnability": learned,
-                                                 "teachers": rows_out, "build_sft": report})
+    name = "teacher_learnability" + ("_easy" if args.backfill else "")
+    write_results(name, {"cpu": cpu_facts(), "trace": args.trace, "backfill": args.backfill,
+                         "learnability": learned, "teachers": rows_out, "build_sft": report})
 
 
 if __name__ == "__main__":
