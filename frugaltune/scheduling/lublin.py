@@ -148,7 +148,8 @@ def lublin_workload(n_jobs: int, max_procs: int, seed: int | Sequence[int] = 0,
                     params: LublinParams = LublinParams()) -> Workload:
     """`n_jobs` jobs of the Lublin-Feitelson model for a machine of `max_procs` processors, reproducible from `seed`
     (see the module docstring): an integer, or a sequence of them (numpy's SeedSequence entropy, so the training
-    episodes' seed pairs never give the stream of an evaluation workload's single-integer seed). Submit times are whole seconds, the first job's is its first inter-arrival."""
+    episodes' seed pairs never give the stream of an evaluation workload's single-integer seed). Submit times are
+    whole seconds, the first job's is its first inter-arrival."""
     if n_jobs < 1 or max_procs < 2:
         raise ValueError(f"lublin_workload needs n_jobs >= 1 and max_procs >= 2 (the model sizes parallel jobs in "
                          f"log2 of the machine); got n_jobs={n_jobs}, max_procs={max_procs}.")

@@ -103,10 +103,12 @@ def encode_state(state: SchedulerState, max_running: int = 4, order: str = "queu
     return "\n".join(lines)
 
 
-def rollout_cost(sim: Simulator, first: Job, policy: ScorePolicy, horizon: int, tau: float = BSLD_TAU) -> float:
+def rollout_cost(sim: Simulator, first: Job, policy: ScorePolicy, horizon: int, tau: float = BSLD_TAU,
+                 future: Sequence[Job] | None = None) -> float:
     """Summed bounded slowdown of the jobs a rollout schedules: `first` committed now, then `policy`, admitting
-    `horizon` more arrivals. Jobs that started before the decision add the same amount to every candidate."""
-    trial = sim.clone(future_arrivals=horizon)
+    `horizon` more arrivals, or the jobs of `future` instead of the true ones (`Simulator.clone`). Jobs that
+    started before the decision add the same amount to every candidate."""
+    trial = sim.clone(future_arrivals=horizon) if future is None else sim.clone(future=future)
     trial.commit(first, "rollout")
     trial.run_to_end(policy)
     n = trial.arrival_limit
