@@ -178,8 +178,9 @@ class ProbeParams(Section):
         "machine's memory and time constants (an ETA needs it); false = analytic estimates only."
     )
     calibration_steps: int = Field(
-        4, ge=2, le=20, description="Micro-batches of the run the calibration times, twice each: the smallest (its "
-        "first step is the warm-up), evenly spaced sizes and the run's largest part."
+        3, ge=2, le=20, description="Micro-batches of the run the calibration times: the smallest (its first step "
+        "is the warm-up), evenly spaced sizes and the run's largest part, smallest first (the memory fit); then again "
+        "under the peak (the time fit), all but the largest when two or more are left."
     )
 
 

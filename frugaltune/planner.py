@@ -21,9 +21,9 @@ Memory model (bytes; per device: CPU RAM, or each GPU's memory):
 - runtime: the interpreter, torch and transformers (0.55 GiB on CPU before calibration; + 0.5 GiB CUDA context
   on a GPU).
 
-Calibration (`calibrate`) runs a few real training steps of the configured method at two micro-batch sizes, each
-in a fresh subprocess (a clean peak RSS), and fits `peak = static + per_sequence x batch` and
-`step_time = overhead + per_token x tokens`. The memory fit rescales the activation constant and replaces the
+Calibration (`calibrate`) runs a few of the run's own micro-batches through the train stage's loop with the
+configured method, in a fresh process started early (a clean peak RSS; its imports overlap the planner's own work),
+and fits `peak = static + per_token x part tokens` and `step_time = overhead + per_token x tokens`. The memory fit rescales the activation constant and replaces the
 runtime constant; the time fit turns the run's exact padded-token count into an ETA, plus a one-time startup: what
 the first step at the peak shape costs beyond a warm one (page faults for the memory the run keeps; on a 20-step
 run it is a fifth of the time, on the default 178-step run ~3%). Calibration runs on the training process's malloc
@@ -56,6 +56,10 @@ CUDA_CONTEXT_BYTES = int(0.5 * GiB)
 NF4_BLOCK = 64
 HEADROOM = 0.9  # plan to use at most this share of the memory limit: the OS and page cache need the rest
 TRAINED_METHODS = ("full", "lora", "qlora", "prelayer", "dora")
+# The order the calibration times the methods it was not configured with, while its budget lasts: those whose
+# training FLOPs (the fallback) are furthest from their measured cost first (docs/DECISIONS.md, "A calibration
+# under a tenth of the run").
+TIMING_ORDER = ("full", "prelayer", "qlora", "dora", "lora")
 ADAPTER_METHODS = ("lora", "qlora", "dora")
 # Training FLOPs per token relative to the matmul parameter count N: forward 2N, backward 2N for the input
 # gradients, +2N for weight gradients when every weight trains.
@@ -166,6 +170,8 @@ class Constants:
     # Each other method's step time relative to the calibrated one's, timed on the same micro-batch in the same
     # process (calibrate's `others`); a method missing here is scaled by its training FLOPs per token instead.
     method_cost: dict[str, float] = field(default_factory=dict)
+    # why a method the calibration was asked to time has no cost: its budget was spent, or it could not be built
+    not_timed: dict[str, str] = field(default_factory=dict)
     source: str = "analytic defaults (not calibrated)"
 
 
@@ -245,6 +251,7 @@ def _calibration_point(spec: dict) -> dict:
     peak RSS so far."""
     import resource
 
+    began = time.perf_counter()
     import torch
     from torch._dynamo.utils import counters
 
@@ -265,6 +272,7 @@ def _calibration_point(spec: dict) -> dict:
 
     model = build()
     loaded_rss = peak()
+    phases = {"build_s": time.perf_counter() - began}
     int8 = apply_int8(model, spec["int8"], spec["method"])
     cfg = LoopConfig(**{**spec["loop"], "checkpoint_dir": None, "resume": False, "max_steps": None, "grad_accum": 1,
                         "log_every": 1, "warmup_ratio": 0.0})
@@ -276,6 +284,7 @@ def _calibration_point(spec: dict) -> dict:
     train_classifier(model, rows, targets, cfg, spec["pad_token_id"], progress=False, batches=batches,
                      on_log=lambda record: marks.append((record["elapsed_s"], peak(), compiled())))
     busy = (time.process_time() - cpu_start) / max((time.perf_counter() - wall_start) * spec["threads"], 1e-9)
+    phases["steps_s"] = time.perf_counter() - wall_start
     inference = []
     if data.get("inference") and not spec.get("batches"):  # forward passes, as evaluation runs them
         from frugaltune.training.loop import predict
@@ -294,40 +303,54 @@ def _calibration_point(spec: dict) -> dict:
     others = {}
     if spec.get("others") and not spec.get("batches"):
         model = evaluated = None  # noqa: F841 (their memory goes before the other methods are built)
-        under_peak = sorted(step["seconds"] for step in steps[len(steps) // 2:])
-        step_s = under_peak[len(under_peak) // 2]  # the median step under the peak: about the run's mean step
+        # the ETA as calibrate will make it: the line under the peak over the run's steps, and the start-up (what
+        # the first pass paid beyond that line)
+        first, tokens = spec["first_pass"], spec["runs_tokens"]
+        overhead, per_token = _fit_line([(float(t), s["seconds"]) for t, s in zip(tokens[first:], steps[first:])])
         budget = None
-        if spec.get("others_share") is not None:  # what timing them may cost: a share of the run the plan plans
-            budget = spec["others_share"] * spec["run_steps"] * step_s
-        others = _time_other_methods(spec, build, rows, targets, cfg, step_s, budget)
-    return {"loaded_rss_bytes": loaded_rss, "steps": steps, "int8_products": bool(int8["on"]),
+        if spec.get("others_share") is not None:  # the calibration as a whole may cost this share of the run
+            startup = sum(max(0.0, s["seconds"] - overhead - per_token * t) for t, s in zip(tokens, steps[:first]))
+            run_s = startup + spec["run_steps"] * overhead + spec["run_tokens"] * per_token
+            budget = spec["others_share"] * run_s - (time.time() - spec["sent_at"])  # since the planner's wait began
+        mark = time.perf_counter()
+        others = _time_other_methods(spec, build, rows, targets, cfg, overhead + per_token * spec["others_tokens"],
+                                     budget)
+        phases["others_s"] = time.perf_counter() - mark
+    phases["total_s"] = time.perf_counter() - began
+    phases = {k: round(v, 2) for k, v in phases.items()}
+    return {"phases": phases, "loaded_rss_bytes": loaded_rss, "steps": steps, "int8_products": bool(int8["on"]),
             "cpu_share": round(busy, 3), "allocator": allocator.active(), "inference_seconds": inference,
             "others": others}
 
 
 def _time_other_methods(spec: dict, build, rows: list, targets: list, cfg, step_s: float,
                         budget_s: float | None) -> dict:
-    """Each method in `spec["others"]` built as its training builds it (its knobs, its int8 decision) and timed on
-    one of the run's micro-batches (`spec["others_batch"]`, a calibrated one). A method that cannot be built for
-    this task is reported with its error, not timed; one that the calibration's budget (`budget_s` seconds left,
-    None: no bound) cannot pay for, about four of the calibrated method's steps (`step_s`), is reported skipped."""
+    """Each method in `spec["others"]`, in that order, built as its training builds it (its knobs, its int8
+    decision) and timed on rows of one of the run's micro-batches (`spec["others_batch"]`, about `step_s` seconds a
+    step for the calibrated method). A method that cannot be built for this task is reported with its error, not
+    timed; one that the calibration's budget (`budget_s` seconds left, None: no bound) cannot pay for, as much as
+    the dearest method timed so far (before the first: four steps), is reported skipped."""
     import gc
 
     from frugaltune.training.loop import train_classifier
     from frugaltune.training.setup import apply_int8
 
-    timed = {}
+    timed: dict[str, dict] = {}
     batch = spec["others_batch"]
-    # The warm-up step runs two of the batch's rows: it allocates the method's gradients and optimizer state and
-    # touches its kernels at a fraction of a full step's price (the calibration should cost little of the run).
-    # Then the batch twice, the faster kept: one step alone read the machine's noise and a new model's first
-    # full-size step (docs/DECISIONS.md, "Each method its own ETA").
+    costs: list[float] = []  # what each method timed so far cost, its build included
+    # The warm-up step runs two of the rows: it allocates the method's gradients and optimizer state and touches
+    # its kernels at a fraction of a full step's price. Then the rows twice, the faster kept: one step alone read
+    # the machine's noise, and a new model's first step into pages the process does not have yet can take twice
+    # its second (docs/DECISIONS.md, "Each method its own ETA", "A calibration under a tenth of the run").
     for other in spec["others"]:
         seconds: list[float] = []
         began = time.perf_counter()
-        if budget_s is not None and budget_s < 4 * step_s:
-            timed[other["method"]] = {"skipped": f"the budget for timing other methods ({spec['others_share']:.0%} "
-                                                 "of the run) is spent"}
+        # what this method may cost, before it is built: as much as the dearest timed so far (a bound, not a guess:
+        # the mean let the calibration overrun its share), before the first four of the calibrated method's steps
+        expected = max(costs) if costs else 4 * step_s
+        if budget_s is not None and budget_s < expected:
+            timed[other["method"]] = {"skipped": f"the calibration's budget ({spec['others_share']:.0%} of the run) "
+                                                 "is spent"}
             continue
         try:
             model = build({"method": other["method"], "knobs": other["knobs"]})
@@ -335,8 +358,10 @@ def _time_other_methods(spec: dict, build, rows: list, targets: list, cfg, step_
             train_classifier(model, rows, targets, cfg, spec["pad_token_id"], progress=False,
                              batches=[batch[:2], batch, batch],
                              on_log=lambda record: seconds.append(record["elapsed_s"]))
-            timed[other["method"]] = {"seconds": min(seconds[1] - seconds[0], seconds[2] - seconds[1]),
-                                      "steps_s": [round(seconds[1] - seconds[0], 4), round(seconds[2] - seconds[1], 4)]}
+            steps_s = [round(b - a, 4) for a, b in zip(seconds, seconds[1:])]
+            timed[other["method"]] = {"seconds": min(steps_s), "steps_s": steps_s,
+                                      "total_s": round(time.perf_counter() - began, 2)}
+            costs.append(time.perf_counter() - began)
         except Exception as error:  # noqa: BLE001 -- e.g. a method this task does not support: no figure for it
             timed[other["method"]] = {"error": f"{type(error).__name__}: {error}"[:300]}
         model = None
@@ -346,16 +371,49 @@ def _time_other_methods(spec: dict, build, rows: list, targets: list, cfg, step_
     return timed
 
 
-def _run_point(spec: dict, timeout_s: float) -> dict:
-    from frugaltune import allocator
+class CalibrationWorker:
+    """The fresh process the calibration's steps run in: a clean peak RSS, on the training process's malloc
+    (`train.allocator`: RSS depends on it as much as on the tensors). Started before the plan needs it, it imports
+    torch, transformers and peft (seconds of one core) while the planner reads the data and builds its shapes on
+    the other, then reads its spec from stdin; `run` hands it the spec and returns what it measured."""
 
-    # The training process's malloc (train.allocator): RSS depends on it as much as on the tensors.
-    proc = subprocess.run([sys.executable, "-m", "frugaltune.planner", "--calibration-point", json.dumps(spec)],
-                          capture_output=True, text=True, timeout=timeout_s,
-                          env={**allocator.child_env(spec.get("allocator", "auto")), "TQDM_DISABLE": "1"})
-    if proc.returncode != 0:
-        raise RuntimeError(f"calibration of {spec['method']} failed:\n{proc.stderr[-2000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    def __init__(self, allocator_choice: str = "auto"):
+        from frugaltune import allocator
+
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "frugaltune.planner", "--calibration-worker"], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**allocator.child_env(allocator_choice), "TQDM_DISABLE": "1"})
+
+    def run(self, spec: dict, timeout_s: float) -> dict:
+        try:
+            out, err = self.process.communicate(json.dumps(spec), timeout=timeout_s)
+        finally:
+            self.close()
+        if self.process.returncode != 0:
+            raise RuntimeError(f"calibration of {spec['method']} failed:\n{err[-2000:]}")
+        return json.loads(out.strip().splitlines()[-1])
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.communicate()
+
+
+def _worker_main() -> None:
+    """`python -m frugaltune.planner --calibration-worker`: import first, then wait for the spec on stdin."""
+    began = time.perf_counter()
+    import torch  # noqa: F401 -- what the steps need, imported before the spec arrives
+
+    from frugaltune.training import loop, methods, setup  # noqa: F401
+    imported = time.perf_counter()
+    spec = json.loads(sys.stdin.read())
+    point = _calibration_point(spec)
+    # imports_s: paid before the spec arrived, beside the planner's own work; waited_s: how long the worker then
+    # waited for it (0: the planner waited for the imports instead)
+    point["phases"].update(imports_s=round(imported - began, 2), waited_s=round(time.perf_counter() - imported
+                                                                               - point["phases"]["total_s"], 2))
+    print(json.dumps(point))
 
 
 def calibration_batches(order: list[list[int]], lengths: list[int], part_tokens, time_samples: int) -> list[int]:
@@ -419,7 +477,9 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
               int8: dict, gradient_checkpointing: bool, threads: int, seed: int = 0, time_samples: int = 6,
               timeout_s: float = 900, allocator: str = "auto", task: str = "classification",
               inference_rows: list[list[int]] | None = None, inference_batch: int = 32,
-              others: list[dict] | None = None, others_share: float | None = 0.1) -> tuple[Constants, dict]:
+              others: list[dict] | None = None, others_share: float | None = 0.1,
+              worker: CalibrationWorker | None = None,
+              planned: tuple[int, int] | None = None) -> tuple[Constants, dict]:
     """Time the train stage's own loop on this machine over a few of the run's own micro-batches and fit the
     memory and time constants.
 
@@ -429,10 +489,10 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
     (`allocator`). One fresh process runs them (calibration_batches): its first step is the run's one-time
     warm-up (timed again in a second process when it compiled graphs afresh: the run finds them in inductor's
     cache); the sampled sizes, smallest first, give the peak RSS after each step, which fits
-    `peak = static + per_token x part tokens`; run a second time under that peak they fit
-    `step = overhead + per_token x padded tokens`, and what the first pass paid beyond that is the run's start-up.
-    The largest part's second run, after smaller ones, finds the heap in pieces and may place its activations anew,
-    as the run's does (docs/DECISIONS.md): the peak the plan keeps is the process's over both passes.
+    `peak = static + per_token x part tokens`; run a second time under that peak (all but the largest, when two or
+    more are left) they fit `step = overhead + per_token x padded tokens`, and what the first pass paid beyond that
+    is the run's start-up. The peak the plan keeps is the process's over both passes. The process is `worker`
+    when given (a CalibrationWorker started early, its imports done beside the caller's work), else a new one.
 
     With `inference_rows` (an evaluation split) the same process then times the model's forward passes, as
     evaluation runs them (without int8 products), over a few of that split's evaluation batches (loop.predict,
@@ -441,12 +501,14 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
     evaluation rounds).
 
     `others` (each {"method", "knobs": MethodKnobs, "int8": its decision}): the same process then builds each of
-    those methods and times it on the sampled micro-batch nearest the run's mean step, twice (the faster kept),
-    after a two-row warm-up step;
-    its time over the calibrated method's fitted step on that micro-batch is its `Constants.method_cost`, so that
-    every method the plan lists gets an ETA measured here, not copied. Timing them costs at most `others_share` of
-    the run the plan plans (None: no bound), on top of the configured method's own calibration: a method that
-    share cannot pay for is skipped and keeps the FLOPs estimate, saying so.
+    those methods and times it on half the rows of the sampled micro-batch nearest the run's mean step, after a
+    two-row warm-up step, twice (the faster kept); its time over the calibrated method's on the same rows (the
+    faster of two at the end of its second pass) is its `Constants.method_cost`, so that
+    every method the plan lists gets an ETA measured here, not copied. The calibration as a whole, the configured
+    method's steps included, may cost `others_share` of the run the plan plans (None: no bound): the methods are
+    timed in `others`' order while that budget lasts, and one it cannot pay for keeps the FLOPs estimate, saying
+    so (`Constants.not_timed`). `planned`: the run's (steps, padded tokens) as the plan counts them for its ETA
+    (default: the micro-batches of `order` and all their padded tokens).
     """
     import tempfile
 
@@ -464,9 +526,26 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
     picks = calibration_batches(order, lengths, lambda batch: tokens(batch)["part_tokens"], time_samples)
     # The sampled sizes run twice: first smallest to largest, each raising the high-water mark (the memory fit's
     # points; each such step also pays for the pages it grows into), then again under the peak, as the run's steps
-    # mostly are: those second timings fit the per-token time.
-    runs = picks + picks
-    used = sorted({i for p in runs for i in order[p]})
+    # mostly are: those second timings fit the per-token time. The largest, the calibration's dearest step, runs
+    # again only when fewer than two other sizes are left to draw the line (docs/DECISIONS.md, "A calibration
+    # under a tenth of the run").
+    again = [p for p in picks if p != picks[-1]] if len(picks) > 2 else picks
+    runs = [order[p] for p in picks + again]  # each step's micro-batch (example indices of the run)
+    # The other methods are timed on the sampled micro-batch nearest the run's mean step: a method's cost against
+    # another's depends on the batch (full fine-tuning's optimizer step is fixed, its weight gradients grow with the
+    # tokens), and the ETA is the sum of the run's steps, which the mean step stands for. Half of its rows: a
+    # method's cost against the calibrated one's is a ratio of two steps on the same rows, and half the rows cost
+    # half. The calibrated method runs those rows twice too, at the end of its second pass: its own time on them,
+    # the faster of two next to the others', is what their costs are measured against (and two more points of
+    # the time fit).
+    typical_tokens = None  # the timed rows' tokens (calibrate's `tokens`), when others are timed
+    if others:
+        run_tokens = [tokens(batch)["padded_tokens"] for batch in order]
+        typical = min(picks, key=lambda p: abs(run_tokens[p] - sum(run_tokens) / len(order)))
+        timed_rows = order[typical][:max(2, math.ceil(len(order[typical]) / 2))]
+        typical_tokens = tokens(timed_rows)
+        runs += [timed_rows, timed_rows]
+    used = sorted({i for batch in runs for i in batch})
     index = {old: new for new, old in enumerate(used)}
     inference = None
     if inference_rows:
@@ -479,27 +558,26 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
                      "padded_tokens": [len(b) * max(widths[i] for i in b) for b in chosen]}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
         json.dump({"rows": [list(rows[i]) for i in used], "targets": [targets[i] for i in used],
-                   "batches": [[index[i] for i in order[p]] for p in runs], "inference": inference}, handle)
+                   "batches": [[index[i] for i in batch] for batch in runs], "inference": inference}, handle)
     spec = {"model_dir": str(model_dir), "labels": labels, "pad_token_id": pad_token_id, "seed": seed,
             "method": method, "knobs": asdict(knobs), "gradient_checkpointing": gradient_checkpointing,
             "threads": threads, "allocator": allocator, "task": task, "int8": int8, "rows_file": handle.name,
             "loop": {k: v for k, v in loop.items() if k != "checkpoint_dir"}}
-    # The other methods are timed on the sampled micro-batch nearest the run's mean step: a method's cost against
-    # another's depends on the batch (full fine-tuning's optimizer step is fixed, its weight gradients grow with the
-    # tokens), and the ETA is the sum of the run's steps, which the mean step stands for.
-    typical_tokens = None  # the timed micro-batch's tokens (calibrate's `tokens`), when others are timed
     if others:
-        mean_tokens = sum(tokens(batch)["padded_tokens"] for batch in order) / len(order)
-        typical = min(picks, key=lambda p: abs(tokens(order[p])["padded_tokens"] - mean_tokens))
-        typical_tokens = tokens(order[typical])
         spec["others"] = [{"method": o["method"], "knobs": asdict(o["knobs"]), "int8": o["int8"]} for o in others]
-        spec["others_batch"] = [index[i] for i in order[typical]]
-        spec.update(others_share=others_share, run_steps=len(order))
+        spec["others_batch"] = [index[i] for i in timed_rows]
+        spec.update(others_share=others_share, others_tokens=typical_tokens["padded_tokens"], first_pass=len(picks),
+                    runs_tokens=[tokens(batch)["padded_tokens"] for batch in runs],
+                    # the steps and padded tokens the plan's ETA counts (a causal LM's shared prefix once per part)
+                    run_steps=planned[0] if planned else len(order),
+                    run_tokens=planned[1] if planned else sum(run_tokens))
     started = time.perf_counter()
     try:
-        point = _run_point(spec, timeout_s)
-        steps = [{**step, **tokens(order[p]), "under_peak": n >= len(picks)}
-                 for n, (step, p) in enumerate(zip(point["steps"], runs))]
+        # sent_at: the wall clock (shared by both processes) when this process starts to wait, from which the
+        # worker counts what the calibration has cost
+        point = (worker or CalibrationWorker(allocator)).run({**spec, "sent_at": time.time()}, timeout_s)
+        steps = [{**step, **tokens(batch), "under_peak": n >= len(picks)}
+                 for n, (step, batch) in enumerate(zip(point["steps"], runs))]
         growing, again = steps[:len(picks)], steps[len(picks):]
         warm = growing[0]
         overhead, per_token_s = _fit_line([(s["padded_tokens"], s["seconds"]) for s in (again or growing[1:])])
@@ -512,7 +590,7 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
         startup_cold = max(0.0, warm["seconds"] - steady(warm)) + growth
         first = warm["seconds"]
         if warm.get("compiled_graphs"):
-            first = _run_point({**spec, "batches": 1}, timeout_s)["steps"][0]["seconds"]
+            first = CalibrationWorker(allocator).run({**spec, "batches": 1}, timeout_s)["steps"][0]["seconds"]
     finally:
         Path(handle.name).unlink(missing_ok=True)
     seconds = time.perf_counter() - started
@@ -531,12 +609,14 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
                                                gradient_checkpointing=gradient_checkpointing, knobs=knobs,
                                                constants=Constants(runtime_bytes=0)).items() if k != "peak")
     scale, runtime = fit_memory(points, static, per_token, point["loaded_rss_bytes"])
-    reference = steady(typical_tokens) if typical_tokens else 0.0
+    reference = min(s["seconds"] for s in steps[-2:]) if typical_tokens else 0.0
     method_cost = {m: round(t["seconds"] / reference, 3) for m, t in point["others"].items()
                    if "seconds" in t and reference > 0}
+    not_timed = {m: t.get("skipped") or t.get("error") or "no calibrated step to compare with"
+                 for m, t in point["others"].items() if m not in method_cost}
     constants = Constants(runtime_bytes=max(0, int(runtime)), activation_scale=round(scale, 4),
                           step_overhead_s=overhead, seconds_per_token=per_token_s, startup_s=round(startup, 3),
-                          calibrated_method=method, method_cost=method_cost,
+                          calibrated_method=method, method_cost=method_cost, not_timed=not_timed,
                           source=f"calibrated: the run's own loop over {len(steps)} of its micro-batches ({method}, "
                                  f"int8 products {'on' if point['int8_products'] else 'off'}, {threads} threads, "
                                  f"malloc {point['allocator']}) in {seconds:.0f} s")
@@ -547,9 +627,11 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
         fixed, per_token_inference = _fit_line([(float(t), s) for t, s in pairs])
         timed_inference = {"overhead_s": fixed, "seconds_per_token": per_token_inference, "threads": threads,
                            "batches": [{"padded_tokens": t, "seconds": round(s, 4)} for t, s in pairs]}
-    return constants, {"method": method, "steps": steps, "inference": timed_inference, "memory_points": points,
+    return constants, {"method": method, "phases": point["phases"], "steps": steps, "inference": timed_inference,
+                       "memory_points": points,
                        "others": {"padded_tokens": typical_tokens["padded_tokens"],
-                                  "calibrated_step_s": round(reference, 4), **point["others"]} if others else None,
+                                  "calibrated_step_s": round(reference, 4), "methods": point["others"]}
+                       if others else None,
                        "seconds": round(seconds, 1),
                        "loaded_rss_bytes": point["loaded_rss_bytes"], "bf16": bool(loop["bf16"]),
                        "allocator": point["allocator"], "gradient_checkpointing": gradient_checkpointing,
@@ -783,7 +865,9 @@ def plan_method(method: str, run: RunSpec, hardware: dict, shape: ModelShape, co
             eta_note = (f"the {calibrated} calibration x {factor:.2f}: a step of {method} timed here against one of "
                         f"{calibrated} on the same micro-batch")
         else:
-            eta_note = f"the {calibrated} calibration x {factor:.2f} (training FLOPs per token: {method} not timed)"
+            why = constants.not_timed.get(method, "not asked for")
+            eta_note = (f"the {calibrated} calibration x {factor:.2f} (training FLOPs per token: {method} not timed: "
+                        f"{why})")
     elif method == "none":
         eta, eta_note = 0.0, "nothing to train"
     grad_accum = run.grad_accum * split
@@ -959,16 +1043,32 @@ def build_plan(params: "Params", hardware: dict[str, Any], measured_precision: d
     Run from the project root. `measured_precision` is the `cpu` section of reports/kernels.json; the
     calibration steps run in the precision the plan chose, so the constants describe the run that will train.
     """
+    from frugaltune import paths
+
+    for needed, stage in ((paths.BASE_MODEL, "import_model"), (paths.TOKENIZED_DIR, "tokenize"),
+                          (paths.LABELS, "ingest")):
+        if not needed.exists():
+            raise FileNotFoundError(f"{needed} is missing: run `dvc repro {stage}` first (the plan needs it).")
+    run_calibration = params.probe.calibrate if run_calibration is None else run_calibration
+    # The calibration's process starts now: its imports run beside this function's own work (the data, the shapes,
+    # the machine's decisions) instead of after it. Closed unused when the run is not calibrated.
+    worker = CalibrationWorker(params.train.allocator) if run_calibration and params.train.method != "none" else None
+    try:
+        return _build_plan(params, hardware, measured_precision, run_calibration, memory_limit_gb, methods, log, worker)
+    finally:
+        if worker:
+            worker.close()
+
+
+def _build_plan(params: "Params", hardware: dict[str, Any], measured_precision: dict | None, run_calibration: bool,
+                memory_limit_gb: float | None, methods: tuple[str, ...] | None, log,
+                worker: CalibrationWorker | None) -> dict[str, Any]:
     from datasets import load_from_disk
 
     from frugaltune import paths
     from frugaltune.models import load_tokenizer
     from frugaltune.training import setup
 
-    for needed, stage in ((paths.BASE_MODEL, "import_model"), (paths.TOKENIZED_DIR, "tokenize"),
-                          (paths.LABELS, "ingest")):
-        if not needed.exists():
-            raise FileNotFoundError(f"{needed} is missing: run `dvc repro {stage}` first (the plan needs it).")
     labels = json.loads(paths.LABELS.read_text())["labels"]
     train_split = load_from_disk(str(paths.TOKENIZED_DIR))["train"]
     tokenizer = load_tokenizer(paths.BASE_MODEL)
@@ -988,7 +1088,6 @@ def build_plan(params: "Params", hardware: dict[str, Any], measured_precision: d
                              (some_shape.hidden, some_shape.intermediate), spec.threads, spec.ranks)
     draft = make_plan(spec, hardware, shapes, Constants(), limit_gb, measured_precision=measured_precision,
                       decided=decided)
-    run_calibration = params.probe.calibrate if run_calibration is None else run_calibration
     method = spec.method
     if not run_calibration or method == "none" or not draft["methods"][method]["fits"]:
         if run_calibration and method != "none":
@@ -998,7 +1097,7 @@ def build_plan(params: "Params", hardware: dict[str, Any], measured_precision: d
     loop = setup.loop_config(params, method=method, bf16=decided["bf16"], micro_batch_size=entry["micro_batch_size"],
                              eager_attention_max_len=decided["eager_attention_max_len"])
     log(f"plan: calibrating {method} in {entry['precision']}: the run's own loop over "
-        f"{params.probe.calibration_steps + 2} of its micro-batches at most ...")
+        f"{2 * params.probe.calibration_steps - 1} of its micro-batches at most ...")
     _, order = planned_order(lengths, spec.batch_size, spec.grad_accum, spec.epochs, spec.max_steps, spec.seed,
                              spec.group_by_length)
     constants, calibration = calibrate(
@@ -1010,7 +1109,9 @@ def build_plan(params: "Params", hardware: dict[str, Any], measured_precision: d
         # every other method the plan lists and memory allows, timed on one micro-batch: each gets its own ETA
         others=[{"method": m, "knobs": knobs.get(m, MethodKnobs()),
                  "int8": decided["int8"].get(m, {"on": False, "why": "not decided"})}
-                for m in methods if m not in ("none", method) and draft["methods"][m]["fits"]])
+                for m in sorted(methods, key=lambda m: TIMING_ORDER.index(m) if m in TIMING_ORDER else 0)
+                if m not in ("none", method) and draft["methods"][m]["fits"]],
+        worker=worker, planned=(entry["steps"], entry["padded_tokens"]))
     if calibration["busy_note"]:
         log(f"plan: {calibration['busy_note']}")
     plan = make_plan(spec, hardware, shapes, constants, limit_gb, calibration, measured_precision=measured_precision,
@@ -1055,11 +1156,10 @@ def _duration(seconds: float) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) == 2 and argv[0] == "--calibration-point":
-        spec = json.loads(argv[1])
-        print(json.dumps(_calibration_point(spec)))
+    if argv == ["--calibration-worker"]:
+        _worker_main()
         return
-    sys.exit("usage: frugaltune plan   (this module's own entry point is internal: --calibration-point SPEC)")
+    sys.exit("usage: frugaltune plan   (this module's own entry point is internal: --calibration-worker)")
 
 
 if __name__ == "__main__":

@@ -259,7 +259,8 @@ def test_gradient_checkpointing_gives_the_same_loss(tiny_model_dir):
 
 def test_calibration_times_the_runs_own_loop_and_gives_an_eta(tiny_model_dir):
     """The calibration runs training's own loop (LoopConfig, token cap) over the run's own micro-batches: the sampled
-    sizes smallest first (the smallest's first step is the warm-up) and the part that sets the peak last, twice."""
+    sizes smallest first (the smallest's first step is the warm-up) and the part that sets the peak last; then again
+    under the peak, all but the largest (the dearest step; two sizes are left for the time fit)."""
     from dataclasses import asdict
 
     from frugaltune.training.loop import LoopConfig
@@ -275,21 +276,24 @@ def test_calibration_times_the_runs_own_loop_and_gives_an_eta(tiny_model_dir):
         targets=[i % 3 for i in range(64)], order=order, loop=loop, int8={"on": False, "why": "test"},
         gradient_checkpointing=False, threads=1, time_samples=4)
     steps = calibration["steps"]
-    # the smallest (warm-up), two sizes between, the largest part; then all four again under the peak
-    assert len(steps) == 4 + 4
+    # the smallest (warm-up), two sizes between, the largest part; then the three smaller again under the peak
+    assert len(steps) == 4 + 3
     timed, again = steps[:4], steps[4:]
     assert timed[-1]["part_tokens"] == max(s["part_tokens"] for s in steps) <= 96
     assert all(s["seconds"] > 0 and s["peak_rss_bytes"] > 100 * 2**20 for s in steps)
     assert [s["padded_tokens"] for s in timed[:-1]] == sorted(s["padded_tokens"] for s in timed[:-1])
     assert timed[0]["padded_tokens"] == min(s["padded_tokens"] for s in steps)
-    assert [s["padded_tokens"] for s in again] == [s["padded_tokens"] for s in timed]
-    assert [s["under_peak"] for s in steps] == [False] * 4 + [True] * 4
+    assert [s["padded_tokens"] for s in again] == [s["padded_tokens"] for s in timed[:-1]]
+    assert [s["under_peak"] for s in steps] == [False] * 4 + [True] * 3
     # the peak kept for the largest part is the process's, over both passes
     assert calibration["memory_points"][-1][1] == max(s["peak_rss_bytes"] for s in steps)
     assert constants.seconds_per_token > 0 and constants.step_overhead_s >= 0 and constants.startup_s >= 0
     assert constants.runtime_bytes > 100 * 2**20  # a Python process with torch loaded
     assert constants.calibrated_method == "lora" and "the run's own loop" in constants.source
     assert calibration["allocator"] in ("mimalloc", "system") and 0 < calibration["cpu_share"] <= 1.5
+    # where the calibration's time went, the worker's imports among it (paid before the spec when started early)
+    assert {"imports_s", "waited_s", "build_s", "steps_s", "total_s"} <= set(calibration["phases"])
+    assert calibration["phases"]["imports_s"] > 0 and calibration["phases"]["steps_s"] > 0
     plan = planner.make_plan(run_spec("lora", lengths=lengths, seq_len=32), cpu_hardware(),
                              {"lora": shape, "full": planner.model_shape(tiny_model_dir, 3, "full")}, constants)
     lora, full = plan["methods"]["lora"], plan["methods"]["full"]
@@ -322,8 +326,16 @@ def test_every_method_the_plan_lists_gets_its_own_timed_estimate(tiny_model_dir)
         others_share=None)
     assert set(constants.method_cost) == {"prelayer", "full"}
     assert all(cost > 0 for cost in constants.method_cost.values())
+    # each timed twice on the same rows (the faster counts), against lora's own two steps on them at the end of
+    # its second pass
+    for method in ("prelayer", "full"):
+        timed = calibration["others"]["methods"][method]
+        assert len(timed["steps_s"]) == 2 and timed["seconds"] == min(timed["steps_s"])
+    last = calibration["steps"][-2:]
+    assert all(s["under_peak"] and s["padded_tokens"] == calibration["others"]["padded_tokens"] for s in last)
+    assert calibration["others"]["calibrated_step_s"] == pytest.approx(min(s["seconds"] for s in last), abs=1e-4)
     assert calibration["others"]["calibrated_step_s"] > 0 and calibration["others"]["padded_tokens"] > 0
-    assert "no_such_module" in calibration["others"]["dora"]["error"]
+    assert "no_such_module" in calibration["others"]["methods"]["dora"]["error"]
     methods = ("lora", "prelayer", "full", "dora")
     plan = planner.make_plan(run_spec("lora", lengths=lengths, seq_len=32, batch_size=8), cpu_hardware(),
                              {m: planner.model_shape(tiny_model_dir, 3, m) for m in methods}, constants)
@@ -332,7 +344,8 @@ def test_every_method_the_plan_lists_gets_its_own_timed_estimate(tiny_model_dir)
     assert prelayer["eta_seconds"] == pytest.approx(constants.startup_s + (lora["eta_seconds"] - constants.startup_s)
                                                     * cost, abs=0.1)
     assert "timed here" in prelayer["eta_note"] and f"x {cost:.2f}" in prelayer["eta_note"]
-    assert "not timed" in plan["methods"]["dora"]["eta_note"]  # FLOPs: the same as lora's, and it says why
+    # FLOPs: the same as lora's, and it says why
+    assert "not timed: " in plan["methods"]["dora"]["eta_note"] and "no_such_module" in plan["methods"]["dora"]["eta_note"]
     json.dumps(plan)
     # a calibration that already cost more than its share of this (tiny) run times no other method, and says so
     constants, calibration = planner.calibrate(
@@ -340,7 +353,8 @@ def test_every_method_the_plan_lists_gets_its_own_timed_estimate(tiny_model_dir)
         targets=[i % 3 for i in range(48)], order=order, loop=asdict(LoopConfig(lr=1e-3, batch_size=8)),
         int8=off, gradient_checkpointing=False, threads=1, time_samples=2,
         others=[{"method": "prelayer", "knobs": planner.MethodKnobs(), "int8": off}])
-    assert constants.method_cost == {} and "budget" in calibration["others"]["prelayer"]["skipped"]
+    assert constants.method_cost == {} and "budget" in calibration["others"]["methods"]["prelayer"]["skipped"]
+    assert "budget" in constants.not_timed["prelayer"]
 
 
 def test_the_memory_fit_keeps_the_largest_parts_measured_peak():
