@@ -305,12 +305,11 @@ def _calibration_point(spec: dict) -> dict:
         model = evaluated = None  # noqa: F841 (their memory goes before the other methods are built)
         # the ETA as calibrate will make it: the line under the peak over the run's steps, and the start-up (what
         # the first pass paid beyond that line)
-        first, tokens = spec["first_pass"], spec["runs_tokens"]
-        overhead, per_token = _fit_line([(float(t), s["seconds"]) for t, s in zip(tokens[first:], steps[first:])])
+        timed = [(float(t), s["seconds"]) for t, s in zip(spec["runs_tokens"], steps)]
+        overhead, per_token, excess = _step_line(timed[:spec["first_pass"]], timed[spec["first_pass"]:])
         budget = None
         if spec.get("others_share") is not None:  # the calibration as a whole may cost this share of the run
-            startup = sum(max(0.0, s["seconds"] - overhead - per_token * t) for t, s in zip(tokens, steps[:first]))
-            run_s = startup + spec["run_steps"] * overhead + spec["run_tokens"] * per_token
+            run_s = sum(excess) + spec["run_steps"] * overhead + spec["run_tokens"] * per_token
             budget = spec["others_share"] * run_s - (time.time() - spec["sent_at"])  # since the planner's wait began
         mark = time.perf_counter()
         others = _time_other_methods(spec, build, rows, targets, cfg, overhead + per_token * spec["others_tokens"],
@@ -452,6 +451,16 @@ def _fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
     return overhead, slope
 
 
+def _step_line(first_pass: list[tuple[float, float]], again: list[tuple[float, float]]
+               ) -> tuple[float, float, list[float]]:
+    """The calibration's time line from its (padded tokens, seconds) steps: `step = overhead + per_token x tokens`
+    fitted under the peak (`again`; the first pass after its warm-up step when there is none), and what each
+    first-pass step paid beyond it (its warm-up, its growth into new pages). Shared by `calibrate` and its worker,
+    which budgets the other methods against the same ETA."""
+    overhead, per_token = _fit_line(again or first_pass[1:])
+    return overhead, per_token, [max(0.0, s - overhead - per_token * t) for t, s in first_pass]
+
+
 def fit_memory(points: list[tuple[int, int]], static: float, per_token: float,
                loaded_rss: int) -> tuple[float, float]:
     """(activation scale, runtime bytes) from the calibration's (part tokens, peak RSS) points, smallest first:
@@ -545,6 +554,7 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
         timed_rows = order[typical][:max(2, math.ceil(len(order[typical]) / 2))]
         typical_tokens = tokens(timed_rows)
         runs += [timed_rows, timed_rows]
+    runs_tokens = [tokens(batch) for batch in runs]
     used = sorted({i for batch in runs for i in batch})
     index = {old: new for new, old in enumerate(used)}
     inference = None
@@ -567,7 +577,7 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
         spec["others"] = [{"method": o["method"], "knobs": asdict(o["knobs"]), "int8": o["int8"]} for o in others]
         spec["others_batch"] = [index[i] for i in timed_rows]
         spec.update(others_share=others_share, others_tokens=typical_tokens["padded_tokens"], first_pass=len(picks),
-                    runs_tokens=[tokens(batch)["padded_tokens"] for batch in runs],
+                    runs_tokens=[t["padded_tokens"] for t in runs_tokens],
                     # the steps and padded tokens the plan's ETA counts (a causal LM's shared prefix once per part)
                     run_steps=planned[0] if planned else len(order),
                     run_tokens=planned[1] if planned else sum(run_tokens))
@@ -576,18 +586,19 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
         # sent_at: the wall clock (shared by both processes) when this process starts to wait, from which the
         # worker counts what the calibration has cost
         point = (worker or CalibrationWorker(allocator)).run({**spec, "sent_at": time.time()}, timeout_s)
-        steps = [{**step, **tokens(batch), "under_peak": n >= len(picks)}
-                 for n, (step, batch) in enumerate(zip(point["steps"], runs))]
-        growing, again = steps[:len(picks)], steps[len(picks):]
+        steps = [{**step, **counted, "under_peak": n >= len(picks)}
+                 for n, (step, counted) in enumerate(zip(point["steps"], runs_tokens))]
+        growing = steps[:len(picks)]
         warm = growing[0]
-        overhead, per_token_s = _fit_line([(s["padded_tokens"], s["seconds"]) for s in (again or growing[1:])])
+        timed = [(s["padded_tokens"], s["seconds"]) for s in steps]
+        overhead, per_token_s, excess = _step_line(timed[:len(picks)], timed[len(picks):])
         steady = lambda step: overhead + per_token_s * step["padded_tokens"]  # noqa: E731
         # What the first pass paid beyond a step under the peak is paid once per run: the warm-up (page faults,
         # oneDNN's kernels for new shapes) and the growth to the peak. When the first step compiled graphs afresh,
         # the run will load them from inductor's cache instead: a second process runs the first step alone and
         # measures the start-up the run will pay.
-        growth = sum(max(0.0, s["seconds"] - steady(s)) for s in growing[1:])
-        startup_cold = max(0.0, warm["seconds"] - steady(warm)) + growth
+        growth = sum(excess[1:])
+        startup_cold = excess[0] + growth
         first = warm["seconds"]
         if warm.get("compiled_graphs"):
             first = CalibrationWorker(allocator).run({**spec, "batches": 1}, timeout_s)["steps"][0]["seconds"]
