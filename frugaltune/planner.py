@@ -172,6 +172,14 @@ class Constants:
     method_cost: dict[str, float] = field(default_factory=dict)
     # why a method the calibration was asked to time has no cost: its budget was spent, or it could not be built
     not_timed: dict[str, str] = field(default_factory=dict)
+    # Each other method's activations and logits relative to the calibrated method's: the bytes autograd saved for
+    # backward in one step on the same rows, in the same process (calibrate's `others`). Which tensors a method
+    # saves depends on which weights it trains (a frozen linear layer keeps no input for a weight gradient; a
+    # LoRA dropout keeps a copy), which the analytic per-token constant does not know.
+    activation_ratio: dict[str, float] = field(default_factory=dict)
+    # the calibrated method's analytic activations + logits per token, and its checkpointing: what a ratio scales
+    calibrated_per_token: float = 0.0
+    calibrated_checkpointing: bool = False
     source: str = "analytic defaults (not calibrated)"
 
 
@@ -209,6 +217,9 @@ def memory_estimate(shape: ModelShape, method: str, *, bf16: bool, micro_batch: 
     """Peak bytes by component for one device; `peak_tokens` = the largest micro-batch's sequences x length."""
     trains = method != "none"
     tokens = micro_batch * seq_len
+    ratio = constants.activation_ratio.get(method) if (
+        trains and method != constants.calibrated_method and constants.calibrated_per_token > 0
+        and gradient_checkpointing == constants.calibrated_checkpointing) else None
     parts = {
         "runtime": constants.runtime_bytes + (CUDA_CONTEXT_BYTES if device != "cpu" else 0),
         "weights": weight_bytes(shape, method, knobs),
@@ -221,6 +232,9 @@ def memory_estimate(shape: ModelShape, method: str, *, bf16: bool, micro_batch: 
         "logits": int((constants.activation_scale if trains else 1.0) * tokens
                       * logits_bytes_per_token(shape, trains)),
     }
+    if ratio is not None:  # measured against the calibrated method: what it saves per token, times the ratio
+        saved = constants.activation_scale * tokens * ratio * constants.calibrated_per_token
+        parts["activations"] = max(0, int(saved) - parts["logits"])
     parts["peak"] = sum(parts.values())
     return parts
 
@@ -245,6 +259,45 @@ def planned_batches(lengths: list[int], batch_size: int, grad_accum: int, epochs
 
 
 # ---------------------------------------------------------------------------------------------- calibration
+class _SavedBytes:
+    """The bytes autograd saves for backward in one training step: each storage once, the model's parameters and
+    buffers left out (a frozen weight kept for the input's gradient is not activation memory). `last_step_of(n)`
+    counts only the last of a train_classifier call's n steps, the hooks pushed from its on_log between two steps,
+    so that the steps timed before it run without them."""
+
+    def __init__(self, model):
+        import torch
+
+        self.excluded = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+        self.storages: dict[int, int] = {}
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda packed: packed)
+        self.steps, self.pushed = 0, False
+
+    def _pack(self, tensor):
+        try:
+            storage = tensor.untyped_storage()
+            pointer = storage.data_ptr()
+            if pointer and pointer not in self.excluded:
+                self.storages[pointer] = storage.nbytes()
+        except (RuntimeError, NotImplementedError):  # a tensor without a storage of its own: not counted
+            pass
+        return tensor.detach()  # not the tensor itself: a saved output would hold its own grad_fn in a cycle
+
+    def last_step_of(self, steps: int):
+        def on_log(_record: dict) -> None:
+            self.steps += 1
+            if self.steps == steps - 1:
+                self.hooks.__enter__()
+                self.pushed = True
+        return on_log
+
+    def total(self) -> int:
+        if self.pushed:
+            self.hooks.__exit__(None, None, None)
+            self.pushed = False
+        return sum(self.storages.values())
+
+
 def _calibration_point(spec: dict) -> dict:
     """Run in a fresh process (a clean peak RSS): the train stage's own loop (frugaltune.training.loop, the plan's
     LoopConfig and int8 decision) over the run's own micro-batches that `spec` names; per step its seconds and the
@@ -280,9 +333,20 @@ def _calibration_point(spec: dict) -> dict:
     # on this machine, the run's among them: counted per step so that the plan can tell a cold start from a warm one.
     compiled = lambda: counters["inductor"].get("fxgraph_cache_miss", 0)  # noqa: E731
     marks: list[tuple[float, int, int]] = []
+    # with other methods to compare: what this one saves for backward in its last step (their rows, see calibrate)
+    saved = _SavedBytes(model) if spec.get("others") and not spec.get("batches") else None
+    count = saved.last_step_of(len(batches)) if saved else lambda record: None
+
+    def on_log(record: dict) -> None:
+        marks.append((record["elapsed_s"], peak(), compiled()))
+        count(record)
+
     cpu_start, wall_start = time.process_time(), time.perf_counter()
-    train_classifier(model, rows, targets, cfg, spec["pad_token_id"], progress=False, batches=batches,
-                     on_log=lambda record: marks.append((record["elapsed_s"], peak(), compiled())))
+    try:
+        train_classifier(model, rows, targets, cfg, spec["pad_token_id"], progress=False, batches=batches,
+                         on_log=on_log)
+    finally:  # the hooks off before anything else runs in this process (the other methods' steps)
+        saved_bytes = saved.total() if saved else None
     busy = (time.process_time() - cpu_start) / max((time.perf_counter() - wall_start) * spec["threads"], 1e-9)
     phases["steps_s"] = time.perf_counter() - wall_start
     inference = []
@@ -319,7 +383,7 @@ def _calibration_point(spec: dict) -> dict:
     phases = {k: round(v, 2) for k, v in phases.items()}
     return {"phases": phases, "loaded_rss_bytes": loaded_rss, "steps": steps, "int8_products": bool(int8["on"]),
             "cpu_share": round(busy, 3), "allocator": allocator.active(), "inference_seconds": inference,
-            "others": others}
+            "others": others, "saved_bytes": saved_bytes}
 
 
 def _time_other_methods(spec: dict, build, rows: list, targets: list, cfg, step_s: float,
@@ -354,11 +418,20 @@ def _time_other_methods(spec: dict, build, rows: list, targets: list, cfg, step_
         try:
             model = build({"method": other["method"], "knobs": other["knobs"]})
             apply_int8(model, other["int8"], other["method"])
-            train_classifier(model, rows, targets, cfg, spec["pad_token_id"], progress=False,
-                             batches=[batch[:2], batch, batch],
-                             on_log=lambda record: seconds.append(record["elapsed_s"]))
+            saved = _SavedBytes(model)
+            count = saved.last_step_of(3)
+
+            def on_log(record: dict) -> None:
+                seconds.append(record["elapsed_s"])
+                count(record)
+
+            try:
+                train_classifier(model, rows, targets, cfg, spec["pad_token_id"], progress=False,
+                                 batches=[batch[:2], batch, batch], on_log=on_log)
+            finally:
+                saved_bytes = saved.total()
             steps_s = [round(b - a, 4) for a, b in zip(seconds, seconds[1:])]
-            timed[other["method"]] = {"seconds": min(steps_s), "steps_s": steps_s,
+            timed[other["method"]] = {"seconds": min(steps_s), "steps_s": steps_s, "saved_bytes": saved_bytes,
                                       "total_s": round(time.perf_counter() - began, 2)}
             costs.append(time.perf_counter() - began)
         except Exception as error:  # noqa: BLE001 -- e.g. a method this task does not support: no figure for it
@@ -625,9 +698,14 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
                    if "seconds" in t and reference > 0}
     not_timed = {m: t.get("skipped") or t.get("error") or "no calibrated step to compare with"
                  for m, t in point["others"].items() if m not in method_cost}
+    own_saved = point.get("saved_bytes") or 0
+    activation_ratio = {m: round(t["saved_bytes"] / own_saved, 3) for m, t in point["others"].items()
+                        if t.get("saved_bytes") and own_saved > 0}
     constants = Constants(runtime_bytes=max(0, int(runtime)), activation_scale=round(scale, 4),
                           step_overhead_s=overhead, seconds_per_token=per_token_s, startup_s=round(startup, 3),
                           calibrated_method=method, method_cost=method_cost, not_timed=not_timed,
+                          activation_ratio=activation_ratio, calibrated_per_token=per_token,
+                          calibrated_checkpointing=gradient_checkpointing,
                           source=f"calibrated: the run's own loop over {len(steps)} of its micro-batches ({method}, "
                                  f"int8 products {'on' if point['int8_products'] else 'off'}, {threads} threads, "
                                  f"malloc {point['allocator']}) in {seconds:.0f} s")
@@ -641,7 +719,8 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
     return constants, {"method": method, "phases": point["phases"], "steps": steps, "inference": timed_inference,
                        "memory_points": points,
                        "others": {"padded_tokens": typical_tokens["padded_tokens"],
-                                  "calibrated_step_s": round(reference, 4), "methods": point["others"]}
+                                  "calibrated_step_s": round(reference, 4), "calibrated_saved_bytes": own_saved,
+                                  "methods": point["others"]}
                        if others else None,
                        "seconds": round(seconds, 1),
                        "loaded_rss_bytes": point["loaded_rss_bytes"], "bf16": bool(loop["bf16"]),
@@ -881,6 +960,15 @@ def plan_method(method: str, run: RunSpec, hardware: dict, shape: ModelShape, co
                         f"{why})")
     elif method == "none":
         eta, eta_note = 0.0, "nothing to train"
+    calibrated = constants.calibrated_method
+    peak_note = None
+    if calibrated and method not in (calibrated, "none"):
+        ratio = constants.activation_ratio.get(method)
+        if ratio is not None and ckpt == constants.calibrated_checkpointing:
+            peak_note = (f"activations: {calibrated}'s x {ratio:.2f}, the bytes {method} saved for backward against "
+                         f"{calibrated}'s on the same rows here")
+        else:
+            peak_note = f"activations: {method}'s analytic bytes per token at {calibrated}'s measured scale"
     grad_accum = run.grad_accum * split
     reasons = []
     if method == "none":
@@ -912,6 +1000,7 @@ def plan_method(method: str, run: RunSpec, hardware: dict, shape: ModelShape, co
         "shared_prefix": run.shared_prefix if not ckpt else 0,
         "eta_seconds": None if eta is None else round(eta, 1 if eta >= 10 else 4),  # tiny test runs take ms
         "eta_note": eta_note,
+        "peak_note": peak_note,
         "trainable_params": shape.trainable_params,
         "total_params": shape.total_params,
         "why": "; ".join(reasons) if fits else _does_not_fit(method, tried, budget, limit_bytes),

@@ -346,6 +346,22 @@ def test_every_method_the_plan_lists_gets_its_own_timed_estimate(tiny_model_dir)
     assert "timed here" in prelayer["eta_note"] and f"x {cost:.2f}" in prelayer["eta_note"]
     # FLOPs: the same as lora's, and it says why
     assert "not timed: " in plan["methods"]["dora"]["eta_note"] and "no_such_module" in plan["methods"]["dora"]["eta_note"]
+    # what each saved for backward on the same rows, against lora's: prelayer's frozen linear layers keep no inputs
+    # for weight gradients, full's keep them all
+    ratio = constants.activation_ratio
+    assert set(ratio) == {"prelayer", "full"} and 0 < ratio["prelayer"] < ratio["full"]
+    assert calibration["others"]["calibrated_saved_bytes"] > 0
+    assert f"x {ratio['prelayer']:.2f}" in prelayer["peak_note"] and "analytic" in plan["methods"]["dora"]["peak_note"]
+    shape_prelayer = planner.model_shape(tiny_model_dir, 3, "prelayer")
+    estimate = planner.memory_estimate(shape_prelayer, "prelayer", bf16=False, micro_batch=4, seq_len=16,
+                                       gradient_checkpointing=False, constants=constants)
+    assert estimate["activations"] + estimate["logits"] == pytest.approx(
+        constants.activation_scale * 64 * ratio["prelayer"] * constants.calibrated_per_token, abs=2)
+    # measured without checkpointing: a checkpointed run keeps the analytic bytes
+    checkpointed = planner.memory_estimate(shape_prelayer, "prelayer", bf16=False, micro_batch=4, seq_len=16,
+                                           gradient_checkpointing=True, constants=constants)
+    assert checkpointed["activations"] == int(constants.activation_scale * 64 * planner.activation_bytes_per_token(
+        shape_prelayer, False, True))
     json.dumps(plan)
     # a calibration that already cost more than its share of this (tiny) run times no other method, and says so
     constants, calibration = planner.calibrate(
@@ -355,6 +371,23 @@ def test_every_method_the_plan_lists_gets_its_own_timed_estimate(tiny_model_dir)
         others=[{"method": "prelayer", "knobs": planner.MethodKnobs(), "int8": off}])
     assert constants.method_cost == {} and "budget" in calibration["others"]["methods"]["prelayer"]["skipped"]
     assert "budget" in constants.not_timed["prelayer"]
+
+
+def test_saved_bytes_count_the_last_step_alone_and_stop_counting_after_it():
+    """What a method saves for backward is counted in its last step only (each storage once, parameters left out),
+    and the hooks are off once counted: the calibration's other methods run in the same process after it."""
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    saved = planner._SavedBytes(model)
+    on_log = saved.last_step_of(3)
+    for step in range(3):
+        x = torch.randn(8 + step, 16)  # a different width each step: only the last one's is counted
+        model(x).sum().backward()
+        on_log({"step": step + 1})
+    # the last step (10 rows): the first layer's input, the tanh's output, the second layer's input (the same
+    # storage: counted once); the weights the products saved are the model's parameters and are not counted
+    assert saved.total() == 10 * 16 * 4 + 10 * 32 * 4
+    model(torch.randn(64, 16)).sum().backward()  # after it: the hooks are off
+    assert saved.total() == 10 * 16 * 4 + 10 * 32 * 4
 
 
 def test_the_memory_fit_keeps_the_largest_parts_measured_peak():
