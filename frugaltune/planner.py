@@ -182,6 +182,14 @@ class Constants:
     calibrated_checkpointing: bool = False
     source: str = "analytic defaults (not calibrated)"
 
+    def measured_ratio(self, method: str, gradient_checkpointing: bool) -> float | None:
+        """`method`'s measured activation ratio where it applies: a trained method other than the calibrated one,
+        planned with the calibration's checkpointing (None: its analytic bytes at the calibrated scale)."""
+        if (method in (self.calibrated_method, "none") or self.calibrated_per_token <= 0
+                or gradient_checkpointing != self.calibrated_checkpointing):
+            return None
+        return self.activation_ratio.get(method)
+
 
 def weight_bytes(shape: ModelShape, method: str, knobs: MethodKnobs = MethodKnobs()) -> int:
     if method != "qlora":
@@ -217,9 +225,7 @@ def memory_estimate(shape: ModelShape, method: str, *, bf16: bool, micro_batch: 
     """Peak bytes by component for one device; `peak_tokens` = the largest micro-batch's sequences x length."""
     trains = method != "none"
     tokens = micro_batch * seq_len
-    ratio = constants.activation_ratio.get(method) if (
-        trains and method != constants.calibrated_method and constants.calibrated_per_token > 0
-        and gradient_checkpointing == constants.calibrated_checkpointing) else None
+    ratio = constants.measured_ratio(method, gradient_checkpointing)
     parts = {
         "runtime": constants.runtime_bytes + (CUDA_CONTEXT_BYTES if device != "cpu" else 0),
         "weights": weight_bytes(shape, method, knobs),
@@ -279,7 +285,7 @@ class _SavedBytes:
             pointer = storage.data_ptr()
             if pointer and pointer not in self.excluded:
                 self.storages[pointer] = storage.nbytes()
-        except (RuntimeError, NotImplementedError):  # a tensor without a storage of its own: not counted
+        except NotImplementedError:  # a sparse tensor has no storage to count
             pass
         return tensor.detach()  # not the tensor itself: a saved output would hold its own grad_fn in a cycle
 
@@ -960,15 +966,13 @@ def plan_method(method: str, run: RunSpec, hardware: dict, shape: ModelShape, co
                         f"{why})")
     elif method == "none":
         eta, eta_note = 0.0, "nothing to train"
-    calibrated = constants.calibrated_method
+    calibrated, ratio = constants.calibrated_method, constants.measured_ratio(method, ckpt)
     peak_note = None
-    if calibrated and method not in (calibrated, "none"):
-        ratio = constants.activation_ratio.get(method)
-        if ratio is not None and ckpt == constants.calibrated_checkpointing:
-            peak_note = (f"activations: {calibrated}'s x {ratio:.2f}, the bytes {method} saved for backward against "
-                         f"{calibrated}'s on the same rows here")
-        else:
-            peak_note = f"activations: {method}'s analytic bytes per token at {calibrated}'s measured scale"
+    if ratio is not None:
+        peak_note = (f"activations: {calibrated}'s x {ratio:.2f}, the bytes {method} saved for backward against "
+                     f"{calibrated}'s on the same rows here")
+    elif calibrated and method not in (calibrated, "none"):
+        peak_note = f"activations: {method}'s analytic bytes per token at {calibrated}'s measured scale"
     grad_accum = run.grad_accum * split
     reasons = []
     if method == "none":

@@ -388,6 +388,14 @@ def test_saved_bytes_count_the_last_step_alone_and_stop_counting_after_it():
     assert saved.total() == 10 * 16 * 4 + 10 * 32 * 4
     model(torch.randn(64, 16)).sum().backward()  # after it: the hooks are off
     assert saved.total() == 10 * 16 * 4 + 10 * 32 * 4
+    # a sparse operand, saved for the dense one's gradient, has no storage: not counted, and backward still runs
+    sparse = torch.sparse_coo_tensor(torch.tensor([[0, 1], [1, 0]]), torch.tensor([1.0, 2.0]), (2, 2))
+    dense = torch.randn(2, 3, requires_grad=True)
+    counter = planner._SavedBytes(torch.nn.Linear(1, 1))
+    with counter.hooks:
+        product = torch.sparse.mm(sparse, dense)
+    product.sum().backward()
+    assert counter.total() == 0 and dense.grad is not None
 
 
 def test_the_memory_fit_keeps_the_largest_parts_measured_peak():
