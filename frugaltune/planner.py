@@ -12,7 +12,10 @@ Memory model (bytes; per device: CPU RAM, or each GPU's memory):
 - weights: 4 bytes/param (fp32 master weights; bf16 autocast keeps them fp32). QLoRA: the decoder's linear weights
   in NF4, 0.5 byte/param plus the quantization constants: one absmax per 64-weight block, stored as 1 byte with
   double quantization (+ one fp32 per 256 blocks), else 4 bytes. Embeddings, norms and the head stay fp32.
-- gradients: 4 bytes per trainable param; AdamW: 8 bytes per trainable param.
+- gradients: 4 bytes per trainable param; AdamW: 8 bytes per trainable param. A part alone in its optimizer step
+  (no accumulation) starts backward with no gradients and frees each layer's saved tensors as it allocates that
+  layer's weight gradients: its peak holds the larger of gradients and activations + logits, not their sum (full
+  fine-tuning's 4 bytes per weight; an adapter's gradients are small either way).
 - activations, saved for backward, per token per decoder layer (llama-style block, RMSNorm + GQA + gated MLP):
   `16 h + 5 i` values (h hidden, i intermediate), plus `h + r` per LoRA-adapted module (dropout output + A
   output), plus `h` per DoRA module; 2 bytes each under bf16 autocast, 4 in fp32. Gradient checkpointing keeps
@@ -221,8 +224,14 @@ def logits_bytes_per_token(shape: ModelShape, trains: bool = True) -> float:
 
 def memory_estimate(shape: ModelShape, method: str, *, bf16: bool, micro_batch: int, seq_len: int,
                     gradient_checkpointing: bool, constants: Constants = Constants(), device: str = "cpu",
-                    knobs: MethodKnobs = MethodKnobs()) -> dict[str, int]:
-    """Peak bytes by component for one device; `peak_tokens` = the largest micro-batch's sequences x length."""
+                    knobs: MethodKnobs = MethodKnobs(), gradients_overlap: bool = False) -> dict[str, int]:
+    """Peak bytes by component for one device, for a part of `micro_batch` sequences x `seq_len` tokens.
+
+    `gradients_overlap`: that part is the only one of its optimizer step (no accumulation over parts or steps, one
+    rank), so its backward starts with no gradients and frees each layer's saved tensors as it allocates that
+    layer's weight gradients: the peak holds the larger of the two, not their sum, and `gradients` counts only what
+    they add beyond the activations and logits (full fine-tuning's 4 bytes per weight; an adapter's are small).
+    Otherwise a later part's backward runs with the whole step's gradients already allocated."""
     trains = method != "none"
     tokens = micro_batch * seq_len
     ratio = constants.measured_ratio(method, gradient_checkpointing)
@@ -241,6 +250,8 @@ def memory_estimate(shape: ModelShape, method: str, *, bf16: bool, micro_batch: 
     if ratio is not None:  # measured against the calibrated method: what it saves per token, times the ratio
         saved = constants.activation_scale * tokens * ratio * constants.calibrated_per_token
         parts["activations"] = max(0, int(saved) - parts["logits"])
+    if gradients_overlap and trains:
+        parts["gradients"] = max(0, parts["gradients"] - parts["activations"] - parts["logits"])
     parts["peak"] = sum(parts.values())
     return parts
 
@@ -695,10 +706,16 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
     # what grows with a part's tokens: the activations saved for backward and the logits (a causal LM's are large)
     per_token = (activation_bytes_per_token(shape, bool(loop["bf16"]), gradient_checkpointing)
                  + logits_bytes_per_token(shape))
-    static = sum(v for k, v in memory_estimate(shape, method, bf16=bool(loop["bf16"]), micro_batch=0, seq_len=1,
-                                               gradient_checkpointing=gradient_checkpointing, knobs=knobs,
-                                               constants=Constants(runtime_bytes=0)).items() if k != "peak")
+    fixed = memory_estimate(shape, method, bf16=bool(loop["bf16"]), micro_batch=0, seq_len=1,
+                            gradient_checkpointing=gradient_checkpointing, knobs=knobs,
+                            constants=Constants(runtime_bytes=0))
+    # Each calibration step is one part (no accumulation): its gradients overlap the activations backward frees
+    # (memory_estimate's gradients_overlap), so the peaks grow from weights + optimizer state alone, unless the
+    # gradients are the larger (full fine-tuning on short parts), when the peaks stand on them.
+    static = fixed["peak"] - fixed["gradients"]
     scale, runtime = fit_memory(points, static, per_token, point["loaded_rss_bytes"])
+    if scale * per_token * points[-1][0] < fixed["gradients"]:
+        scale, runtime = fit_memory(points, fixed["peak"], per_token, point["loaded_rss_bytes"])
     reference = min(s["seconds"] for s in steps[-2:]) if typical_tokens else 0.0
     method_cost = {m: round(t["seconds"] / reference, 3) for m, t in point["others"].items()
                    if "seconds" in t and reference > 0}
@@ -926,12 +943,21 @@ def plan_method(method: str, run: RunSpec, hardware: dict, shape: ModelShape, co
     for ckpt in ckpt_options:
         for micro in micro_options:
             split = math.ceil(run.batch_size / micro)
-            # each rank computes its share of a batch (every ranks-th sequence), in parts as the loop splits it
-            worst = max(((part_rows(math.ceil(rows / run.ranks), longest, split, run.micro_batch_tokens), longest)
-                         for rows, longest in batches_or_cap), key=lambda part: part[0] * part[1])
-            est = memory_estimate(shape, method, bf16=bf16, micro_batch=worst[0], seq_len=worst[1],
-                                  gradient_checkpointing=ckpt, constants=constants, device=devices[0]["kind"],
-                                  knobs=knobs)
+            # Every distinct part the loop runs: (rows, length, alone in its optimizer step), each rank computing its
+            # share of a batch (every ranks-th sequence) in parts as the loop splits it. A part alone in its
+            # step has backward's gradients replace the activations it frees (memory_estimate), so the peak is the
+            # largest estimate over them, not always the largest part's.
+            kinds = set()
+            for rows, longest in batches_or_cap:
+                mine = math.ceil(rows / run.ranks)
+                part = part_rows(mine, longest, split, run.micro_batch_tokens)
+                kinds.add((part, longest, run.grad_accum == 1 and run.ranks == 1 and part >= mine))
+            estimates = {kind: memory_estimate(shape, method, bf16=bf16, micro_batch=kind[0], seq_len=kind[1],
+                                               gradient_checkpointing=ckpt, constants=constants,
+                                               device=devices[0]["kind"], knobs=knobs, gradients_overlap=kind[2])
+                         for kind in kinds}
+            worst = max(estimates, key=lambda kind: (estimates[kind]["peak"], kind[0] * kind[1]))
+            est = estimates[worst]
             tried.append((micro, ckpt, est["peak"] * host_ranks))
             if est["peak"] * host_ranks <= budget:
                 chosen = (micro, ckpt, est)

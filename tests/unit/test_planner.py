@@ -77,6 +77,31 @@ def test_memory_model_orders_qlora_below_lora_below_full_and_checkpointing_saves
     assert bf16["activations"] < peak["lora"]["activations"]
 
 
+def test_gradients_of_a_part_alone_in_its_step_overlap_the_activations_backward_frees():
+    """Backward frees each layer's saved tensors as it allocates that layer's weight gradients: a part alone in its
+    optimizer step peaks at the larger of the two; a part after another of its step (accumulation) at their sum."""
+    full = shapes(smollm2_config(), ("full",))["full"]
+    kw = dict(bf16=False, seq_len=64, gradient_checkpointing=False)
+    for micro in (16, 1):  # activations above the gradients, then below them
+        summed = planner.memory_estimate(full, "full", micro_batch=micro, **kw)
+        alone = planner.memory_estimate(full, "full", micro_batch=micro, gradients_overlap=True, **kw)
+        held = summed["activations"] + summed["logits"]
+        assert alone["peak"] == summed["peak"] - min(summed["gradients"], held)
+        assert alone["peak"] - summed["runtime"] - summed["weights"] - summed["optimizer"] == max(
+            held, summed["gradients"])
+    # The plan: 16 rows of 64 alone in their step, whose activations outweigh the gradients; under a 512-token cap
+    # the same batch runs as two parts of 8, the second with all of the step's gradients allocated.
+    lengths = [64] * 32
+    alone = planner.make_plan(run_spec("full", lengths=lengths, micro_batch_tokens=1024), cpu_hardware(24),
+                              shapes(smollm2_config()), planner.Constants())["methods"]["full"]
+    split = planner.make_plan(run_spec("full", lengths=lengths, micro_batch_tokens=512), cpu_hardware(24),
+                              shapes(smollm2_config()), planner.Constants())["methods"]["full"]
+    assert alone["largest_batch"] == {"sequences": 16, "length": 64}
+    assert split["largest_batch"] == {"sequences": 8, "length": 64}
+    assert alone["components_mb"]["gradients"] == 0
+    assert split["components_mb"]["gradients"] == round(4 * full.trainable_params / MiB, 1)
+
+
 def test_nf4_weights_are_about_an_eighth_of_fp32_for_the_linear_layers():
     shape = shapes(smollm2_config(), ("qlora",))["qlora"]
     rest = shape.total_params - shape.quantizable_params
