@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -26,12 +27,31 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
-def sh(cmd: list[str], cwd: Path) -> str:
+class Hung(AssertionError):
+    """A command that did not end in its time; the message holds the stacks it printed when aborted."""
+
+
+def sh(cmd: list[str], cwd: Path, timeout: float = 1200) -> str:
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
            "MLFLOW_TRACKING_URI": "", "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
     env.pop("MLFLOW_TRACKING_URI")
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=1200)
-    output = proc.stdout + proc.stderr
+    # A command that hangs is aborted with SIGABRT, on which Python (PYTHONFAULTHANDLER) prints every thread's stack:
+    # the failure then says where it hung, not only that it did. No stdin: a prompt gets end-of-file, not the
+    # pytest worker's.
+    env["PYTHONFAULTHANDLER"] = "1"
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGABRT)
+        try:
+            stdout, stderr = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+        raise Hung(f"{' '.join(cmd)} hung for {timeout:.0f} s; the stacks when aborted:\n{(stdout + stderr)[-12000:]}")
+    output = stdout + stderr
     assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{output[-6000:]}"
     return output
 
@@ -326,7 +346,14 @@ def test_every_readme_command_runs_on_the_tiny_project(repo):
     name = re.search(r"Experiment '?([\w-]+)'? is ready|Ran experiment\(s\): ([\w-]+)",
                      outputs["dvc exp run -S train.lora.r=16"])
     assert name, outputs["dvc exp run -S train.lora.r=16"]
-    sh([sys.executable, "-m", "dvc", "exp", "apply", name.group(1) or name.group(2)], repo)
+    apply = [sys.executable, "-m", "dvc", "exp", "apply", name.group(1) or name.group(2)]
+    try:
+        sh(apply, repo, timeout=300)  # seconds, here
+    except Hung as hung:
+        # Once in CI it hung for the whole 1200 s, and never here: the stacks go to the warnings summary of a run
+        # that passes on the second try, to find where (a second hang fails the test)
+        warnings.warn(str(hung)[-8000:], stacklevel=1)
+        sh(apply, repo, timeout=600)
     assert "r: 16" in (repo / "params.yaml").read_text().replace("\n      ", " ")
 
     # Serving: the README's `mlflow models serve` on a free port, queried with the README's request body
