@@ -180,6 +180,10 @@ class Constants:
     # saves depends on which weights it trains (a frozen linear layer keeps no input for a weight gradient; a
     # LoRA dropout keeps a copy), which the analytic per-token constant does not know.
     activation_ratio: dict[str, float] = field(default_factory=dict)
+    # Each other method's weight casts saved for backward beyond the calibrated method's, in bytes: under bf16
+    # autocast a trained or frozen linear layer whose input needs a gradient keeps its weight's bf16 copy, a fixed
+    # cost (not per token) that lora's fused layers do not pay (_SavedBytes.casts)
+    extra_cast_bytes: dict[str, int] = field(default_factory=dict)
     # the calibrated method's analytic activations + logits per token, and its checkpointing: what a ratio scales
     calibrated_per_token: float = 0.0
     calibrated_checkpointing: bool = False
@@ -249,7 +253,7 @@ def memory_estimate(shape: ModelShape, method: str, *, bf16: bool, micro_batch: 
     }
     if ratio is not None:  # measured against the calibrated method: what it saves per token, times the ratio
         saved = constants.activation_scale * tokens * ratio * constants.calibrated_per_token
-        parts["activations"] = max(0, int(saved) - parts["logits"])
+        parts["activations"] = max(0, int(saved) - parts["logits"] + constants.extra_cast_bytes.get(method, 0))
     if gradients_overlap and trains:
         parts["gradients"] = max(0, parts["gradients"] - parts["activations"] - parts["logits"])
     parts["peak"] = sum(parts.values())
@@ -278,24 +282,45 @@ def planned_batches(lengths: list[int], batch_size: int, grad_accum: int, epochs
 # ---------------------------------------------------------------------------------------------- calibration
 class _SavedBytes:
     """The bytes autograd saves for backward in one training step: each storage once, the model's parameters and
-    buffers left out (a frozen weight kept for the input's gradient is not activation memory). `last_step_of(n)`
-    counts only the last of a train_classifier call's n steps, the hooks pushed from its on_log between two steps,
-    so that the steps timed before it run without them."""
+    buffers left out (a frozen weight kept for the input's gradient is not activation memory), a parameter's copy
+    in another dtype (bf16 autocast's weight casts: a fixed cost, not per token) counted apart in `casts`.
+    `last_step_of(n)` counts only the last of a train_classifier call's n steps, the hooks pushed from its on_log
+    between two steps, so that the steps timed before it run without them."""
 
     def __init__(self, model):
         import torch
 
-        self.excluded = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+        parameters = [*model.parameters(), *model.buffers()]
+        self.excluded = {t.untyped_storage().data_ptr() for t in parameters}
+        self.floating = [t for t in parameters if t.is_floating_point() and t.numel() >= self.FIRST]
+        self.weights: dict = {}  # per dtype: each parameter's (bytes, first values) cast to it
         self.storages: dict[int, int] = {}
+        self.casts: dict[int, int] = {}
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda packed: packed)
         self.steps, self.pushed = 0, False
+
+    FIRST = 8  # values compared: an activation with a weight's size and first 8 values is not met
+
+    def _is_cast(self, tensor, storage) -> bool:
+        """Whether `storage` holds a parameter's copy in `tensor`'s dtype: its size and first values are one's."""
+        import torch
+
+        dtype = tensor.dtype
+        if not tensor.is_floating_point() or storage.nbytes() < self.FIRST * tensor.element_size():
+            return False
+        if dtype not in self.weights:
+            self.weights[dtype] = {(t.numel() * tensor.element_size(),
+                                    tuple(t.detach().reshape(-1)[:self.FIRST].to(dtype).tolist()))
+                                   for t in self.floating if t.dtype != dtype}
+        first = torch.empty(0, dtype=dtype).set_(storage, 0, (self.FIRST,), (1,))
+        return (storage.nbytes(), tuple(first.tolist())) in self.weights[dtype]
 
     def _pack(self, tensor):
         try:
             storage = tensor.untyped_storage()
             pointer = storage.data_ptr()
-            if pointer and pointer not in self.excluded:
-                self.storages[pointer] = storage.nbytes()
+            if pointer and pointer not in self.excluded and pointer not in self.storages and pointer not in self.casts:
+                (self.casts if self._is_cast(tensor, storage) else self.storages)[pointer] = storage.nbytes()
         except NotImplementedError:  # a sparse tensor has no storage to count
             pass
         return tensor.detach()  # not the tensor itself: a saved output would hold its own grad_fn in a cycle
@@ -309,10 +334,14 @@ class _SavedBytes:
         return on_log
 
     def total(self) -> int:
+        """The bytes saved but for the weight casts (the hooks popped, if `last_step_of` pushed them)."""
         if self.pushed:
             self.hooks.__exit__(None, None, None)
             self.pushed = False
         return sum(self.storages.values())
+
+    def cast_total(self) -> int:
+        return sum(self.casts.values())
 
 
 def _calibration_point(spec: dict) -> dict:
@@ -359,11 +388,13 @@ def _calibration_point(spec: dict) -> dict:
         count(record)
 
     cpu_start, wall_start = time.process_time(), time.perf_counter()
+    optimizer_state: dict = {}  # AdamW's, kept for the steps taken in turn with the other methods'
     try:
         train_classifier(model, rows, targets, cfg, spec["pad_token_id"], progress=False, batches=batches,
-                         on_log=on_log)
+                         on_log=on_log, optimizer_state=optimizer_state)
     finally:  # the hooks off before anything else runs in this process (the other methods' steps)
         saved_bytes = saved.total() if saved else None
+        cast_bytes = saved.cast_total() if saved else None
     busy = (time.process_time() - cpu_start) / max((time.perf_counter() - wall_start) * spec["threads"], 1e-9)
     phases["steps_s"] = time.perf_counter() - wall_start
     inference = []
@@ -383,7 +414,7 @@ def _calibration_point(spec: dict) -> dict:
         previous = (elapsed, graphs)
     others = {}
     if spec.get("others") and not spec.get("batches"):
-        model = evaluated = None  # noqa: F841 (their memory goes before the other methods are built)
+        evaluated = None  # noqa: F841 (the model stays: its steps on the others' rows are taken in turn with theirs)
         # the ETA as calibrate will make it: the line under the peak over the run's steps, and the start-up (what
         # the first pass paid beyond that line)
         timed = [(float(t), s["seconds"]) for t, s in zip(spec["runs_tokens"], steps)]
@@ -394,22 +425,26 @@ def _calibration_point(spec: dict) -> dict:
             budget = spec["others_share"] * run_s - (time.time() - spec["sent_at"])  # since the planner's wait began
         mark = time.perf_counter()
         others = _time_other_methods(spec, build, rows, targets, cfg, overhead + per_token * spec["others_tokens"],
-                                     budget)
+                                     budget, calibrated=(model, optimizer_state))
+        model = None
         phases["others_s"] = time.perf_counter() - mark
     phases["total_s"] = time.perf_counter() - began
     phases = {k: round(v, 2) for k, v in phases.items()}
     return {"phases": phases, "loaded_rss_bytes": loaded_rss, "steps": steps, "int8_products": bool(int8["on"]),
             "cpu_share": round(busy, 3), "allocator": allocator.active(), "inference_seconds": inference,
-            "others": others, "saved_bytes": saved_bytes}
+            "others": others, "saved_bytes": saved_bytes, "cast_bytes": cast_bytes}
 
 
 def _time_other_methods(spec: dict, build, rows: list, targets: list, cfg, step_s: float,
-                        budget_s: float | None) -> dict:
+                        budget_s: float | None, calibrated: tuple) -> dict:
     """Each method in `spec["others"]`, in that order, built as its training builds it (its knobs, its int8
     decision) and timed on rows of one of the run's micro-batches (`spec["others_batch"]`, about `step_s` seconds a
-    step for the calibrated method). A method that cannot be built for this task is reported with its error, not
-    timed; one that the calibration's budget (`budget_s` seconds left, None: no bound) cannot pay for, as much as
-    the dearest method timed so far (before the first: four steps), is reported skipped."""
+    step for the calibrated method), its steps taken in turn with those of the `calibrated` (model, optimizer
+    state from the calibration's loop) on the same rows: its cost is the ratio of the two, measured seconds apart.
+    A method that cannot be built for this task is reported with its error, not timed; one that the calibration's
+    budget (`budget_s` seconds left, None: no bound) cannot pay for, as much as the dearest method timed so far
+    (before the first: six steps), is reported skipped."""
+    import contextlib
     import gc
 
     from frugaltune.training.loop import train_classifier
@@ -418,16 +453,29 @@ def _time_other_methods(spec: dict, build, rows: list, targets: list, cfg, step_
     timed: dict[str, dict] = {}
     batch = spec["others_batch"]
     costs: list[float] = []  # what each method timed so far cost, its build included
-    # The warm-up step runs two of the rows: it allocates the method's gradients and optimizer state and touches
-    # its kernels at a fraction of a full step's price. Then the rows twice, the faster kept: one step alone read
-    # the machine's noise, and a new model's first step into pages the process does not have yet can take twice
-    # its second (docs/DECISIONS.md, "Each method its own ETA", "A calibration under a tenth of the run").
-    for other in spec["others"]:
+
+    def step(model, rows_of_step: list[int], optimizer_state: dict) -> float:
+        """One step of the train stage's loop: a call of its own, whose optimizer starts from (and leaves) the
+        model's state, so that the step is a steady one (AdamW's state made once, outside the step's time)."""
         seconds: list[float] = []
+        train_classifier(model, rows, targets, cfg, spec["pad_token_id"], progress=False, batches=[rows_of_step],
+                         optimizer_state=optimizer_state, on_log=lambda record: seconds.append(record["elapsed_s"]))
+        return seconds[0]
+
+    # Each method's warm-up step runs two of the rows: it allocates the method's gradients and optimizer state and
+    # touches its kernels at a fraction of a full step's price. Then the rows twice, the faster kept: one step
+    # alone read the machine's noise, and a new model's first step into pages the process does not have yet can
+    # take twice its second. The calibrated method's steps alternate with the method's (A B A B): on a shared
+    # machine whose speed drifts over seconds, a reference timed half a minute earlier read the drift, not the
+    # method. In this thread, as the run's steps are: the two loops in threads of their own, taking turns, ran
+    # their steps 30% slower than here (docs/DECISIONS.md, "Each method its own ETA", "A method's cost timed in
+    # turn with the calibrated one's").
+    calibrated, calibrated_state = calibrated
+    for other in spec["others"]:
         began = time.perf_counter()
         # what this method may cost, before it is built: as much as the dearest timed so far (a bound, not a guess:
-        # the mean let the calibration overrun its share), before the first four of the calibrated method's steps
-        expected = max(costs) if costs else 4 * step_s
+        # the mean let the calibration overrun its share), before the first six of the calibrated method's steps
+        expected = max(costs) if costs else 6 * step_s
         if budget_s is not None and budget_s < expected:
             timed[other["method"]] = {"skipped": f"the calibration's budget ({spec['others_share']:.0%} of the run) "
                                                  "is spent"}
@@ -435,25 +483,22 @@ def _time_other_methods(spec: dict, build, rows: list, targets: list, cfg, step_
         try:
             model = build({"method": other["method"], "knobs": other["knobs"]})
             apply_int8(model, other["int8"], other["method"])
+            state: dict = {}
+            step(model, batch[:2], state)
+            steps_s, calibrated_s = [], []
             saved = _SavedBytes(model)
-            count = saved.last_step_of(3)
-
-            def on_log(record: dict) -> None:
-                seconds.append(record["elapsed_s"])
-                count(record)
-
-            try:
-                train_classifier(model, rows, targets, cfg, spec["pad_token_id"], progress=False,
-                                 batches=[batch[:2], batch, batch], on_log=on_log)
-            finally:
-                saved_bytes = saved.total()
-            steps_s = [round(b - a, 4) for a, b in zip(seconds, seconds[1:])]
-            timed[other["method"]] = {"seconds": min(steps_s), "steps_s": steps_s, "saved_bytes": saved_bytes,
+            for last in (False, True):
+                calibrated_s.append(round(step(calibrated, batch, calibrated_state), 4))
+                with saved.hooks if last else contextlib.nullcontext():  # what it saves for backward: its last step
+                    steps_s.append(round(step(model, batch, state), 4))
+            timed[other["method"]] = {"seconds": min(steps_s), "steps_s": steps_s, "saved_bytes": saved.total(),
+                                      "cast_bytes": saved.cast_total(),
+                                      "calibrated_seconds": min(calibrated_s), "calibrated_steps_s": calibrated_s,
                                       "total_s": round(time.perf_counter() - began, 2)}
             costs.append(time.perf_counter() - began)
         except Exception as error:  # noqa: BLE001 -- e.g. a method this task does not support: no figure for it
             timed[other["method"]] = {"error": f"{type(error).__name__}: {error}"[:300]}
-        model = None
+        model = state = None
         gc.collect()
         if budget_s is not None:
             budget_s -= time.perf_counter() - began
@@ -602,7 +647,7 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
     `others` (each {"method", "knobs": MethodKnobs, "int8": its decision}): the same process then builds each of
     those methods and times it on half the rows of the sampled micro-batch nearest the run's mean step, after a
     two-row warm-up step, twice (the faster kept); its time over the calibrated method's on the same rows (the
-    faster of two at the end of its second pass) is its `Constants.method_cost`, so that
+    faster of two, their steps taken in turn with its own) is its `Constants.method_cost`, so that
     every method the plan lists gets an ETA measured here, not copied. The calibration as a whole, the configured
     method's steps included, may cost `others_share` of the run the plan plans (None: no bound): the methods are
     timed in `others`' order while that budget lasts, and one it cannot pay for keeps the FLOPs estimate, saying
@@ -634,9 +679,9 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
     # another's depends on the batch (full fine-tuning's optimizer step is fixed, its weight gradients grow with the
     # tokens), and the ETA is the sum of the run's steps, which the mean step stands for. Half of its rows: a
     # method's cost against the calibrated one's is a ratio of two steps on the same rows, and half the rows cost
-    # half. The calibrated method runs those rows twice too, at the end of its second pass: its own time on them,
-    # the faster of two next to the others', is what their costs are measured against (and two more points of
-    # the time fit).
+    # half. The calibrated method runs those rows twice too, at the end of its second pass: two more points of the
+    # time fit, and the bytes it saves for backward on them, which the others' are measured against (their time,
+    # against its steps on those rows taken in turn with theirs).
     typical_tokens = None  # the timed rows' tokens (calibrate's `tokens`), when others are timed
     if others:
         run_tokens = [tokens(batch)["padded_tokens"] for batch in order]
@@ -717,17 +762,22 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
     if scale * per_token * points[-1][0] < fixed["gradients"]:
         scale, runtime = fit_memory(points, fixed["peak"], per_token, point["loaded_rss_bytes"])
     reference = min(s["seconds"] for s in steps[-2:]) if typical_tokens else 0.0
-    method_cost = {m: round(t["seconds"] / reference, 3) for m, t in point["others"].items()
-                   if "seconds" in t and reference > 0}
+    # each method against the calibrated one's steps on the same rows, taken in turn with its own
+    method_cost = {m: round(t["seconds"] / t["calibrated_seconds"], 3) for m, t in point["others"].items()
+                   if "seconds" in t and t["calibrated_seconds"] > 0}
     not_timed = {m: t.get("skipped") or t.get("error") or "no calibrated step to compare with"
                  for m, t in point["others"].items() if m not in method_cost}
     own_saved = point.get("saved_bytes") or 0
     activation_ratio = {m: round(t["saved_bytes"] / own_saved, 3) for m, t in point["others"].items()
                         if t.get("saved_bytes") and own_saved > 0}
+    own_casts = point.get("cast_bytes") or 0
+    extra_cast_bytes = {m: t["cast_bytes"] - own_casts for m, t in point["others"].items()
+                        if m in activation_ratio and t.get("cast_bytes", 0) != own_casts}
     constants = Constants(runtime_bytes=max(0, int(runtime)), activation_scale=round(scale, 4),
                           step_overhead_s=overhead, seconds_per_token=per_token_s, startup_s=round(startup, 3),
                           calibrated_method=method, method_cost=method_cost, not_timed=not_timed,
-                          activation_ratio=activation_ratio, calibrated_per_token=per_token,
+                          activation_ratio=activation_ratio, extra_cast_bytes=extra_cast_bytes,
+                          calibrated_per_token=per_token,
                           calibrated_checkpointing=gradient_checkpointing,
                           source=f"calibrated: the run's own loop over {len(steps)} of its micro-batches ({method}, "
                                  f"int8 products {'on' if point['int8_products'] else 'off'}, {threads} threads, "
@@ -743,6 +793,7 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
                        "memory_points": points,
                        "others": {"padded_tokens": typical_tokens["padded_tokens"],
                                   "calibrated_step_s": round(reference, 4), "calibrated_saved_bytes": own_saved,
+                                  "calibrated_cast_bytes": own_casts,
                                   "methods": point["others"]}
                        if others else None,
                        "seconds": round(seconds, 1),

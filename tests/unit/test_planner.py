@@ -351,11 +351,12 @@ def test_every_method_the_plan_lists_gets_its_own_timed_estimate(tiny_model_dir)
         others_share=None)
     assert set(constants.method_cost) == {"prelayer", "full"}
     assert all(cost > 0 for cost in constants.method_cost.values())
-    # each timed twice on the same rows (the faster counts), against lora's own two steps on them at the end of
-    # its second pass
+    # each timed twice on the same rows (the faster counts), against lora's two steps on them taken in turn
     for method in ("prelayer", "full"):
         timed = calibration["others"]["methods"][method]
         assert len(timed["steps_s"]) == 2 and timed["seconds"] == min(timed["steps_s"])
+        assert len(timed["calibrated_steps_s"]) == 2 and timed["calibrated_seconds"] == min(timed["calibrated_steps_s"])
+        assert constants.method_cost[method] == round(timed["seconds"] / timed["calibrated_seconds"], 3)
     last = calibration["steps"][-2:]
     assert all(s["under_peak"] and s["padded_tokens"] == calibration["others"]["padded_tokens"] for s in last)
     assert calibration["others"]["calibrated_step_s"] == pytest.approx(min(s["seconds"] for s in last), abs=1e-4)
@@ -421,6 +422,42 @@ def test_saved_bytes_count_the_last_step_alone_and_stop_counting_after_it():
         product = torch.sparse.mm(sparse, dense)
     product.sum().backward()
     assert counter.total() == 0 and dense.grad is not None
+
+
+def test_bf16_weight_casts_are_counted_apart_from_what_grows_with_the_tokens():
+    """Under bf16 autocast a linear layer whose input needs a gradient keeps its weight's bf16 copy for backward: a
+    fixed cost per step. Counted with the activations it made full fine-tuning's activation ratio against lora 1.8
+    where the tokens' share is 1.3, and its from-lora peak 57% high. A method's estimate from another's calibration
+    adds its casts beyond the calibrated method's as bytes, not as a ratio."""
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    casts, grows = [], []
+    for rows in (8, 24):
+        saved = planner._SavedBytes(model)
+        with saved.hooks, torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(torch.randn(rows, 16, requires_grad=True)).float().sum()
+        out.backward()
+        casts.append(saved.cast_total())
+        grows.append(saved.total())
+    # both weights' bf16 copies (the first layer's is saved for its input's gradient, the second's too), each once
+    assert casts == [2 * (16 * 32 + 32 * 4)] * 2
+    # what is left grows with the rows: the inputs' bf16 copies, the tanh's output, the second layer's input
+    assert grows[0] > 0 and grows[1] == 3 * grows[0]
+    # fp32: the products save the parameters themselves, which are not counted at all
+    saved = planner._SavedBytes(model)
+    with saved.hooks:
+        model(torch.randn(8, 16)).sum().backward()
+    assert saved.cast_total() == 0 and saved.total() == 8 * 16 * 4 + 8 * 32 * 4
+    # in an estimate from another method's calibration: the ratio scales the per-token part, the casts are added
+    shape = planner.ModelShape(total_params=10_000, trainable_params=10_000, quantizable_params=8_000,
+                               matmul_params=9_000, layers=2, hidden=16, intermediate=32, heads=2, kv_heads=2,
+                               num_labels=3, adapted_modules_per_layer=0, adapter_rank=0, dora=False)
+    constants = planner.Constants(calibrated_method="lora", calibrated_per_token=1000.0, activation_ratio={"full": 1.0})
+    plain = planner.memory_estimate(shape, "full", bf16=True, micro_batch=2, seq_len=8, gradient_checkpointing=False,
+                                    constants=constants)
+    with_casts = planner.memory_estimate(shape, "full", bf16=True, micro_batch=2, seq_len=8,
+                                         gradient_checkpointing=False, constants=planner.Constants(
+                                             **{**constants.__dict__, "extra_cast_bytes": {"full": 20_000}}))
+    assert with_casts["activations"] == plain["activations"] + 20_000
 
 
 def test_the_memory_fit_keeps_the_largest_parts_measured_peak():
