@@ -468,8 +468,8 @@ def _time_other_methods(spec: dict, build, rows: list, targets: list, cfg, step_
     # take twice its second. The calibrated method's steps alternate with the method's (A B A B): on a shared
     # machine whose speed drifts over seconds, a reference timed half a minute earlier read the drift, not the
     # method. In this thread, as the run's steps are: the two loops in threads of their own, taking turns, ran
-    # their steps 30% slower than here (docs/DECISIONS.md, "Each method its own ETA", "A method's cost timed in
-    # turn with the calibrated one's").
+    # their steps slower than here (docs/DECISIONS.md, "Each method its own ETA", "A method's cost timed in turn
+    # with the calibrated one's").
     calibrated, calibrated_state = calibrated
     for other in spec["others"]:
         began = time.perf_counter()
