@@ -198,7 +198,11 @@ class Constants:
         return self.activation_ratio.get(method)
 
 
-def weight_bytes(shape: ModelShape, method: str, knobs: MethodKnobs = MethodKnobs()) -> int:
+def weight_bytes(shape: ModelShape, method: str, knobs: MethodKnobs = MethodKnobs(), bf16: bool = False) -> int:
+    """The model's weights as its training holds them: fp32; QLoRA's decoder projections in 4 bit; LoRA's frozen
+    decoder projections in bf16 when it trains in bf16 (frugaltune.training.fast.frozen_weights_in)."""
+    if method == "lora" and bf16:
+        return 2 * shape.quantizable_params + 4 * (shape.total_params - shape.quantizable_params)
     if method != "qlora":
         return 4 * shape.total_params
     blocks = shape.quantizable_params / NF4_BLOCK
@@ -241,7 +245,7 @@ def memory_estimate(shape: ModelShape, method: str, *, bf16: bool, micro_batch: 
     ratio = constants.measured_ratio(method, gradient_checkpointing)
     parts = {
         "runtime": constants.runtime_bytes + (CUDA_CONTEXT_BYTES if device != "cpu" else 0),
-        "weights": weight_bytes(shape, method, knobs),
+        "weights": weight_bytes(shape, method, knobs, bf16),
         "gradients": 4 * shape.trainable_params if trains else 0,
         "optimizer": 8 * shape.trainable_params if trains else 0,
         "activations": int(constants.activation_scale * tokens
@@ -351,6 +355,7 @@ def _calibration_point(spec: dict) -> dict:
     import resource
 
     began = time.perf_counter()
+    import psutil
     import torch
     from torch._dynamo.utils import counters
 
@@ -370,7 +375,9 @@ def _calibration_point(spec: dict) -> dict:
                              spec["loop"]["bf16"], spec["gradient_checkpointing"], task=spec["task"])
 
     model = build()
-    loaded_rss = peak()
+    # the model as loaded: what the process holds now, not its high-water mark (converting weights, to bf16 or
+    # 4 bit, briefly holds both copies)
+    loaded_rss = psutil.Process().memory_info().rss
     phases = {"build_s": time.perf_counter() - began}
     int8 = apply_int8(model, spec["int8"], spec["method"])
     cfg = LoopConfig(**{**spec["loop"], "checkpoint_dir": None, "resume": False, "max_steps": None, "grad_accum": 1,

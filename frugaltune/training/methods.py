@@ -72,28 +72,55 @@ def prepare_qlora(model: torch.nn.Module, r: int, alpha: int, dropout: float, ta
     """
     model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing,
                                             gradient_checkpointing_kwargs={"use_reentrant": False})
-    own_unquantized_tensors(model)
+    own_loaded_tensors(model)
     return apply_lora(model, r, alpha, dropout, target_modules, task=task, last_layers=last_layers)
 
 
-def own_unquantized_tensors(model: torch.nn.Module) -> None:
-    """Copy the tensors that are not 4-bit (embeddings, norms, head) out of the safetensors file mapping.
+def _file_mappings() -> list[tuple[int, int]] | None:
+    """The address ranges of this process's safetensors file mappings (None where /proc/self/maps is missing)."""
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return None
+    ranges = []
+    for line in lines:
+        fields = line.split()
+        if len(fields) >= 6 and fields[-1].endswith(".safetensors"):
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            ranges.append((start, end))
+    return ranges
 
-    Why: transformers loads zero-copy from an mmap of `model.safetensors`, and quantizing reads every page of it.
-    While one tensor still aliases the mapping, every page read stays resident: the whole fp32 file (538 MB for
-    SmolLM2-135M) counted in the process's RSS next to its 4-bit copy, which made QLoRA's peak higher than LoRA's.
-    Copying the few unquantized tensors (113 MB) releases the mapping (measured: RSS after loading 926 -> 629 MB).
-    """
+
+def own_loaded_tensors(model: torch.nn.Module) -> int:
+    """Copy the tensors that still alias the safetensors file mapping out of it; returns how many.
+
+    Why: transformers loads zero-copy from an mmap of `model.safetensors`. Converting the weights (4-bit for QLoRA,
+    bf16 for LoRA's frozen projections) reads every page of their fp32 values, and while one tensor (embeddings,
+    norms, head) still aliases the mapping, every page read stays resident: the whole fp32 file (538 MB for
+    SmolLM2-135M) counted in the process's RSS next to the converted copy. Copying the few tensors left in the
+    mapping (108 MB) releases it (docs/DECISIONS.md has the figures). Where the address ranges cannot be read,
+    every tensor but the 4-bit ones is copied. Not for a model whose weights stay as loaded: the mapping is then
+    the weights themselves, resident only where read (a frozen embedding's unused rows never are)."""
+    ranges = _file_mappings()
+
+    def mapped(tensor: torch.Tensor) -> bool:
+        return ranges is None or any(start <= tensor.data_ptr() < end for start, end in ranges)
+
     seen: set[int] = set()
+    copied = 0
     for param in model.parameters():
         if id(param) in seen or param.__class__.__name__ == "Params4bit":
             continue
         seen.add(id(param))  # tied weights are one Parameter: copy once, the tie stays
-        param.data = param.data.clone()
+        if mapped(param):
+            param.data = param.data.clone()
+            copied += 1
     for module in model.modules():
         for name, buffer in module._buffers.items():
-            if buffer is not None:
+            if buffer is not None and mapped(buffer):
                 module._buffers[name] = buffer.clone()
+                copied += 1
+    return copied
 
 
 def _set_trainable(model: torch.nn.Module, predicate) -> None:
@@ -177,4 +204,5 @@ def prepare_model(model_dir: Path | str, labels: list[str], pad_token_id: int, s
     fast_lora_dropout(model)  # 4x fewer random draws, one dropout per input shared by q/k/v (training/fast.py)
     if bf16 and method == "lora":  # the frozen projections cast to bf16 once, not at every use (training/fast.py)
         frozen_weights_in(model, torch.bfloat16)
+        own_loaded_tensors(model)  # their fp32 pages, read to convert, leave the process's RSS with the mapping
     return model

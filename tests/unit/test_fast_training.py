@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -134,6 +136,27 @@ def test_lora_in_bf16_stores_the_frozen_projections_in_bf16_and_trains_exactly_a
                              {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad})
     assert runs[True][0] == runs[False][0]
     assert all(torch.equal(runs[True][1][name], tensor) for name, tensor in runs[False][1].items())
+
+
+def test_lora_in_bf16_leaves_no_tensor_in_the_file_mapping_whose_fp32_pages_it_read(tiny_model_dir, smol_tokenizer):
+    """Converting the frozen projections reads every fp32 page of model.safetensors' mapping; while one tensor
+    (embeddings, norms) aliases it, those pages stay in the RSS next to the bf16 copies. prepare_model copies the
+    tensors left in it, so that the mapping goes; in fp32 the weights stay where they were loaded."""
+    from frugaltune.training.methods import _file_mappings
+
+    def aliasing(model) -> list[str]:
+        ranges = _file_mappings()
+        return [n for n, t in [*model.named_parameters(), *model.named_buffers()]
+                if any(start <= t.data_ptr() < end for start, end in ranges)]
+
+    knobs = MethodKnobs(r=4, alpha=8, dropout=0.1)
+    loaded = prepare_model(tiny_model_dir, ["a", "b", "c"], smol_tokenizer.pad_token_id, 0, "lora", knobs)
+    assert "base_model.model.model.embed_tokens.weight" in aliasing(loaded)  # fp32: loaded zero-copy, left there
+    del loaded
+    model = prepare_model(tiny_model_dir, ["a", "b", "c"], smol_tokenizer.pad_token_id, 0, "lora", knobs, bf16=True)
+    assert aliasing(model) == []
+    assert model.get_input_embeddings().weight.dtype == torch.float32
+    assert not any(str(tiny_model_dir) in line for line in Path("/proc/self/maps").read_text().splitlines())
 
 
 def test_frozen_weights_leave_a_head_tied_to_the_embeddings_alone(tiny_model_dir, smol_tokenizer):
