@@ -22,38 +22,17 @@ import pytest
 import yaml
 
 from tests import tiny_project
+from tests.commands import Hung, run_command
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
-class Hung(AssertionError):
-    """A command that did not end in its time; the message holds the stacks it printed when aborted."""
-
-
 def sh(cmd: list[str], cwd: Path, timeout: float = 1200) -> str:
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-           "MLFLOW_TRACKING_URI": "", "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
-    env.pop("MLFLOW_TRACKING_URI")
-    # A command that hangs is aborted with SIGABRT, on which Python (PYTHONFAULTHANDLER) prints every thread's stack:
-    # the failure then says where it hung, not only that it did. No stdin: a prompt gets end-of-file, not the
-    # pytest worker's.
-    env["PYTHONFAULTHANDLER"] = "1"
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGABRT)
-        try:
-            stdout, stderr = proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            stdout, stderr = proc.communicate()
-        raise Hung(f"{' '.join(cmd)} hung for {timeout:.0f} s; the stacks when aborted:\n{(stdout + stderr)[-12000:]}")
-    output = stdout + stderr
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{output[-6000:]}"
-    return output
+           "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    return run_command(cmd, cwd, env, timeout)
 
 
 def ran_stages(output: str) -> list[str]:

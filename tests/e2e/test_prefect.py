@@ -38,6 +38,7 @@ import yaml
 
 from frugaltune.config import derived_model_name
 from tests import readme_commands
+from tests.commands import run_command
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -62,9 +63,7 @@ def env_for_subprocesses(**extra: str) -> dict[str, str]:
 
 
 def sh(cmd: list[str], cwd: Path) -> str:
-    proc = subprocess.run(cmd, cwd=cwd, env=env_for_subprocesses(), capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}"
-    return proc.stdout + proc.stderr
+    return run_command(cmd, cwd, env_for_subprocesses(), timeout=900)
 
 
 def tweets() -> pd.DataFrame:
