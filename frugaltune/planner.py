@@ -201,7 +201,9 @@ class Constants:
 def weight_bytes(shape: ModelShape, method: str, knobs: MethodKnobs = MethodKnobs(), bf16: bool = False) -> int:
     """The model's weights as its training holds them: fp32; QLoRA's decoder projections in 4 bit; LoRA's frozen
     decoder projections in bf16 when it trains in bf16 (frugaltune.training.fast.frozen_weights_in)."""
-    if method == "lora" and bf16:
+    from frugaltune.training.fast import frozen_projections_in_bf16
+
+    if frozen_projections_in_bf16(method, bf16):
         return 2 * shape.quantizable_params + 4 * (shape.total_params - shape.quantizable_params)
     if method != "qlora":
         return 4 * shape.total_params

@@ -98,6 +98,12 @@ def fast_lora_dropout(model: torch.nn.Module) -> int:
     return replaced
 
 
+def frozen_projections_in_bf16(method: str, bf16: bool) -> bool:
+    """Whether `method`'s training stores its frozen projections in bf16 (`frozen_weights_in`): LoRA trained in
+    bf16. The one place this is decided: prepare_model applies it, the planner counts the weights' bytes by it."""
+    return bf16 and method == "lora"
+
+
 def frozen_weights_in(model: torch.nn.Module, dtype: torch.dtype) -> int:
     """Store the weights (and biases) of the frozen plain `nn.Linear` layers in `dtype`; returns how many.
 

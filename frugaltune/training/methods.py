@@ -25,7 +25,7 @@ from peft import LoraConfig, PeftModel, TaskType, get_peft_model, prepare_model_
 from safetensors.torch import load_file, save_file
 
 from frugaltune.training.checkpoint import copy_named_tensors
-from frugaltune.training.fast import fast_lora_dropout, frozen_weights_in
+from frugaltune.training.fast import fast_lora_dropout, frozen_projections_in_bf16, frozen_weights_in
 
 # peft asks every model it wraps for `is_gradient_checkpointing`, which transformers 5 deprecated in favour of
 # `is_activation_checkpointing`: a FutureWarning at every get_peft_model / PeftModel.from_pretrained that no change
@@ -202,7 +202,7 @@ def prepare_model(model_dir: Path | str, labels: list[str], pad_token_id: int, s
     else:
         return freeze_for(method, model)
     fast_lora_dropout(model)  # 4x fewer random draws, one dropout per input shared by q/k/v (training/fast.py)
-    if bf16 and method == "lora":  # the frozen projections cast to bf16 once, not at every use (training/fast.py)
+    if frozen_projections_in_bf16(method, bf16):  # cast to bf16 once, not at every use (training/fast.py)
         frozen_weights_in(model, torch.bfloat16)
         own_loaded_tensors(model)  # their fp32 pages, read to convert, leave the process's RSS with the mapping
     return model
