@@ -176,8 +176,9 @@ def runs_links(store: str, ui: str) -> list[tuple[str, str]]:
 def runs_url(ui: str, experiment_id: str) -> str:
     """The experiment's runs table with frugaltune's columns, in the UI's model-training mode.
 
-    MLflow 3.17's UI opens every experiment in the mode of its GenAI / Model training switch (kept in the browser,
-    GenAI until the user switches), whatever `mlflow.experimentKind` says; `workflowType` in the URL overrides it.
+    MLflow 3.17's UI (and 3.18's) opens every experiment in the mode of its GenAI / Model training switch (kept in
+    the browser, GenAI until the user switches), whatever `mlflow.experimentKind` says; `workflowType` in the URL
+    overrides it for the page it is on.
     """
     return (f"{ui.rstrip('/')}/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
             f"&viewStateShareKey={RUNS_VIEW_KEY}")

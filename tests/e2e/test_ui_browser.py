@@ -116,7 +116,7 @@ def test_mlflow_from_the_home_page_opens_the_runs_table_with_the_metric_columns(
     mlflow, _ = servers
     page = browser.new_page(viewport={"width": 1900, "height": 700})
     page.goto(mlflow)
-    # MLflow 3.17 opens every experiment in its GenAI view until the user flips this switch, which it remembers.
+    # MLflow 3.17 (and 3.18) opens every experiment in its GenAI view until the user flips this switch (remembered).
     page.get_by_text("Model training", exact=True).click()
     page.get_by_role("link", name="frugaltune-sentiment", exact=True).click()
     expect(page.get_by_text("lora-tweets-3f9a2c1")).to_be_visible(timeout=30_000)
