@@ -117,8 +117,8 @@ def run(params: Params) -> dict:
                                                     plans.machine_precision(params), time.perf_counter() - began,
                                                     DATA, paths.BASE_MODEL)
         print(f"federated: budget: {decision['trade']}", flush=True)
-        # and once more after the first federation's round 1, from what it took (budget.FirstRound)
-        watch = budget.FirstRound(decision, f"{runs[0][1]}_{runs[0][0]}", began) if fp.budget_minutes else None
+        # and once more after the first federation's rounds 1 and 2, from what they took (budget.FirstRounds)
+        watch = budget.FirstRounds(decision, f"{runs[0][1]}_{runs[0][0]}", began) if fp.budget_minutes else None
         for scheme, method in runs:
             name = f"{method}_{scheme}"
             print(f"federated: {name}: {decision['rounds']} rounds over {fp.num_clients} clients", flush=True)

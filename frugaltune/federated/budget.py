@@ -15,13 +15,14 @@ few of a client's own micro-batches, and fits `step = overhead + per_token x pad
 
 The calibration's process is not the federation's: the clients' steps in a Ray worker and the server's evaluation
 have taken well over what the calibration timed, and Flower's start-up is not timed at all (docs/DECISIONS.md,
-"The budget decided twice"). So the decision is made twice. `FirstRound` watches the first federation: once its
-round 1 is on disk, `replan` scales every predicted round by what that round took against its prediction (the
-clients' and the evaluation's apart; the centralized reference's training as the clients'), prices each
-federation's start (Flower's start-up, as measured; round 0's evaluation only once: the federations start from the
-same bytes and share it) and its end (Flower's shutdown and the export, at the start-up's measured price) and
-chooses again. When fewer rounds fit, the first federation is stopped and started over with them (a round's learning
-rate depends on the number of rounds, so its round 1 is not reusable): the round and start it wasted are counted.
+"The budget decided twice"). So the decision is made twice. `FirstRounds` watches the first federation: once its
+round 2 is on disk (round 1 when it runs two or fewer), `replan` scales every predicted round by what rounds 1 and 2 took against their predictions (the
+clients' and the evaluation's apart; the centralized reference's training as the clients'): it chooses the rounds at
+the slower pace (round 1 is the stage's coldest) and predicts them at round 2's. It prices each federation's start
+(Flower's start-up, as measured; round 0's evaluation only once: the federations start from the same bytes and share
+it) and its end (Flower's shutdown and the export, at the start-up's measured price). When fewer rounds fit, the
+first federation is stopped and started over with them (a round's learning rate depends on the number of rounds, so
+its rounds are not reusable): the rounds and start it wasted are counted.
 The report keeps the first decision as `initial`, and puts what each round took beside the final prediction.
 """
 
@@ -208,46 +209,69 @@ def decide(params, plans: dict[str, list[dict]], runs: list[tuple[str, str]], la
             "machine": asdict(machine)}
 
 
-def replan(decision: dict, first: str, measured: dict, opening_s: float, start_evaluation_s: float, launched_s: float,
-           now_s: float) -> dict:
+def replan(decision: dict, first: str, measured: list[dict], opening_s: float, start_evaluation_s: float,
+           launched_s: float, now_s: float) -> dict:
     """The rounds that fit, once the first federation (`first`, launched `launched_s` into the stage, now `now_s`)
-    has run its round 1 (`measured`: its JSON, the clients' `round_seconds` and the server's `evaluation_seconds`)
-    and took `opening_s` to start and evaluate round 0, of which `start_evaluation_s` evaluating. Every federation's
-    rounds are scaled by that round against its prediction, the clients' and the evaluation's apart, and the
-    centralized reference's share as the clients' training (the same loop on the same machine, whose speed moved
-    since the calibration). The other federations start from the same bytes and read round 0's evaluation
-    (server_app.start_evaluation): each start costs the start-up, `opening_s` less that evaluation; each end
-    (Flower's shutdown, the export) is priced as the start-up: the same processes stop as started. `restart`: the
-    first federation stops and starts over with `rounds`, which only happens when that fits more of the budget than
-    going on with the rounds it runs."""
-    asked, predicted = decision["rounds"], decision["runs"][first][0]
-    training = measured["round_seconds"] / max(predicted["training_seconds"], 1e-9)
-    # round 1 evaluated the sample, or the whole split when it is the last
-    extra = decision.get("last_evaluation_extra_s", 0.0)
-    expected = decision["evaluation_seconds"] + (extra if asked == 1 else 0.0)
-    evaluation = measured["evaluation_seconds"] / expected if expected else 1.0
-    extra *= evaluation  # each federation's last round: the whole split, at the evaluation's measured speed
-    runs = {name: [{**r, "training_seconds": round(r["training_seconds"] * training, 2),
-                    "seconds": round(r["training_seconds"] * training
-                                     + (r["seconds"] - r["training_seconds"]) * evaluation, 2)} for r in found]
-            for name, found in decision["runs"].items()}
-    # each round: the federations' scaled rounds, plus the reference's share scaled as training
-    per_round = [sum(found[n]["seconds"] for found in runs.values()) + training * decision["reference_seconds"][n]
-                 for n in range(asked)]
+    has run its first rounds (`measured`: their JSONs, the clients' `round_seconds` and the server's
+    `evaluation_seconds`; round 1, and round 2 when it runs two or more) and took `opening_s` to start and evaluate
+    round 0, of which `start_evaluation_s` evaluating. Each measured round gives a pace: what it took against its
+    prediction, the clients' training and the evaluation apart. Round 1 is the stage's coldest (the first touches
+    of the clients' models and of each shape's kernels: docs/DECISIONS.md), so the rounds are chosen at the slowest
+    pace measured, which keeps the stage within its budget should every round run as slowly, and predicted at the
+    last round's, the nearest to the rounds to come. Every federation's rounds are scaled by a pace, and the
+    centralized reference's share as the clients' training (the same loop on the same machine). The other
+    federations start from the same bytes and read round 0's evaluation (server_app.start_evaluation): each start
+    costs the start-up, `opening_s` less that evaluation; each end (Flower's shutdown, the export) is priced as the
+    start-up: the same processes stop as started. `restart`: the first federation stops and starts over with
+    `rounds`, which only happens when that fits more of the budget than going on with the rounds it runs."""
+    asked, predicted = decision["rounds"], decision["runs"][first]
+    base_extra = decision.get("last_evaluation_extra_s", 0.0)
+
+    def pace(found: dict) -> tuple[float, float]:
+        planned = predicted[found["round"] - 1]
+        # a round evaluated the sample, or the whole split when it is the last
+        expected = decision["evaluation_seconds"] + (base_extra if found["round"] == asked else 0.0)
+        return (found["round_seconds"] / max(planned["training_seconds"], 1e-9),
+                found["evaluation_seconds"] / expected if expected else 1.0)
+
+    paces = [pace(found) for found in measured]
+    latest, slowest = paces[-1], (max(p[0] for p in paces), max(p[1] for p in paces))
     closing = start_up = max(0.0, opening_s - start_evaluation_s)
     budget_s, federations = decision["minutes"] * 60, len(decision["runs"])
-    # the rounds it runs, nothing wasted: this start, the others' and every end
-    going_on = (launched_s + opening_s + (federations - 1) * start_up + federations * (closing + extra)
-                + sum(per_round))
-    # over: this start and round 1 are lost, and the stopped federation's shutdown is paid too; every federation
-    # then starts (round 0's evaluation is kept) and ends
-    again = choose_rounds(asked, budget_s, now_s + closing, federations * (start_up + closing + extra), per_round)
-    restart = going_on > budget_s and again["rounds"] < asked
-    rounds_, predicted_s = (again["rounds"], again["predicted_seconds"]) if restart else (asked, round(going_on, 1))
+
+    def priced(training: float, evaluation: float) -> dict:
+        extra = base_extra * evaluation  # each federation's last round: the whole split, at the evaluation's pace
+        runs = {name: [{**r, "training_seconds": round(r["training_seconds"] * training, 2),
+                        "seconds": round(r["training_seconds"] * training
+                                         + (r["seconds"] - r["training_seconds"]) * evaluation, 2)} for r in found]
+                for name, found in decision["runs"].items()}
+        # each round: the federations' scaled rounds, plus the reference's share scaled as training
+        per_round = [sum(found[n]["seconds"] for found in runs.values())
+                     + training * decision["reference_seconds"][n] for n in range(asked)]
+        # the rounds it runs, nothing wasted: this start, the others' and every end
+        going_on = (launched_s + opening_s + (federations - 1) * start_up + federations * (closing + extra)
+                    + sum(per_round))
+        # over: this start and its rounds are lost, and the stopped federation's shutdown is paid too; every
+        # federation then starts (round 0's evaluation is kept) and ends
+        again = choose_rounds(asked, budget_s, now_s + closing, federations * (start_up + closing + extra), per_round)
+        return {"extra": extra, "runs": runs, "per_round": per_round, "going_on": going_on, "again": again}
+
+    chosen, expected = priced(*slowest), priced(*latest)
+    restart = chosen["going_on"] > budget_s and chosen["again"]["rounds"] < asked
+    if restart:
+        rounds_ = chosen["again"]["rounds"]
+        predicted_s = round(now_s + closing + federations * (start_up + closing + expected["extra"])
+                            + sum(expected["per_round"][:rounds_]), 1)
+    else:
+        rounds_, predicted_s = asked, round(expected["going_on"], 1)
     fits = predicted_s <= budget_s
-    measured_as = (f"after {first}'s round 1 ({training:.2f}x the calibration's training, {evaluation:.2f}x its "
-                   f"evaluation, {opening_s:.0f} s to start and evaluate round 0, {start_up:.0f} s priced for each "
-                   "other start and each end)")
+    numbers = " and ".join(str(found["round"]) for found in measured)
+    measured_as = (f"after {first}'s round{'s' if len(measured) > 1 else ''} {numbers} ({latest[0]:.2f}x the "
+                   f"calibration's training, {latest[1]:.2f}x its evaluation"
+                   + (f"; the rounds chosen at the slowest, {slowest[0]:.2f}x and {slowest[1]:.2f}x"
+                      if slowest != latest else "")
+                   + f"; {opening_s:.0f} s to start and evaluate round 0, {start_up:.0f} s priced for each other "
+                   "start and each end)")
     minutes, predicted_min = budget_s / 60, predicted_s / 60
     if restart:
         trade = (f"{measured_as}: {rounds_} of {asked} rounds fit in {minutes:g} min (predicted {predicted_min:.1f} "
@@ -257,24 +281,28 @@ def replan(decision: dict, first: str, measured: dict, opening_s: float, start_e
         trade = (f"{measured_as}: {them} " + (f"fit{one} in {minutes:g} min" if fits else
                  f"run{one} over the {minutes:g} min budget (starting over with fewer would not end sooner)")
                  + f", predicted {predicted_min:.1f} min")
-    return {"after_round": 1, "run": first, "training_scale": round(training, 3),
-            "evaluation_scale": round(evaluation, 3), "opening_seconds": round(opening_s, 1),
-            "last_evaluation_extra_s": round(extra, 2),
+    return {"after_round": measured[-1]["round"], "run": first, "training_scale": round(latest[0], 3),
+            "evaluation_scale": round(latest[1], 3),
+            "paces": [{"round": found["round"], "training_scale": round(t, 3), "evaluation_scale": round(e, 3)}
+                      for found, (t, e) in zip(measured, paces)],
+            "opening_seconds": round(opening_s, 1), "last_evaluation_extra_s": round(expected["extra"], 2),
             "closing_seconds": round(closing, 1),
-            "rounds": rounds_, "predicted_seconds": predicted_s, "fits": fits,
-            "restart": restart, "trade": trade, "per_round_seconds": [round(s, 2) for s in per_round[:rounds_]],
-            "runs": {name: found[:rounds_] for name, found in runs.items()}}
+            "rounds": rounds_, "predicted_seconds": predicted_s, "fits": fits, "restart": restart, "trade": trade,
+            "per_round_seconds": [round(s, 2) for s in expected["per_round"][:rounds_]],
+            "runs": {name: found[:rounds_] for name, found in expected["runs"].items()}}
 
 
-class FirstRound:
+class FirstRounds:
     """federation.federate's watch over the stage's first federation (`first` of `decision`; `began`: the stage's
     time.perf_counter() at its start): `start()` at each launch, then called with the federation's folder until it
-    says stop. Once round 1 is on disk it replans (`replan`; `self.found`) and says stop when the federation should
-    start over with fewer rounds. A federation that resumed rounds from an earlier invocation is not replanned:
-    its start is not this one's."""
+    says stop. Once its round 2 is on disk (round 1 when it runs one or two) it replans from rounds 1 and 2 (`replan`;
+    `self.found`) and says stop when the federation should start over with fewer rounds. A federation that resumed
+    rounds from an earlier invocation is not replanned: its start is not this one's."""
 
     def __init__(self, decision: dict, first: str, began: float):
         self.decision, self.first, self.began = decision, first, began
+        # round 2 when a round is left after it for a restart to save, else round 1
+        self.last = 2 if decision["rounds"] > 2 else 1
         self.found: dict | None = None
         self.launched_s = self.launched_at = 0.0
 
@@ -282,13 +310,13 @@ class FirstRound:
         self.launched_s, self.launched_at = time.perf_counter() - self.began, time.time()
 
     def __call__(self, out: Path) -> bool:
-        if self.found is not None or (rounds.last_completed_round(out) or 0) < 1:
+        if self.found is not None or (rounds.last_completed_round(out) or 0) < self.last:
             return False
         opening = rounds.round_path(out, 0, "json").stat().st_mtime - self.launched_at
         if opening <= 0:  # round 0 is older than this launch: resumed
             self.found = {"skipped": "the first federation resumed rounds of an earlier run: no replan"}
             return False
-        measured = json.loads(rounds.round_path(out, 1, "json").read_text())
+        measured = [json.loads(rounds.round_path(out, n, "json").read_text()) for n in range(1, self.last + 1)]
         start = json.loads(rounds.round_path(out, 0, "json").read_text())
         self.found = replan(self.decision, self.first, measured, opening, start["evaluation_seconds"],
                             self.launched_s, time.perf_counter() - self.began)
@@ -296,7 +324,7 @@ class FirstRound:
 
 
 def with_replan(decision: dict, found: dict | None) -> dict:
-    """The stage's budget after `FirstRound`: the final rounds, prediction and trade, the first decision kept as
+    """The stage's budget after `FirstRounds`: the final rounds, prediction and trade, the first decision kept as
     `initial`."""
     if not found or "rounds" not in found:
         return {**decision, **({"replan": found} if found else {})}

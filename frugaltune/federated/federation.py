@@ -100,7 +100,7 @@ def node_settings(fp: FederatedParams, parts: Path, out: Path, included: list[di
 def federate(params: Params, name: str, settings: RunSettings, nodes: list[NodeSettings], workdir: Path,
              watch: Watch | None = None) -> Path | None:
     """Run the federation `settings` describes over `nodes` until done.json says it finished; its rounds' folder.
-    `watch` (budget.FirstRound): `watch.start()` at each launch, then `watch(out)` every second while it runs; when
+    `watch` (budget.FirstRounds): `watch.start()` at each launch, then `watch(out)` every second while it runs; when
     it answers True the federation is stopped and this returns None."""
     fp = params.federated
     out = Path(settings.out_dir)
@@ -136,7 +136,7 @@ def federate(params: Params, name: str, settings: RunSettings, nodes: list[NodeS
 
 
 class Watch(Protocol):
-    """What `federate` calls while a federation runs (budget.FirstRound is the stage's)."""
+    """What `federate` calls while a federation runs (budget.FirstRounds is the stage's)."""
 
     def start(self) -> None:
         """At each launch of the federation."""

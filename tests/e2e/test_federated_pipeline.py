@@ -325,7 +325,7 @@ def test_the_simulation_engine_runs_the_same_apps_and_its_workers_build_the_mode
 
 
 def test_the_budgets_watch_stops_a_running_federation_and_nothing_of_it_outlives_it(world: Path):
-    """federation.Watching, as the stage's budget uses it (budget.FirstRound): once round 1 is on disk the watch says
+    """federation.Watching, as the stage's budget uses it (budget.FirstRounds): once round 1 is on disk the watch says
     stop; every process of the federation ends, `flwr run` returns, and the run is not finished (the stage starts
     it over with fewer rounds)."""
     from frugaltune.federated.federation import Watching
@@ -333,7 +333,7 @@ def test_the_budgets_watch_stops_a_running_federation_and_nothing_of_it_outlives
     out = world / "watched_out"
     seen, launches = [], []
 
-    class Watch:  # federation.Watch, as budget.FirstRound is one
+    class Watch:  # federation.Watch, as budget.FirstRounds is one
         def start(self) -> None:
             launches.append(time.time())
 

@@ -107,8 +107,13 @@ def planned(rounds: int = 6) -> dict:
             "reference_seconds": [10.0] * rounds, "runs": runs}
 
 
-def test_the_first_round_as_predicted_keeps_the_rounds_it_runs():
-    found = budget.replan(planned(), "fedavg_dirichlet", {"round_seconds": 20.0, "evaluation_seconds": 5.0},
+def measured(*paces: tuple[float, float]) -> list[dict]:
+    """Rounds 1, 2, ... as their JSONs say: (the clients' round_seconds, the server's evaluation_seconds)."""
+    return [{"round": n, "round_seconds": t, "evaluation_seconds": e} for n, (t, e) in enumerate(paces, start=1)]
+
+
+def test_the_first_rounds_as_predicted_keep_the_rounds_it_runs():
+    found = budget.replan(planned(), "fedavg_dirichlet", measured((20.0, 5.0), (20.0, 5.0)),
                           opening_s=7.5, start_evaluation_s=5.0, launched_s=30.0, now_s=60.0)
     # 30 s spent + the first start of 7.5 s (2.5 s of Flower's start-up, and round 0's 5 s of evaluation) + 2 starts
     # of 2.5 s (round 0's evaluation is shared) + 3 ends priced as the start-up + 6 rounds of 85 s: 560 s
@@ -116,15 +121,17 @@ def test_the_first_round_as_predicted_keeps_the_rounds_it_runs():
     assert found["predicted_seconds"] == pytest.approx(560.0) and found["closing_seconds"] == 2.5
     assert found["training_scale"] == 1.0 and found["evaluation_scale"] == 1.0
     assert "the 6 rounds fit in 10 min, predicted 9.3 min" in found["trade"]
+    assert found["after_round"] == 2 and [p["round"] for p in found["paces"]] == [1, 2]
+    assert "rounds 1 and 2 (1.00x" in found["trade"] and "slowest" not in found["trade"]
 
 
-def test_a_slower_first_round_starts_the_first_federation_over_with_the_rounds_that_fit():
-    found = budget.replan(planned(), "fedavg_dirichlet", {"round_seconds": 40.0, "evaluation_seconds": 7.5},
+def test_slower_first_rounds_start_the_first_federation_over_with_the_rounds_that_fit():
+    found = budget.replan(planned(), "fedavg_dirichlet", measured((40.0, 7.5), (40.0, 7.5)),
                           opening_s=20.0, start_evaluation_s=7.5, launched_s=30.0, now_s=100.0)
     assert found["training_scale"] == 2.0 and found["evaluation_scale"] == 1.5
     # a round is now 3 x (40 + 7.5) + 2 x 10 (the reference's share, scaled as the clients' training) = 162.5 s;
     # each start and each end 12.5 s (the first start less round 0's evaluation, which the restart reads). From now
-    # (100 s: this start and round 1 are lost) and the stopped federation's end: 2 rounds end at 112.5 + 75 + 325 s
+    # (100 s: this start and its rounds are lost) and the stopped federation's end: 2 rounds end at 112.5 + 75 + 325 s
     assert found["restart"] and found["rounds"] == 2 and found["fits"]
     assert found["predicted_seconds"] == pytest.approx(512.5)
     assert found["per_round_seconds"] == [162.5, 162.5]
@@ -141,10 +148,10 @@ def test_each_federations_last_round_is_priced_with_the_whole_splits_evaluation(
     """round_eval_rows: rounds before the last evaluate a sample (the 5 s a round above); each federation's last
     round evaluates the whole split, 10 s more, scaled as round 1's evaluation was."""
     decision = {**planned(), "last_evaluation_extra_s": 10.0}
-    found = budget.replan(decision, "fedavg_dirichlet", {"round_seconds": 20.0, "evaluation_seconds": 5.0},
+    found = budget.replan(decision, "fedavg_dirichlet", measured((20.0, 5.0), (20.0, 5.0)),
                           opening_s=7.5, start_evaluation_s=5.0, launched_s=30.0, now_s=60.0)
     assert found["predicted_seconds"] == pytest.approx(560.0 + 3 * 10.0) and found["rounds"] == 6
-    slower = budget.replan(decision, "fedavg_dirichlet", {"round_seconds": 20.0, "evaluation_seconds": 7.5},
+    slower = budget.replan(decision, "fedavg_dirichlet", measured((20.0, 7.5), (20.0, 7.5)),
                            opening_s=7.5, start_evaluation_s=5.0, launched_s=30.0, now_s=60.0)
     assert slower["last_evaluation_extra_s"] == 15.0  # 1.5x the evaluation
     assert budget.with_replan(decision, slower)["last_evaluation_extra_s"] == 15.0
@@ -161,13 +168,30 @@ def test_each_federations_last_round_is_priced_with_the_whole_splits_evaluation(
 
 def test_starting_over_that_ends_no_sooner_goes_on_and_says_it_runs_over():
     # one round asked: fewer is not possible, so the federation goes on and the trade says it runs over
-    found = budget.replan(planned(rounds=1), "fedavg_dirichlet", {"round_seconds": 200.0, "evaluation_seconds": 5.0},
+    found = budget.replan(planned(rounds=1), "fedavg_dirichlet", measured((200.0, 5.0)),
                           opening_s=20.0, start_evaluation_s=5.0, launched_s=30.0, now_s=250.0)
     assert found["rounds"] == 1 and not found["restart"] and not found["fits"]
     assert "the 1 round runs over the 10 min budget" in found["trade"]
 
 
-def test_the_watch_replans_once_round_1_is_on_disk_and_not_a_resumed_run(tmp_path):
+def test_a_cold_round_1_chooses_the_rounds_and_round_2_predicts_them():
+    """Round 1 at twice its prediction, round 2 as predicted: the rounds are chosen as if every round took round 1's
+    pace (the budget holds should they), and predicted at round 2's, the nearer to the rounds to come."""
+    found = budget.replan(planned(), "fedavg_dirichlet", measured((40.0, 7.5), (20.0, 5.0)),
+                          opening_s=20.0, start_evaluation_s=7.5, launched_s=30.0, now_s=100.0)
+    assert found["restart"] and found["rounds"] == 2  # as the 2x case above
+    assert found["training_scale"] == 1.0 and found["evaluation_scale"] == 1.0  # round 2's pace
+    assert [(p["training_scale"], p["evaluation_scale"]) for p in found["paces"]] == [(2.0, 1.5), (1.0, 1.0)]
+    # from now (100 s) and the stopped federation's end (12.5 s), 3 starts and 3 ends of 12.5 s, 2 rounds of 85 s
+    assert found["predicted_seconds"] == pytest.approx(357.5) and found["per_round_seconds"] == [85.0, 85.0]
+    assert "the rounds chosen at the slowest, 2.00x and 1.50x" in found["trade"]
+    # round 2 the slower (the machine slowed): chosen and predicted at round 2's pace
+    slowing = budget.replan(planned(), "fedavg_dirichlet", measured((20.0, 5.0), (40.0, 7.5)),
+                            opening_s=20.0, start_evaluation_s=7.5, launched_s=30.0, now_s=100.0)
+    assert slowing["rounds"] == 2 and slowing["predicted_seconds"] == pytest.approx(512.5)
+
+
+def test_the_watch_replans_once_round_2_is_on_disk_and_not_a_resumed_run(tmp_path):
     import time
 
     def write_round(out, number, **values):
@@ -175,21 +199,33 @@ def test_the_watch_replans_once_round_1_is_on_disk_and_not_a_resumed_run(tmp_pat
         (out / "rounds" / f"round_{number:03d}.json").write_text(json.dumps({"round": number, **values}))
 
     fresh = tmp_path / "fresh"
-    watch = budget.FirstRound(planned(), "fedavg_dirichlet", began=time.perf_counter() - 30.0)
+    watch = budget.FirstRounds(planned(), "fedavg_dirichlet", began=time.perf_counter() - 30.0)
     watch.start()
     assert watch(fresh) is False and watch.found is None  # nothing on disk yet
     time.sleep(0.05)  # file times are coarser than time.time()
     write_round(fresh, 0, evaluation_seconds=7.5)
     assert watch(fresh) is False and watch.found is None  # round 0 only
     write_round(fresh, 1, round_seconds=40.0, evaluation_seconds=7.5)
+    assert watch(fresh) is False and watch.found is None  # round 1 only: round 2 decides
+    write_round(fresh, 2, round_seconds=40.0, evaluation_seconds=7.5)
     assert watch(fresh) is True and watch.found["restart"]  # 2x slower: start over (the case above)
+    assert watch.found["after_round"] == 2 and len(watch.found["paces"]) == 2
     assert watch(fresh) is False  # decided once
+
+    short = tmp_path / "short"  # a federation of two rounds is replanned after round 1: round 2 would leave none
+    watch = budget.FirstRounds(planned(rounds=2), "fedavg_dirichlet", began=time.perf_counter() - 30.0)
+    watch.start()
+    time.sleep(0.05)
+    write_round(short, 0, evaluation_seconds=7.5)
+    write_round(short, 1, round_seconds=20.0, evaluation_seconds=5.0)
+    assert watch(short) is False and watch.found["after_round"] == 1 and not watch.found["restart"]
 
     resumed = tmp_path / "resumed"
     write_round(resumed, 0)
     write_round(resumed, 1, round_seconds=40.0, evaluation_seconds=7.5)
+    write_round(resumed, 2, round_seconds=40.0, evaluation_seconds=7.5)
     time.sleep(0.05)
-    watch = budget.FirstRound(planned(), "fedavg_dirichlet", began=time.perf_counter())
+    watch = budget.FirstRounds(planned(), "fedavg_dirichlet", began=time.perf_counter())
     watch.start()
     assert watch(resumed) is False and "resumed" in watch.found["skipped"]
     assert budget.with_replan(planned(), watch.found)["rounds"] == 6  # the decision stands, the skip recorded
