@@ -127,7 +127,7 @@ def test_the_stage_runs_three_supernodes_for_two_rounds_sending_only_the_adapter
         "num_clients": 3, "partition": "iid", "methods": ["fedavg"], "iid_control": False, "num_rounds": 2,
         "fraction": 1.0, "min_completed": 3, "round_timeout_s": 120, "local_steps": 2, "round_budget_s": 15,
         "batch_size": 8, "lora": {"r": 8, "alpha": 16}, "runtime": "deployment",
-        "server_momentum": 0.5}})  # the default's server state on disk beside the rounds the stage exports from
+        "server_momentum": 0.5}})  # FedAvgM's server state on disk beside the rounds the stage exports from
     submitted = []
 
     def first_start_fails(self, app_dir, run_config, timeout):  # the stage's LocalFederation.submit, once broken
