@@ -16,9 +16,10 @@ few of a client's own micro-batches, and fits `step = overhead + per_token x pad
 The calibration's process is not the federation's: the clients' steps in a Ray worker and the server's evaluation
 have taken well over what the calibration timed, and Flower's start-up is not timed at all (docs/DECISIONS.md,
 "The budget decided twice"). So the decision is made twice. `FirstRounds` watches the first federation: once its
-round 2 is on disk (round 1 when it runs two or fewer), `replan` scales every predicted round by what rounds 1 and 2 took against their predictions (the
-clients' and the evaluation's apart; the centralized reference's training as the clients'): it chooses the rounds at
-the slower pace (round 1 is the stage's coldest) and predicts them at round 2's. It prices each federation's start
+round 2 is on disk (round 1 when it runs two or fewer), `replan` scales every predicted round by what rounds 1 and 2
+took against their predictions (the clients' and the evaluation's apart; the centralized reference's training as
+the clients'): it chooses the rounds at the slower pace (round 1 is the stage's coldest) and predicts them at round
+2's. It prices each federation's start
 (Flower's start-up, as measured; round 0's evaluation only once: the federations start from the same bytes and share
 it) and its end (Flower's shutdown and the export, at the start-up's measured price). When fewer rounds fit, the
 first federation is stopped and started over with them (a round's learning rate depends on the number of rounds, so
