@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import pytest
@@ -153,6 +154,7 @@ def test_lora_in_bf16_leaves_no_tensor_in_the_file_mapping_whose_fp32_pages_it_r
     loaded = prepare_model(tiny_model_dir, ["a", "b", "c"], smol_tokenizer.pad_token_id, 0, "lora", knobs)
     assert "base_model.model.model.embed_tokens.weight" in aliasing(loaded)  # fp32: loaded zero-copy, left there
     del loaded
+    gc.collect()  # peft's model holds reference cycles: without a collection the fp32 model's mapping may outlive `del`
     model = prepare_model(tiny_model_dir, ["a", "b", "c"], smol_tokenizer.pad_token_id, 0, "lora", knobs, bf16=True)
     assert aliasing(model) == []
     assert model.get_input_embeddings().weight.dtype == torch.float32
