@@ -28,6 +28,7 @@ reports/benchmarks/<--name>.json (default scheduling_score_search). The bsld fig
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import time
 from pathlib import Path
@@ -38,11 +39,11 @@ from common import write_results
 from frugaltune import paths
 from frugaltune.config import load_params
 from frugaltune.hardware import cpu_facts
-from frugaltune.scheduling.evaluation import held_out_start, sequences
-from frugaltune.scheduling.lublin import at_load, lublin_workload
+from frugaltune.scheduling.evaluation import sequences
 from frugaltune.scheduling.metrics import sequence_metrics
 from frugaltune.scheduling.policies import F1
-from frugaltune.scheduling.settings import generate_second_workload, load_workload, protocol, second_protocol
+from frugaltune.scheduling.settings import generate_second_workload, load_workload, protocol, second_protocol, sft_config
+from frugaltune.scheduling.sft import episode_starts, generated_episodes
 from frugaltune.scheduling.simulator import SchedulerState, simulate
 from frugaltune.scheduling.swf import Job
 
@@ -92,13 +93,13 @@ def main() -> None:
     sp = load_params(args.params).scheduling
     workload = load_workload(Path(args.params).parent / sp.trace, sp)
     prot = protocol(sp)
-    room = held_out_start(workload, prot) - 256
-    starts = np.random.default_rng(args.episode_seed).integers(0, room + 1, size=args.trace_episodes)
+    # the episodes build_sft draws (sft.episode_starts, sft.generated_episodes), from this benchmark's own seeds
+    cfg = dataclasses.replace(sft_config(sp), episode_length=256, generated_procs=(128, 256),
+                              generated_loads=(0.9, 1.05, 1.2))
+    starts = episode_starts(workload, dataclasses.replace(cfg, seed=args.episode_seed, episodes=args.trace_episodes))
     train = [(workload.jobs[s:s + 256], workload.max_procs) for s in starts]
-    for i in range(args.generated):
-        procs, load = (128, 256)[i % 2], (0.9, 1.05, 1.2)[(i // 2) % 3]
-        generated = at_load(lublin_workload(256, procs, seed=[77, i]), load)
-        train.append((generated.jobs, generated.max_procs))
+    train += [(g.jobs, g.max_procs) for g in
+              generated_episodes(dataclasses.replace(cfg, seed=77, generated_episodes=args.generated))]
     second = generate_second_workload(sp)
     judged = {"held_out": [(jobs, workload.max_procs) for jobs in sequences(workload, prot)],
               "second_workload": [(jobs, second.max_procs) for jobs in sequences(second, second_protocol(sp))]}
