@@ -68,18 +68,6 @@ FAMILIES = {"state": "log10(r)^a * n^b + c log10(r) + d n - e log10(1 + w) - f [
                        "+ h log10(1 + delay) log10(1 + q)"}
 
 
-def start_delay(job: Job, state: SchedulerState) -> float:
-    """Seconds until `job`'s processors are free, by the running jobs' expected ends (0 when it fits now)."""
-    free = state.free_procs
-    if job.requested_procs <= free:
-        return 0.0
-    for running in state.running:  # soonest expected end first
-        free += running.job.requested_procs
-        if free >= job.requested_procs:
-            return max(running.expected_end - state.clock, 0.0)
-    return 0.0  # unreachable: no job is wider than the machine
-
-
 class SearchedScore:
     """The module docstring's score with parameters `x` = (a, ..., h); g = h = 0 is the state family."""
 
@@ -95,7 +83,7 @@ class SearchedScore:
         value = r ** a * n ** b + c * r + d * n - e * math.log10(1.0 + max(clock - job.submit_time, 0.0)) \
             - f * (n <= state.free_procs)
         if g or h:
-            delay = math.log10(1.0 + start_delay(job, state))
+            delay = math.log10(1.0 + state.start_time(job) - clock)
             value += g * delay + h * delay * math.log10(1.0 + state.queue_length)
         return value
 

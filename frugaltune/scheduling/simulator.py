@@ -81,6 +81,13 @@ class SchedulerState:
         """The running jobs, soonest expected end first (built on demand: the heuristics never look)."""
         return sorted(self._running.values(), key=lambda r: (r.expected_end, r.job.submit_time, r.job.job_id))
 
+    def start_time(self, job: Job) -> float:
+        """When `job` could start if it were run next: now when it fits, else when enough processors are back by
+        the running jobs' expected ends (EASY's shadow time for it)."""
+        if job.requested_procs <= self.free_procs:
+            return self.clock
+        return _shadow(job, self.free_procs, self._running, self.clock)[0]
+
     def wait_time(self, job: Job) -> float:
         """How long `job` has waited so far."""
         return self.clock - job.submit_time

@@ -16,6 +16,7 @@ from frugaltune.scheduling import (
     F1,
     FCFS,
     HEURISTICS,
+    RunningJob,
     SJF,
     UNICEF,
     WFP3,
@@ -209,6 +210,17 @@ def test_a_custom_policy_plugs_in_and_sees_the_running_jobs_with_expected_ends()
     result = simulate(workload.jobs, 2, policy)
     assert result.schedule() == {1: 0, 2: 5, 3: 8}
     assert policy.seen_running == [[], [(1, 10)], [(2, 9)]]
+
+
+def test_start_time_is_now_when_the_job_fits_else_when_the_running_jobs_give_back_enough():
+    jobs = workload_from_rows([(1, 0, 5, 2, 10), (2, 0, 5, 1, 7), (3, 0, 1, 1, 1), (4, 0, 1, 2, 1), (5, 0, 1, 4, 1)],
+                              max_procs=4).jobs
+    running = {1: RunningJob(jobs[0], 0, 10), 2: RunningJob(jobs[1], 0, 7)}
+    state = SchedulerState(clock=5, total_procs=4, free_procs=1, queue=jobs[2:], queue_length=3, running=running)
+    assert [state.start_time(job) for job in jobs[2:]] == [5, 7, 10]
+    # a run past its expected end is taken to end now, as EASY takes it
+    late = SchedulerState(clock=12, total_procs=4, free_procs=1, queue=jobs[2:], queue_length=3, running=running)
+    assert late.start_time(jobs[3]) == 12
 
 
 def test_a_policy_that_answers_outside_the_visible_queue_is_an_error():
