@@ -441,10 +441,7 @@ class SchedulingLlmParams(Section):
     fallback: Literal["FCFS", "SJF", "WFP3", "UNICEF", "F1"] = Field(
         "F1", description="Heuristic used, under a name that says so, when the fine-tuned model cannot be loaded.")
     batch_size: int = Field(20, ge=1, description="Prompts per forward: one per test sequence run in lockstep.")
-    workers: int | None = Field(None, ge=1, description="Processes the test sequences are dealt to; null: one per "
-                                "thread the plan chose, at least 5 sequences each (judge.evaluation_workers).")
-    threads: int | None = Field(None, ge=1, description="torch threads per evaluation process; null: the plan's "
-                                "threads shared among the workers.")
+    threads: int | None = Field(None, ge=1, description="torch threads for evaluation; null = torch's default.")
     evaluate_base: bool = Field(True, description="Also run the untuned base model (the study's comparison).")
 
 

@@ -7,9 +7,8 @@ never trained on); at window `scheduling.window`, without backfilling and with E
 EASY fills around it), in the precision training ran in (`reports/train.json`). The policies: FCFS, SJF, WFP3,
 UNICEF, F1, the base model with the adapter in `models/adapter` ("finetuned") and the base model alone ("base",
 when `scheduling.llm.evaluate_base`); the lookahead teacher's own bsld (its ceiling) comes from
-`reports/simulate_baselines.json`. The LLMs choose by constrained choice among the visible jobs' letters, the
-sequences in lockstep, dealt to `scheduling.llm.workers` processes (null: one single-threaded process per thread
-the plan chose; `judge.judge_llms`); for each LLM, the share of decisions where it departs from F1 and the share of those where
+`reports/simulate_baselines.json`. The LLMs choose by constrained choice among the visible jobs' letters, all
+sequences in lockstep; for each LLM, the share of decisions where it departs from F1 and the share of those where
 the teacher makes the same choice (`judge.DepartureLog`). When the adapter cannot be loaded, the
 `scheduling.llm.fallback` heuristic stands in, its numbers are reported under "fallback" (never "finetuned"), and
 the register stage then refuses to register.
@@ -31,8 +30,8 @@ from frugaltune.config import Params, ParamsError, load_params
 from frugaltune.faults import stage_errors
 from frugaltune.io import read_json, write_json, write_metrics, write_text
 from frugaltune.scheduling.evaluation import sequences
-from frugaltune.resolve import machine, read_plan
-from frugaltune.scheduling.judge import MODES, LLMSpec, compact, evaluation_workers, judge, judge_llms
+from frugaltune.scheduling.judge import MODES, compact, judge
+from frugaltune.scheduling.llm_policy import LLMPolicy, load_llm_policy
 from frugaltune.scheduling.plots import plot_bsld, plot_queue_cdf, queue_cdf_table
 from frugaltune.scheduling.policies import HEURISTICS
 from frugaltune.scheduling.settings import load_workload, protocol, second_protocol, teacher
@@ -54,27 +53,21 @@ def run(params: Params) -> dict:
     llm = sp.llm
     # As training ran (the plan's precision, measured faster on this CPU); the train stage records it.
     bf16 = bool(read_json(paths.PIPELINE_RUN.train_report).get("bf16", False))
-    options = {"batch_size": llm.batch_size, "max_running": sp.sft.max_running, "bf16": bf16, "order": sp.order}
-    specs = {"finetuned": LLMSpec(str(paths.BASE_MODEL), str(paths.ADAPTER_DIR), "finetuned", llm.fallback, options)}
+    policies = dict(HEURISTICS)
+    options = {"threads": llm.threads, "batch_size": llm.batch_size, "max_running": sp.sft.max_running,
+               "bf16": bf16, "order": sp.order}
+    policies["finetuned"] = load_llm_policy(paths.BASE_MODEL, paths.ADAPTER_DIR, name="finetuned",
+                                            fallback=llm.fallback, **options)
     if llm.evaluate_base:
-        specs["base"] = LLMSpec(str(paths.BASE_MODEL), None, "base", None, options)
-    tests = {"trace": (sequences(workload, proto), workload.max_procs, proto.window),
-             "second_workload": (sequences(second, second_proto), second.max_procs, second_proto.window)}
-    threads = machine(params.train.precision, plan=read_plan())["threads"]
-    workers = llm.workers or evaluation_workers(threads, min(len(jobs) for jobs, _, _ in tests.values()))
-    lookahead = teacher(sp)
-    llms, llm_results, names = judge_llms(tests, specs, lookahead, workers, llm.threads or max(1, threads // workers))
-    summaries, results = judge(tests["trace"][0], workload.max_procs, dict(HEURISTICS), proto.window, lookahead)
-    second_summaries, _ = judge(tests["second_workload"][0], second.max_procs, dict(HEURISTICS), second_proto.window,
-                                lookahead)
-    for mode in MODES:
-        summaries[mode] |= llms["trace"][mode]
-        results[mode] |= llm_results["trace"][mode]
-        second_summaries[mode] |= llms["second_workload"][mode]
+        policies["base"] = load_llm_policy(paths.BASE_MODEL, None, name="base", **options)
     # A fallback heuristic's numbers must never pass for the model's: they go under "fallback", so the register
     # stage finds no `finetuned.avg_bsld` and refuses to register an adapter that was never judged.
-    finetuned_name, loaded = names["finetuned"]
+    loaded = isinstance(policies["finetuned"], LLMPolicy)
     rename = {} if loaded else {"finetuned": "fallback"}
+    lookahead = teacher(sp)
+    summaries, results = judge(sequences(workload, proto), workload.max_procs, policies, proto.window, lookahead)
+    second_summaries, _ = judge(sequences(second, second_proto), second.max_procs, policies, second_proto.window,
+                                lookahead)
     gate = "easy" if sp.backfill else "no_backfill"
     main = summaries[gate]
     heuristics = {name: main[name] for name in HEURISTICS}
@@ -91,7 +84,7 @@ def run(params: Params) -> dict:
         "sequences": proto.n_sequences, "sequence_length": proto.sequence_length, "window": proto.window,
         "backfill": sp.backfill,
         "precision": "bf16" if bf16 else "fp32",
-        "finetuned_policy": finetuned_name,  # "F1 (fallback: ...)" when the adapter did not load
+        "finetuned_policy": policies["finetuned"].name,  # "F1 (fallback: ...)" when the adapter did not load
         ("finetuned" if loaded else "fallback"): main["finetuned"],
         **({"baseline": main["base"]} if "base" in main else {}),
         "heuristics": heuristics,
@@ -126,7 +119,7 @@ def run(params: Params) -> dict:
         print(f"evaluate_policy: {name} ({w['max_procs']} procs), avg bsld without backfilling | with EASY")
         for key in w["no_backfill"]:
             print(f"  {key:10s} {w['no_backfill'][key]['avg_bsld']:10.2f} | {w['easy'][key]['avg_bsld']:10.2f}")
-    print(f"evaluate_policy: {finetuned_name} {tuned:.2f} vs best heuristic {best} "
+    print(f"evaluate_policy: {policies['finetuned'].name} {tuned:.2f} vs best heuristic {best} "
           f"{heuristics[best]['avg_bsld']:.2f} (ratio {report['finetuned_vs_best_heuristic']:.3f}, {gate})")
     return report
 

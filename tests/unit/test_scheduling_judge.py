@@ -14,8 +14,7 @@ import pytest
 
 from frugaltune.config import parse_params
 from frugaltune.scheduling import F1, SJF, simulate, synthetic_workload
-from frugaltune.scheduling.judge import (MODES, DepartureLog, LLMSpec, evaluation_workers, judge, judge_llms,
-                                         teacher_results)
+from frugaltune.scheduling.judge import MODES, DepartureLog, judge, teacher_results
 from frugaltune.scheduling.llm_policy import load_llm_policy
 from frugaltune.scheduling.metrics import sequence_metrics
 from frugaltune.scheduling.policies import HEURISTICS
@@ -93,38 +92,12 @@ def test_judge_runs_every_policy_in_both_modes_and_reports_llm_departures(sequen
     assert summaries["easy"]["F1"]["avg_bsld"] <= summaries["no_backfill"]["F1"]["avg_bsld"]
 
 
-def test_judge_llms_deals_sequences_to_processes_and_puts_them_back_in_order(sequences, tiny_model_dir):
-    teacher = LookaheadTeacher([F1], horizon=8)
-    specs = {"tiny": LLMSpec(str(tiny_model_dir), None, "tiny", None, {"batch_size": 8}),
-             "missing": LLMSpec(str(tiny_model_dir / "nowhere"), None, "missing", "SJF")}
-    workloads = {"a": (sequences, 16, WINDOW), "b": (sequences[:2], 16, WINDOW)}
-    summaries, results, names = judge_llms(workloads, specs, teacher, workers=2, threads=1, log=lambda _: None)
-    assert names == {"tiny": ("tiny", True), "missing": ("SJF (fallback: model not loaded)", False)}
-    # Each worker's share is what one process gives on the same sequences (the same batches, the same threads),
-    # and the shares come back in the order of the sequences
-    here = LLMSpec(str(tiny_model_dir), None, "tiny", None, {"batch_size": 8}).load(1)
-    for mode, backfill in MODES.items():
-        for share in (0, 1):
-            log = DepartureLog(teacher)
-            alone = simulate_batch(sequences[share::2], 16, here, backfill=backfill, window=WINDOW, on_decision=log)
-            assert [r.schedule() for r in results["a"][mode]["tiny"][share::2]] == [r.schedule() for r in alone]
-        tiny = summaries["a"][mode]["tiny"]
-        assert tiny["workers"] == 2 and 0 < tiny["model_calls"] <= tiny["decisions"]
-        assert tiny["departures"]["decisions"] <= tiny["decisions"]
-        assert [r.schedule() for r in results["b"][mode]["missing"]] == [
-            simulate(jobs, 16, SJF, backfill=backfill, window=WINDOW).schedule() for jobs in sequences[:2]]
-        assert "departures" not in summaries["b"][mode]["missing"]
-    assert evaluation_workers(2, 20) == 2 and evaluation_workers(2, 6) == 1 and evaluation_workers(16, 30) == 6
-    with pytest.raises(ValueError, match="workers=0"):
-        judge_llms(workloads, specs, teacher, workers=0)
-
-
 def stage_params(trace: str) -> dict:
     return {"scheduling": {
         "trace": trace, "window": WINDOW,
         "evaluation": {"sequence_length": 30, "n_sequences": 2, "held_out_fraction": 0.3, "seed": 0},
         "sft": {"rollout_policies": ["F1"], "horizon": 8},
-        "llm": {"workers": 2, "threads": 1, "batch_size": 4},  # two processes: the stage's own path
+        "llm": {"threads": 1, "batch_size": 4},
         "second_workload": {"procs": 32, "jobs": 200, "load": 1.2, "seed": 9, "n_sequences": 2,
                             "sequence_length": 30}}}
 
