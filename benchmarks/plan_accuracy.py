@@ -14,9 +14,9 @@ train stage, on the same malloc; its peak RSS (ru_maxrss) and the loop's wall ti
 
 Each (method, length) is planned and run `--repeats` times (2 by default), calibration and run taken in turn, and its
 row shows the median prediction against the median measurement, with each pair's own errors beside them
-(`peak_errors`, `eta_errors`). Why: this shared VM's speed moves by a fifth within minutes, and a 20-step run lasts
-30-45 s, so a single calibration against the single run a minute later judges the VM as much as the plan (over two
-single-pair runs of 2026-12-01/02 the ETA errors had mean +0.9 %, sd 14.5 %; docs/DECISIONS.md).
+(`peak_errors`, `eta_errors`). Why: a shared VM's speed drifts within minutes, and a 20-step run is short, so a single
+calibration against the single run a minute later judges the VM as much as the plan (the figures: docs/DECISIONS.md,
+"plan_accuracy as pairs taken in turn").
 
 lora's rows run first: their calibration also times every other method on one micro-batch, as the plan stage does
 for the methods it does not calibrate, and each other method's row shows that estimate beside its own calibration's
