@@ -387,13 +387,13 @@ def _calibration_point(spec: dict) -> dict:
     # Graphs inductor compiles afresh here (not found in its on-disk cache) are found there by every later process
     # on this machine, the run's among them: counted per step so that the plan can tell a cold start from a warm one.
     compiled = lambda: counters["inductor"].get("fxgraph_cache_miss", 0)  # noqa: E731
-    marks: list[tuple[float, int, int]] = []
+    marks: list[tuple[float, int, int, float, float]] = []
     # with other methods to compare: what this one saves for backward in its last step (their rows, see calibrate)
     saved = _SavedBytes(model) if spec.get("others") and not spec.get("batches") else None
     count = saved.last_step_of(len(batches)) if saved else lambda record: None
 
     def on_log(record: dict) -> None:
-        marks.append((record["elapsed_s"], peak(), compiled()))
+        marks.append((record["elapsed_s"], peak(), compiled(), time.process_time(), time.perf_counter()))
         count(record)
 
     cpu_start, wall_start = time.process_time(), time.perf_counter()
@@ -404,7 +404,7 @@ def _calibration_point(spec: dict) -> dict:
     finally:  # the hooks off before anything else runs in this process (the other methods' steps)
         saved_bytes = saved.total() if saved else None
         cast_bytes = saved.cast_total() if saved else None
-    busy = (time.process_time() - cpu_start) / max((time.perf_counter() - wall_start) * spec["threads"], 1e-9)
+    busy = _cpu_share(marks, cpu_start, wall_start, spec["threads"])
     phases["steps_s"] = time.perf_counter() - wall_start
     inference = []
     if data.get("inference") and not spec.get("batches"):  # forward passes, as evaluation runs them
@@ -418,7 +418,7 @@ def _calibration_point(spec: dict) -> dict:
                     progress=False)
             inference.append(time.perf_counter() - begin)
     steps, previous = [], (0.0, 0)
-    for elapsed, rss, graphs in marks:  # cumulative marks -> each step's own seconds and compiled graphs
+    for elapsed, rss, graphs, _, _ in marks:  # cumulative marks -> each step's own seconds and compiled graphs
         steps.append({"seconds": elapsed - previous[0], "peak_rss_bytes": rss, "compiled_graphs": graphs - previous[1]})
         previous = (elapsed, graphs)
     others = {}
@@ -442,6 +442,19 @@ def _calibration_point(spec: dict) -> dict:
     return {"phases": phases, "loaded_rss_bytes": loaded_rss, "steps": steps, "int8_products": bool(int8["on"]),
             "cpu_share": round(busy, 3), "allocator": allocator.active(), "inference_seconds": inference,
             "others": others, "saved_bytes": saved_bytes, "cast_bytes": cast_bytes}
+
+
+def _cpu_share(marks: list[tuple], cpu_start: float, wall_start: float, threads: int) -> float:
+    """The share of `threads` cores this process kept busy over the calibration's steps (marks: per step its
+    cumulative (elapsed, peak, compiled graphs, process time, wall clock)), counting only the steps that compiled
+    nothing: inductor compiles in worker processes whose CPU this process's clock does not see, so a cold first
+    step would read as a busy machine on an idle one. All steps when every one compiled."""
+    spans, previous = [], (cpu_start, wall_start, 0)
+    for _, _, graphs, cpu, wall in marks:
+        spans.append((cpu - previous[0], wall - previous[1], graphs - previous[2]))
+        previous = (cpu, wall, graphs)
+    warm = [(cpu, wall) for cpu, wall, compiled in spans if compiled == 0] or [(c, w) for c, w, _ in spans]
+    return sum(c for c, _ in warm) / max(sum(w for _, w in warm) * threads, 1e-9)
 
 
 def _time_other_methods(spec: dict, build, rows: list, targets: list, cfg, step_s: float,

@@ -604,3 +604,16 @@ def test_a_cold_compile_is_timed_again_warm_as_the_run_will_find_it(tiny_model_d
     assert compiled[0] > 0 and not any(compiled[1:])  # dynamic shapes: the first step compiles for every size
     assert cold["int8_products"] and cold["startup_from"].startswith("a second process")
     assert constants.startup_s == pytest.approx(cold["startup_s"], abs=0.01) and cold["startup_cold_s"] >= 0
+
+
+def test_a_cold_compile_does_not_read_as_a_busy_machine():
+    # (elapsed, peak, cumulative compiled graphs, process time, wall clock) per step, from cpu 0.0 / wall 0.0:
+    # the first step compiles 12 graphs in worker processes (this process's clock sees 2 of its 9 s), the next
+    # two keep both cores busy
+    marks = [(9.0, 0, 12, 2.0, 9.0), (11.0, 0, 12, 5.9, 11.0), (13.0, 0, 12, 9.8, 13.0)]
+    assert planner._cpu_share(marks, 0.0, 0.0, 2) == pytest.approx(7.8 / 8)
+    # a machine shared with another job: the warm steps get one core of two
+    shared = [(9.0, 0, 12, 2.0, 9.0), (11.0, 0, 12, 4.0, 11.0), (13.0, 0, 12, 6.0, 13.0)]
+    assert planner._cpu_share(shared, 0.0, 0.0, 2) == pytest.approx(0.5)
+    # every step compiled: the whole span counts
+    assert planner._cpu_share([(4.0, 0, 3, 6.0, 4.0)], 0.0, 0.0, 2) == pytest.approx(0.75)
