@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -617,3 +618,14 @@ def test_a_cold_compile_does_not_read_as_a_busy_machine():
     assert planner._cpu_share(shared, 0.0, 0.0, 2) == pytest.approx(0.5)
     # every step compiled: the whole span counts
     assert planner._cpu_share([(4.0, 0, 3, 6.0, 4.0)], 0.0, 0.0, 2) == pytest.approx(0.75)
+
+
+def test_the_table_marks_an_eta_the_calibration_did_not_time():
+    constants = planner.Constants(step_overhead_s=0.1, seconds_per_token=1e-4, calibrated_method="lora",
+                                  method_cost={"dora": 1.3}, not_timed={"qlora": "the calibration's budget is spent"})
+    plan = planner.make_plan(run_spec(), cpu_hardware(24), shapes(smollm2_config()), constants)
+    rows = {line.split()[0]: line for line in planner.render(plan).splitlines() if line.split()[:1]}
+    marked = lambda row: re.search(r" ~\d+(\.\d)? (s|min|h) ", row)  # noqa: E731 (the ETA column, not the why's "~33%")
+    assert plan["methods"]["qlora"]["eta_seconds"] and marked(rows["qlora"])
+    assert not marked(rows["lora*"]) and not marked(rows["dora"]) and marked(rows["qlora"].replace("~", "")) is None
+    assert "~ not timed here (qlora: the calibration's budget is spent)" in planner.render(plan)
