@@ -219,7 +219,8 @@ def replan(decision: dict, first: str, measured: list[dict], opening_s: float, s
     prediction, the clients' training and the evaluation apart. Round 1 is the stage's coldest (the first touches
     of the clients' models and of each shape's kernels: docs/DECISIONS.md), so the rounds are chosen at the slowest
     pace measured, which keeps the stage within its budget should every round run as slowly, and predicted at the
-    last round's, the nearest to the rounds to come. Every federation's rounds are scaled by a pace, and the
+    last round's, the nearest to the rounds to come, or halfway from it to the calibration's where round 2 ran
+    faster than round 1 (a cold start that goes on fading): `training_scale`/`evaluation_scale`. Every federation's rounds are scaled by a pace, and the
     centralized reference's share as the clients' training (the same loop on the same machine). The other
     federations start from the same bytes and read round 0's evaluation (server_app.start_evaluation): each start
     costs the start-up, `opening_s` less that evaluation; each end (Flower's shutdown, the export) is priced as the
@@ -237,6 +238,11 @@ def replan(decision: dict, first: str, measured: list[dict], opening_s: float, s
 
     paces = [pace(found) for found in measured]
     latest, slowest = paces[-1], (max(p[0] for p in paces), max(p[1] for p in paces))
+    # A pace that fell from round 1 to round 2 is a cold start fading (each worker's first touch of each shape's
+    # kernels), and it went on fading in every stage on record: predicted halfway between round 2's pace and the
+    # calibration's (1.0). A pace that held or rose is the machine's: predicted as measured. (docs/DECISIONS.md
+    # "The replan predicts halfway when the first rounds speed up")
+    ahead = tuple((1.0 + now) / 2 if len(paces) > 1 and now < paces[0][i] else now for i, now in enumerate(latest))
     closing = start_up = max(0.0, opening_s - start_evaluation_s)
     budget_s, federations = decision["minutes"] * 60, len(decision["runs"])
 
@@ -257,7 +263,7 @@ def replan(decision: dict, first: str, measured: list[dict], opening_s: float, s
         again = choose_rounds(asked, budget_s, now_s + closing, federations * (start_up + closing + extra), per_round)
         return {"extra": extra, "runs": runs, "per_round": per_round, "going_on": going_on, "again": again}
 
-    chosen, expected = priced(*slowest), priced(*latest)
+    chosen, expected = priced(*slowest), priced(*ahead)
     restart = chosen["going_on"] > budget_s and chosen["again"]["rounds"] < asked
     if restart:
         rounds_ = chosen["again"]["rounds"]
@@ -271,6 +277,8 @@ def replan(decision: dict, first: str, measured: list[dict], opening_s: float, s
                    f"calibration's training, {latest[1]:.2f}x its evaluation"
                    + (f"; the rounds chosen at the slowest, {slowest[0]:.2f}x and {slowest[1]:.2f}x"
                       if slowest != latest else "")
+                   + (f"; predicted at {ahead[0]:.2f}x and {ahead[1]:.2f}x, halfway to the calibration's pace "
+                      "where round 2 ran faster than round 1" if ahead != latest else "")
                    + f"; {opening_s:.0f} s to start and evaluate round 0, {start_up:.0f} s priced for each other "
                    "start and each end)")
     minutes, predicted_min = budget_s / 60, predicted_s / 60
@@ -282,8 +290,8 @@ def replan(decision: dict, first: str, measured: list[dict], opening_s: float, s
         trade = (f"{measured_as}: {them} " + (f"fit{one} in {minutes:g} min" if fits else
                  f"run{one} over the {minutes:g} min budget (starting over with fewer would not end sooner)")
                  + f", predicted {predicted_min:.1f} min")
-    return {"after_round": measured[-1]["round"], "run": first, "training_scale": round(latest[0], 3),
-            "evaluation_scale": round(latest[1], 3),
+    return {"after_round": measured[-1]["round"], "run": first, "training_scale": round(ahead[0], 3),
+            "evaluation_scale": round(ahead[1], 3),
             "paces": [{"round": found["round"], "training_scale": round(t, 3), "evaluation_scale": round(e, 3)}
                       for found, (t, e) in zip(measured, paces)],
             "opening_seconds": round(opening_s, 1), "last_evaluation_extra_s": round(expected["extra"], 2),

@@ -191,6 +191,23 @@ def test_a_cold_round_1_chooses_the_rounds_and_round_2_predicts_them():
     assert slowing["rounds"] == 2 and slowing["predicted_seconds"] == pytest.approx(512.5)
 
 
+def test_a_pace_that_falls_from_round_1_to_round_2_is_predicted_halfway_to_the_calibrations():
+    """Rounds 1 and 2 at 1.4x and 1.3x the calibration's training (1.2x, 1.1x its evaluation): a cold start fading,
+    predicted at 1.15x and 1.05x; the rounds are still chosen at the slowest (1.4x, 1.2x)."""
+    decision = {**planned(), "minutes": 20.0}
+    found = budget.replan(decision, "fedavg_dirichlet", measured((28.0, 6.0), (26.0, 5.5)),
+                          opening_s=7.5, start_evaluation_s=5.0, launched_s=30.0, now_s=100.0)
+    assert (found["training_scale"], found["evaluation_scale"]) == (1.15, 1.05)
+    assert [(p["training_scale"], p["evaluation_scale"]) for p in found["paces"]] == [(1.4, 1.2), (1.3, 1.1)]
+    # 30 s + the first start (7.5 s) + 2 starts and 3 ends of 2.5 s + 6 rounds of 3 x (23 + 5.25) + 11.5 = 96.25 s
+    assert found["rounds"] == 6 and not found["restart"] and found["predicted_seconds"] == pytest.approx(627.5)
+    assert "predicted at 1.15x and 1.05x, halfway" in found["trade"]
+    # at the slowest pace the 6 rounds would not fit in 10 min: the first federation starts over with fewer
+    tight = budget.replan(planned(), "fedavg_dirichlet", measured((28.0, 6.0), (26.0, 5.5)),
+                          opening_s=7.5, start_evaluation_s=5.0, launched_s=30.0, now_s=100.0)
+    assert tight["restart"] and tight["rounds"] < 6
+
+
 def test_the_watch_replans_once_round_2_is_on_disk_and_not_a_resumed_run(tmp_path):
     import time
 
