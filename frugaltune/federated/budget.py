@@ -220,11 +220,11 @@ def replan(decision: dict, first: str, measured: list[dict], opening_s: float, s
     of the clients' models and of each shape's kernels: docs/DECISIONS.md), so the rounds are chosen at the slowest
     pace measured, which keeps the stage within its budget should every round run as slowly, and predicted at the
     last round's, the nearest to the rounds to come, or halfway from it to the calibration's where round 2 ran
-    faster than round 1 (a cold start that goes on fading): `training_scale`/`evaluation_scale`. Every federation's rounds are scaled by a pace, and the
-    centralized reference's share as the clients' training (the same loop on the same machine). The other
-    federations start from the same bytes and read round 0's evaluation (server_app.start_evaluation): each start
-    costs the start-up, `opening_s` less that evaluation; each end (Flower's shutdown, the export) is priced as the
-    start-up: the same processes stop as started. `restart`: the first federation stops and starts over with
+    faster than round 1 (a cold start that goes on fading): `training_scale`/`evaluation_scale`. Every
+    federation's rounds are scaled by a pace, and the centralized reference's share as the clients' training (the
+    same loop on the same machine). The other federations start from the same bytes and read round 0's evaluation
+    (server_app.start_evaluation): each start costs the start-up, `opening_s` less that evaluation; each end
+    (Flower's shutdown, the export) is priced as the start-up: the same processes stop as started. `restart`: the first federation stops and starts over with
     `rounds`, which only happens when that fits more of the budget than going on with the rounds it runs."""
     asked, predicted = decision["rounds"], decision["runs"][first]
     base_extra = decision.get("last_evaluation_extra_s", 0.0)
@@ -239,9 +239,9 @@ def replan(decision: dict, first: str, measured: list[dict], opening_s: float, s
     paces = [pace(found) for found in measured]
     latest, slowest = paces[-1], (max(p[0] for p in paces), max(p[1] for p in paces))
     # A pace that fell from round 1 to round 2 is a cold start fading (each worker's first touch of each shape's
-    # kernels), and it went on fading in every stage on record: predicted halfway between round 2's pace and the
-    # calibration's (1.0). A pace that held or rose is the machine's: predicted as measured. (docs/DECISIONS.md
-    # "The replan predicts halfway when the first rounds speed up")
+    # kernels), and it went on fading in each of the three stages on record that measured both: predicted halfway
+    # between round 2's pace and the calibration's (1.0). A pace that held or rose is the machine's: predicted as
+    # measured. (docs/DECISIONS.md "The replan predicts halfway when the first rounds speed up")
     ahead = tuple((1.0 + now) / 2 if len(paces) > 1 and now < paces[0][i] else now for i, now in enumerate(latest))
     closing = start_up = max(0.0, opening_s - start_evaluation_s)
     budget_s, federations = decision["minutes"] * 60, len(decision["runs"])
