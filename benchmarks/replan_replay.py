@@ -93,7 +93,8 @@ def main() -> None:
             total[2].append(abs(r["stage"]))
     print("all stages:")
     for rule, (beyond, rounds, stages) in totals.items():
-        print(f"  {rule:12s} rounds beyond +-25 %: {beyond} of {rounds}; stage |error| mean {sum(stages) / len(stages):.1%}, "
+        mean = sum(stages) / len(stages)
+        print(f"  {rule:12s} rounds beyond +-25 %: {beyond} of {rounds}; stage |error| mean {mean:.1%}, "
               f"max {max(stages):.1%} over {len(stages)} stages")
 
 

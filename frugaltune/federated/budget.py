@@ -224,8 +224,9 @@ def replan(decision: dict, first: str, measured: list[dict], opening_s: float, s
     federation's rounds are scaled by a pace, and the centralized reference's share as the clients' training (the
     same loop on the same machine). The other federations start from the same bytes and read round 0's evaluation
     (server_app.start_evaluation): each start costs the start-up, `opening_s` less that evaluation; each end
-    (Flower's shutdown, the export) is priced as the start-up: the same processes stop as started. `restart`: the first federation stops and starts over with
-    `rounds`, which only happens when that fits more of the budget than going on with the rounds it runs."""
+    (Flower's shutdown, the export) is priced as the start-up: the same processes stop as started. `restart`: the
+    first federation stops and starts over with `rounds`, which only happens when that fits more of the budget
+    than going on with the rounds it runs."""
     asked, predicted = decision["rounds"], decision["runs"][first]
     base_extra = decision.get("last_evaluation_extra_s", 0.0)
 
