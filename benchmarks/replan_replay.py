@@ -10,7 +10,8 @@ against its measured wall time. The rules (frugaltune/federated/budget.py `repla
 - calibration: the plan's calibration alone (no replan scaling);
 - latest: the first federation's last measured round's pace (round 2's; round 1's in stages before 2026-12-01);
 - halfway: halfway between that pace and the calibration's;
-- current: halfway where the pace fell from round 1 to round 2, the latest pace otherwise.
+- current: the rule in use (budget.predicting_pace): halfway where the pace fell from round 1 to round 2, the
+  latest pace otherwise.
 The stage's prediction is rescaled in its per-round part only (start-ups, ends and a restart's lost rounds as
 recorded), so a rule's stage figure is approximate; the per-round figures are exact rescalings.
 """
@@ -18,6 +19,8 @@ recorded), so a rule's stage figure is approximate; the per-round figures are ex
 import argparse
 import json
 import subprocess
+
+from frugaltune.federated.budget import predicting_pace
 
 REPORT = "reports/federated.json"
 
@@ -48,7 +51,7 @@ def rules(replan: dict) -> dict[str, tuple[float, float]]:
     paces = [(p["training_scale"], p["evaluation_scale"]) for p in replan.get("paces", [])]
     latest = paces[-1] if paces else (replan["training_scale"], replan.get("evaluation_scale", 1.0))
     halfway = tuple((1.0 + now) / 2 for now in latest)
-    current = tuple((1.0 + now) / 2 if len(paces) > 1 and now < paces[0][i] else now for i, now in enumerate(latest))
+    current = predicting_pace(paces) if paces else latest
     return {"calibration": (1.0, 1.0), "latest": latest, "halfway": halfway, "current": current}
 
 

@@ -210,6 +210,17 @@ def decide(params, plans: dict[str, list[dict]], runs: list[tuple[str, str]], la
             "machine": asdict(machine)}
 
 
+def predicting_pace(paces: list[tuple[float, float]]) -> tuple[float, float]:
+    """The (training, evaluation) pace the rounds to come are predicted at, from the measured rounds' paces against
+    the calibration (1.0), in round order. A pace that fell from round 1 to round 2 is a cold start fading (each
+    worker's first touch of each shape's kernels), and it went on fading in each of the three stages on record that
+    measured both: predicted halfway between round 2's pace and the calibration's. A pace that held or rose is the
+    machine's: predicted as measured. (docs/DECISIONS.md "The replan predicts halfway when the first rounds speed
+    up"; benchmarks/replan_replay.py replays it over the stages on record.)"""
+    fading = lambda i: len(paces) > 1 and paces[-1][i] < paces[0][i]  # noqa: E731
+    return tuple((1.0 + paces[-1][i]) / 2 if fading(i) else paces[-1][i] for i in (0, 1))
+
+
 def replan(decision: dict, first: str, measured: list[dict], opening_s: float, start_evaluation_s: float,
            launched_s: float, now_s: float) -> dict:
     """The rounds that fit, once the first federation (`first`, launched `launched_s` into the stage, now `now_s`)
@@ -239,11 +250,7 @@ def replan(decision: dict, first: str, measured: list[dict], opening_s: float, s
 
     paces = [pace(found) for found in measured]
     latest, slowest = paces[-1], (max(p[0] for p in paces), max(p[1] for p in paces))
-    # A pace that fell from round 1 to round 2 is a cold start fading (each worker's first touch of each shape's
-    # kernels), and it went on fading in each of the three stages on record that measured both: predicted halfway
-    # between round 2's pace and the calibration's (1.0). A pace that held or rose is the machine's: predicted as
-    # measured. (docs/DECISIONS.md "The replan predicts halfway when the first rounds speed up")
-    ahead = tuple((1.0 + now) / 2 if len(paces) > 1 and now < paces[0][i] else now for i, now in enumerate(latest))
+    ahead = predicting_pace(paces)
     closing = start_up = max(0.0, opening_s - start_evaluation_s)
     budget_s, federations = decision["minutes"] * 60, len(decision["runs"])
 
