@@ -166,7 +166,7 @@ def _row(method: str, length: int, pairs: list[tuple[dict, dict | None, dict]]) 
     predicted_b = [p["peak_bytes"] for p, _, _ in pairs]
     measured_b = [m["peak_rss_bytes"] for _, _, m in pairs]
     estimated = [e for _, e, _ in pairs if e]
-    spread = lambda xs, ys: "/".join(f"{x / y - 1:+.1%}" for x, y in zip(xs, ys))  # noqa: E731
+    spread = lambda xs, ys: [round(x / y - 1, 4) for x, y in zip(xs, ys)]  # noqa: E731
     return {"method": method, "length": length, "steps": pairs[0][2]["steps"], "int8": int(first["int8"]),
             "largest_batch": f"{first['largest_batch']['sequences']}x{first['largest_batch']['length']}",
             "predicted_peak_mb": mb(median(predicted_b)), "measured_peak_mb": mb(median(measured_b)),
@@ -179,8 +179,8 @@ def _row(method: str, length: int, pairs: list[tuple[dict, dict | None, dict]]) 
 
 
 def outside(rows: list[dict], column: str, bound: float) -> str:
-    """'k of n': how many single pairs' errors (a row's `column`, e.g. "+3.1%/-27.0%") are beyond `bound`."""
-    errors = [float(e.rstrip("%")) / 100 for r in rows if r.get("pairs", 1) > 1 for e in r[column].split("/")]
+    """'k of n': how many single pairs' errors (a row's `column`, a list of fractions) are beyond `bound`."""
+    errors = [e for r in rows if r.get("pairs", 1) > 1 for e in r[column]]
     return f"{sum(abs(e) > bound for e in errors)} of {len(errors)}"
 
 
@@ -261,17 +261,19 @@ def main() -> None:
             row[f"{kind}_from_lora_error"] = (round(row[key] / row[measured_key] - 1, 4) if row[key] is not None
                                               else None)
         row.setdefault("pairs", 1)  # the default run: the pipeline's one plan against its one run
-        row.setdefault("peak_errors", f"{row['peak_error']:+.1%}")
-        row.setdefault("eta_errors", f"{row['eta_error']:+.1%}")
+        row.setdefault("peak_errors", [row["peak_error"]])
+        row.setdefault("eta_errors", [row["eta_error"]])
         print(f"  {row['method']} @ {row['length']}: peak {row['predicted_peak_mb']} MB predicted, "
               f"{row['measured_peak_mb']} MB measured ({row['peak_error']:+.1%}); time {row['predicted_seconds']} s "
               f"predicted, {row['measured_seconds']} s measured ({row['eta_error']:+.1%})", flush=True)
     measured = {"malloc": child_malloc}
     columns = list(dict.fromkeys(c for r in rows for c in r))
-    csv = "\n".join([",".join(columns)] + [",".join("" if r[c] is None else str(r[c]) for c in columns) for r in rows]) + "\n"
-    header = "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns) + "\n"
-    shown = lambda value, column: ("-" if value is None else f"{value:+.1%}" if column.endswith("_error")  # noqa: E731
+    shown = lambda value, column: ("-" if value is None else "/".join(f"{e:+.1%}" for e in value)  # noqa: E731
+                                   if isinstance(value, list) else f"{value:+.1%}" if column.endswith("_error")
                                    else str(value))
+    csv = "\n".join([",".join(columns)] + [",".join("" if r[c] is None else shown(r[c], c) if isinstance(r[c], list)
+                                                     else str(r[c]) for c in columns) for r in rows]) + "\n"
+    header = "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns) + "\n"
     md = header + "".join("| " + " | ".join(shown(r[c], c) for c in columns) + " |\n" for r in rows)
     within = all(abs(r["peak_error"]) <= 0.15 for r in rows), all(abs(r["eta_error"]) <= 0.25 for r in rows)
     estimated = [r for r in rows if r["eta_from_lora_error"] is not None]
