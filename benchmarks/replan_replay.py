@@ -27,8 +27,12 @@ REPORT = "reports/federated.json"
 
 def recorded() -> list[tuple[str, str, dict]]:
     """(commit, date, report) for each distinct replanned stage in the history of REPORT, newest first."""
-    log = subprocess.run(["git", "log", "--format=%h %ad", "--date=short", "--", REPORT], capture_output=True,
-                         text=True, check=True).stdout
+    run = subprocess.run(["git", "log", "--format=%h %ad", "--date=short", "--", REPORT], capture_output=True,
+                         text=True)
+    if run.returncode:
+        raise SystemExit(f"replan_replay reads the history of {REPORT} with git, which said: {run.stderr.strip()}\n"
+                         "Run it from the root of a git clone of the repository (an exported tree has no history).")
+    log = run.stdout
     found, seen = [], set()
     for line in filter(None, log.splitlines()):
         commit, date = line.split()
