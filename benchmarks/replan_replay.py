@@ -12,8 +12,9 @@ against its measured wall time. The rules (frugaltune/federated/budget.py `repla
 - halfway: halfway between that pace and the calibration's;
 - current: the rule in use (budget.predicting_pace): halfway where the pace fell from round 1 to round 2, the
   latest pace otherwise.
-The stage's prediction is rescaled in its per-round part only (start-ups, ends and a restart's lost rounds as
-recorded), so a rule's stage figure is approximate; the per-round figures are exact rescalings.
+The stage's prediction is rescaled in its per-round part only (start-ups, ends and, in stages before the replan
+cut rounds instead of starting over, a restart's lost rounds as recorded), so a rule's stage figure is approximate;
+the per-round figures are exact rescalings.
 """
 
 import argparse

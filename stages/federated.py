@@ -62,9 +62,9 @@ CLIENTS_PNG = paths.FIGURES / "federated_clients.png"
 
 
 def run_federation(params: Params, scheme: str, method: str, client_plans: list[dict], labels: list[str],
-                   pad_token_id: int, watch: federation.Watch | None = None) -> Path | None:
-    """One federation of `method` on the `scheme` partition, to its last round; the folder of its rounds (None:
-    `watch`, the budget's, stopped it to start over with fewer rounds)."""
+                   pad_token_id: int, watch: budget.FirstRounds | None = None) -> Path:
+    """One federation of `method` on the `scheme` partition, to its last round; the folder of its rounds. `watch`:
+    the budget's replan, after the round it watches for (the server waits for it there)."""
     fp = params.federated
     parts = DATA / f"partitions_{scheme}"
     included = federation.included_clients(fp, client_plans)
@@ -72,7 +72,8 @@ def run_federation(params: Params, scheme: str, method: str, client_plans: list[
     data = rows.data_fingerprint(parts, DATA / "test.parquet")
     key = keys.run_key(params, scheme, method, data, client_plans, precision)
     out = (paths.FEDERATED_CHECKPOINTS / key).resolve()
-    settings = federation.run_settings(params, method, out, included, labels, pad_token_id, precision)
+    settings = federation.run_settings(params, method, out, included, labels, pad_token_id, precision,
+                                       replan_after=watch.last if watch else 0)
     nodes = federation.node_settings(fp, parts, out, included, precision)
     return federation.federate(params, f"{scheme}/{method}", settings, nodes,
                                paths.FEDERATED_CHECKPOINTS / "work" / f"{method}_{scheme}", watch)
@@ -126,14 +127,10 @@ def run(params: Params) -> dict:
             ran = params.model_copy(update={"federated": fp.model_copy(update={"num_rounds": decision["rounds"],
                                                                                "budget_minutes": None})})
             out = run_federation(ran, scheme, method, report["clients"][scheme], labels, pad_token_id, watch)
-            if watch is not None:
+            if watch is not None:  # the federations after the first run the rounds it ended with
                 decision = report["budget"] = budget.with_replan(decision, watch.found)
                 print(f"federated: budget: {decision.get('replan', {}).get('trade', decision['trade'])}", flush=True)
                 watch = None
-            if out is None:  # fewer rounds fit than the first federation was started with: it starts over
-                ran = ran.model_copy(update={"federated": ran.federated.model_copy(
-                    update={"num_rounds": decision["rounds"]})})
-                out = run_federation(ran, scheme, method, report["clients"][scheme], labels, pad_token_id)
             outs[name] = out
             summary, found = results.summarize(out, paths.BASE_MODEL)
             adapter = paths.FEDERATED_ADAPTERS / name

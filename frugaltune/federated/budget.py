@@ -22,8 +22,8 @@ the clients'): it chooses the rounds at the slower pace (round 1 is the stage's 
 2's. It prices each federation's start
 (Flower's start-up, as measured; round 0's evaluation only once: the federations start from the same bytes and share
 it) and its end (Flower's shutdown and the export, at the start-up's measured price). When fewer rounds fit, the
-first federation is stopped and started over with them (a round's learning rate depends on the number of rounds, so
-its rounds are not reusable): the rounds and start it wasted are counted.
+first federation ends with them: the server waits for the replan after the rounds measured (`replan-after`) and
+re-lays its lr decay over the new number from the next round on (server_app.replanned), so no round is thrown away.
 The report keeps the first decision as `initial`, and puts what each round took beside the final prediction.
 """
 
@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from frugaltune import planner
+from frugaltune.io import write_json
 from frugaltune.federated import aggregation, local, rounds, rows
 from frugaltune.federated.plans import Precision, machine_cores
 from frugaltune.federated.settings import RunSettings
@@ -235,9 +236,9 @@ def replan(decision: dict, first: str, measured: list[dict], opening_s: float, s
     federation's rounds are scaled by a pace, and the centralized reference's share as the clients' training (the
     same loop on the same machine). The other federations start from the same bytes and read round 0's evaluation
     (server_app.start_evaluation): each start costs the start-up, `opening_s` less that evaluation; each end
-    (Flower's shutdown, the export) is priced as the start-up: the same processes stop as started. `restart`: the
-    first federation stops and starts over with `rounds`, which only happens when that fits more of the budget
-    than going on with the rounds it runs."""
+    (Flower's shutdown, the export) is priced as the start-up: the same processes stop as started. `cut`: the
+    first federation (and every later one) ends with `rounds`, fewer than asked, never fewer than the round after
+    the measured ones (the server waits for this answer before it)."""
     asked, predicted = decision["rounds"], decision["runs"][first]
     base_extra = decision.get("last_evaluation_extra_s", 0.0)
 
@@ -263,22 +264,20 @@ def replan(decision: dict, first: str, measured: list[dict], opening_s: float, s
         # each round: the federations' scaled rounds, plus the reference's share scaled as training
         per_round = [sum(found[n]["seconds"] for found in runs.values())
                      + training * decision["reference_seconds"][n] for n in range(asked)]
-        # the rounds it runs, nothing wasted: this start, the others' and every end
-        going_on = (launched_s + opening_s + (federations - 1) * start_up + federations * (closing + extra)
-                    + sum(per_round))
-        # over: this start and its rounds are lost, and the stopped federation's shutdown is paid too; every
-        # federation then starts (round 0's evaluation is kept) and ends
-        again = choose_rounds(asked, budget_s, now_s + closing, federations * (start_up + closing + extra), per_round)
-        return {"extra": extra, "runs": runs, "per_round": per_round, "going_on": going_on, "again": again}
+        # the stage with n rounds: this start, the others' and every end, and each federation's rounds 1..n (the
+        # first's rounds beyond n are not run: the server ends it there)
+        def going_on(n: int) -> float:
+            return (launched_s + opening_s + (federations - 1) * start_up + federations * (closing + extra)
+                    + sum(per_round[:n]))
+        return {"extra": extra, "runs": runs, "per_round": per_round, "going_on": going_on}
 
     chosen, expected = priced(*slowest), priced(*ahead)
-    restart = chosen["going_on"] > budget_s and chosen["again"]["rounds"] < asked
-    if restart:
-        rounds_ = chosen["again"]["rounds"]
-        predicted_s = round(now_s + closing + federations * (start_up + closing + expected["extra"])
-                            + sum(expected["per_round"][:rounds_]), 1)
-    else:
-        rounds_, predicted_s = asked, round(expected["going_on"], 1)
+    # the rounds it ends with: the most that fit at the slowest pace, never fewer than the next round (the server
+    # waits for this answer after the rounds measured, and the last round evaluates the whole split)
+    least = min(asked, measured[-1]["round"] + 1)
+    rounds_ = next((n for n in range(asked, least, -1) if chosen["going_on"](n) <= budget_s), least)
+    cut = rounds_ < asked
+    predicted_s = round(expected["going_on"](rounds_), 1)
     fits = predicted_s <= budget_s
     numbers = " and ".join(str(found["round"]) for found in measured)
     measured_as = (f"after {first}'s round{'s' if len(measured) > 1 else ''} {numbers} ({latest[0]:.2f}x the "
@@ -290,13 +289,14 @@ def replan(decision: dict, first: str, measured: list[dict], opening_s: float, s
                    + f"; {opening_s:.0f} s to start and evaluate round 0, {start_up:.0f} s priced for each other "
                    "start and each end)")
     minutes, predicted_min = budget_s / 60, predicted_s / 60
-    if restart:
+    if cut:
         trade = (f"{measured_as}: {rounds_} of {asked} rounds fit in {minutes:g} min (predicted {predicted_min:.1f} "
-                 f"min); {first} starts over with {rounds_}" + ("" if fits else ", over the budget all the same"))
+                 f"min); {first} ends with round {rounds_}, the rounds after {measured[-1]['round']} at the lr of a "
+                 f"{rounds_}-round federation" + ("" if fits else ", over the budget all the same"))
     else:
         them, one = (f"the {asked} rounds", "") if asked != 1 else ("the 1 round", "s")
         trade = (f"{measured_as}: {them} " + (f"fit{one} in {minutes:g} min" if fits else
-                 f"run{one} over the {minutes:g} min budget (starting over with fewer would not end sooner)")
+                 f"run{one} over the {minutes:g} min budget (it cannot end before round {least})")
                  + f", predicted {predicted_min:.1f} min")
     return {"after_round": measured[-1]["round"], "run": first, "training_scale": round(ahead[0], 3),
             "evaluation_scale": round(ahead[1], 3),
@@ -304,21 +304,22 @@ def replan(decision: dict, first: str, measured: list[dict], opening_s: float, s
                       for found, (t, e) in zip(measured, paces)],
             "opening_seconds": round(opening_s, 1), "last_evaluation_extra_s": round(expected["extra"], 2),
             "closing_seconds": round(closing, 1),
-            "rounds": rounds_, "predicted_seconds": predicted_s, "fits": fits, "restart": restart, "trade": trade,
+            "rounds": rounds_, "predicted_seconds": predicted_s, "fits": fits, "cut": cut, "trade": trade,
             "per_round_seconds": [round(s, 2) for s in expected["per_round"][:rounds_]],
             "runs": {name: found[:rounds_] for name, found in expected["runs"].items()}}
 
 
 class FirstRounds:
     """federation.federate's watch over the stage's first federation (`first` of `decision`; `began`: the stage's
-    time.perf_counter() at its start): `start()` at each launch, then called with the federation's folder until it
-    says stop. Once its round 2 is on disk (round 1 when it runs one or two) it replans from rounds 1 and 2 (`replan`;
-    `self.found`) and says stop when the federation should start over with fewer rounds. A federation that resumed
-    rounds from an earlier invocation is not replanned: its start is not this one's."""
+    time.perf_counter() at its start): `start()` at each launch, then called with the federation's folder while it
+    runs. Once its round `last` is on disk (2; 1 when it runs one or two) it replans from rounds 1..last (`replan`;
+    `self.found`) and writes the answer the server waits for before round last + 1 (rounds.replan_path): the rounds
+    it ends with. A federation that resumed rounds from an earlier invocation is not replanned (its start is not
+    this one's) and goes on with its rounds."""
 
     def __init__(self, decision: dict, first: str, began: float):
         self.decision, self.first, self.began = decision, first, began
-        # round 2 when a round is left after it for a restart to save, else round 1
+        # round 2 when a round is left after it for a replan to leave out, else round 1
         self.last = 2 if decision["rounds"] > 2 else 1
         self.found: dict | None = None
         self.launched_s = self.launched_at = 0.0
@@ -326,18 +327,19 @@ class FirstRounds:
     def start(self) -> None:
         self.launched_s, self.launched_at = time.perf_counter() - self.began, time.time()
 
-    def __call__(self, out: Path) -> bool:
+    def __call__(self, out: Path) -> None:
         if self.found is not None or (rounds.last_completed_round(out) or 0) < self.last:
-            return False
+            return
         opening = rounds.round_path(out, 0, "json").stat().st_mtime - self.launched_at
         if opening <= 0:  # round 0 is older than this launch: resumed
             self.found = {"skipped": "the first federation resumed rounds of an earlier run: no replan"}
-            return False
-        measured = [json.loads(rounds.round_path(out, n, "json").read_text()) for n in range(1, self.last + 1)]
-        start = json.loads(rounds.round_path(out, 0, "json").read_text())
-        self.found = replan(self.decision, self.first, measured, opening, start["evaluation_seconds"],
-                            self.launched_s, time.perf_counter() - self.began)
-        return self.found["restart"]
+        else:
+            measured = [json.loads(rounds.round_path(out, n, "json").read_text()) for n in range(1, self.last + 1)]
+            start = json.loads(rounds.round_path(out, 0, "json").read_text())
+            self.found = replan(self.decision, self.first, measured, opening, start["evaluation_seconds"],
+                                self.launched_s, time.perf_counter() - self.began)
+        if not rounds.replan_path(out).exists():  # a resumed federation keeps the answer it ran with
+            write_json(rounds.replan_path(out), {"after_round": self.last, "rounds": self.found.get("rounds")})
 
 
 def with_replan(decision: dict, found: dict | None) -> dict:

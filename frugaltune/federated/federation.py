@@ -58,9 +58,10 @@ def included_clients(fp: FederatedParams, plans: list[dict]) -> list[dict]:
 
 
 def run_settings(params: Params, method: str, out: Path, included: list[dict], labels: list[str], pad_token_id: int,
-                 precision: Precision, num_rounds: int | None = None) -> RunSettings:
+                 precision: Precision, num_rounds: int | None = None, replan_after: int = 0) -> RunSettings:
     """The run config of one federation: `federated.*` under Flower's keys, with the paths, labels and pad id of
-    this project, the clients the plans include and the rounds to run (default `federated.num_rounds`)."""
+    this project, the clients the plans include, the rounds to run (default `federated.num_rounds`) and the round
+    after which the server waits for the stage's replan (0: none)."""
     fp = params.federated
     bf16 = precision.bf16
     test = paths.FEDERATED_DATA / "test.parquet"
@@ -72,7 +73,7 @@ def run_settings(params: Params, method: str, out: Path, included: list[dict], l
         round_timeout=float(fp.round_timeout_s), method=method, lora_r=fp.lora.r, lora_alpha=fp.lora.alpha,
         lora_dropout=fp.lora.dropout, lora_target_modules=fp.lora.target_modules, local_steps=fp.local_steps,
         lr=fp.lr, head_lr=fp.head_lr or 0.0, server_lr=fp.server_lr, server_momentum=fp.server_momentum,
-        lr_schedule=fp.lr_schedule, round_eval_rows=fp.round_eval_rows or 0,
+        lr_schedule=fp.lr_schedule, round_eval_rows=fp.round_eval_rows or 0, replan_after=replan_after,
         batch_size=fp.batch_size, seed=params.common.seed,
         # the server evaluates between rounds, while this host's clients wait: it may use every core
         threads=machine_cores(params),
@@ -98,10 +99,10 @@ def node_settings(fp: FederatedParams, parts: Path, out: Path, included: list[di
 
 
 def federate(params: Params, name: str, settings: RunSettings, nodes: list[NodeSettings], workdir: Path,
-             watch: Watch | None = None) -> Path | None:
+             watch: Watch | None = None) -> Path:
     """Run the federation `settings` describes over `nodes` until done.json says it finished; its rounds' folder.
-    `watch` (budget.FirstRounds): `watch.start()` at each launch, then `watch(out)` every second while it runs; when
-    it answers True the federation is stopped and this returns None."""
+    `watch` (budget.FirstRounds): `watch.start()` at each launch, then `watch(out)` every second while it runs (it
+    writes the replan the server waits for after round `settings.replan_after`)."""
     fp = params.federated
     out = Path(settings.out_dir)
     config, node_configs = settings.to_flower(), [node.to_flower() for node in nodes]
@@ -117,11 +118,10 @@ def federate(params: Params, name: str, settings: RunSettings, nodes: list[NodeS
         with LocalFederation(FLOWER_BIN, workdir, node_configs, PROJECT_ROOT, threads=fp.threads, runtime=fp.runtime,
                              workers=max(1, machine_cores(params) // fp.threads),
                              allocator=params.train.allocator) as fed:
-            watching = Watching(fed, out, watch) if watch is not None else None
+            watching = Watching(out, watch) if watch is not None else None
             result = fed.submit(APP, config, timeout=None)
-            stopped = watching.finish() if watching else False
-        if stopped:
-            return None
+            if watching:
+                watching.finish()
         if (out / "done.json").exists():  # `flwr run` exits 0 even when the ServerApp raised
             return out
         failure = f"the ServerApp did not finish{serverapp_status(workdir)}:\n{result.stdout[-4000:]}"
@@ -141,37 +141,33 @@ class Watch(Protocol):
     def start(self) -> None:
         """At each launch of the federation."""
 
-    def __call__(self, out: Path) -> bool:
-        """Every second while it runs, with its rounds' folder: True stops it."""
+    def __call__(self, out: Path) -> None:
+        """Every second while it runs, with its rounds' folder."""
 
 
 class Watching:
-    """`watch.start()` at this launch, then a thread that calls `watch(out)` every second while `fed` runs, and stops
-    every process of `fed` when it answers True (`flwr run` then returns, and `federate` returns None)."""
+    """`watch.start()` at this launch, then a thread that calls `watch(out)` every second while the federation
+    runs; an error it raises is raised again by `finish()`, in the stage's thread."""
 
-    def __init__(self, fed: LocalFederation, out: Path, watch: Watch):
-        self.fed, self.out, self.watch = fed, out, watch
+    def __init__(self, out: Path, watch: Watch):
+        self.out, self.watch = out, watch
         watch.start()
-        self.done, self.stopped, self.error = threading.Event(), False, None
+        self.done, self.error = threading.Event(), None
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
         try:
             while not self.done.wait(1.0):
-                if self.watch(self.out):
-                    self.stopped = True
-                    self.fed.stop()
-                    return
-        except Exception as error:  # raised again by finish(), in the stage's thread
+                self.watch(self.out)
+        except Exception as error:
             self.error = error
 
-    def finish(self) -> bool:
+    def finish(self) -> None:
         self.done.set()
         self.thread.join()
         if self.error is not None:
             raise self.error
-        return self.stopped
 
 
 def serverapp_status(workdir: Path) -> str:

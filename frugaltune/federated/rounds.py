@@ -5,7 +5,9 @@ this module imports neither Flower nor torch. Imported, never run.
 In a run's `out-dir`: `rounds/round_NNN.safetensors` (the global adapter + head after round NNN; 000 = the seeded
 start), `rounds/round_NNN.json` (its evaluation and per-client report) and, with server momentum,
 `rounds/velocity_NNN.safetensors` (FedAvgM's velocity after round NNN). The JSON is written last: a round exists
-when its JSON does.
+when its JSON does. `replan.json`: the stage's answer after the round it replans at (`replan-after`), read by the
+ServerApp before the next round: the rounds the federation ends with (fewer than it started with when the budget
+says so).
 
 A client that keeps state between rounds (`federated.client_state: kept`) writes it in its own `state-dir`
 (`client_state_NNN.pt` after its round NNN; the stage puts each simulated client's under the run's `clients/`).
@@ -24,6 +26,16 @@ def round_path(out: Path, number: int, suffix: str) -> Path:
 def velocity_path(out: Path, number: int) -> Path:
     """FedAvgM's velocity after round `number`: named apart from the rounds, which `round_*` globs find."""
     return Path(out) / "rounds" / f"velocity_{number:03d}.safetensors"
+
+
+def replan_path(out: Path) -> Path:
+    return Path(out) / "replan.json"
+
+
+def replanned_rounds(out: Path) -> int | None:
+    """The rounds the stage's replan ends the federation with (None: no answer on disk, or no change)."""
+    path = replan_path(out)
+    return json.loads(path.read_text()).get("rounds") if path.exists() else None
 
 
 def number_of(path: Path) -> int:

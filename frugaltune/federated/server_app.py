@@ -13,6 +13,11 @@ frugaltune/federated/rounds.py lays them out (`rounds/round_NNN.safetensors` + `
 the JSON written last: a round exists when its JSON does). Starting again with the same
 config continues after the last round on disk; a different config is refused (delete `out-dir` to start over).
 
+With `replan-after` N the server waits, after round N, for the stage's `replan.json` (frugaltune/federated/budget.py
+FirstRounds writes it from what rounds 1..N took): the rounds the federation ends with. Fewer than it started with
+re-lay the lr decay over them from round N + 1 on (those rounds get the lr they would have in a federation of that
+many rounds), and the last of them evaluates the whole test split.
+
 With `secure-aggregation` the round runs Flower's SecAgg+ (frugaltune/federated/secure.py): the server sees
 only the weighted mean of the clients' updates.
 
@@ -37,7 +42,7 @@ from safetensors.torch import load_file, save_file
 
 from frugaltune.federated import aggregation, local, wire
 from frugaltune.federated.client_app import from_record, record_bytes, to_record
-from frugaltune.federated.rounds import last_completed_round, round_path, velocity_path
+from frugaltune.federated.rounds import last_completed_round, replan_path, replanned_rounds, round_path, velocity_path
 from frugaltune.federated.settings import RunSettings
 
 app = ServerApp()
@@ -48,6 +53,28 @@ RESULT_KEYS = ("model-dir", "labels", "test-data", "method", "lora-r", "lora-alp
                "dp-epsilon", "dp-delta", "dp-clip", "proximal-mu", "transmit-dtype", "secure-aggregation",
                "precision", "logit-adjustment", "server-momentum", "lr-schedule", "client-state",
                "round-eval-rows")
+
+
+# How long the server waits for the stage's replan after round `replan-after` before it goes on unchanged: the
+# stage's watch looks every second, so this only runs out when the stage is gone
+REPLAN_WAIT_S = 120.0
+
+
+def replanned(out: Path, settings: RunSettings, wait_s: float = 0.0) -> RunSettings:
+    """`settings` with the rounds the stage's replan (rounds.replan_path) ends the federation with; waits up to
+    `wait_s` for the answer. A replan to fewer rounds re-lays the lr decay: RunSettings.round_lr of the rounds still
+    to run reads the new num_rounds."""
+    deadline = time.monotonic() + wait_s
+    while not replan_path(out).exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if wait_s and not replan_path(out).exists():
+        print(f"federated: no replan from the stage in {wait_s:.0f} s: going on with {settings.num_rounds} rounds",
+              flush=True)
+    rounds = replanned_rounds(out)
+    if rounds is None or rounds >= settings.num_rounds:
+        return settings
+    print(f"federated: replanned to {rounds} of {settings.num_rounds} rounds", flush=True)
+    return settings.model_copy(update={"num_rounds": rounds})
 
 
 class CompletionFloorError(RuntimeError):
@@ -277,8 +304,11 @@ def main(grid: Grid, context: Context) -> None:
         velocity = load_file(str(velocity_path(out, last)))
         print(f"federated: loaded FedAvgM velocity of round {last}", flush=True)
     client_ids: dict[int, int | None] = {}
-    for number in range(last + 1, settings.num_rounds + 1):
+    launched, settings = settings, replanned(out, settings)  # a resumed federation keeps its replan
+    number = last + 1
+    while number <= settings.num_rounds:
         mean, report = run_round(grid, settings, number, tensors, context, client_ids)
+        report["lr"] = settings.round_lr(number)  # the clients' rate this round (a replan re-lays its decay)
         tensors, velocity = aggregation.server_momentum_step(tensors, mean, settings.server_lr, momentum, velocity)
         if momentum > 0:
             atomic_write(velocity_path(out, number),
@@ -295,6 +325,9 @@ def main(grid: Grid, context: Context) -> None:
         print(f"federated: round {number}: {report['completed']}/{report['sampled']} clients, test accuracy "
               f"{evaluation['accuracy']:.4f} macro-F1 {evaluation['macro_f1']:.4f} loss {evaluation['loss']:.4f} "
               f"({len(split[1])} of {len(test[1])} test rows)", flush=True)
-    digest = hashlib.sha256(json.dumps(identity(settings), sort_keys=True).encode()).hexdigest()
+        if number == settings.replan_after and number < settings.num_rounds:
+            settings = replanned(out, settings, REPLAN_WAIT_S)
+        number += 1
+    digest = hashlib.sha256(json.dumps(identity(launched), sort_keys=True).encode()).hexdigest()
     atomic_write(out / "done.json", lambda p: p.write_text(json.dumps(
         {"rounds": settings.num_rounds, "config_sha256": digest}, indent=2)))

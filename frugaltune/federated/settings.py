@@ -105,6 +105,9 @@ class RunSettings(ClientTraining):
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"  # the clients' lr across the rounds
     eval_batch_size: int = 32
     round_eval_rows: int = 0  # rows of the test split evaluated after each round but the last (0 = all of them)
+    # after this round the server waits for the stage's replan (rounds.replan_path) before the next: the rounds the
+    # federation ends with, its lr decay re-laid over them from the next round on (0 = no replan)
+    replan_after: int = 0
     threads: int = 1  # the server's evaluation
     secure_aggregation: bool = False  # SecAgg+: the server sees only the weighted mean of the updates
     secure_max_weight: float = 1000.0  # SecAgg+: the largest num_examples of a client (weights quantized by it)

@@ -150,7 +150,7 @@ def test_the_stage_runs_three_supernodes_for_two_rounds_sending_only_the_adapter
     # then the first federation's round 1 (of its second start: the first did not reach round 0) rescaled the
     # prediction, and both rounds still fit: it went on
     replan = report["budget"]["replan"]
-    assert report["budget"]["rounds"] == 2 and not replan["restart"] and replan["training_scale"] > 0
+    assert report["budget"]["rounds"] == 2 and not replan["cut"] and replan["training_scale"] > 0
     assert report["budget"]["trade"].startswith("after fedavg_iid's round 1") and "the 2 rounds fit in 40 min" in \
         report["budget"]["trade"]
     assert [r["round"] for r in run["round_seconds"]] == [1, 2]
@@ -324,36 +324,43 @@ def test_the_simulation_engine_runs_the_same_apps_and_its_workers_build_the_mode
         assert [p.name for p in (world / "simulation_state" / f"client_{i}").iterdir()] == ["client_state_002.pt"]
 
 
-def test_the_budgets_watch_stops_a_running_federation_and_nothing_of_it_outlives_it(world: Path):
-    """federation.Watching, as the stage's budget uses it (budget.FirstRounds): once round 1 is on disk the watch says
-    stop; every process of the federation ends, `flwr run` returns, and the run is not finished (the stage starts
-    it over with fewer rounds)."""
+def test_the_budgets_replan_ends_a_running_federation_with_fewer_rounds_keeping_those_run(world: Path):
+    """federation.Watching, as the stage's budget uses it (budget.FirstRounds): once round 1 is on disk the watch
+    answers the server (replan.json: 3 rounds). The server, which waits for that answer after round 1
+    (`replan-after`), ends the federation after round 3 instead of 50: round 1 at the 50-round decay's rate, rounds
+    2 and 3 at a 3-round decay's, round 3 evaluating the whole test split; nothing is started over."""
     from frugaltune.federated.federation import Watching
+    from frugaltune.federated.settings import RunSettings
 
-    out = world / "watched_out"
-    seen, launches = [], []
+    out = world / "replanned_out"
+    launches, answered = [], []
 
     class Watch:  # federation.Watch, as budget.FirstRounds is one
         def start(self) -> None:
             launches.append(time.time())
 
-        def __call__(self, folder: Path) -> bool:
-            seen.append((folder / "rounds/round_001.json").exists())
-            return seen[-1]
+        def __call__(self, folder: Path) -> None:
+            if (folder / "rounds/round_001.json").exists() and not answered:
+                # the server is waiting: round 2 has not started
+                answered.append(not (folder / "rounds/round_002.json").exists())
+                (folder / "replan.json").write_text(json.dumps({"after_round": 1, "rounds": 3}))
 
-    watch = Watch()
-
-    fed = LocalFederation(FLOWER_BIN, world / "watched", [{"data": str(world / f"client_{i}.parquet"), "lora-rank": r}
-                                                          for i, r in enumerate(RANKS)], ROOT, runtime="simulation",
-                          workers=1)
+    fed = LocalFederation(FLOWER_BIN, world / "replanned", [{"data": str(world / f"client_{i}.parquet"),
+                                                             "lora-rank": r} for i, r in enumerate(RANKS)], ROOT,
+                          runtime="simulation", workers=1)
     with fed:
-        watching = Watching(fed, out, watch)
-        result = fed.submit(APP, run_config(world, out, **{"num-rounds": 50}), timeout=600)
-        assert watching.finish() is True
-    assert len(launches) == 1  # started once, at the launch
-    assert seen[-1] and not all(seen), seen  # it watched while rounds ran, and said stop after round 1
-    assert not (out / "done.json").exists() and (out / "rounds/round_001.json").exists(), result.stdout[-3000:]
-    assert not (out / "rounds/round_050.json").exists()
+        watching = Watching(out, Watch())
+        result = fed.submit(APP, run_config(world, out, **{"num-rounds": 50, "replan-after": 1, "round-eval-rows": 6,
+                                                            "lr-schedule": "linear"}), timeout=600)
+        watching.finish()
+    assert result.returncode == 0 and len(launches) == 1 and answered == [True], result.stdout[-3000:]
+    assert "replanned to 3 of 50 rounds" in result.stdout, result.stdout[-3000:]
+    assert json.loads((out / "done.json").read_text())["rounds"] == 3
+    assert sorted(p.name for p in (out / "rounds").glob("*.json")) == [f"round_00{n}.json" for n in range(4)]
+    lr = RunSettings.model_fields["lr"].default
+    assert [round_report(out, n)["lr"] for n in (1, 2, 3)] == pytest.approx(
+        [lr * (1 - 0.5 / 50), lr * (1 - 1.5 / 3), lr * (1 - 2.5 / 3)])
+    assert [round_report(out, n)["evaluation_rows"] for n in (1, 2, 3)] == [6, 6, 60]  # the last: the whole split
     assert not fed.strays(), [process.cmdline()[:2] for process in fed.strays()]
 
 

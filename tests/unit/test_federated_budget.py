@@ -117,7 +117,7 @@ def test_the_first_rounds_as_predicted_keep_the_rounds_it_runs():
                           opening_s=7.5, start_evaluation_s=5.0, launched_s=30.0, now_s=60.0)
     # 30 s spent + the first start of 7.5 s (2.5 s of Flower's start-up, and round 0's 5 s of evaluation) + 2 starts
     # of 2.5 s (round 0's evaluation is shared) + 3 ends priced as the start-up + 6 rounds of 85 s: 560 s
-    assert found["rounds"] == 6 and not found["restart"] and found["fits"]
+    assert found["rounds"] == 6 and not found["cut"] and found["fits"]
     assert found["predicted_seconds"] == pytest.approx(560.0) and found["closing_seconds"] == 2.5
     assert found["training_scale"] == 1.0 and found["evaluation_scale"] == 1.0
     assert "the 6 rounds fit in 10 min, predicted 9.3 min" in found["trade"]
@@ -125,22 +125,23 @@ def test_the_first_rounds_as_predicted_keep_the_rounds_it_runs():
     assert "rounds 1 and 2 (1.00x" in found["trade"] and "slowest" not in found["trade"]
 
 
-def test_slower_first_rounds_start_the_first_federation_over_with_the_rounds_that_fit():
+def test_slower_first_rounds_end_the_federations_with_the_rounds_that_fit_keeping_those_run():
     found = budget.replan(planned(), "fedavg_dirichlet", measured((40.0, 7.5), (40.0, 7.5)),
                           opening_s=20.0, start_evaluation_s=7.5, launched_s=30.0, now_s=100.0)
     assert found["training_scale"] == 2.0 and found["evaluation_scale"] == 1.5
     # a round is now 3 x (40 + 7.5) + 2 x 10 (the reference's share, scaled as the clients' training) = 162.5 s;
-    # each start and each end 12.5 s (the first start less round 0's evaluation, which the restart reads). From now
-    # (100 s: this start and its rounds are lost) and the stopped federation's end: 2 rounds end at 112.5 + 75 + 325 s
-    assert found["restart"] and found["rounds"] == 2 and found["fits"]
-    assert found["predicted_seconds"] == pytest.approx(512.5)
-    assert found["per_round_seconds"] == [162.5, 162.5]
-    assert [r["seconds"] for r in found["runs"]["fedavg_iid"]] == [47.5, 47.5]
-    assert found["trade"].endswith("2 of 6 rounds fit in 10 min (predicted 8.5 min); fedavg_dirichlet starts "
-                                   "over with 2")
+    # each other start and each end 12.5 s (the first start less round 0's evaluation, which the others read).
+    # 30 s spent + the first start of 20 s + 2 starts and 3 ends of 12.5 s: 112.5 s, then 162.5 s a round. Nothing
+    # is thrown away (the first federation's rounds 1 and 2 count): 3 rounds end at 600 s, the budget
+    assert found["cut"] and found["rounds"] == 3 and found["fits"]
+    assert found["predicted_seconds"] == pytest.approx(600.0)
+    assert found["per_round_seconds"] == [162.5, 162.5, 162.5]
+    assert [r["seconds"] for r in found["runs"]["fedavg_iid"]] == [47.5, 47.5, 47.5]
+    assert found["trade"].endswith("3 of 6 rounds fit in 10 min (predicted 10.0 min); fedavg_dirichlet ends with "
+                                   "round 3, the rounds after 2 at the lr of a 3-round federation")
     # the stage's report: the final decision on top, the first one kept, each round's prediction the new one
     report = budget.with_replan(planned(), found)
-    assert report["rounds"] == 2 and report["initial"]["rounds"] == 6 and report["replan"]["restart"]
+    assert report["rounds"] == 3 and report["initial"]["rounds"] == 6 and report["replan"]["cut"]
     assert report["runs"]["fedavg_dirichlet"][0]["seconds"] == 47.5 and "runs" not in report["replan"]
 
 
@@ -166,12 +167,16 @@ def test_each_federations_last_round_is_priced_with_the_whole_splits_evaluation(
     assert [r["measured_seconds"] for r in budget.beside_measured(predicted, out, 10.0)] == [25.0, 35.0]
 
 
-def test_starting_over_that_ends_no_sooner_goes_on_and_says_it_runs_over():
+def test_a_federation_that_cannot_end_sooner_goes_on_and_says_it_runs_over():
     # one round asked: fewer is not possible, so the federation goes on and the trade says it runs over
     found = budget.replan(planned(rounds=1), "fedavg_dirichlet", measured((200.0, 5.0)),
                           opening_s=20.0, start_evaluation_s=5.0, launched_s=30.0, now_s=250.0)
-    assert found["rounds"] == 1 and not found["restart"] and not found["fits"]
-    assert "the 1 round runs over the 10 min budget" in found["trade"]
+    assert found["rounds"] == 1 and not found["cut"] and not found["fits"]
+    assert "the 1 round runs over the 10 min budget (it cannot end before round 1)" in found["trade"]
+    # nor does a replan after round 2 end a federation before round 3, the one its server waits to start
+    over = budget.replan(planned(), "fedavg_dirichlet", measured((200.0, 5.0), (200.0, 5.0)),
+                         opening_s=20.0, start_evaluation_s=5.0, launched_s=30.0, now_s=450.0)
+    assert over["rounds"] == 3 and over["cut"] and not over["fits"] and over["trade"].endswith("all the same")
 
 
 def test_a_cold_round_1_chooses_the_rounds_and_round_2_predicts_them():
@@ -179,16 +184,16 @@ def test_a_cold_round_1_chooses_the_rounds_and_round_2_predicts_them():
     pace (the budget holds should they), and predicted at round 2's, the nearer to the rounds to come."""
     found = budget.replan(planned(), "fedavg_dirichlet", measured((40.0, 7.5), (20.0, 5.0)),
                           opening_s=20.0, start_evaluation_s=7.5, launched_s=30.0, now_s=100.0)
-    assert found["restart"] and found["rounds"] == 2  # as the 2x case above
+    assert found["cut"] and found["rounds"] == 3  # as the 2x case above
     assert found["training_scale"] == 1.0 and found["evaluation_scale"] == 1.0  # round 2's pace
     assert [(p["training_scale"], p["evaluation_scale"]) for p in found["paces"]] == [(2.0, 1.5), (1.0, 1.0)]
-    # from now (100 s) and the stopped federation's end (12.5 s), 3 starts and 3 ends of 12.5 s, 2 rounds of 85 s
-    assert found["predicted_seconds"] == pytest.approx(357.5) and found["per_round_seconds"] == [85.0, 85.0]
+    # the 112.5 s of starts and ends above, and 3 rounds of 85 s
+    assert found["predicted_seconds"] == pytest.approx(367.5) and found["per_round_seconds"] == [85.0, 85.0, 85.0]
     assert "the rounds chosen at the slowest, 2.00x and 1.50x" in found["trade"]
     # round 2 the slower (the machine slowed): chosen and predicted at round 2's pace
     slowing = budget.replan(planned(), "fedavg_dirichlet", measured((20.0, 5.0), (40.0, 7.5)),
                             opening_s=20.0, start_evaluation_s=7.5, launched_s=30.0, now_s=100.0)
-    assert slowing["rounds"] == 2 and slowing["predicted_seconds"] == pytest.approx(512.5)
+    assert slowing["rounds"] == 3 and slowing["predicted_seconds"] == pytest.approx(600.0)
 
 
 def test_a_pace_that_falls_from_round_1_to_round_2_is_predicted_halfway_to_the_calibrations():
@@ -200,15 +205,15 @@ def test_a_pace_that_falls_from_round_1_to_round_2_is_predicted_halfway_to_the_c
     assert (found["training_scale"], found["evaluation_scale"]) == (1.15, 1.05)
     assert [(p["training_scale"], p["evaluation_scale"]) for p in found["paces"]] == [(1.4, 1.2), (1.3, 1.1)]
     # 30 s + the first start (7.5 s) + 2 starts and 3 ends of 2.5 s + 6 rounds of 3 x (23 + 5.25) + 11.5 = 96.25 s
-    assert found["rounds"] == 6 and not found["restart"] and found["predicted_seconds"] == pytest.approx(627.5)
+    assert found["rounds"] == 6 and not found["cut"] and found["predicted_seconds"] == pytest.approx(627.5)
     assert "predicted at 1.15x and 1.05x, halfway" in found["trade"]
-    # at the slowest pace the 6 rounds would not fit in 10 min: the first federation starts over with fewer
+    # at the slowest pace the 6 rounds would not fit in 10 min: the federations end with fewer
     tight = budget.replan(planned(), "fedavg_dirichlet", measured((28.0, 6.0), (26.0, 5.5)),
                           opening_s=7.5, start_evaluation_s=5.0, launched_s=30.0, now_s=100.0)
-    assert tight["restart"] and tight["rounds"] < 6
+    assert tight["cut"] and 2 < tight["rounds"] < 6
 
 
-def test_the_watch_replans_once_round_2_is_on_disk_and_not_a_resumed_run(tmp_path):
+def test_the_watch_replans_once_round_2_is_on_disk_and_answers_the_server(tmp_path):
     import time
 
     def write_round(out, number, **values):
@@ -218,16 +223,24 @@ def test_the_watch_replans_once_round_2_is_on_disk_and_not_a_resumed_run(tmp_pat
     fresh = tmp_path / "fresh"
     watch = budget.FirstRounds(planned(), "fedavg_dirichlet", began=time.perf_counter() - 30.0)
     watch.start()
-    assert watch(fresh) is False and watch.found is None  # nothing on disk yet
+    watch(fresh)
+    assert watch.found is None  # nothing on disk yet
     time.sleep(0.05)  # file times are coarser than time.time()
     write_round(fresh, 0, evaluation_seconds=7.5)
-    assert watch(fresh) is False and watch.found is None  # round 0 only
+    watch(fresh)
+    assert watch.found is None  # round 0 only
     write_round(fresh, 1, round_seconds=40.0, evaluation_seconds=7.5)
-    assert watch(fresh) is False and watch.found is None  # round 1 only: round 2 decides
+    watch(fresh)
+    assert watch.found is None and not (fresh / "replan.json").exists()  # round 1 only: round 2 decides
     write_round(fresh, 2, round_seconds=40.0, evaluation_seconds=7.5)
-    assert watch(fresh) is True and watch.found["restart"]  # 2x slower: start over (the case above)
+    watch(fresh)
+    assert watch.found["cut"] and watch.found["rounds"] == 3  # 2x slower: 3 rounds (the case above)
     assert watch.found["after_round"] == 2 and len(watch.found["paces"]) == 2
-    assert watch(fresh) is False  # decided once
+    # what the server waits for after round 2 (server_app.replanned reads it)
+    assert json.loads((fresh / "replan.json").read_text()) == {"after_round": 2, "rounds": 3}
+    decided = watch.found
+    watch(fresh)
+    assert watch.found is decided  # decided once
 
     short = tmp_path / "short"  # a federation of two rounds is replanned after round 1: round 2 would leave none
     watch = budget.FirstRounds(planned(rounds=2), "fedavg_dirichlet", began=time.perf_counter() - 30.0)
@@ -235,7 +248,9 @@ def test_the_watch_replans_once_round_2_is_on_disk_and_not_a_resumed_run(tmp_pat
     time.sleep(0.05)
     write_round(short, 0, evaluation_seconds=7.5)
     write_round(short, 1, round_seconds=20.0, evaluation_seconds=5.0)
-    assert watch(short) is False and watch.found["after_round"] == 1 and not watch.found["restart"]
+    watch(short)
+    assert watch.found["after_round"] == 1 and not watch.found["cut"]
+    assert json.loads((short / "replan.json").read_text()) == {"after_round": 1, "rounds": 2}
 
     resumed = tmp_path / "resumed"
     write_round(resumed, 0)
@@ -244,5 +259,8 @@ def test_the_watch_replans_once_round_2_is_on_disk_and_not_a_resumed_run(tmp_pat
     time.sleep(0.05)
     watch = budget.FirstRounds(planned(), "fedavg_dirichlet", began=time.perf_counter())
     watch.start()
-    assert watch(resumed) is False and "resumed" in watch.found["skipped"]
+    watch(resumed)
+    assert "resumed" in watch.found["skipped"]
+    # a server that resumed before the round it waits after still gets an answer: go on with its rounds
+    assert json.loads((resumed / "replan.json").read_text()) == {"after_round": 2, "rounds": None}
     assert budget.with_replan(planned(), watch.found)["rounds"] == 6  # the decision stands, the skip recorded
