@@ -227,8 +227,8 @@ def replan(decision: dict, first: str, measured: list[dict], opening_s: float, s
     """The rounds that fit, once the first federation (`first`, launched `launched_s` into the stage, now `now_s`)
     has run its first rounds (`measured`: their JSONs, the clients' `round_seconds` and the server's
     `evaluation_seconds`; round 1, and round 2 when it runs two or more) and took `opening_s` to start and evaluate
-    round 0, of which `start_evaluation_s` evaluating. Each measured round gives a pace: what it took against its
-    prediction, the clients' training and the evaluation apart. Round 1 is the stage's coldest (the first touches
+    round 0, of which `start_evaluation_s` evaluating (`decided_at_s` in the answer: `now_s`). Each measured round
+    gives a pace: what it took against its prediction, the clients' training and the evaluation apart. Round 1 is the stage's coldest (the first touches
     of the clients' models and of each shape's kernels: docs/DECISIONS.md), so the rounds are chosen at the slowest
     pace measured, which keeps the stage within its budget should every round run as slowly, and predicted at the
     last round's, the nearest to the rounds to come, or halfway from it to the calibration's where round 2 ran
@@ -298,8 +298,8 @@ def replan(decision: dict, first: str, measured: list[dict], opening_s: float, s
         trade = (f"{measured_as}: {them} " + (f"fit{one} in {minutes:g} min" if fits else
                  f"run{one} over the {minutes:g} min budget (it cannot end before round {least})")
                  + f", predicted {predicted_min:.1f} min")
-    return {"after_round": measured[-1]["round"], "run": first, "training_scale": round(ahead[0], 3),
-            "evaluation_scale": round(ahead[1], 3),
+    return {"after_round": measured[-1]["round"], "run": first, "decided_at_s": round(now_s, 1),
+            "training_scale": round(ahead[0], 3), "evaluation_scale": round(ahead[1], 3),
             "paces": [{"round": found["round"], "training_scale": round(t, 3), "evaluation_scale": round(e, 3)}
                       for found, (t, e) in zip(measured, paces)],
             "opening_seconds": round(opening_s, 1), "last_evaluation_extra_s": round(expected["extra"], 2),
