@@ -36,10 +36,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from frugaltune import planner
-from frugaltune.io import write_json
 from frugaltune.federated import aggregation, local, rounds, rows
 from frugaltune.federated.plans import Precision, machine_cores
 from frugaltune.federated.settings import RunSettings
+from frugaltune.io import write_json
 
 # The batch the ServerApp evaluates with (the stage leaves RunSettings' default)
 EVAL_BATCH = RunSettings.model_fields["eval_batch_size"].default
@@ -228,9 +228,9 @@ def replan(decision: dict, first: str, measured: list[dict], opening_s: float, s
     has run its first rounds (`measured`: their JSONs, the clients' `round_seconds` and the server's
     `evaluation_seconds`; round 1, and round 2 when it runs two or more) and took `opening_s` to start and evaluate
     round 0, of which `start_evaluation_s` evaluating (`decided_at_s` in the answer: `now_s`). Each measured round
-    gives a pace: what it took against its prediction, the clients' training and the evaluation apart. Round 1 is the stage's coldest (the first touches
-    of the clients' models and of each shape's kernels: docs/DECISIONS.md), so the rounds are chosen at the slowest
-    pace measured, which keeps the stage within its budget should every round run as slowly, and predicted at the
+    gives a pace: what it took against its prediction, the clients' training and the evaluation apart. Round 1 is
+    the stage's coldest (the first touches of the clients' models and of each shape's kernels: docs/DECISIONS.md),
+    so the rounds are chosen at the slowest pace measured, which keeps the stage within its budget should every round run as slowly, and predicted at the
     last round's, the nearest to the rounds to come, or halfway from it to the calibration's where round 2 ran
     faster than round 1 (a cold start that goes on fading): `training_scale`/`evaluation_scale`. Every
     federation's rounds are scaled by a pace, and the centralized reference's share as the clients' training (the
