@@ -224,21 +224,21 @@ def predicting_pace(paces: list[tuple[float, float]]) -> tuple[float, float]:
 
 def replan(decision: dict, first: str, measured: list[dict], opening_s: float, start_evaluation_s: float,
            launched_s: float, now_s: float) -> dict:
-    """The rounds that fit, once the first federation (`first`, launched `launched_s` into the stage, now `now_s`)
-    has run its first rounds (`measured`: their JSONs, the clients' `round_seconds` and the server's
-    `evaluation_seconds`; round 1, and round 2 when it runs two or more) and took `opening_s` to start and evaluate
-    round 0, of which `start_evaluation_s` evaluating (`decided_at_s` in the answer: `now_s`). Each measured round
-    gives a pace: what it took against its prediction, the clients' training and the evaluation apart. Round 1 is
-    the stage's coldest (the first touches of the clients' models and of each shape's kernels: docs/DECISIONS.md),
-    so the rounds are chosen at the slowest pace measured, which keeps the stage within its budget should every
-    round run as slowly, and predicted at the last round's, the nearest to the rounds to come, or halfway from it to
-    the calibration's where round 2 ran faster than round 1 (a cold start that goes on fading):
-    `training_scale`/`evaluation_scale`. Every federation's rounds are scaled by a pace, and the centralized
-    reference's share as the clients' training (the same loop on the same machine). The other federations start from the same bytes and read round 0's evaluation
-    (server_app.start_evaluation): each start costs the start-up, `opening_s` less that evaluation; each end
-    (Flower's shutdown, the export) is priced as the start-up: the same processes stop as started. `cut`: the
-    first federation (and every later one) ends with `rounds`, fewer than asked, never fewer than the round after
-    the measured ones (the server waits for this answer before it)."""
+    """The rounds that fit, once the first federation (`first`, launched `launched_s` into the stage, now `now_s`) has
+    run its first rounds (`measured`: their JSONs, the clients' `round_seconds` and the server's `evaluation_seconds`;
+    round 1, and round 2 when it runs two or more) and took `opening_s` to start and evaluate round 0, of which
+    `start_evaluation_s` evaluating (`decided_at_s` in the answer: `now_s`). Each measured round gives a pace: what it
+    took against its prediction, the clients' training and the evaluation apart. Round 1 is the stage's coldest (the
+    first touches of the clients' models and of each shape's kernels: docs/DECISIONS.md), so the rounds are chosen at
+    the slowest pace measured, which keeps the stage within its budget should every round run as slowly, and predicted
+    at the last round's, the nearest to the rounds to come, or halfway from it to the calibration's where round 2 ran
+    faster than round 1 (a cold start that goes on fading): `training_scale`/`evaluation_scale`. Every federation's
+    rounds are scaled by a pace, and the centralized reference's share as the clients' training (the same loop on the
+    same machine). The other federations start from the same bytes and read round 0's evaluation
+    (server_app.start_evaluation): each start costs the start-up, `opening_s` less that evaluation; each end (Flower's
+    shutdown, the export) is priced as the start-up: the same processes stop as started. `cut`: the first federation
+    (and every later one) ends with `rounds`, fewer than asked, never fewer than the round after the measured ones (the
+    server waits for this answer before it)."""
     asked, predicted = decision["rounds"], decision["runs"][first]
     base_extra = decision.get("last_evaluation_extra_s", 0.0)
 
