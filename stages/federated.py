@@ -23,11 +23,13 @@ federated_labels.csv` (per-client label counts), `reports/plots/federated_client
 `reports/figures/federated_rounds.png` (metric vs round and vs bytes) and `reports/figures/federated_clients.png`
 (each client's measured time and memory against its plan); one MLflow run with the per-round metrics.
 With `federated.budget_minutes`, the report's `budget` says how many of `num_rounds` fit (frugaltune/federated/
-budget.py: a client-round measured on this machine, then the first federation's round 1, which can start that
-federation over with fewer rounds; the first decision is kept as `initial`) and each run's `round_seconds` puts
-every round's predicted seconds beside what it took. With `federated.centralized_baseline`, the report's `centralized` is LoRA trained in one process on as many examples
-as the first run's clients trained on (the federation's LoRA and seed, the train stage's lr, batch and schedule; the
-same test split), and each run gets its `macro_f1_gap_to_centralized`.
+budget.py: a client-round measured on this machine, then the first federation's rounds 1 and 2, after which it can
+end that federation with fewer rounds, the first decision kept as `initial`; then, before each later federation,
+the rounds that fit what remains at the slowest pace measured so far, `later`) and each run's `round_seconds` puts
+every round's predicted seconds beside what it took. With `federated.centralized_baseline`, the report's
+`centralized` is LoRA trained in one process, right after the first run, on as many examples as its clients trained
+on (the federation's LoRA and seed, the train stage's lr, batch and schedule; the same test split), and each run
+gets its `macro_f1_gap_to_centralized`.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from datasets import load_from_disk
 from frugaltune import models, paths, tracking
 from frugaltune.config import Params, load_params
 from frugaltune.faults import stage_errors
-from frugaltune.federated import budget, centralized, federation, keys, plans, plots, results, rows
+from frugaltune.federated import budget, centralized, federation, keys, plans, plots, results, rounds, rows
 from frugaltune.io import read_json, write_json, write_text
 
 DATA = paths.FEDERATED_DATA
@@ -98,7 +100,6 @@ def run(params: Params) -> dict:
         runs.append(("iid", fp.methods[0]))
     report = {"runs": {}, "partitions": {}, "clients": {}}
     round_rows, label_rows, clients = [], [], []
-    outs: dict[str, Path] = {}  # run name -> its rounds (checkpoints/federated/<run key>)
     tracking.setup("federated")
     with mlflow.start_run(run_name="federated", tags=tracking.run_tags()) as mlrun:
         report["mlflow_run_id"] = mlrun.info.run_id  # stages/federated_register.py registers into this run
@@ -120,43 +121,57 @@ def run(params: Params) -> dict:
         print(f"federated: budget: {decision['trade']}", flush=True)
         # and once more after the first federation's rounds 1 and 2, from what they took (budget.FirstRounds)
         watch = budget.FirstRounds(decision, f"{runs[0][1]}_{runs[0][0]}", began) if fp.budget_minutes else None
-        for scheme, method in runs:
+        done: list[dict] = []  # what each run took against its prediction: the federations after the first fit it
+        for index, (scheme, method) in enumerate(runs):
             name = f"{method}_{scheme}"
-            print(f"federated: {name}: {decision['rounds']} rounds over {fp.num_clients} clients", flush=True)
+            # never more than the federations before ran: the budget's guard chose them for every one after
+            rounds_ = min([decision["rounds"], *(later["rounds"] for later in decision.get("later", []))])
+            if fp.budget_minutes and index:  # what remains of the budget, at the slowest pace measured so far
+                later = budget.later_rounds(decision, [f"{m}_{s}" for s, m in runs[index:]], done,
+                                            time.perf_counter() - began, rounds_)
+                decision.setdefault("later", []).append(later)
+                rounds_ = later["rounds"]
+                print(f"federated: budget: {later['trade']}", flush=True)
+            print(f"federated: {name}: {rounds_} rounds over {fp.num_clients} clients", flush=True)
             run_began = time.perf_counter()
-            ran = params.model_copy(update={"federated": fp.model_copy(update={"num_rounds": decision["rounds"],
+            ran = params.model_copy(update={"federated": fp.model_copy(update={"num_rounds": rounds_,
                                                                                "budget_minutes": None})})
             out = run_federation(ran, scheme, method, report["clients"][scheme], labels, pad_token_id, watch)
             if watch is not None:  # the federations after the first run the rounds it ended with
                 decision = report["budget"] = budget.with_replan(decision, watch.found)
                 print(f"federated: budget: {decision.get('replan', {}).get('trade', decision['trade'])}", flush=True)
                 watch = None
-            outs[name] = out
             summary, found = results.summarize(out, paths.BASE_MODEL)
             adapter = paths.FEDERATED_ADAPTERS / name
             results.export_adapter(out, params, labels, pad_token_id, adapter, template.template if template else None)
             summary["adapter_dir"] = str(adapter)
             summary["partition"], summary["method"] = scheme, method
             summary["wall_seconds"] = round(time.perf_counter() - run_began, 1)
-            summary["round_seconds"] = budget.beside_measured(decision.get("runs", {}).get(name, []), out,
+            predicted = decision.get("runs", {}).get(name, [])[:summary["rounds"]]  # the rounds it ran
+            summary["round_seconds"] = budget.beside_measured(predicted, out,
                                                               decision.get("last_evaluation_extra_s", 0.0))
             report["runs"][name] = summary
+            start = rounds.reports(out)[0] if rounds.completed(out) else {}
+            done.append(budget.federation_took(name, summary["round_seconds"], summary["wall_seconds"],
+                                               start.get("evaluation_seconds", 0.0)))
             clients += results.client_rows(name, out, report["clients"][scheme])
             for row in found:
                 round_rows.append({"run": name, **row})
                 mlflow.log_metrics({f"{name}.{k}": row[k] for k in ("accuracy", "macro_f1", "loss", "bytes_total")},
                                    step=row["round"])
-        if fp.centralized_baseline and report["runs"]:
-            first = next(iter(report["runs"]))
-            examples = centralized.examples_trained(outs[first], fp.batch_size)
-            print(f"federated: centralized LoRA on {examples} examples (as many as {first}'s clients trained on)",
-                  flush=True)
-            central = report["centralized"] = centralized.reference(params, labels, pad_token_id, examples)
-            central["examples_of"] = first
+            if fp.centralized_baseline and not index:  # before the other federations: they fit what it took too
+                examples = centralized.examples_trained(out, fp.batch_size)
+                print(f"federated: centralized LoRA on {examples} examples (as many as {name}'s clients trained on)",
+                      flush=True)
+                central = report["centralized"] = centralized.reference(params, labels, pad_token_id, examples)
+                central["examples_of"] = name
+                if "reused_from" not in central:  # a reused reference's seconds are another invocation's
+                    done.append(budget.reference_took(decision, central["train_seconds"]))
+                mlflow.log_metrics({f"centralized.{k}": v for k, v in central["final"].items()})
+        if "centralized" in report:
             for summary in report["runs"].values():
-                summary["macro_f1_gap_to_centralized"] = round(central["final"]["macro_f1"]
+                summary["macro_f1_gap_to_centralized"] = round(report["centralized"]["final"]["macro_f1"]
                                                                - summary["final"]["macro_f1"], 4)
-            mlflow.log_metrics({f"centralized.{k}": v for k, v in central["final"].items()})
         report["wall_seconds"] = decision["measured_seconds"] = round(time.perf_counter() - began, 1)
         write_outputs(report, round_rows, label_rows, clients)
     results.print_summary(report)

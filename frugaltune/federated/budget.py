@@ -25,6 +25,12 @@ it) and its end (Flower's shutdown and the export, at the start-up's measured pr
 first federation ends with them: the server waits for the replan after the rounds measured (`replan-after`) and
 re-lays its lr decay over the new number from the next round on (server_app.replanned), so no round is thrown away.
 The report keeps the first decision as `initial`, and puts what each round took beside the final prediction.
+
+A machine can slow after the replan (other work on the host; on record, later federations and the reference ran up
+to 1.2x the first federation's pace). The stage trains the centralized reference right after the first federation,
+and before each later federation `later_rounds` fits the federations still to run into what remains of the budget
+at the slowest pace a run has taken so far (`took`: each run's measured against its predicted seconds): they end
+sooner when it does not fit (report: `budget.later`).
 """
 
 from __future__ import annotations
@@ -352,6 +358,71 @@ def with_replan(decision: dict, found: dict | None) -> dict:
                                          "last_evaluation_extra_s")}
     replanned = {key: value for key, value in found.items() if key not in final}
     return {**decision, **final, "initial": initial, "replan": replanned}
+
+
+def took(name: str, predicted_s: float, measured_s: float, beyond_s: float) -> dict:
+    """What one federation, or the centralized reference, took against its prediction (`later_rounds`' `done`):
+    its rounds (or its training) predicted and measured, and `beyond_s`, what it took besides (start-up, shutdown,
+    export; the reference: none counted)."""
+    return {"run": name, "predicted_seconds": round(predicted_s, 1), "measured_seconds": round(measured_s, 1),
+            "pace": round(measured_s / predicted_s, 3) if predicted_s > 0 else None,
+            "beyond_seconds": round(max(0.0, beyond_s), 1)}
+
+
+def federation_took(name: str, round_seconds: list[dict], wall_s: float, start_evaluation_s: float) -> dict:
+    """`took` for a federation from its `round_seconds` (beside_measured) and its wall time: what it took beyond
+    its rounds is its start, its end and its export (round 0's evaluation, `start_evaluation_s`, left out: only the
+    first federation evaluates it, the others read it)."""
+    timed = [r for r in round_seconds if r["predicted_seconds"] is not None]
+    measured = sum(r["measured_seconds"] for r in timed)
+    return took(name, sum(r["predicted_seconds"] for r in timed), measured,
+                wall_s - sum(r["measured_seconds"] for r in round_seconds) - start_evaluation_s)
+
+
+def reference_took(decision: dict, train_s: float) -> dict:
+    """`took` for the centralized reference: its training against its share of the rounds the federations run, as
+    the replan scaled the clients' training."""
+    scale = decision.get("replan", {}).get("training_scale", 1.0)
+    return took("centralized", sum(decision["reference_seconds"][:decision["rounds"]]) * scale, train_s, 0.0)
+
+
+def later_rounds(decision: dict, left: list[str], done: list[dict], elapsed_s: float, most: int) -> dict:
+    """The rounds of the federations still to run (`left`, the next first), launched `elapsed_s` into the stage: the
+    most, up to `most` (the rounds the federations before them ran), that fit in what remains of the budget should
+    every one of them run at the slowest pace the stage has measured so far (`done`: `took` of each federation run
+    and of the reference) and take beyond its rounds what the slowest of those federations took (start, end,
+    export). Never fewer than 1. The replan decides from the first federation's first rounds; a machine that slows
+    after it (other work on the host, a hotter CPU) shows in what the runs since took, and only the federations still
+    to run can give time back: they end sooner, the lr decay laid over the rounds they run (docs/DECISIONS.md, "The
+    federations after the first fit what remains")."""
+    paced = [d["pace"] for d in done if d["pace"] is not None]
+    pace = max(paced, default=1.0)
+    beyond = max((d["beyond_seconds"] for d in done if d["run"] != "centralized"), default=0.0)
+    extra = decision.get("last_evaluation_extra_s", 0.0)
+    budget_s = decision["minutes"] * 60
+
+    def ending(n: int) -> float:  # the stage's end if every federation left runs n rounds
+        return elapsed_s + sum(beyond + pace * (sum(r["seconds"] for r in decision["runs"][name][:n]) + extra)
+                               for name in left)
+
+    rounds_ = next((n for n in range(most, 1, -1) if ending(n) <= budget_s), 1)
+    predicted_s = round(ending(rounds_), 1)
+    fits, minutes = predicted_s <= budget_s, budget_s / 60
+    slowest = max(done, key=lambda d: d["pace"] or 0.0)["run"] if paced else "none"
+    them = ", ".join(left)
+    measured_as = (f"{elapsed_s / 60:.1f} min in, the slowest run so far ({slowest}) at {pace:.2f}x its prediction, "
+                   f"{beyond:.0f} s beyond its rounds")
+    if rounds_ < most:
+        trade = (f"{measured_as}: {them} run{'s' if len(left) == 1 else ''} {rounds_} of {most} rounds to end in "
+                 f"{minutes:g} min (predicted {predicted_s / 60:.1f} min; {most} would end at "
+                 f"{ending(most) / 60:.1f} min)" + ("" if fits else ", over the budget all the same"))
+    else:
+        trade = f"{measured_as}: {them} run{'s' if len(left) == 1 else ''} the {most} rounds" + (
+            f", predicted to end at {predicted_s / 60:.1f} min" if fits else
+            f", over the {minutes:g} min budget (predicted {predicted_s / 60:.1f} min)")
+    return {"run": left[0], "launched_at_s": round(elapsed_s, 1), "pace": round(pace, 3),
+            "beyond_seconds": round(beyond, 1), "rounds": rounds_, "cut": rounds_ < most,
+            "predicted_seconds": predicted_s, "fits": fits, "trade": trade}
 
 
 def beside_measured(predicted: list[dict], out: Path, last_extra_s: float = 0.0) -> list[dict]:

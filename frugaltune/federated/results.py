@@ -105,7 +105,7 @@ def print_summary(report: dict) -> None:
     measured time."""
     for name, summary in report["runs"].items():
         final = summary["final"]
-        print(f"federated: {name}: test macro-F1 {final['macro_f1']:.4f} accuracy {final['accuracy']:.4f} "
+        print(f"federated: {name}: {summary['rounds']} rounds, test macro-F1 {final['macro_f1']:.4f} accuracy {final['accuracy']:.4f} "
               f"(base {summary['baseline']['macro_f1']:.4f}); {summary['bytes_up_per_client_round_max']:,} bytes up "
               f"per client per round, full model / adapter {summary['full_model_over_adapter']}x"
               + (f"; {summary['macro_f1_gap_to_centralized']:+.4f} macro-F1 below centralized"
@@ -116,5 +116,8 @@ def print_summary(report: dict) -> None:
               f"{central['batch_size']}): test macro-F1 {central['final']['macro_f1']:.4f} accuracy "
               f"{central['final']['accuracy']:.4f}")
     print(f"federated: budget: {report['budget']['trade']}; measured {report['wall_seconds'] / 60:.1f} min")
+    for later in report["budget"].get("later", []):  # the federations after the first, if the machine slowed
+        if later["cut"]:
+            print(f"federated: budget: {later['trade']}")
     print(f"federated: {report['wall_seconds']:.0f} s in all; each run "
           + ", ".join(f"{name} {summary['wall_seconds']:.0f} s" for name, summary in report["runs"].items()))

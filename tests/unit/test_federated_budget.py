@@ -179,6 +179,37 @@ def test_a_federation_that_cannot_end_sooner_goes_on_and_says_it_runs_over():
     assert over["rounds"] == 3 and over["cut"] and not over["fits"] and over["trade"].endswith("all the same")
 
 
+def test_the_federations_after_the_first_fit_what_remains_at_the_slowest_pace_measured():
+    """After the replan, the machine may slow: the federations still to run fit what remains of the budget at the
+    slowest pace a run of the stage has taken so far, and end sooner (never more rounds than those before ran)."""
+    decision = {**planned(), "last_evaluation_extra_s": 10.0}  # 6 rounds of 25 s, the last 10 s more
+    rounds_ = [{"round": n, "predicted_seconds": 25.0 + (10.0 if n == 6 else 0.0), "measured_seconds": m}
+               for n, m in zip(range(1, 7), (25.0, 25.0, 25.0, 25.0, 25.0, 35.0))]
+    # the first federation as predicted (160 s of rounds in 180 s: 5 s of round 0's evaluation, 15 s of start and
+    # end), the reference at twice its prediction: 60 s of 6 x 10 s
+    first = budget.federation_took("fedavg_dirichlet", rounds_, wall_s=180.0, start_evaluation_s=5.0)
+    assert first["pace"] == 1.0 and first["beyond_seconds"] == 15.0
+    reference = budget.reference_took(decision, 120.0)
+    assert reference["pace"] == 2.0 and reference["predicted_seconds"] == 60.0
+    left = ["ffa_dirichlet", "fedavg_iid"]
+    # at 1x, 300 s in: 2 x (15 + 150 + 10) = 350 s more, 650 s > 600; 5 rounds: 300 + 2 x 150 = 600 s, the budget
+    calm = budget.later_rounds(decision, left, [first], elapsed_s=300.0, most=6)
+    assert calm["rounds"] == 5 and calm["cut"] and calm["fits"] and calm["predicted_seconds"] == pytest.approx(600.0)
+    assert calm["trade"].endswith("ffa_dirichlet, fedavg_iid run 5 of 6 rounds to end in 10 min (predicted 10.0 "
+                                  "min; 6 would end at 10.8 min)")
+    # at the reference's 2x: 300 + 2 x (15 + 2 x (25 n + 10)) fits n = 2 (570 s)
+    slowed = budget.later_rounds(decision, left, [first, reference], elapsed_s=300.0, most=6)
+    assert slowed["rounds"] == 2 and slowed["pace"] == 2.0 and slowed["predicted_seconds"] == pytest.approx(570.0)
+    assert "the slowest run so far (centralized) at 2.00x its prediction, 15 s beyond its rounds" in slowed["trade"]
+    # the last federation, with room: the rounds those before ran, never more
+    roomy = budget.later_rounds(decision, ["fedavg_iid"], [first], elapsed_s=300.0, most=4)
+    assert roomy["rounds"] == 4 and not roomy["cut"] and roomy["fits"]
+    assert roomy["trade"].endswith("fedavg_iid runs the 4 rounds, predicted to end at 7.1 min")
+    # no room at all: one round runs, and the trade says the stage runs over
+    late = budget.later_rounds(decision, left, [first], elapsed_s=590.0, most=6)
+    assert late["rounds"] == 1 and not late["fits"] and late["trade"].endswith("over the budget all the same")
+
+
 def test_a_cold_round_1_chooses_the_rounds_and_round_2_predicts_them():
     """Round 1 at twice its prediction, round 2 as predicted: the rounds are chosen as if every round took round 1's
     pace (the budget holds should they), and predicted at round 2's, the nearer to the rounds to come."""
