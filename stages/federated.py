@@ -151,9 +151,9 @@ def run(params: Params) -> dict:
             summary["round_seconds"] = budget.beside_measured(predicted, out,
                                                               decision.get("last_evaluation_extra_s", 0.0))
             report["runs"][name] = summary
-            start = rounds.reports(out)[0] if rounds.completed(out) else {}
+            start = read_json(rounds.round_path(out, 0, "json"))  # round 0: this federation's own, or read
             done.append(budget.federation_took(name, summary["round_seconds"], summary["wall_seconds"],
-                                               start.get("evaluation_seconds", 0.0)))
+                                               start["evaluation_seconds"]))
             clients += results.client_rows(name, out, report["clients"][scheme])
             for row in found:
                 round_rows.append({"run": name, **row})

@@ -395,8 +395,8 @@ def later_rounds(decision: dict, left: list[str], done: list[dict], elapsed_s: f
     after it (other work on the host, a hotter CPU) shows in what the runs since took, and only the federations still
     to run can give time back: they end sooner, the lr decay laid over the rounds they run (docs/DECISIONS.md, "The
     federations after the first fit what remains")."""
-    paced = [d["pace"] for d in done if d["pace"] is not None]
-    pace = max(paced, default=1.0)
+    slowest = max((d for d in done if d["pace"] is not None), key=lambda d: d["pace"], default=None)
+    pace = slowest["pace"] if slowest else 1.0
     beyond = max((d["beyond_seconds"] for d in done if d["run"] != "centralized"), default=0.0)
     extra = decision.get("last_evaluation_extra_s", 0.0)
     budget_s = decision["minutes"] * 60
@@ -408,16 +408,15 @@ def later_rounds(decision: dict, left: list[str], done: list[dict], elapsed_s: f
     rounds_ = next((n for n in range(most, 1, -1) if ending(n) <= budget_s), 1)
     predicted_s = round(ending(rounds_), 1)
     fits, minutes = predicted_s <= budget_s, budget_s / 60
-    slowest = max(done, key=lambda d: d["pace"] or 0.0)["run"] if paced else "none"
-    them = ", ".join(left)
-    measured_as = (f"{elapsed_s / 60:.1f} min in, the slowest run so far ({slowest}) at {pace:.2f}x its prediction, "
-                   f"{beyond:.0f} s beyond its rounds")
+    them = ", ".join(left) + (" runs" if len(left) == 1 else " run")
+    measured_as = (f"{elapsed_s / 60:.1f} min in, the slowest run so far ({slowest['run'] if slowest else 'none'}) "
+                   f"at {pace:.2f}x its prediction, {beyond:.0f} s beyond its rounds")
     if rounds_ < most:
-        trade = (f"{measured_as}: {them} run{'s' if len(left) == 1 else ''} {rounds_} of {most} rounds to end in "
+        trade = (f"{measured_as}: {them} {rounds_} of {most} rounds to end in "
                  f"{minutes:g} min (predicted {predicted_s / 60:.1f} min; {most} would end at "
                  f"{ending(most) / 60:.1f} min)" + ("" if fits else ", over the budget all the same"))
     else:
-        trade = f"{measured_as}: {them} run{'s' if len(left) == 1 else ''} the {most} rounds" + (
+        trade = f"{measured_as}: {them} the {most} rounds" + (
             f", predicted to end at {predicted_s / 60:.1f} min" if fits else
             f", over the {minutes:g} min budget (predicted {predicted_s / 60:.1f} min)")
     return {"run": left[0], "launched_at_s": round(elapsed_s, 1), "pace": round(pace, 3),

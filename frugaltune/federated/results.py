@@ -105,8 +105,9 @@ def print_summary(report: dict) -> None:
     measured time."""
     for name, summary in report["runs"].items():
         final = summary["final"]
-        print(f"federated: {name}: {summary['rounds']} rounds, test macro-F1 {final['macro_f1']:.4f} accuracy {final['accuracy']:.4f} "
-              f"(base {summary['baseline']['macro_f1']:.4f}); {summary['bytes_up_per_client_round_max']:,} bytes up "
+        print(f"federated: {name}: {summary['rounds']} rounds, test macro-F1 {final['macro_f1']:.4f} accuracy "
+              f"{final['accuracy']:.4f} (base {summary['baseline']['macro_f1']:.4f}); "
+              f"{summary['bytes_up_per_client_round_max']:,} bytes up "
               f"per client per round, full model / adapter {summary['full_model_over_adapter']}x"
               + (f"; {summary['macro_f1_gap_to_centralized']:+.4f} macro-F1 below centralized"
                  if "macro_f1_gap_to_centralized" in summary else ""))
