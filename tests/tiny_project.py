@@ -15,6 +15,12 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# The kernels stage of a tiny project: the CUDA kernels are compiled and verified by tests/unit/test_kernels.py; the
+# CPU's fp32-vs-bf16 timing runs at the tiny model's shapes (params.yaml's are SmolLM2's: ~15 s a project here).
+KERNELS = {"enabled": False, "bench_batch": 8, "bench_seq_len": 64, "model_hidden": 64, "model_heads": 4,
+           "model_intermediate": 128, "timing_repeats": 3}
+
+
 def env(**extra: str) -> dict[str, str]:
     """This environment for a subprocess: the venv first on PATH, offline, no progress bars, and the default
     MLflow store (the project's mlflow.db) unless `extra` sets MLFLOW_TRACKING_URI."""
@@ -42,7 +48,7 @@ def build(repo: Path, model_dir: Path, calibrate: bool = True) -> Path:
     params["model"]["source"] = str(model_dir)
     params["data"]["max_rows"] = 200
     params["validate"]["min_class_fraction"] = 0.05
-    params["kernels"]["enabled"] = False  # compiled and verified by tests/unit/test_kernels.py
+    params["kernels"].update(KERNELS)
     params["probe"]["calibrate"] = calibrate
     # int8 products off: each training process would compile its quantize step (tests/unit/test_int8.py has it)
     params["train"].update({"max_steps": 4, "batch_size": 8, "log_every": 1, "threads": 1, "int8_products": False})

@@ -37,7 +37,7 @@ import pytest
 import yaml
 
 from frugaltune.config import derived_model_name
-from tests import readme_commands
+from tests import readme_commands, tiny_project
 from tests.commands import run_command
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -91,9 +91,7 @@ def make_project(root: Path, model_dir: Path, data_source: str) -> Path:
     params["model"]["source"] = str(model_dir)
     params["data"].update({"source": data_source, "max_rows": None})
     params["validate"]["min_class_fraction"] = 0.05
-    params["kernels"].update({"enabled": False,  # compiled and verified by tests/unit/test_kernels.py
-                              "bench_batch": 1, "bench_seq_len": 16, "model_hidden": 32, "model_heads": 4,
-                              "model_intermediate": 64, "timing_repeats": 3})
+    params["kernels"].update(tiny_project.KERNELS)
     # fp32, not `auto`: auto follows a timing (kernels' bf16-vs-fp32), which could differ between the two projects;
     # int8 products off for the same reason (their `auto` times int8 against the precision's products).
     params["train"].update({"max_steps": 4, "batch_size": 8, "log_every": 1, "threads": 1, "precision": "fp32",

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import yaml
 
+from tests import tiny_project
+
 ROOT = Path(__file__).resolve().parents[2]
 LABELS = ["negative", "neutral", "positive"]
 
@@ -69,7 +71,7 @@ def make_project(repo: Path, model_dir: Path, **train) -> Path:
     params["model"]["source"] = str(model_dir)
     params["data"]["max_rows"] = 200
     params["validate"]["min_class_fraction"] = 0.05
-    params["kernels"]["enabled"] = False
+    params["kernels"].update(tiny_project.KERNELS)
     params["probe"]["calibrate"] = False  # the planner's own tests calibrate; here only the faults matter
     # int8 products off: each training process would compile its quantize step (tests/unit/test_int8.py has it)
     params["train"].update({"max_steps": 6, "batch_size": 8, "log_every": 1, "threads": 1, "checkpoint_every": 2,
