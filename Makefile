@@ -86,10 +86,11 @@ chromium:
 
 # Two workers, a file to each (module fixtures and the tests that continue one story stay whole): the unit and fault
 # tests, then the end-to-end tests, whose servers and round timeouts leave room for a second worker beside them
-# (docs/DECISIONS.md, "make test").
+# (docs/DECISIONS.md, "make test"). Files are handed out in collection order, the longest first (LONGEST_FIRST in
+# tests/conftest.py), so that the short ones fill the end instead of one worker idling beside the last long one.
 test: install flower-env chromium lint
-	python -m pytest -q tests/unit tests/faults tests/gpu -m "not gpu" -n 2 --dist loadfile --durations=10
-	python -m pytest -q tests/e2e -m "not gpu" -n 2 --dist loadfile --durations=25
+	python -m pytest -q tests/unit tests/faults tests/gpu -m "not gpu" -n 2 --dist loadfile --no-loadscope-reorder --durations=10
+	python -m pytest -q tests/e2e -m "not gpu" -n 2 --dist loadfile --no-loadscope-reorder --durations=25
 
 # The guards: import-linter (the layers and contracts in pyproject.toml), ruff (a small bug-finding rule set) and
 # vulture (dead code; vulture_whitelist.py lists what frameworks call by name). Seconds; part of `make test`.

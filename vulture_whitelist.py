@@ -58,3 +58,4 @@ _._active_experiment_id  # unused attribute (tests/unit/test_register.py:87)
 _.init_calls  # unused attribute (tests/unit/test_telemetry.py:303)
 _.init_calls  # unused attribute (tests/unit/test_telemetry.py:309)
 _._active_experiment_id  # unused attribute (tests/unit/test_tracking.py:52)
+pytest_collection_modifyitems  # unused function (tests/conftest.py): pytest's hook, called by name
