@@ -39,15 +39,15 @@ def smol_tokenizer(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, smol_tokenizer) -> Path:
-    """A random 2-layer llama (hidden 32) with the real tokenizer, saved as a Hugging Face directory."""
+    """A random 2-layer llama (hidden 64) with the real tokenizer, saved as a Hugging Face directory."""
     return build_tiny_model(tmp_path_factory.mktemp("tiny_llama"), smol_tokenizer)
 
 
 # `make test` runs two pytest-xdist workers, a file to each (`--dist loadfile --no-loadscope-reorder`): a file is
 # handed out in collection order, and the last long file handed out runs alone while the other worker idles. These
-# files take the longest (each several minutes of the suite: docs/DECISIONS.md, "make test: the longest files
-# first"), so they are collected first and the short files fill the end. A stable sort: every file's own tests,
-# and every other file, keep their order.
+# files take the longest (each several minutes of the suite: docs/DECISIONS.md, "make test on the CI's machine
+# over 45 minutes"), so they are collected first and the short files fill the end. A stable sort: every file's own
+# tests, and every other file, keep their order.
 LONGEST_FIRST = (
     "tests/faults/test_process_and_disk.py",
     "tests/unit/test_planner.py",
@@ -60,6 +60,6 @@ LONGEST_FIRST = (
 )
 
 
-def pytest_collection_modifyitems(config, items) -> None:
+def pytest_collection_modifyitems(items) -> None:
     rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
