@@ -14,17 +14,15 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 import torch
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoModelForSequenceClassification,
-    AutoTokenizer,
-    LlamaConfig,
-    LlamaForCausalLM,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-)
+# The tokenizer alone, here: the model classes pull in transformers' modeling code (torch.distributed.tensor,
+# dynamo; seconds at every start), which the stages that only tokenize never need
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 from frugaltune.io import atomic_dir, read_json, sha256_file
 
@@ -116,12 +114,16 @@ def resolve_source(source: str, gguf_file: str | None = None) -> ResolvedSource:
 
 
 def _load_causal_lm(resolved: ResolvedSource, dtype: torch.dtype) -> PreTrainedModel:
+    from transformers import AutoModelForCausalLM
+
     kwargs = {"gguf_file": resolved.gguf_file} if resolved.gguf_file else {}
     return AutoModelForCausalLM.from_pretrained(str(resolved.directory), dtype=dtype, **kwargs)
 
 
 def _rebuild_serializable(model: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
     """A GGUF-loaded model refuses save_pretrained ("not serializable"): rebuild it from a clean config."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     config_dict = model.config.to_dict()
     config_dict.pop("quantization_config", None)
     config_dict.pop("_model_name_or_path", None)
@@ -207,6 +209,7 @@ def load_for_classification(
     # The base checkpoint has no classification head, so transformers prints a LOAD REPORT table ("score.weight
     # MISSING") at every load: expected, the head is the one thing this function adds. Silenced for the load, and
     # any other missing, unexpected or mismatched weight is raised here instead of being lost with it.
+    from transformers import AutoModelForSequenceClassification
     from transformers.utils import logging as hf_logging
 
     verbosity = hf_logging.get_verbosity()
@@ -236,6 +239,8 @@ def load_for_classification(
 def load_for_causal_lm(model_dir: Path | str, pad_token_id: int, seed: int, dtype: torch.dtype = torch.float32,
                        quantization_config=None) -> PreTrainedModel:
     """The base model with its own LM head (causal_lm fine-tuning); `seed` seeds LoRA's init as for classifiers."""
+    from transformers import AutoModelForCausalLM
+
     torch.manual_seed(seed)
     extra = {"quantization_config": quantization_config} if quantization_config is not None else {}
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, **extra)
@@ -249,6 +254,8 @@ def build_tiny_model(out_dir: Path, tokenizer: PreTrainedTokenizerBase, seed: in
     No dimension below 64 and the k/v projections 32 wide: on avx512_bf16 CPUs bitsandbytes repacks a 4-bit weight
     for inference in blocks of 32 outputs by 64 inputs, and QLoRA evaluation fails on a narrower model.
     """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=64,

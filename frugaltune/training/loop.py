@@ -21,7 +21,6 @@ from pathlib import Path
 import numpy as np
 import torch
 from tqdm.auto import tqdm
-from transformers import get_scheduler
 
 from frugaltune import console
 from frugaltune.telemetry import StepTimer
@@ -443,6 +442,9 @@ def train_classifier(
     data = _Data(input_ids, labels, lengths, target_counts(labels), pad_token_id)
     total_steps = len(batches) // cfg.grad_accum if batches is not None else plan_steps(len(input_ids), cfg)
     optimizer = _optimizer(model, cfg, optimizer_state)
+    # imported here: transformers.optimization costs seconds at import, and evaluation only predicts
+    from transformers import get_scheduler
+
     scheduler = get_scheduler(cfg.scheduler, optimizer, num_warmup_steps=int(cfg.warmup_ratio * total_steps),
                               num_training_steps=total_steps)
     order = batches if batches is not None else _EpochOrder(lengths, cfg)
