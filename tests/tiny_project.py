@@ -1,6 +1,5 @@
 """The tiny project the end-to-end tests run `dvc repro` in: the real stages and dvc.yaml in a temp git+DVC repo,
-on a tiny random llama and 200 real tweets. Imported by tests/e2e/test_pipeline.py and test_scale_out.py; not run
-on its own."""
+on a tiny random llama and 200 real tweets. Imported by the end-to-end tests and tests/faults; not run on its own."""
 
 from __future__ import annotations
 
@@ -38,10 +37,11 @@ def run(cmd: list[str], cwd: Path, timeout: float = 1200, **extra: str) -> str:
     return output
 
 
-def build(repo: Path, model_dir: Path, calibrate: bool = True) -> Path:
+def build(repo: Path, model_dir: Path, calibrate: bool = True, **train) -> Path:
     """The project in `repo` with tiny settings (model `model_dir`, 200 rows, 4 training steps, no kernels),
     committed; `.dvc/config` and the offline plots template as `make install` leaves them. `calibrate=False`:
-    the plan's analytic estimates only (its timed steps cost ~1 min here), for tests about something else."""
+    the plan's analytic estimates only (its timed steps cost ~1 min here), for tests about something else.
+    `train`: train params over the tiny ones (the fault tests' checkpoints: max_steps=6, checkpoint_every=2)."""
     for name in ("stages", "frugaltune", "kernels", "compare"):
         shutil.copytree(ROOT / name, repo / name, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "dvc.yaml", repo / "dvc.yaml")
@@ -52,7 +52,8 @@ def build(repo: Path, model_dir: Path, calibrate: bool = True) -> Path:
     params["kernels"].update(KERNELS)
     params["probe"]["calibrate"] = calibrate
     # int8 products off: each training process would compile its quantize step (tests/unit/test_int8.py has it)
-    params["train"].update({"max_steps": 4, "batch_size": 8, "log_every": 1, "threads": 1, "int8_products": False})
+    params["train"].update({"max_steps": 4, "batch_size": 8, "log_every": 1, "threads": 1, "int8_products": False,
+                            **train})
     params["evaluate"]["batch_size"] = 16
     params["compare"]["max_steps"] = 2
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))

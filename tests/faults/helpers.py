@@ -60,29 +60,10 @@ def status(cwd: Path) -> dict:
 
 
 def make_project(repo: Path, model_dir: Path, **train) -> Path:
-    """A git + DVC project of the real stages on a tiny model and 200 real tweets (as tests/e2e does)."""
-    import shutil
-
-    repo.mkdir(parents=True, exist_ok=True)
-    for name in ("stages", "frugaltune", "kernels", "compare"):
-        shutil.copytree(ROOT / name, repo / name, ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(ROOT / "dvc.yaml", repo / "dvc.yaml")
-    params = base_params()
-    params["model"]["source"] = str(model_dir)
-    params["data"]["max_rows"] = 200
-    params["validate"]["min_class_fraction"] = 0.05
-    params["kernels"].update(tiny_project.KERNELS)
-    params["probe"]["calibrate"] = False  # the planner's own tests calibrate; here only the faults matter
-    # int8 products off: each training process would compile its quantize step (tests/unit/test_int8.py has it)
-    params["train"].update({"max_steps": 6, "batch_size": 8, "log_every": 1, "threads": 1, "checkpoint_every": 2,
-                            "int8_products": False, **train})
-    params["evaluate"]["batch_size"] = 16
-    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    for cmd in (["git", "init", "-q"], ["git", "config", "user.email", "ci@example.com"],
-                ["git", "config", "user.name", "ci"], [sys.executable, "-m", "dvc", "init", "-q"],
-                [sys.executable, "-m", "dvc", "config", "core.analytics", "false"]):
-        subprocess.run(cmd, cwd=repo, check=True, capture_output=True, env=env())
-    return repo
+    """The end-to-end tests' tiny project (tests/tiny_project.py, committed), with checkpoints every 2 of 6 steps
+    for the faults in training unless `train` says otherwise, and the plan's analytic estimates (the planner's own
+    tests calibrate; here only the faults matter)."""
+    return tiny_project.build(repo, model_dir, calibrate=False, **{"max_steps": 6, "checkpoint_every": 2, **train})
 
 
 def commit(repo: Path, message: str) -> None:
