@@ -13,7 +13,6 @@ import re
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 import torch

@@ -20,7 +20,7 @@ import psutil
 import pytest
 import yaml
 
-from tests.faults.helpers import commit, dvc, env, make_project
+from tests.faults.helpers import dvc, env, make_project
 
 pytestmark = pytest.mark.slow
 STEPS = 8
@@ -46,8 +46,7 @@ def project(tmp_path_factory, tiny_model_dir) -> Path:
     repo = make_project(tmp_path_factory.mktemp("ddp"), tiny_model_dir, max_steps=STEPS, checkpoint_every=2,
                         precision="fp32", lora={"r": 8, "alpha": 16, "dropout": 0.0,
                               "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]})
-    commit(repo, "project")
-    return repo
+    return repo  # committed by the build
 
 
 def test_two_ranks_take_the_same_steps_as_one_process(project: Path):
