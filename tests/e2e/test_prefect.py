@@ -77,36 +77,28 @@ def tweets() -> pd.DataFrame:
 
 
 def make_project(root: Path, model_dir: Path, data_source: str) -> Path:
-    """A git+DVC project like the real one, with tiny settings and `incoming/tweets.csv`."""
-    for name in ("stages", "frugaltune", "kernels", "flows"):
-        shutil.copytree(ROOT / name, root / name, ignore=shutil.ignore_patterns("__pycache__"))
-    (root / "dvc.yaml").write_text((ROOT / "dvc.yaml").read_text())
+    """The end-to-end tests' tiny project (tiny_project.build: no calibration, whose timed steps are not what these
+    tests are about) in fp32, with the flows, a second pipeline in `extra/`, `data_source` read from
+    `incoming/tweets.csv`'s 200 rows, and the schedule `CRON`; committed."""
+    # fp32, not `auto`: auto follows a timing (kernels' bf16-vs-fp32), which could differ between the two projects;
+    # tiny_project.build already turns int8 products off for the same reason (their `auto` is a timing too).
+    tiny_project.build(root, model_dir, calibrate=False, precision="fp32")
+    shutil.copytree(ROOT / "flows", root / "flows", ignore=shutil.ignore_patterns("__pycache__"))
     # A second pipeline in a subdirectory, like compare/dvc.yaml: plain `dvc repro` leaves it alone, and so must
     # the flow (its stale stage must not make "nothing to do" impossible).
     (root / "extra").mkdir()
     (root / "extra/dvc.yaml").write_text(yaml.safe_dump({"stages": {"extra": {
         "cmd": "cp reports/evaluate.json extra/copy.json", "wdir": "..", "deps": ["reports/evaluate.json"],
         "outs": ["extra/copy.json"]}}}))
-    params = yaml.safe_load((ROOT / "params.yaml").read_text())
-    params["model"]["source"] = str(model_dir)
+    params = yaml.safe_load((root / "params.yaml").read_text())
     params["data"].update({"source": data_source, "max_rows": None})
-    params["validate"]["min_class_fraction"] = 0.05
-    params["kernels"].update(tiny_project.KERNELS)
-    # fp32, not `auto`: auto follows a timing (kernels' bf16-vs-fp32), which could differ between the two projects;
-    # int8 products off for the same reason (their `auto` times int8 against the precision's products).
-    params["train"].update({"max_steps": 4, "batch_size": 8, "log_every": 1, "threads": 1, "precision": "fp32",
-                            "int8_products": False})
-    params["evaluate"]["batch_size"] = 16
     params["schedule"].update({"cron": CRON, "register_retries": 1, "retry_delay_s": 1})
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     (root / "incoming").mkdir()
     tweets().iloc[:200].to_csv(root / SOURCE, index=False)
     (root / ".gitignore").write_text("mlflow.db\nmlartifacts/\n.prefect/\n")
-    for cmd in (["git", "init", "-q"], ["git", "config", "user.email", "ci@example.com"],
-                ["git", "config", "user.name", "ci"], [sys.executable, "-m", "dvc", "init", "-q"],
-                [sys.executable, "-m", "dvc", "config", "core.analytics", "false"],
-                ["git", "add", "-A"], ["git", "commit", "-qm", "project"]):
-        sh(cmd, root)
+    sh(["git", "add", "-A"], root)
+    sh(["git", "commit", "-qm", "the flows, the data source and the schedule"], root)
     return root
 
 

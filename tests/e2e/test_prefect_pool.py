@@ -93,7 +93,6 @@ def pool(tmp_path_factory, tiny_model_dir) -> Iterator[Pool]:
     project = make_project(base / "project", tiny_model_dir, data_source=SOURCE)
     params = yaml.safe_load((project / "params.yaml").read_text())
     params["train"].update({"max_steps": 6, "checkpoint_every": 2})  # a checkpoint to resume from mid-training
-    params["probe"]["calibrate"] = False  # its timed steps (~80 s here) are not what this test is about
     (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     port = free_port()
     api = f"http://127.0.0.1:{port}/api"
