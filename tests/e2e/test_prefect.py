@@ -76,13 +76,13 @@ def tweets() -> pd.DataFrame:
     return corpus[["text", "sentiment", "confidence"]]
 
 
-def make_project(root: Path, model_dir: Path, data_source: str) -> Path:
+def make_project(root: Path, model_dir: Path, data_source: str, **train) -> Path:
     """The end-to-end tests' tiny project (tiny_project.build: no calibration, whose timed steps are not what these
     tests are about) in fp32, with the flows, a second pipeline in `extra/`, `data_source` read from
-    `incoming/tweets.csv`'s 200 rows, and the schedule `CRON`; committed."""
+    `incoming/tweets.csv`'s 200 rows, and the schedule `CRON`; committed. `train`: train params over the tiny ones."""
     # fp32, not `auto`: auto follows a timing (kernels' bf16-vs-fp32), which could differ between the two projects;
     # tiny_project.build already turns int8 products off for the same reason (their `auto` is a timing too).
-    tiny_project.build(root, model_dir, calibrate=False, precision="fp32")
+    tiny_project.build(root, model_dir, calibrate=False, **{"precision": "fp32", **train})
     shutil.copytree(ROOT / "flows", root / "flows", ignore=shutil.ignore_patterns("__pycache__"))
     # A second pipeline in a subdirectory, like compare/dvc.yaml: plain `dvc repro` leaves it alone, and so must
     # the flow (its stale stage must not make "nothing to do" impossible).

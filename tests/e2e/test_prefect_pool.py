@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-import yaml
 
 from tests.e2e.test_prefect import (CRON, SOURCE, dvc_status, env_for_subprocesses, free_port, kill_tree,
                                     make_project, start, task_runs, wait_for)
@@ -90,10 +89,8 @@ def pool(tmp_path_factory, tiny_model_dir) -> Iterator[Pool]:
     base = tmp_path_factory.mktemp("prefect_pool")
     logs, home = base / "logs", base / "prefect_home"
     logs.mkdir()
-    project = make_project(base / "project", tiny_model_dir, data_source=SOURCE)
-    params = yaml.safe_load((project / "params.yaml").read_text())
-    params["train"].update({"max_steps": 6, "checkpoint_every": 2})  # a checkpoint to resume from mid-training
-    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    # a checkpoint to resume from mid-training
+    project = make_project(base / "project", tiny_model_dir, data_source=SOURCE, max_steps=6, checkpoint_every=2)
     port = free_port()
     api = f"http://127.0.0.1:{port}/api"
     server = start([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
