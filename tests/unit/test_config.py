@@ -143,3 +143,24 @@ def test_your_own_data_gets_its_own_template_and_registry_model_not_the_tweets()
     assert parse_params(raw).register_.model_name == "tickets"
     assert parse_params(raw).train.input_template == "Ticket: {text}\nQueue:"
     assert parse_params({}).train.input_template is None
+
+
+@pytest.mark.parametrize("relpath, key", [("params.yaml", ("train", "lora", "r")),
+                                          ("params.yaml", ("federated", "lora", "r")),
+                                          ("scheduling/params.yaml", ("train", "lora", "r"))])
+def test_dvc_exp_run_set_changes_only_the_key_it_sets(tmp_path, relpath, key):
+    """`dvc exp run -S key=value` rewrites the params file through DVC's own YAML round trip: the committed file is
+    in the form DVC writes (nulls empty, no flow mapping past DVC's line width), so an experiment's diff is its key."""
+    from dvc.utils.serialize import modify_yaml
+
+    path = tmp_path / "params.yaml"
+    original = (ROOT / relpath).read_text()
+    path.write_text(original)
+    with modify_yaml(path) as data:
+        node = data
+        for name in key[:-1]:
+            node = node[name]
+        node[key[-1]] = 16
+    changed = [(a, b) for a, b in zip(original.splitlines(), path.read_text().splitlines(), strict=False) if a != b]
+    assert len(original.splitlines()) == len(path.read_text().splitlines()), path.read_text()
+    assert len(changed) == 1 and changed[0][1].strip().startswith("r: 16"), changed
