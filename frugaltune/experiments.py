@@ -2,6 +2,7 @@
 
 Run with `make exps` (the classifier, ./dvc.yaml) or `make exps PIPELINE=scheduling`, or directly:
 `python -m frugaltune.experiments [--pipeline DIR] [--all] [-- <dvc exp show options, e.g. -A>]`.
+`make diff [REV=<commit>] [PIPELINE=...]` (`--diff`): the pipeline's own params, metrics and plots against a commit.
 
 `dvc exp show` makes a column of every param and metric of every dvc.yaml in the repository (the classifier's, the
 scheduler's, the comparison's) and cuts the table at the terminal's edge. This reads `dvc exp show --json` and keeps
@@ -162,15 +163,55 @@ def pipelines(root: Path) -> list[str]:
     return sorted(path.parent.name for path in root.glob("*/dvc.yaml"))
 
 
+def declared(pipeline: str, kind: str) -> list[str]:
+    """The `kind` files (metrics or plots) that `pipeline`'s own dvc.yaml declares, as paths from the repository
+    root: DVC's own `diff` commands otherwise show those of every dvc.yaml in the repository."""
+    import yaml
+
+    spec = yaml.safe_load((Path(pipeline) / "dvc.yaml").read_text()) or {}
+    names: list[str] = []
+    for stage in (spec.get("stages") or {}).values():
+        for entry in stage.get(kind) or []:
+            names.extend(entry if isinstance(entry, dict) else [entry])
+    for entry in spec.get(kind) or []:  # top-level plots: a file, or a named plot whose y names its files
+        for name, props in (entry.items() if isinstance(entry, dict) else [(entry, None)]):
+            y = (props or {}).get("y")
+            names.extend(y if isinstance(y, dict) else [name])
+    return [str(Path(pipeline) / name) if pipeline != "." else name for name in dict.fromkeys(names)]
+
+
+def diff(pipeline: str, rev: str | None) -> int:
+    """`make diff`: the pipeline's own params, metrics and plots against `rev` (default HEAD), not the other
+    pipelines' nor the plan's machine facts (reports/plan.json keys other pipelines read as params)."""
+    dvc = [sys.executable, "-m", "dvc"]
+    revs = [rev] if rev else []
+    params_file = "params.yaml" if pipeline == "." else f"{pipeline}/params.yaml"
+    commands = [[*dvc, "params", "diff", *revs, "--targets", params_file],
+                [*dvc, "metrics", "diff", *revs, "--targets", *declared(pipeline, "metrics")],
+                [*dvc, "plots", "diff", *revs, "--targets", *declared(pipeline, "plots")]]
+    for command in commands:
+        print(f"$ dvc {' '.join(command[3:5])} ({params_file if command[3] == 'params' else command[3]} of "
+              f"{'the root pipeline' if pipeline == '.' else pipeline})", flush=True)
+        code = subprocess.run(command).returncode
+        if code:
+            return code
+    return 0
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pipeline", default=".", help="the pipeline's directory: . (default), scheduling, ...")
     parser.add_argument("--all", action="store_true", help="every column, however wide")
+    parser.add_argument("--diff", action="store_true",
+                        help="instead: the pipeline's own params, metrics and plots against --rev (make diff)")
+    parser.add_argument("--rev", default=None, help="with --diff: the commit to compare with (default HEAD)")
     parser.add_argument("dvc_args", nargs="*", help="passed to `dvc exp show` (after --), e.g. -A")
     args = parser.parse_args(argv)
     others = pipelines(Path.cwd())
     if args.pipeline != "." and args.pipeline not in others:
         sys.exit(f"--pipeline {args.pipeline}: no {args.pipeline}/dvc.yaml here; pipelines: . {' '.join(others)}")
+    if args.diff:
+        sys.exit(diff(args.pipeline, args.rev))
     proc = subprocess.run([sys.executable, "-m", "dvc", "exp", "show", "--json", *args.dvc_args],
                           capture_output=True, text=True)
     if proc.returncode != 0:

@@ -16,7 +16,8 @@ STAGE = ("import json, yaml; p = yaml.safe_load(open('params.yaml')); lr = p['tr
          "json.dump({'final_loss': 1 - lr, 'tokens_per_s': 251.3, 'wall_seconds': 428.5, 'peak_rss_mb': 3546.3, "
          "'steps': 178, 'a_long_training_metric_name': 1}, open('reports/metrics/train.json', 'w')); "
          "json.dump({'accuracy': 0.77 + lr / 10, 'baseline_macro_f1': 0.28, 'macro_f1_gain': 0.47, "
-         "'macro_f1': 0.76 + lr / 10}, open('reports/metrics/evaluate.json', 'w'))")
+         "'macro_f1': 0.76 + lr / 10}, open('reports/metrics/evaluate.json', 'w')); "
+         "open('reports/plots/loss.csv', 'w').write(f'step,loss\\n1,{1 - lr}\\n')")
 
 
 def project(repo):
@@ -29,13 +30,18 @@ def project(repo):
     (repo / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"train": {
         "cmd": f'{sys.executable} -c "{STAGE}"', "params": ["data", "task", "train", "register"],
         "metrics": [{"reports/metrics/train.json": {"cache": False}},
-                    {"reports/metrics/evaluate.json": {"cache": False}}]}}}))
+                    {"reports/metrics/evaluate.json": {"cache": False}}],
+        "plots": [{"reports/plots/loss.csv": {"cache": False, "x": "step", "y": "loss"}}]}}}))
+    (repo / "reports/plots").mkdir(parents=True)
     (repo / "scheduling/reports/metrics").mkdir(parents=True)
     (repo / "scheduling/params.yaml").write_text(yaml.safe_dump({"register": {"metric": "avg_bsld"}}))
     (repo / "scheduling/reports/metrics/evaluate.json").write_text(
         json.dumps({"FCFS.avg_bsld": 1714.16, "finetuned.avg_bsld": 337.08}))
+    (repo / "scheduling/reports/plots").mkdir(parents=True)
+    (repo / "scheduling/reports/plots/bsld.csv").write_text("policy,avg_bsld\nF1,40.1\n")
     (repo / "scheduling/dvc.yaml").write_text(yaml.safe_dump({"stages": {"evaluate_policy": {
-        "cmd": "true", "params": ["register"], "metrics": [{"reports/metrics/evaluate.json": {"cache": False}}]}}}))
+        "cmd": "true", "params": ["register"], "metrics": [{"reports/metrics/evaluate.json": {"cache": False}}],
+        "plots": [{"reports/plots/bsld.csv": {"cache": False}}]}}}))
     dvc = [sys.executable, "-m", "dvc"]
     for cmd in (["git", "init", "-q"], [*dvc, "init", "-q"], [*dvc, "repro", "-q", "dvc.yaml"], ["git", "add", "-A"],
                 ["git", "-c", "user.name=ci", "-c", "user.email=ci@example.com", "commit", "-qm", "project"],
@@ -76,3 +82,15 @@ def test_make_exps_shows_each_task_with_its_headline_metric_and_changed_params_f
     scheduler = tiny_project.run(["make", "--no-print-directory", "-o", "install", "exps", "PIPELINE=scheduling"], repo, **env)
     assert scheduler.splitlines()[0].split()[:3] == ["Experiment", "finetuned.avg_bsld", "FCFS.avg_bsld"], scheduler
     assert "macro_f1" not in scheduler
+
+
+def test_make_diff_shows_the_pipelines_own_params_metrics_and_plots_only(tmp_path):
+    repo = project(tmp_path / "repo")
+    shutil.copy(tiny_project.ROOT / "Makefile", repo / "Makefile")
+    (repo / "scheduling/params.yaml").write_text(yaml.safe_dump({"register": {"metric": "avg_wait"}}))
+    (repo / "scheduling/reports/plots/bsld.csv").write_text("policy,avg_bsld\nF1,39.0\n")
+    output = tiny_project.run(["make", "--no-print-directory", "-o", "install", "diff"], repo)
+    assert "train.lr" in output and "data.source" in output, output  # what the experiments left in the workspace
+    assert "avg_wait" not in output and "scheduling" not in output, output
+    page = (repo / "dvc_plots/index.html").read_text()
+    assert "reports/plots/loss.csv" in page and "bsld.csv" not in page
