@@ -2,9 +2,9 @@
 
 Run with `make test` (or `pytest -m slow tests/e2e/test_ui_browser.py`); `make test` installs chromium. What a user
 of `make ui` sees: a tiny model registered as the register stage does (tests/unit/test_register.py's helpers), then
-`python -m flows.ui` (the Prefect server and the MLflow UI on 127.0.0.1) and `python -m flows.deploy --work-pool`
-(the deployment). The browser opens each home page and goes where a user would click. `UI_SCREENSHOTS=1` writes the
-screenshots the docs show (docs/img/).
+`python -m flows.ui` (the Prefect server and the MLflow UI on 127.0.0.1), `python -m flows.deploy --work-pool`
+(the deployment) and `python -m flows.worker` (a worker polling its pool). The browser opens each home page and
+goes where a user would click. `UI_SCREENSHOTS=1` writes the screenshots the docs show (docs/img/).
 """
 
 from __future__ import annotations
@@ -89,7 +89,16 @@ def servers(project, logs):
         deploy = start([sys.executable, "-m", "flows.deploy", "--work-pool"], project, logs / "deploy.log",
                        PREFECT_API_URL=f"{prefect}/api", **env)
         assert deploy.wait(timeout=180) == 0, (logs / "deploy.log").read_text()[-3000:]
-        yield mlflow, prefect
+        # `make worker`, as the README's work-pool steps say: without a worker polling its pool, Prefect shows the
+        # deployment as Not Ready
+        worker = start([sys.executable, "-m", "flows.worker"], project, logs / "worker.log",
+                       PREFECT_API_URL=f"{prefect}/api", **env)
+        try:
+            wait_for("the worker polls the pool", lambda: "Worker 'ProcessWorker" in (logs / "worker.log").read_text(),
+                     120, [logs / "worker.log"], worker)
+            yield mlflow, prefect
+        finally:
+            kill_tree(worker)
     finally:
         kill_tree(ui)
 
@@ -174,4 +183,12 @@ def test_prefect_from_the_home_page_shows_the_deployment(servers, browser) -> No
     page.get_by_role("link", name="Deployments").first.click()
     expect(page.get_by_text("scheduled").first).to_be_visible(timeout=30_000)
     expect(page.get_by_text("finetune").first).to_be_visible()
+    # Ready once the worker has polled (the page does not refresh by itself)
+    deadline = time.monotonic() + 90
+    while "Not Ready" in page.inner_text("body") and time.monotonic() < deadline:
+        time.sleep(5)
+        page.reload()
+        expect(page.get_by_text("scheduled").first).to_be_visible(timeout=30_000)
+    expect(page.get_by_text("Ready", exact=True).first).to_be_visible()
+    assert "Not Ready" not in page.inner_text("body")
     screenshot(page, "prefect-deployment.png")
