@@ -116,8 +116,10 @@ test-fast: install lint
 	python -m pytest -q tests/unit -m "not slow and not gpu" -n 2 --dist loadfile
 
 # Benchmarks compare against a named baseline in one process run and print ratios (minutes; not part of CI).
+BENCHMARKS := train_throughput step_anatomy int8_products plan_accuracy memory_by_method telemetry_overhead \
+	registry_growth quality_sweep constrained_choice federated_rounds scheduling_heuristics scheduling_student
 bench: install
-	for script in benchmarks/*.py; do python $$script || exit 1; done
+	for script in $(BENCHMARKS); do python benchmarks/$$script.py || exit 1; done
 
 # Prefect server + MLflow UI on 127.0.0.1 (prints both URLs; Ctrl-C stops both). SERVER=1: an MLflow tracking
 # server (own store in mlflow-server/, artifacts proxied) instead of the read-only UI, for MLFLOW_TRACKING_URI

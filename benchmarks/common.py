@@ -1,16 +1,15 @@
 """What several benchmarks share: the pipeline's data and model as a benchmark loads them, the plan's machine
-decisions, timing and A/B alternation, child processes, result files, and the scheduling prompts.
+decisions, timing and A/B alternation, child processes and result files.
 
 Not a benchmark: the benchmarks run as `python benchmarks/<name>.py` from the repository root, so this file's
 folder is the first entry of their import path and they `import common` (`python benchmarks/common.py` only says
-what it is, for `make bench`'s loop). Everything here uses the installed `frugaltune`; nothing here decides a
+what it is; `make bench` does not run it). Everything here uses the installed `frugaltune`; nothing here decides a
 setting the plan decides (precision, int8 products, the attention crossover, threads): `machine` reads the plan's
 decisions through frugaltune.resolve, which decides them with `planner.decide_machine` only when there is no plan.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
@@ -130,17 +129,6 @@ def timed(fn: Callable[[], Any], repeats: int) -> float:
     return (time.perf_counter() - began) / repeats
 
 
-def best_of(repeats: int, fn: Callable[[], Any]) -> float:
-    """The fastest of `repeats` calls, after one untimed call."""
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        began = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - began)
-    return min(times)
-
-
 def alternated(names: list[str], rounds: int, measure: Callable[[int, str], float]) -> dict[str, list[float]]:
     """`measure(number, name)` for each name in each of `rounds` rounds, alternating which goes first (the given
     order in even rounds); round 0 warms every variant up and is not kept. Returns each name's kept values.
@@ -216,40 +204,6 @@ def write_results(name: str, data: dict) -> Path:
     out.write_text(json.dumps(data, indent=2) + "\n")
     print(f"wrote {out}")
     return out
-
-
-# --- the scheduling prompts (shared_prefix, choice_tail_pass, frozen_head) ---------------------------------------
-
-def add_scheduling_arguments(parser: argparse.ArgumentParser) -> None:
-    """--rows --base --data --params --batch-size --repeats --fp32, for `load_scheduling_prompts`."""
-    parser.add_argument("--rows", type=int, default=60)
-    parser.add_argument("--base", default="scheduling/models/base")
-    parser.add_argument("--data", default="scheduling/data/sft.jsonl")
-    parser.add_argument("--params", default="scheduling/params.yaml")
-    parser.add_argument("--batch-size", type=int, default=20, help="prompts per forward (scheduling.llm.batch_size)")
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--fp32", action="store_true", help="fp32 weights (default: bf16, as on a bf16-fast CPU)")
-
-
-def load_scheduling_prompts(args: argparse.Namespace) -> tuple[Any, Any, list[list[int]], list[list[str]]]:
-    """The base model of `make schedule` (fp32 from disk, cast to bf16 unless --fp32, eval mode), its tokenizer,
-    `--rows` rows evenly spread over the SFT data with their prompts templated with the scheduling params' system
-    message, as the evaluate_policy stage asks them, and their candidates."""
-    import torch
-    import yaml
-    from transformers import AutoModelForCausalLM
-
-    from frugaltune.generation import prompt_ids
-    from frugaltune.models import load_tokenizer
-
-    system = yaml.safe_load(Path(args.params).read_text())["task"].get("system")
-    tokenizer = load_tokenizer(args.base)
-    model = AutoModelForCausalLM.from_pretrained(args.base, dtype=torch.float32, local_files_only=True)
-    model = (model if args.fp32 else model.to(torch.bfloat16)).eval()
-    lines = Path(args.data).read_text().splitlines()
-    rows = [json.loads(line) for line in lines[::max(1, len(lines) // args.rows)][:args.rows]]
-    prompts = [prompt_ids(tokenizer, row["prompt"], system, True) for row in rows]
-    return model, tokenizer, prompts, [row["candidates"] for row in rows]
 
 
 if __name__ == "__main__":

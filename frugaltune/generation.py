@@ -159,7 +159,7 @@ def contiguous_head_input(model: Any) -> Iterator[None]:
     folds such a view into one 2D matmul only when the weight requires grad; for a frozen weight (a merged or
     PEFT-loaded model: every base parameter frozen) it expands the weight to [batch, hidden, vocab] and copies it,
     1.1 GB for 20 prompts and SmolLM2's 49,152 x 576 head, two orders of magnitude slower than the same product
-    (`python benchmarks/frozen_head.py`; figures in docs/DECISIONS.md). Copying the 20 x 576 input costs nothing.
+    (docs/DECISIONS.md, "Constrained choice"). Copying the 20 x 576 input costs nothing.
     """
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is None:
@@ -323,7 +323,7 @@ def _score_tails(model: Any, answers: Sequence[Sequence[Sequence[int]]], prompt_
     counts from the prompt's end as if that candidate were the only one. The 4D additive mask that says so is passed
     to the model as is. This replaces a forward over one row per candidate, whose cache had to be copied per
     candidate (with 8 letters and a 200-token scheduling prompt, a fifth of the choosing time; measured by
-    `python benchmarks/choice_tail_pass.py`, figures in docs/DECISIONS.md).
+    the answered experiment in docs/DECISIONS.md, "Constrained choice").
     """
     import torch
 

@@ -6,9 +6,9 @@ embedded GGUF: SmolLM2-135M from its config and tokenizer files, with random wei
 
 SRC holds `config.json` and the tokenizer files of this checkout's `models/base` (everything there except
 `model.safetensors`, ~3.5 MB): the device tool carries 64 MiB, and the GGUF alone is 98 MB. Used on the lent H100
-(docs/DECISIONS.md, "On a lent GPU") before `benchmarks/train_throughput.py` and `benchmarks/profile_train_step.py`.
-It refuses to replace real weights (`models/base/model.safetensors` present) without --force; it lives apart from
-`benchmarks/*.py`, which `make bench` runs one after the other.
+(docs/DECISIONS.md, "On a lent GPU") before `benchmarks/train_throughput.py` and `benchmarks/plan_accuracy.py`.
+It refuses to replace real weights (`models/base/model.safetensors` present) without --force; it is a lease's setup,
+not a benchmark, so it lives in gpu/ and is not in `make bench`'s list.
 """
 
 from __future__ import annotations

@@ -223,7 +223,7 @@ def predicting_pace(paces: list[tuple[float, float]]) -> tuple[float, float]:
     worker's first touch of each shape's kernels), and it went on fading in each of the three stages on record that
     measured both: predicted halfway between round 2's pace and the calibration's. A pace that held or rose is the
     machine's: predicted as measured. (docs/DECISIONS.md "The replan predicts halfway when the first rounds speed
-    up"; benchmarks/replan_replay.py replays it over the stages on record.)"""
+    up", which names the replay of the stages on record.)"""
     fading = lambda i: len(paces) > 1 and paces[-1][i] < paces[0][i]  # noqa: E731
     return tuple((1.0 + paces[-1][i]) / 2 if fading(i) else paces[-1][i] for i in (0, 1))
 

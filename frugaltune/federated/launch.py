@@ -106,7 +106,7 @@ class LocalFederation:
     workers: int = 2
     # malloc of every process of the federation (frugaltune.allocator.CHOICES). "system" is what a process gets
     # without a preload; the stage passes train.allocator (auto = mimalloc where installed): measured on a client's
-    # rounds, mimalloc took 0.84x the time and 0.81x the peak RSS (benchmarks/federated_allocator.py)
+    # rounds, mimalloc took less time and memory (docs/DECISIONS.md, "Training runs on mimalloc")
     allocator: str = "system"
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
     ports: dict[str, int] = field(default_factory=dict)

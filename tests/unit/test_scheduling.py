@@ -366,8 +366,9 @@ def test_stepping_the_simulator_with_clones_gives_the_schedule_simulate_gives():
 
 
 def test_a_clone_over_a_given_future_schedules_it_and_the_true_future_reproduces_a_cut_clone():
-    # The sampled-future teacher (benchmarks/teacher_learnability.py) rolls out over jobs that never arrive in the
-    # original: given the true next arrivals as the future, the clone must schedule exactly as clone(h) does.
+    # A sampled-future teacher (the answered experiment `git show fbec6eb:benchmarks/teacher_learnability.py`) rolls
+    # out over jobs that never arrive in the original: given the true next arrivals as the future, the clone must
+    # schedule exactly as clone(h) does.
     import dataclasses
 
     from frugaltune.scheduling.simulator import Simulator
