@@ -59,3 +59,5 @@ _.init_calls  # unused attribute (tests/unit/test_telemetry.py:303)
 _.init_calls  # unused attribute (tests/unit/test_telemetry.py:309)
 _._active_experiment_id  # unused attribute (tests/unit/test_tracking.py:52)
 pytest_collection_modifyitems  # unused function (tests/conftest.py): pytest's hook, called by name
+_.do_GET  # unused method (tests/unit/test_store.py:108): http.server's BaseHTTPRequestHandler calls it per GET
+_.log_message  # unused method (tests/unit/test_store.py:112): http.server's request log, silenced

@@ -13,7 +13,7 @@ from typing import Any
 
 from prefect import flow
 
-from flows.tasks import stage_task
+from flows.tasks import check_tracking_server, stage_task
 from frugaltune import paths
 from frugaltune.config import load_params
 
@@ -24,6 +24,7 @@ REGISTER = "federated/dvc.yaml:federated_register"  # the best global adapter, r
 @flow(name="federated", description="Federated fine-tuning on Flower: partitions, clients, rounds, reports, "
       "registration of the global adapter.")
 def federated() -> Any:
+    check_tracking_server()
     params = load_params(paths.PARAMS)
     result = stage_task(STAGE, params.schedule)(STAGE)
     registered = stage_task(REGISTER, params.schedule)(REGISTER)

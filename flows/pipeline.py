@@ -18,7 +18,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.states import Completed
 
-from flows.tasks import find_changes, pipeline_stages, publish_reports, stage_task, use_data_source
+from flows.tasks import check_tracking_server, find_changes, pipeline_stages, publish_reports, stage_task, use_data_source
 from frugaltune import paths
 from frugaltune.config import load_params
 
@@ -33,6 +33,7 @@ def finetune(data_source: str | None = None) -> Any:
     """
     if not Path("dvc.yaml").is_file():
         raise FileNotFoundError(f"no dvc.yaml in {Path.cwd()}: run the flow (or `make serve`) from the project root")
+    check_tracking_server()
     logger = get_run_logger()
     if data_source and use_data_source(data_source):
         logger.info(f"params.yaml: data.source = {data_source!r}")

@@ -16,7 +16,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.states import Completed
 
-from flows.tasks import find_changes, pipeline_stages, stage_task
+from flows.tasks import check_tracking_server, find_changes, pipeline_stages, stage_task
 from frugaltune import paths
 from frugaltune.config import load_params
 from frugaltune.io import read_json
@@ -29,6 +29,7 @@ def schedule_llm() -> Any:
     """Bring scheduling/dvc.yaml up to date; return what each stage did and the policy comparison."""
     if not SCHEDULING_PIPELINE.is_file():
         raise FileNotFoundError(f"no {SCHEDULING_PIPELINE} in {Path.cwd()}: run the flow from the project root")
+    check_tracking_server()
     logger = get_run_logger()
     schedule = load_params(paths.PARAMS).schedule
     stages = pipeline_stages(SCHEDULING_PIPELINE)

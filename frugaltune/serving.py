@@ -2,8 +2,8 @@
 
 Not run directly. The register stage logs `SequenceClassifierModel` with one artifact, the adapter dir (which also
 holds the tokenizer and `labels.json`), and a reference to the base model: its sha256 and the MLflow URI where
-`log_base_model` stored it once, in the experiment `frugaltune-base-models`, whatever the number of versions
-trained on it (a version that copied the 538 MB base would grow the store by that much per retraining). Loading
+`log_base_model` stored it once, in the experiment `[internal] frugaltune base models`, whatever the number of
+versions trained on it (a version that copied the 538 MB base would grow the store by that much per retraining). Loading
 resolves the base from a local cache (`~/.cache/frugaltune/bases/<sha256>`, or `FRUGALTUNE_BASE_CACHE`), else
 downloads it from the tracking store once and checks its hash. Anyone can then predict with
 
@@ -48,7 +48,13 @@ DEFAULT_MAX_LENGTH = 128
 DEFAULT_BATCH_SIZE = 32
 BASE_ARTIFACT = "base_model"  # versions logged before the base was stored once carry it as an artifact
 ADAPTER_ARTIFACT = "adapter"
-BASE_EXPERIMENT = "frugaltune-base-models"  # one run per distinct base model, tagged with its sha256
+# One run per distinct base model, tagged with its sha256. Named as what it is: it sits in the UI's experiment list
+# beside the tasks' experiments, and holds no training run (its note says so too).
+BASE_EXPERIMENT = "[internal] frugaltune base models"
+OLD_BASE_EXPERIMENTS = ("frugaltune-base-models",)  # its name before: renamed in place, so no base is uploaded twice
+BASE_EXPERIMENT_NOTE = ("Internal to frugaltune, not a task: the base model's weights, stored once and referenced by "
+                        "every registered version trained on them (serving.log_base_model). Deleting it breaks loading "
+                        "those versions where the base is not in the local cache.")
 BASE_SHA_TAG = "frugaltune.base_sha256"
 BASE_COMPLETE_TAG = "frugaltune.base_complete"  # set only after every file is uploaded
 BASE_CACHE_ENV = "FRUGALTUNE_BASE_CACHE"
@@ -510,6 +516,13 @@ def log_base_model(base_dir: str | Path, sha256: str | None = None) -> str:
     sha256 = sha256 or dir_sha256(base_dir)
     client = MlflowClient()
     experiment = client.get_experiment_by_name(BASE_EXPERIMENT)
+    for name in OLD_BASE_EXPERIMENTS if experiment is None else ():
+        old = client.get_experiment_by_name(name)
+        if old is not None and old.lifecycle_stage == "active":
+            # a store from before the rename: its bases stay where the versions point (runs:/<run id>/...)
+            client.rename_experiment(old.experiment_id, BASE_EXPERIMENT)
+            experiment = client.get_experiment(old.experiment_id)
+            break
     if experiment is None:
         from mlflow.exceptions import MlflowException
 
@@ -519,6 +532,8 @@ def log_base_model(base_dir: str | Path, sha256: str | None = None) -> str:
             experiment_id = client.get_experiment_by_name(BASE_EXPERIMENT).experiment_id
     else:
         experiment_id = experiment.experiment_id
+    if experiment is None or experiment.tags.get("mlflow.note.content") != BASE_EXPERIMENT_NOTE:
+        client.set_experiment_tag(experiment_id, "mlflow.note.content", BASE_EXPERIMENT_NOTE)  # the UI's description
     found = client.search_runs([experiment_id], filter_string=(
         f"tags.`{BASE_SHA_TAG}` = '{sha256}' AND tags.`{BASE_COMPLETE_TAG}` = '1'"), max_results=1)
     if found:

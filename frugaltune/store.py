@@ -16,7 +16,9 @@ Backups are made with sqlite's online backup API (a plain file copy of a databas
 `mlflow-backups/` beside the store, as `<store name>-<UTC time>.db`; the newest KEEP are kept, and one identical to
 the newest is not kept twice. Only a `sqlite:///` tracking URI is guarded: a tracking server (`http://…`) keeps and
 backs up its own database, and any other store (a `file:` directory, Databricks) is left alone: no check, no
-backup, no lock.
+backup, no lock. A server is only asked whether it answers (`check_server`, also run by `check`): once, with a
+short timeout, so that a server that is down stops the command at once with one line instead of MLflow's minutes of
+retries.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import os
 import sqlite3
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from contextlib import closing, contextmanager
 from dataclasses import dataclass
@@ -44,6 +48,12 @@ LOCK_TIMEOUT_ENV = "FRUGALTUNE_STORE_LOCK_TIMEOUT"
 LOCK_TIMEOUT_S = 900.0
 BUSY_TIMEOUT_S = 30.0  # sqlite's own wait for another connection's commit, when reading or backing up
 SIDE_FILES = ("-journal", "-wal", "-shm")  # sqlite replays a leftover journal into whatever file has the db's name
+SERVER_CHECK_TIMEOUT_S = 3.0  # a tracking server on the same machine or network answers /health in milliseconds
+# MLflow's client retries a failed request 7 times with backoff factor 2 (about 4 minutes) before it gives up: a
+# server that dies after the check would hang a stage or `frugaltune predict` that long. These defaults give up in
+# seconds; a value the user set wins. The per-request timeout (MLFLOW_HTTP_REQUEST_TIMEOUT, 120 s) is left alone:
+# uploading the base model's weights (hundreds of MB) to a server is a single request.
+HTTP_RETRY_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1"}
 
 
 class StoreError(RuntimeError):
@@ -56,6 +66,10 @@ class StoreDamaged(StoreError):
 
 class StoreBusy(StoreError):
     """Another process held the store's write lock for longer than the timeout."""
+
+
+class StoreUnreachable(StoreError):
+    """The tracking server the URI names does not answer."""
 
 
 @dataclass(frozen=True)
@@ -164,11 +178,37 @@ def _damage_message(db: Path, problem: str) -> str:
             f"`{restore_command(db)}` ({kept}).")
 
 
+def check_server(uri: str, timeout: float = SERVER_CHECK_TIMEOUT_S) -> None:
+    """For a tracking server (`http(s)://`): one GET of `<uri>/health`, no retries, `timeout` seconds; raise
+    StoreUnreachable naming the URI, the error and the fix when nothing answers. Any HTTP answer (even 401 or 404
+    from a proxy in front) means a server is there. Once it answered, MLflow's own retries are shortened for this
+    process and its children (HTTP_RETRY_DEFAULTS). Nothing for any other URI."""
+    if not uri.startswith(("http://", "https://")):
+        return
+    try:
+        with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout):
+            pass
+    except urllib.error.HTTPError:
+        pass  # an answer: the server is up, whatever it thinks of /health
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", None) or exc
+        if isinstance(reason, TimeoutError) or "timed out" in str(reason):
+            reason = f"nothing within {timeout:g} s"
+        raise StoreUnreachable(
+            f"the MLflow tracking server {uri} (MLFLOW_TRACKING_URI) does not answer: {reason}. Start it "
+            "(`make mlflow-server` serves http://127.0.0.1:5000), or `unset MLFLOW_TRACKING_URI` to use the "
+            "project's mlflow.db.") from None
+    for name, value in HTTP_RETRY_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+
+
 def check(uri: str) -> None:
     """Raise StoreDamaged, with a one-line message naming the file, the problem, the newest good backup and the
     restore command, when the sqlite store of `uri` fails sqlite's quick_check or is missing while backups of it
     exist (a new, empty store would silently take its place). Nothing for a missing store without backups (a fresh
-    project) or for any store that is not a local sqlite file."""
+    project). A tracking server: StoreUnreachable when it does not answer (`check_server`). Nothing for any other
+    store."""
+    check_server(uri)
     db = sqlite_path(uri)
     if db is None:
         return

@@ -150,8 +150,8 @@ class StepTimer:
     def window(self) -> dict[str, float]:
         """Mean milliseconds per step of each phase since the last call, then start a new window.
 
-        For the training loop's periodic log: `mlflow.log_metrics(timer.window(), step=step)`. Empty when no step
-        ended since the last call.
+        For the training loop's periodic log (the train recipe sends it to MLflow as `step/step_time_ms`, ...,
+        beside the step's loss: recipes.train.step_metrics). Empty when no step ended since the last call.
         """
         steps = self._window_steps
         if not steps:

@@ -18,7 +18,7 @@ if __name__ == "__main__":
 import sys
 
 from frugaltune.faults import stage_errors
-from frugaltune import paths
+from frugaltune import paths, store
 from frugaltune.recipes import evaluate, train
 from frugaltune.config import ParamsError, load_params
 from frugaltune.training.methods import METHODS
@@ -44,7 +44,7 @@ def main() -> None:
             sys.exit(f"usage: python -m stages.compare <method>   (methods: {', '.join(METHODS)})")
         try:
             run(load_params(), sys.argv[1])  # on train.allocator's malloc already: see the first lines
-        except (ParamsError, ValueError, FileNotFoundError) as exc:
+        except (ParamsError, ValueError, FileNotFoundError, store.StoreError) as exc:  # a server that is down too
             sys.exit(f"compare: {exc}")
 
 

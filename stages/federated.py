@@ -42,13 +42,14 @@ if __name__ == "__main__":
     _allocator.reexec_early()
 
 import json
+import sys
 import time
 from pathlib import Path
 
 import mlflow
 from datasets import load_from_disk
 
-from frugaltune import models, paths, tracking
+from frugaltune import models, paths, store, tracking
 from frugaltune.config import Params, load_params
 from frugaltune.faults import stage_errors
 from frugaltune.federated import budget, centralized, federation, keys, plans, plots, results, rounds, rows
@@ -196,7 +197,10 @@ def write_outputs(report: dict, round_rows: list[dict], label_rows: list[dict], 
 
 def main() -> None:
     with stage_errors("federated"):  # a full disk: one clear line; progress bars only on a terminal
-        run(load_params())
+        try:
+            run(load_params())
+        except store.StoreError as exc:  # a damaged store, a tracking server that is down: one line
+            sys.exit(f"federated: {exc}")
 
 
 if __name__ == "__main__":

@@ -45,7 +45,11 @@ def main() -> None:
         try:
             run(load_params())
         except ParamsError as exc:
-            sys.exit(f"probe: {exc}")
+            # probe is `always_changed`, the first stage of every `dvc repro`, and every stage validates the whole
+            # file: a bad `train.lr` stops it first. Say that the key is at fault, not the probe (DVC still names
+            # probe as the stage that failed).
+            sys.exit(f"{exc} Nothing ran: every stage checks all of params.yaml and probe, the first stage of every "
+                     "`dvc repro`, found this. Fix the key and rerun.")
 
 
 if __name__ == "__main__":

@@ -33,6 +33,22 @@ RUN_CONFIG_KEYS = ("trainable_params", "total_params", "trainable_percent", "bf1
                    "micro_batch_size", "gradient_checkpointing", "ranks")
 # reports/metrics/train.json: the columns `dvc exp show` compares across experiments
 TRAIN_METRICS = ("final_loss", "tokens_per_s", "wall_seconds", "peak_rss_mb", "steps")
+# The per-step series (loss, lr, tokens/s of the last window, phase times) go to MLflow under this prefix: under the
+# report's names they would shadow the run's summary, as MLflow's runs table shows a metric's value at its highest
+# step (the last window's tokens/s, not the run's).
+STEP_METRIC_PREFIX = "step/"
+
+
+def step_metrics(record: dict) -> dict[str, float]:
+    """One logged step of the loop as MLflow metrics: `step/loss`, `step/tokens_per_s`, ..."""
+    return {f"{STEP_METRIC_PREFIX}{k}": v for k, v in record.items() if k not in ("step", "elapsed_s")}
+
+
+def summary_metrics(metrics: dict) -> dict[str, float]:
+    """The run's summary as MLflow metrics, under reports/train.json's names (`tokens_per_s`: useful tokens over the
+    whole run's wall time, `wall_seconds`, `peak_rss_mb`, `final_loss`, ...): the numbers, less the run's setup."""
+    return {k: v for k, v in metrics.items()
+            if isinstance(v, int | float) and not isinstance(v, bool) and k not in RUN_CONFIG_KEYS}
 
 
 def flatten(prefix: str, value) -> dict:
@@ -141,8 +157,7 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN, use_plan: bo
         with sampler:
             result = untrained() if tp.method == "none" else train_classifier(
                 model, rows, train_set["labels"], cfg, tokenizer.pad_token_id,
-                on_log=lambda rec: mlflow.log_metrics(
-                    {k: v for k, v in rec.items() if k not in ("step", "elapsed_s")}, step=rec["step"]),
+                on_log=lambda rec: mlflow.log_metrics(step_metrics(rec), step=rec["step"]),
                 on_event=lambda message: mlflow.set_tag(f"event.{len(events)}", message) or events.append(message),
                 timer=timer, world=world,
             )
@@ -191,8 +206,7 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN, use_plan: bo
         # opens on the loss curve rather than on a single-point chart per configuration value.
         mlflow.log_params({f"run.{k}": metrics[k] for k in RUN_CONFIG_KEYS if k in metrics}
                           | {f"plan.{k}": v for k, v in metrics["plan"].items()})
-        mlflow.log_metrics({k: v for k, v in metrics.items() if isinstance(v, int | float) and not isinstance(v, bool)
-                            and k not in RUN_CONFIG_KEYS})
+        mlflow.log_metrics(summary_metrics(metrics))  # once, at the end: what the runs table shows
         if out.train_metrics is not None:
             write_metrics(out.train_metrics, {k: metrics[k] for k in TRAIN_METRICS if k in metrics})
         write_text(out.loss_csv, loss_curve_csv(result.history))

@@ -98,6 +98,8 @@ def champion(client, name: str = MODEL_NAME) -> str:
 def test_pipeline_registry_and_champion_on_the_server_and_the_model_loads_through_it(server, repo, tmp_path):
     from mlflow import MlflowClient
 
+    from frugaltune.serving import BASE_EXPERIMENT
+
     on_server = {"MLFLOW_TRACKING_URI": server.url}
     first = tiny_project.run([*DVC, "repro"], repo, **on_server)
     assert {"train", "evaluate", "register"} <= set(ran_stages(first)), first
@@ -109,7 +111,7 @@ def test_pipeline_registry_and_champion_on_the_server_and_the_model_loads_throug
     run_id = json.loads((repo / "reports/train.json").read_text())["mlflow_run_id"]
     assert client.get_run(run_id).data.metrics["eval.finetuned.macro_f1"] >= 0  # register logged into that run
     # the task's own experiment (named after its model) and the base models': artifacts proxied, no path on a disk
-    for experiment in (MODEL_NAME, "frugaltune-base-models"):
+    for experiment in (MODEL_NAME, BASE_EXPERIMENT):
         assert client.get_experiment_by_name(experiment).artifact_location.startswith("mlflow-artifacts:")
     stored = list((server.home / "mlflow-server" / "artifacts").rglob("model.safetensors"))
     assert stored, "the base model is not in the server's artifact store"

@@ -122,6 +122,44 @@ def test_a_failing_stage_fails_the_flow_run_with_the_stages_own_message(prefect_
     assert ingest.state.is_failed() and ingest.run_count == 1  # no retries for a stage that fails for good
 
 
+def test_a_tracking_server_that_is_down_fails_the_flow_before_any_stage(prefect_server, in_project, tmp_path,
+                                                                         monkeypatch):
+    """Issue 94: the flow checks MLFLOW_TRACKING_URI's server first, not the train stage minutes later."""
+    import socket
+
+    from flows.pipeline import finetune
+
+    project = dvc_project(tmp_path / "p", {"first": {"cmd": "python -c \"open('ran', 'w')\"", "outs": ["ran"]}}, {})
+    in_project(project)
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        uri = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+
+    began = time.monotonic()
+    state = finetune(return_state=True)
+
+    assert state.is_failed() and time.monotonic() - began < 30, state.message
+    assert f"the MLflow tracking server {uri} (MLFLOW_TRACKING_URI) does not answer" in state.message, state.message
+    assert "make mlflow-server" in state.message and not (project / "ran").exists()
+
+
+def test_make_ui_with_a_tracking_server_that_is_down_says_so_and_starts_nothing(monkeypatch, capsys):
+    import socket
+
+    from flows import ui
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        uri = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setattr(ui, "start", lambda *args: pytest.fail("a server was started"))
+    assert ui.main([]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"ui: the MLflow tracking server {uri} (MLFLOW_TRACKING_URI) does not answer"), err
+    assert "unset MLFLOW_TRACKING_URI" in err and err.count("\n") == 1
+
+
 def test_register_is_retried_and_the_retry_leaves_exactly_one_model_version(prefect_server, in_project, tmp_path):
     from mlflow import MlflowClient
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from frugaltune import cli, tracking
+from frugaltune import cli, serving, tracking
 from frugaltune import paths
 from frugaltune import registry
 from stages import register as register_stage
@@ -264,7 +264,7 @@ def test_the_base_model_is_stored_once_whatever_the_number_of_versions(project: 
     assert [r["version"] for r in reports] == [1, 2, 3]
     assert before == weight_copies() == 1  # the fixture's version stored it; three more versions added no copy
     base_runs = MlflowClient().search_runs(
-        [MlflowClient().get_experiment_by_name("frugaltune-base-models").experiment_id])
+        [MlflowClient().get_experiment_by_name(serving.BASE_EXPERIMENT).experiment_id])
     assert len(base_runs) == 1 and base_runs[0].data.tags["frugaltune.base_complete"] == "1"
 
 

@@ -7,10 +7,14 @@ holds the lock.
 
 from __future__ import annotations
 
+import http.server
+import os
 import shutil
+import socket
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from contextlib import closing
 from pathlib import Path
@@ -62,8 +66,64 @@ def test_only_a_local_sqlite_uri_is_guarded(tmp_path: Path, monkeypatch: pytest.
         assert store.sqlite_path(other) is None, other
     monkeypatch.chdir(tmp_path)
     with store.guarded_write("http://127.0.0.1:5000"):
-        store.check("http://127.0.0.1:5000")
+        store.check("file:///tmp/mlruns")
     assert list(tmp_path.iterdir()) == []  # no lock, no backup
+
+
+def free_port() -> int:
+    """A port nothing listens on (bound, then released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_a_server_that_is_down_is_named_with_the_fix_in_a_second(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", raising=False)
+    uri = f"http://127.0.0.1:{free_port()}"
+    began = time.monotonic()
+    with pytest.raises(store.StoreUnreachable) as refused:
+        store.check(uri)
+    message = str(refused.value)
+    assert time.monotonic() - began < 2 and "\n" not in message
+    assert uri in message and "refused" in message.lower(), message
+    assert "make mlflow-server" in message and "unset MLFLOW_TRACKING_URI" in message, message
+    assert "MLFLOW_HTTP_REQUEST_MAX_RETRIES" not in os.environ  # nothing to retry against
+
+
+def test_a_server_that_accepts_but_never_answers_times_out_once() -> None:
+    with socket.socket() as listening:  # the kernel accepts connections; nobody reads or answers
+        listening.bind(("127.0.0.1", 0))
+        listening.listen(4)
+        uri = f"http://127.0.0.1:{listening.getsockname()[1]}/"
+        began = time.monotonic()
+        with pytest.raises(store.StoreUnreachable, match="does not answer: nothing within 0.5 s"):
+            store.check_server(uri, timeout=0.5)
+        assert time.monotonic() - began < 3  # one try, no retries
+
+
+def test_a_server_that_answers_passes_and_shortens_mlflows_retries(monkeypatch: pytest.MonkeyPatch) -> None:
+    asked = []
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            asked.append(self.path)
+            self.send_error(404)  # any answer means a server is there (a proxy may not know /health)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    for name in store.HTTP_RETRY_DEFAULTS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "5")  # the user's own value wins
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        try:
+            store.check(f"http://127.0.0.1:{server.server_address[1]}/prefix/")
+        finally:
+            server.shutdown()
+    assert asked == ["/prefix/health"]
+    assert os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == store.HTTP_RETRY_DEFAULTS["MLFLOW_HTTP_REQUEST_MAX_RETRIES"]
+    assert os.environ["MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR"] == "5"
 
 
 def test_a_backup_holds_the_store_and_only_the_newest_are_kept(db: Path) -> None:
