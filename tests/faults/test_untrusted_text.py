@@ -80,3 +80,43 @@ def test_html_in_the_data_is_text_in_the_data_docs(tmp_path):
     for text in (XSS, SCRIPT.split(" and")[0], declared):
         assert text in results, f"{text!r} is not shown as text in the data docs"
     assert "&lt;" not in "".join(shown.values()), "escaped twice: the page shows `&lt;` instead of `<`"
+
+
+def _dvc_confusion_data(csv: str) -> list[dict]:
+    """The rows of a confusion CSV as `dvc plots show` embeds them in its page, through DVC's own CSV reader and its
+    `confusion` template (dvc-render)."""
+    import json
+
+    from dvc.repo.plots import _load_sv  # what `dvc plots` reads a .csv plot file with
+    from dvc_render import VegaRenderer
+
+    datapoints = _load_sv(csv)
+    spec = json.loads(VegaRenderer(datapoints, "confusion.csv", template="confusion", x="actual",
+                                   y="predicted").partial_html())
+    return spec["data"]["values"]
+
+
+@fault("security", "a label that is a spreadsheet formula (`=cmd|' /C calc'!A0`, `+`, `-`, `@`, tab, CR) in a CSV the "
+       "project writes (evaluate's and compare's confusion CSVs, the federated label counts)",
+       "the cell starts with `'` (OWASP): a spreadsheet shows it as text and runs nothing; numbers, `-1` as a label "
+       "included, stay numbers", "the CSV, still a plot: `dvc plots show` draws the confusion matrix with the labels")
+def test_csv_cells_that_start_a_formula_are_neutralised():
+    import csv
+    import io
+
+    from frugaltune.io import csv_text
+    from frugaltune.recipes.evaluate import confusion_csv
+
+    labels = [FORMULA, "+1+1", "@SUM(A1)", "\tleading tab", "\rleading CR", "-1", "neutral", "-2+3"]
+    text = confusion_csv(labels, list(reversed(labels)))
+    read = list(csv.DictReader(io.StringIO(text)))
+    assert [row["actual"] for row in read] == ["'" + FORMULA, "'+1+1", "'@SUM(A1)", "'\tleading tab",
+                                               "'\nleading CR", "-1", "neutral", "'-2+3"]  # a bare CR ends a row
+    assert [row["predicted"] for row in read] == [row["actual"] for row in reversed(read)]
+    assert all(not cell.startswith(("=", "+", "@", "\t", "\r")) for row in read for cell in row.values())
+    shown = _dvc_confusion_data(text)
+    assert {row["actual"] for row in shown} == {row["actual"] for row in read}  # every label drawn, readable
+    # the federated stage's per-client label counts: a label is a cell, a count stays a number
+    counts = list(csv.reader(io.StringIO(csv_text([{"client": 0, "label": FORMULA, "count": -3}],
+                                                  ["client", "label", "count"]))))
+    assert counts == [["client", "label", "count"], ["0", "'" + FORMULA, "-3"]]
