@@ -12,6 +12,7 @@ A misspelled key fails with its path and a suggestion (`train.lora.rnk: unknown 
 from __future__ import annotations
 
 import difflib
+import re
 import sys
 from pathlib import Path
 from typing import Any, Literal
@@ -43,6 +44,65 @@ def derived_model_name(data_source: str, task_type: str) -> str:
     name = BUILTIN_DATA_NAMES.get(data_source) or Path(data_source.rstrip("/\\")).stem
     slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "data"
     return f"frugaltune-{slug}" + ("-sft" if task_type == "causal_lm" else "")
+
+
+# A name that becomes an MLflow experiment or registered-model name, part of a `models:/<name>@<alias>` URI, or a
+# file name: MLflow refuses `/` and `:` in a model name only after the experiment is created, and `..` or a space
+# would make a path or a URI of it.
+NAME_RULE = r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}"
+ALIAS_RULE = r"[A-Za-z0-9][A-Za-z0-9_-]{0,99}"  # MLflow's alias alphabet (no `.`); `latest` and `v<n>` are its own
+MAX_LABEL_CHARS = 100
+
+
+def _fitting(value: str, allowed: str) -> str:
+    """`value` with every run of characters outside `allowed` turned into one `-`: a name the rule accepts."""
+    return re.sub(r"\.{2,}", ".", re.sub(rf"[^{allowed}]+", "-", value)).strip("-._") or "frugaltune-model"
+
+
+def check_name(value: str) -> str:
+    """`value` when it fits NAME_RULE; else ValueError stating the rule and a name that fits."""
+    if re.fullmatch(NAME_RULE, value) and ".." not in value:
+        return value
+    raise ValueError(f"a name here (an MLflow experiment or model, a file name) is 1-100 letters, digits, `.`, `_` "
+                     f"or `-`, starting with a letter or digit, without `..`: write e.g. "
+                     f"`{_fitting(value, 'A-Za-z0-9._')[:100]}`")
+
+
+def check_alias(value: str) -> str:
+    """`value` when MLflow can move it as an alias; else ValueError stating the rule."""
+    if re.fullmatch(ALIAS_RULE, value) and value.lower() != "latest" and not re.fullmatch(r"[vV]\d+", value):
+        return value
+    raise ValueError("an alias is 1-100 letters, digits, `_` or `-`, starting with a letter or digit, and not "
+                     "`latest` or `v<number>` (MLflow keeps those for itself): write e.g. `champion`")
+
+
+def label_problem(labels: list[str]) -> tuple[str, str] | None:
+    """(label, a sentence naming it, what is wrong and the rule) for the first label of `labels` that cannot name a
+    class, or None.
+
+    A label becomes a model's id2label, a cell of the CSVs, and part of MLflow metric and tag keys
+    (`finetuned.per_class.<label>.f1`, `tracking.key_part`): at most MAX_LABEL_CHARS characters, no control
+    characters, and no two labels whose keys are the same once MLflow's alphabet is applied (`a=b`, `a_b`).
+    """
+    import unicodedata
+
+    from frugaltune.tracking import key_part
+
+    keys: dict[str, str] = {}
+    for label in labels:
+        shown = f"label {label[:60]!r}" + ("..." if len(label) > 60 else "")
+        if not label.strip():
+            return label, f"{shown} is blank; a class needs a name"
+        if len(label) > MAX_LABEL_CHARS:
+            return label, f"{shown} is {len(label)} characters long; a class name has at most {MAX_LABEL_CHARS}"
+        control = next((c for c in label if unicodedata.category(c) == "Cc"), None)
+        if control is not None:
+            return label, f"{shown} holds the control character U+{ord(control):04X}; a class name is printable text"
+        other = keys.setdefault(key_part(label), label)
+        if other != label:
+            return label, (f"{shown} and `{other}` are the same MLflow key `{key_part(label)}` (keys keep letters, "
+                           f"digits, `_`, `-`, `.` and spaces; the rest becomes `_`), so their figures would mix")
+    return None
 
 
 class CommonParams(Section):
@@ -95,6 +155,14 @@ class DataParams(Section):
         None, gt=0, description="Cap on rows after reading, drawn stratified by label with `common.seed`. Null: all."
     )
     split: SplitParams = Field(default_factory=SplitParams, description="Split shares when one file is given.")
+
+    @field_validator("labels")
+    @classmethod
+    def _labels_name_classes(cls, labels: list[str] | None) -> list[str] | None:
+        problem = label_problem(labels) if labels else None
+        if problem:
+            raise ValueError(f"{problem[1]}. Rename it in data.labels and in the data")
+        return labels
 
 
 class TaskParams(Section):
@@ -342,6 +410,11 @@ class TrainParams(Section):
         default_factory=DistributedParams, description="Data-parallel training over several processes (torchrun)."
     )
 
+    @field_validator("experiment")
+    @classmethod
+    def _experiment_is_a_name(cls, experiment: str | None) -> str | None:
+        return experiment if experiment is None else check_name(experiment)
+
     @field_validator("input_template")
     @classmethod
     def _template_has_text(cls, template: str | None) -> str | None:
@@ -385,6 +458,16 @@ class RegisterParams(Section):
     higher_is_better: bool = Field(
         True, description="Direction of `metric`: true for accuracy/F1, false for a loss. Ties never move the alias."
     )
+
+    @field_validator("model_name")
+    @classmethod
+    def _model_name_is_a_name(cls, name: str) -> str:
+        return check_name(name)
+
+    @field_validator("alias")
+    @classmethod
+    def _alias_is_an_alias(cls, alias: str) -> str:
+        return check_alias(alias)
 
 
 # ----- the scheduling pipeline (scheduling/dvc.yaml; docs/SCHEDULING.md), read from scheduling/params.yaml ------

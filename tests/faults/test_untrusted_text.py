@@ -96,7 +96,7 @@ def _dvc_confusion_data(csv: str) -> list[dict]:
     return spec["data"]["values"]
 
 
-@fault("security", "a label that is a spreadsheet formula (`=cmd|' /C calc'!A0`, `+`, `-`, `@`, tab, CR) in a CSV the "
+@fault("security", "a label that is a spreadsheet formula (`=cmd\\|' /C calc'!A0`, `+`, `-`, `@`, tab, CR) in a CSV the "
        "project writes (evaluate's and compare's confusion CSVs, the federated label counts)",
        "the cell starts with `'` (OWASP): a spreadsheet shows it as text and runs nothing; numbers, `-1` as a label "
        "included, stay numbers", "the CSV, still a plot: `dvc plots show` draws the confusion matrix with the labels")
@@ -120,3 +120,101 @@ def test_csv_cells_that_start_a_formula_are_neutralised():
     counts = list(csv.reader(io.StringIO(csv_text([{"client": 0, "label": FORMULA, "count": -3}],
                                                   ["client", "label", "count"]))))
     assert counts == [["client", "label", "count"], ["0", "'" + FORMULA, "-3"]]
+
+
+@fault("params", "a name that is a path, or holds characters a name may not (`register.model_name: ../../evil`, "
+       "`train.experiment: team/a`, `register.alias: v2`)",
+       "clear error in one line before any compute (the config check and every stage): the key, the value, the rule "
+       "and a name that fits", "nothing run: no MLflow experiment or model is created")
+def test_names_used_as_identifiers_are_refused_before_any_compute(tmp_path, capsys):
+    import yaml
+
+    from frugaltune.config import ParamsError, load_params, main
+    from tests.faults.helpers import ROOT, base_params
+
+    for section, key, value, fits in (("register", "model_name", "../../evil", "evil"),
+                                      ("register", "model_name", "my model", "my-model"),
+                                      ("train", "experiment", "team/a", "team-a"),
+                                      ("register", "alias", "v2", None), ("register", "alias", "best model", None)):
+        raw = base_params()
+        raw[section][key] = value
+        path = tmp_path / "params.yaml"
+        path.write_text(yaml.safe_dump(raw))
+        with pytest.raises(ParamsError) as error:
+            load_params(path)
+        message = str(error.value)
+        assert len(message.splitlines()) == 1 and f"{section}.{key}" in message and repr(value) in message, message
+        assert "letters, digits" in message, message  # the rule
+        if fits:
+            assert f"`{fits}`" in message, message  # the fix
+        with pytest.raises(SystemExit) as check:  # `python -m frugaltune.config`, the check users run
+            main([str(path)])
+        assert str(check.value) == message
+    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "mlruns").exists()
+    for params in (ROOT / "params.yaml", ROOT / "scheduling" / "params.yaml"):  # the shipped names fit the rule
+        load_params(params)
+
+
+@fault("data", "labels that cannot name a class: 300 characters, a control character, or two labels MLflow keys "
+       "cannot tell apart (`a=b` and `a_b`), from the data or in `data.labels`",
+       "clear error in one line naming the label, the file and row (or `data.labels`), the rule and the fix",
+       "no split written")
+def test_labels_that_cannot_name_a_class_are_refused(tmp_path, monkeypatch):
+    import yaml
+
+    from frugaltune import paths
+    from frugaltune.config import ParamsError, parse_params
+    from frugaltune.data import DataSourceError
+    from stages import ingest
+    from tests.faults.helpers import base_params, csv_text, params_for, rows
+
+    monkeypatch.chdir(tmp_path)
+    long = "x" * 300
+    for bad, why in ((long, "300 characters"), ("neg\x07ative", "U+0007"), ("a_b", "`a=b`")):
+        data = rows() + [(f"a tweet {i} about the weather", label) for i, label in enumerate(["a=b", bad] * 5)]
+        source = tmp_path / "labels.csv"
+        source.write_text(csv_text(data))
+        with pytest.raises(DataSourceError) as error:
+            ingest.run(parse_params(params_for(source)))
+        message = str(error.value)
+        row = next(i for i, (_, label) in enumerate(data) if label == bad) + 1
+        assert len(message.splitlines()) == 1 and str(source) in message and f"row {row}" in message, message
+        assert repr(bad[:60]).rstrip("'") in message and why in message and "data.label_column" in message, message
+        assert not paths.SPLITS_DIR.exists()
+    raw = base_params()
+    raw["data"]["labels"] = ["positive", "a=b", "a_b"]
+    with pytest.raises(ParamsError, match=r"`data.labels` .*'a_b'.*`a=b`") as error:
+        parse_params(yaml.safe_load(yaml.safe_dump(raw)))
+    assert len(str(error.value).splitlines()) == 1
+
+
+@fault("data", "labels holding characters MLflow keys refuse (`Sci/Tech`, `x/../y`, `a//b`, `a=b`, spaces)",
+       "register logs every per-class figure under a key MLflow accepts (`finetuned.per_class.x_.._y.f1`)",
+       "the version and its metrics, as for any label")
+def test_any_label_gives_mlflow_keys_register_can_log(tmp_path, monkeypatch):
+    from mlflow import MlflowClient
+
+    from frugaltune import registry, tracking
+
+    labels = ["very positive", "a=b", "Sci/Tech", "x/../y", "a//b", FORMULA]
+    evaluation = {"finetuned": {"macro_f1": 0.5, "per_class": {label: {"f1": 0.1 * i, "support": i}
+                                                               for i, label in enumerate(labels)}}}
+    tags = registry.metric_tags(evaluation)
+    assert len(tags) == 1 + 2 * len(labels)  # no two labels share a key
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_ID", raising=False)
+    try:
+        experiment_id = tracking.setup("labels")
+        client = MlflowClient()
+        run_id = client.create_run(experiment_id).info.run_id
+        registry.log_eval_metrics(client, run_id, tags)  # register's two writes of these keys: metrics and tags
+        for key, value in tags.items():
+            client.set_tag(run_id, key, value)
+        logged = client.get_run(run_id).data
+    finally:
+        import mlflow
+
+        mlflow.set_tracking_uri(None)
+    assert logged.metrics["eval.finetuned.per_class.x_.._y.f1"] == pytest.approx(0.3)
+    assert set(logged.tags) >= set(tags)
