@@ -80,9 +80,10 @@ def label_problem(labels: list[str]) -> tuple[str, str] | None:
     """(label, a sentence naming it, what is wrong and the rule) for the first label of `labels` that cannot name a
     class, or None.
 
-    A label becomes a model's id2label, a cell of the CSVs, and part of MLflow metric and tag keys
-    (`finetuned.per_class.<label>.f1`, `tracking.key_part`): at most MAX_LABEL_CHARS characters, no control
-    characters, and no two labels whose keys are the same once MLflow's alphabet is applied (`a=b`, `a_b`).
+    A label becomes a model's id2label, a cell of the CSVs, part of MLflow metric and tag keys
+    (`finetuned.per_class.<label>.f1`, `tracking.key_part`) and data inside the <script> of `dvc plots show`'s page:
+    at most MAX_LABEL_CHARS characters, no control characters, no `</` or `<!--`, and no two labels whose keys are
+    the same once MLflow's alphabet is applied (`a=b`, `a_b`).
     """
     import unicodedata
 
@@ -98,6 +99,9 @@ def label_problem(labels: list[str]) -> tuple[str, str] | None:
         control = next((c for c in label if unicodedata.category(c) == "Cc"), None)
         if control is not None:
             return label, f"{shown} holds the control character U+{ord(control):04X}; a class name is printable text"
+        if "</" in label or "<!--" in label:  # dvc-render puts plot data in a <script> as json.dumps writes it
+            return label, (f"{shown} holds `</` or `<!--`, which would end the <script> that `dvc plots show` puts "
+                           f"the confusion matrix in (a label `</script><img onerror=...>` runs there)")
         other = keys.setdefault(key_part(label), label)
         if other != label:
             return label, (f"{shown} and `{other}` are the same MLflow key `{key_part(label)}` (keys keep letters, "

@@ -155,8 +155,9 @@ def test_names_used_as_identifiers_are_refused_before_any_compute(tmp_path, caps
         load_params(params)
 
 
-@fault("data", "labels that cannot name a class: 300 characters, a control character, or two labels MLflow keys "
-       "cannot tell apart (`a=b` and `a_b`), from the data or in `data.labels`",
+@fault("data", "labels that cannot name a class: 300 characters, a control character, two labels MLflow keys "
+       "cannot tell apart (`a=b` and `a_b`), or `</script>…` (which would run in `dvc plots show`'s page), from the "
+       "data or in `data.labels`",
        "clear error in one line naming the label, the file and row (or `data.labels`), the rule and the fix",
        "no split written")
 def test_labels_that_cannot_name_a_class_are_refused(tmp_path, monkeypatch):
@@ -170,7 +171,8 @@ def test_labels_that_cannot_name_a_class_are_refused(tmp_path, monkeypatch):
 
     monkeypatch.chdir(tmp_path)
     long = "x" * 300
-    for bad, why in ((long, "300 characters"), ("neg\x07ative", "U+0007"), ("a_b", "`a=b`")):
+    for bad, why in ((long, "300 characters"), ("neg\x07ative", "U+0007"), ("a_b", "`a=b`"),
+                     ("</script><img src=x onerror=alert(1)>", "dvc plots show")):
         data = rows() + [(f"a tweet {i} about the weather", label) for i, label in enumerate(["a=b", bad] * 5)]
         source = tmp_path / "labels.csv"
         source.write_text(csv_text(data))
