@@ -42,7 +42,7 @@ def derived_model_name(data_source: str, task_type: str) -> str:
     import re
 
     name = BUILTIN_DATA_NAMES.get(data_source) or Path(data_source.rstrip("/\\")).stem
-    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "data"
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower())[:80].strip("-") or "data"  # the name fits NAME_RULE
     return f"frugaltune-{slug}" + ("-sft" if task_type == "causal_lm" else "")
 
 

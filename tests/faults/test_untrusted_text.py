@@ -153,6 +153,11 @@ def test_names_used_as_identifiers_are_refused_before_any_compute(tmp_path, caps
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "mlruns").exists()
     for params in (ROOT / "params.yaml", ROOT / "scheduling" / "params.yaml"):  # the shipped names fit the rule
         load_params(params)
+    raw = base_params()  # `auto` derives a name from data.source that fits the rule, however long the file's name
+    raw["data"]["source"] = "data/" + "very long export name " * 10 + ".csv"
+    raw["register"]["model_name"], raw["train"]["experiment"] = "auto", None
+    path.write_text(yaml.safe_dump(raw))
+    assert len(load_params(path).register_.model_name) <= 100
 
 
 @fault("data", "labels that cannot name a class: 300 characters, a control character, two labels MLflow keys "
