@@ -153,7 +153,8 @@ class DataParams(Section):
     labels: list[str] | None = Field(
         None,
         description="The label set in its order (index = class id). Null: the sorted distinct labels of the "
-        "training data.",
+        "training data. A label has at most 100 characters, no control character, no `</`, and an MLflow key of its "
+        "own (`config.label_problem`).",
     )
     max_rows: int | None = Field(
         None, gt=0, description="Cap on rows after reading, drawn stratified by label with `common.seed`. Null: all."
@@ -405,8 +406,8 @@ class TrainParams(Section):
         "auto", description="`auto`: continue from the newest complete checkpoint of the same configuration."
     )
     experiment: str | None = Field(
-        None, description="MLflow experiment name; null = `register.model_name`: one experiment per task, so the "
-        "runs table compares runs measured on the same data.")
+        None, description="MLflow experiment name (the rule of `register.model_name`); null = `register.model_name`: "
+        "one experiment per task, so the runs table compares runs measured on the same data.")
     telemetry_interval_s: float = Field(
         1.0, gt=0, description="Seconds between telemetry samples (CPU, RAM, swap, IO, GPU) sent to MLflow and CSV."
     )
@@ -456,8 +457,10 @@ class RegisterParams(Section):
     model_name: str = Field(
         AUTO, description="Name in the MLflow model registry. `auto` = frugaltune-<the data's name>: the file's "
         "(or directory's) stem of data.source, `sentiment` for the built-in tweets, and `-sft` after it for "
-        "causal_lm, so that another task or data set never becomes a version of another's model.")
-    alias: str = Field("champion", description="Alias that moves to a new version only when it beats the holder.")
+        "causal_lm, so that another task or data set never becomes a version of another's model. A name is 1-100 "
+        "letters, digits, `.`, `_` or `-` (NAME_RULE), checked before any compute.")
+    alias: str = Field("champion", description="Alias that moves to a new version only when it beats the holder "
+                       "(letters, digits, `_`, `-`; not `latest` or `v<n>`).")
     metric: str = Field("macro_f1", description="Metric in reports/evaluate.json (`finetuned.<metric>`) that decides.")
     higher_is_better: bool = Field(
         True, description="Direction of `metric`: true for accuracy/F1, false for a loss. Ties never move the alias."
