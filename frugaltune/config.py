@@ -12,6 +12,7 @@ A misspelled key fails with its path and a suggestion (`train.lora.rnk: unknown 
 from __future__ import annotations
 
 import difflib
+import re
 import sys
 from pathlib import Path
 from typing import Any, Literal
@@ -41,8 +42,71 @@ def derived_model_name(data_source: str, task_type: str) -> str:
     import re
 
     name = BUILTIN_DATA_NAMES.get(data_source) or Path(data_source.rstrip("/\\")).stem
-    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "data"
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower())[:80].strip("-") or "data"  # the name fits NAME_RULE
     return f"frugaltune-{slug}" + ("-sft" if task_type == "causal_lm" else "")
+
+
+# A name that becomes an MLflow experiment or registered-model name, part of a `models:/<name>@<alias>` URI, or a
+# file name: MLflow refuses `/` and `:` in a model name only after the experiment is created, and `..` or a space
+# would make a path or a URI of it.
+NAME_RULE = r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}"
+ALIAS_RULE = r"[A-Za-z0-9][A-Za-z0-9_-]{0,99}"  # MLflow's alias alphabet (no `.`); `latest` and `v<n>` are its own
+MAX_LABEL_CHARS = 100
+
+
+def _fitting(value: str, allowed: str) -> str:
+    """`value` with every run of characters outside `allowed` turned into one `-`: a name the rule accepts."""
+    return re.sub(r"\.{2,}", ".", re.sub(rf"[^{allowed}]+", "-", value)).strip("-._") or "frugaltune-model"
+
+
+def check_name(value: str) -> str:
+    """`value` when it fits NAME_RULE; else ValueError stating the rule and a name that fits."""
+    if re.fullmatch(NAME_RULE, value) and ".." not in value:
+        return value
+    raise ValueError(f"a name here (an MLflow experiment or model, a file name) is 1-100 letters, digits, `.`, `_` "
+                     f"or `-`, starting with a letter or digit, without `..`: write e.g. "
+                     f"`{_fitting(value, 'A-Za-z0-9._')[:100]}`")
+
+
+def check_alias(value: str) -> str:
+    """`value` when MLflow can move it as an alias; else ValueError stating the rule."""
+    if re.fullmatch(ALIAS_RULE, value) and value.lower() != "latest" and not re.fullmatch(r"[vV]\d+", value):
+        return value
+    raise ValueError("an alias is 1-100 letters, digits, `_` or `-`, starting with a letter or digit, and not "
+                     "`latest` or `v<number>` (MLflow keeps those for itself): write e.g. `champion`")
+
+
+def label_problem(labels: list[str]) -> tuple[str, str] | None:
+    """(label, a sentence naming it, what is wrong and the rule) for the first label of `labels` that cannot name a
+    class, or None.
+
+    A label becomes a model's id2label, a cell of the CSVs, part of MLflow metric and tag keys
+    (`finetuned.per_class.<label>.f1`, `tracking.key_part`) and data inside the <script> of `dvc plots show`'s page:
+    at most MAX_LABEL_CHARS characters, no control characters, no `</` or `<!--`, and no two labels whose keys are
+    the same once MLflow's alphabet is applied (`a=b`, `a_b`).
+    """
+    import unicodedata
+
+    from frugaltune.tracking import key_part
+
+    keys: dict[str, str] = {}
+    for label in labels:
+        shown = f"label {label[:60]!r}" + ("..." if len(label) > 60 else "")
+        if not label.strip():
+            return label, f"{shown} is blank; a class needs a name"
+        if len(label) > MAX_LABEL_CHARS:
+            return label, f"{shown} is {len(label)} characters long; a class name has at most {MAX_LABEL_CHARS}"
+        control = next((c for c in label if unicodedata.category(c) == "Cc"), None)
+        if control is not None:
+            return label, f"{shown} holds the control character U+{ord(control):04X}; a class name is printable text"
+        if "</" in label or "<!--" in label:  # dvc-render puts plot data in a <script> as json.dumps writes it
+            return label, (f"{shown} holds `</` or `<!--`, which would end the <script> that `dvc plots show` puts "
+                           f"the confusion matrix in (a label `</script><img onerror=...>` runs there)")
+        other = keys.setdefault(key_part(label), label)
+        if other != label:
+            return label, (f"{shown} and `{other}` are the same MLflow key `{key_part(label)}` (keys keep letters, "
+                           f"digits, `_`, `-`, `.` and spaces; the rest becomes `_`), so their figures would mix")
+    return None
 
 
 class CommonParams(Section):
@@ -89,12 +153,21 @@ class DataParams(Section):
     labels: list[str] | None = Field(
         None,
         description="The label set in its order (index = class id). Null: the sorted distinct labels of the "
-        "training data.",
+        "training data. A label has at most 100 characters, no control character, no `</`, and an MLflow key of its "
+        "own (`config.label_problem`).",
     )
     max_rows: int | None = Field(
         None, gt=0, description="Cap on rows after reading, drawn stratified by label with `common.seed`. Null: all."
     )
     split: SplitParams = Field(default_factory=SplitParams, description="Split shares when one file is given.")
+
+    @field_validator("labels")
+    @classmethod
+    def _labels_name_classes(cls, labels: list[str] | None) -> list[str] | None:
+        problem = label_problem(labels) if labels else None
+        if problem:
+            raise ValueError(f"{problem[1]}. Rename it in data.labels and in the data")
+        return labels
 
 
 class TaskParams(Section):
@@ -333,14 +406,19 @@ class TrainParams(Section):
         "auto", description="`auto`: continue from the newest complete checkpoint of the same configuration."
     )
     experiment: str | None = Field(
-        None, description="MLflow experiment name; null = `register.model_name`: one experiment per task, so the "
-        "runs table compares runs measured on the same data.")
+        None, description="MLflow experiment name (the rule of `register.model_name`); null = `register.model_name`: "
+        "one experiment per task, so the runs table compares runs measured on the same data.")
     telemetry_interval_s: float = Field(
         1.0, gt=0, description="Seconds between telemetry samples (CPU, RAM, swap, IO, GPU) sent to MLflow and CSV."
     )
     distributed: DistributedParams = Field(
         default_factory=DistributedParams, description="Data-parallel training over several processes (torchrun)."
     )
+
+    @field_validator("experiment")
+    @classmethod
+    def _experiment_is_a_name(cls, experiment: str | None) -> str | None:
+        return experiment if experiment is None else check_name(experiment)
 
     @field_validator("input_template")
     @classmethod
@@ -379,12 +457,24 @@ class RegisterParams(Section):
     model_name: str = Field(
         AUTO, description="Name in the MLflow model registry. `auto` = frugaltune-<the data's name>: the file's "
         "(or directory's) stem of data.source, `sentiment` for the built-in tweets, and `-sft` after it for "
-        "causal_lm, so that another task or data set never becomes a version of another's model.")
-    alias: str = Field("champion", description="Alias that moves to a new version only when it beats the holder.")
+        "causal_lm, so that another task or data set never becomes a version of another's model. A name is 1-100 "
+        "letters, digits, `.`, `_` or `-` (NAME_RULE), checked before any compute.")
+    alias: str = Field("champion", description="Alias that moves to a new version only when it beats the holder "
+                       "(letters, digits, `_`, `-`; not `latest` or `v<n>`).")
     metric: str = Field("macro_f1", description="Metric in reports/evaluate.json (`finetuned.<metric>`) that decides.")
     higher_is_better: bool = Field(
         True, description="Direction of `metric`: true for accuracy/F1, false for a loss. Ties never move the alias."
     )
+
+    @field_validator("model_name")
+    @classmethod
+    def _model_name_is_a_name(cls, name: str) -> str:
+        return check_name(name)
+
+    @field_validator("alias")
+    @classmethod
+    def _alias_is_an_alias(cls, alias: str) -> str:
+        return check_alias(alias)
 
 
 # ----- the scheduling pipeline (scheduling/dvc.yaml; docs/SCHEDULING.md), read from scheduling/params.yaml ------

@@ -1,18 +1,22 @@
 """Atomic file writes: a crash never leaves a half-written artifact that looks valid.
 
-Library code, used by every stage: `write_json(path, obj)`, `write_text`, `atomic_dir(path)`, `save_figure`.
+Library code, used by every stage: `write_json(path, obj)`, `write_text`, `atomic_dir(path)`, `save_figure`, and
+`csv_text` (every CSV the project writes, its cells safe to open in a spreadsheet).
 A JSON report is rewritten only when its content changed (`write_json`), so a rerun that finds nothing new leaves
 the reports kept in git as they were.
 """
 
 from __future__ import annotations
 
+import csv
 import hashlib
+import io
 import json
 import os
+import re
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -98,6 +102,37 @@ def write_metrics(path: Path | str, metrics: dict[str, Any]) -> None:
             raise TypeError(f"{path}: metric {key!r} is {type(value).__name__} {value!r}; a metrics file holds "
                             "numbers only (put text, ids and nested reports in the stage's report instead)")
     write_json(path, metrics)
+
+
+# A spreadsheet runs a cell that starts with one of these as a formula (OWASP, "CSV Injection"); the CSVs hold labels
+# and texts from the user's data, and some are committed to git, where anyone may open them.
+FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+
+
+def csv_cell(value: Any) -> Any:
+    """`value` as a CSV cell that a spreadsheet shows and never runs: a string starting with `FORMULA_START` gets a
+    leading `'`, as OWASP recommends. A string that is a plain number (`-1` as a label) is left as it is: a number
+    runs nothing, and integer labels stay readable. Anything not a string (a count, a loss) passes unchanged.
+
+    A carriage return inside a string becomes a line feed: the csv module quotes a cell holding a line feed, but
+    writes a lone CR bare, and readers (DVC's, a spreadsheet's) end the row there."""
+    if not isinstance(value, str):
+        return value
+    if value.startswith(FORMULA_START) and not _NUMBER.fullmatch(value):
+        value = "'" + value
+    return value.replace("\r\n", "\n").replace("\r", "\n")
+
+
+def csv_text(rows: Iterable[Mapping[str, Any]], fields: Sequence[str]) -> str:
+    """CSV text (`\n` line ends) of `rows` under the header `fields`, every header and cell through `csv_cell`; a
+    row's keys outside `fields` are left out, a missing one is an empty cell. Every CSV the project writes goes
+    through here."""
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow([csv_cell(field) for field in fields])
+    writer.writerows([csv_cell(row.get(field, "")) for field in fields] for row in rows)
+    return buffer.getvalue()
 
 
 def save_figure(fig, path: Path | str, dpi: int = 110) -> None:

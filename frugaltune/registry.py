@@ -93,13 +93,15 @@ def log_model_task(adapter_dir: Path) -> dict:
 
 
 def metric_tags(evaluation: dict) -> dict[str, str]:
-    """`finetuned.macro_f1` = "0.81", ... for every number in reports/evaluate.json (nested keys joined by dots)."""
+    """`finetuned.macro_f1` = "0.81", ... for every number in reports/evaluate.json (nested keys joined by dots; a
+    key that is a label, `per_class.<label>`, in MLflow's alphabet: `tracking.key_part`)."""
     tags: dict[str, str] = {}
 
     def walk(prefix: str, value: Any) -> None:
         if isinstance(value, dict):
             for key, inner in value.items():
-                walk(f"{prefix}.{key}" if prefix else str(key), inner)
+                part = tracking.key_part(str(key))
+                walk(f"{prefix}.{part}" if prefix else part, inner)
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
             tags[tracking.tag_key(prefix)] = repr(float(value))
 

@@ -288,6 +288,12 @@ def tag_key(name: str) -> str:
     return re.sub(r"[^/\w.\- ]", "_", name)
 
 
+def key_part(text: str) -> str:
+    """User text (a label) as one dot-separated part of an MLflow key: `tag_key`'s alphabet without `/`, so that no
+    label makes a key MLflow refuses as a path (`x/../y`, `a//b`) or reads as another key's folder."""
+    return re.sub(r"[^\w.\- ]", "_", text)
+
+
 def run_tags() -> dict[str, str]:
     """Tags for a run or model version: `git_commit`, `git_dirty`, `dvc.<stage>` hashes, `data_hash`.
 

@@ -15,6 +15,7 @@ show every rule next to its result:
 from __future__ import annotations
 
 import datetime
+import html
 import re
 import sys
 from collections.abc import Mapping, Sequence
@@ -214,9 +215,10 @@ def build_suite(rules: ValidationRules, labels: Sequence[str], has_confidence: b
             f"Class `{label}` holds at least {rules.min_class_fraction} of the labelled rows.")
         # GX's own sentence for in_set + mostly ("values must belong to this set: X, at least 10 % of the time")
         # lists the other classes' rows as "unexpected"; say what the check means instead.
-        check.description = (f"Class share: `{label}` holds at least {rules.min_class_fraction:.0%} of the labelled "
-                             f"rows (validate.min_class_fraction). The rows of the other classes are what GX lists "
-                             f"as unexpected; they may be up to {1 - rules.min_class_fraction:.0%}.")
+        # GX puts a description into its page as HTML, unescaped: the label is text from the user's data.
+        check.description = (f"Class share: `{html.escape(label)}` holds at least {rules.min_class_fraction:.0%} of "
+                             f"the labelled rows (validate.min_class_fraction). The rows of the other classes are what "
+                             f"GX lists as unexpected; they may be up to {1 - rules.min_class_fraction:.0%}.")
         expectations.append(check)
     return gx.ExpectationSuite(name="validate", expectations=expectations)
 
@@ -401,6 +403,31 @@ def _context(docs_dir: Path | None) -> gx.data_context.EphemeralDataContext:
     return gx.get_context(mode="ephemeral", project_config=config)
 
 
+def _escape_stored_results(context: gx.data_context.EphemeralDataContext) -> None:
+    """HTML-escape every string of the stored results' `result` (unexpected values, their index rows), which the
+    data docs are built from.
+
+    GX 1.24 escapes the parameters of its sentences, but puts the cells of its unexpected-values tables into the page
+    as they are: a label cell `<img src=x onerror=...>` ran as script there. Only the stored copy is escaped; the
+    outcome returned to the caller keeps the values as they are in the data.
+    """
+    def escaped(value):
+        if isinstance(value, str):
+            return html.escape(value)
+        if isinstance(value, list):
+            return [escaped(item) for item in value]
+        if isinstance(value, dict):
+            return {key: escaped(item) for key, item in value.items()}
+        return value
+
+    store = context.validation_results_store
+    for key in store.list_keys():
+        suite_result = store.get(key)
+        for res in suite_result.results:
+            res.result = escaped(res.result)
+        store.set(key, suite_result)
+
+
 def validate_splits(
     splits: Mapping[str, pd.DataFrame],
     labels: Sequence[str],
@@ -449,6 +476,7 @@ def validate_splits(
         run_id=RunIdentifier(run_name="validate", run_time=datetime.datetime.now(datetime.timezone.utc)),
     )
     if docs_dir is not None:
+        _escape_stored_results(context)
         context.build_data_docs()
         from frugaltune.offline import vendor_data_docs  # GX's pages load Bootstrap/jQuery/Vega from CDNs
 

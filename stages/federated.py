@@ -53,7 +53,7 @@ from frugaltune import models, paths, store, tracking
 from frugaltune.config import Params, load_params
 from frugaltune.faults import stage_errors
 from frugaltune.federated import budget, centralized, federation, keys, plans, plots, results, rounds, rows
-from frugaltune.io import read_json, write_json, write_text
+from frugaltune.io import csv_text, read_json, write_json, write_text
 
 DATA = paths.FEDERATED_DATA
 REPORT = paths.report("federated")
@@ -182,12 +182,12 @@ def run(params: Params) -> dict:
 def write_outputs(report: dict, round_rows: list[dict], label_rows: list[dict], clients: list[dict]) -> None:
     """The report, the CSVs and the figures, each logged to the MLflow run in progress."""
     write_json(REPORT, report)
-    write_text(ROUNDS_CSV, results.csv_text(round_rows, ["run", "round", "accuracy", "macro_f1", "loss",
-                                                         "bytes_total", "clients_completed", "evaluation_rows"]))
-    write_text(LABELS_CSV, results.csv_text(label_rows, ["partition", "client", "label", "count"]))
-    write_text(CLIENTS_CSV, results.csv_text(clients, ["run", "client", "preset", "rounds", "peak_rss_mb",
-                                                       "predicted_peak_mb", "seconds", "predicted_seconds_here",
-                                                       "predicted_seconds"]))
+    write_text(ROUNDS_CSV, csv_text(round_rows, ["run", "round", "accuracy", "macro_f1", "loss",
+                                                 "bytes_total", "clients_completed", "evaluation_rows"]))
+    write_text(LABELS_CSV, csv_text(label_rows, ["partition", "client", "label", "count"]))
+    write_text(CLIENTS_CSV, csv_text(clients, ["run", "client", "preset", "rounds", "peak_rss_mb",
+                                               "predicted_peak_mb", "seconds", "predicted_seconds_here",
+                                               "predicted_seconds"]))
     plots.plot_rounds(round_rows, ROUNDS_PNG)
     plots.plot_clients(clients, CLIENTS_PNG)
     for figure in (ROUNDS_PNG, CLIENTS_PNG):

@@ -33,7 +33,7 @@ from frugaltune.data import (
 )
 from frugaltune.io import atomic_dir, write_json
 from frugaltune import paths
-from frugaltune.config import Params, ParamsError, load_params
+from frugaltune.config import Params, ParamsError, label_problem, load_params
 
 
 def pairs_mode(params: Params) -> bool:
@@ -111,6 +111,14 @@ def run(params: Params) -> dict:
         splits = stratified_split(frame, data.split.val, data.split.test, seed)
 
     labels = list(data.labels) if data.labels else infer_labels(splits["train"]["label"])
+    problem = label_problem(labels)  # labels read from the data (the params check has seen data.labels)
+    if problem:
+        label, why = problem
+        read = splits["train"] if source.presplit else pd.concat(splits.values())  # the file's rows, each once
+        row = int(read.loc[read["label"] == label, "source_row"].min())
+        path = source.files["train"] if source.presplit else next(iter(source.files.values()))
+        raise DataSourceError(f"{path}: row {row + 1}: {why}. Rename the class in column {data.label_column!r} "
+                              f"(data.label_column), or list the classes to keep in data.labels.")
     if len(labels) < 2:
         raise DataSourceError(f"{data.source}: found {len(labels)} distinct label(s) in the training data ({labels}); "
                               f"a classifier needs at least 2. Check data.label_column.")

@@ -7,8 +7,6 @@ Library code, used by the federated stage; never run.
 
 from __future__ import annotations
 
-import csv
-import io
 from pathlib import Path
 
 from safetensors.torch import load_file
@@ -90,14 +88,6 @@ def export_adapter(out: Path, params: Params, labels: list[str], pad_token_id: i
         manifest = {"labels": labels, "max_length": params.tokenize.max_length, "method": "lora",
                     "federated": {"run": dest.name, "round": number}}
         write_json(tmp / "labels.json", manifest | ({"input_template": template} if template else {}))
-
-
-def csv_text(found: list[dict], fields: list[str]) -> str:
-    buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=fields, lineterminator="\n", extrasaction="ignore")
-    writer.writeheader()
-    writer.writerows(found)
-    return buffer.getvalue()
 
 
 def print_summary(report: dict) -> None:

@@ -7,12 +7,11 @@ documents its inputs and outputs.
 from __future__ import annotations
 
 import numpy as np
-import pandas as pd
 import torch
 from datasets import load_from_disk
 
 from frugaltune.input_template import from_manifest, wrapped
-from frugaltune.io import read_json, write_json, write_metrics, write_text
+from frugaltune.io import csv_text, read_json, write_json, write_metrics, write_text
 from frugaltune.metrics import classification_metrics
 from frugaltune.models import load_for_classification, load_tokenizer
 from frugaltune.training.loop import predict
@@ -33,6 +32,13 @@ def trained_precision(params: Params, out: paths.RunOutputs) -> bool:
 def threads(params: Params) -> int:
     """The plan's thread count (planner.decide_machine), as training used it."""
     return resolve.machine(params.train.precision, plan=resolve.read_plan(), threads=params.train.threads)["threads"]
+
+
+def confusion_csv(actual: list[str], predicted: list[str]) -> str:
+    """`actual,predicted`, one row per example, for dvc plots' confusion template; labels and answers are the
+    user's text, so the cells go through `csv_text` (a label `=cmd|...` is not a formula when the file is opened)."""
+    return csv_text(({"actual": a, "predicted": p} for a, p in zip(actual, predicted, strict=True)),
+                    ["actual", "predicted"])
 
 
 def generative_metrics(model, tokenizer, data, params: Params, bf16: bool, labels: list[str], name: str) -> tuple[
@@ -110,7 +116,7 @@ def run_sft(params: Params, out: paths.RunOutputs) -> dict:
         write_metrics(out.evaluate_metrics, {**{key: finetuned[key] for key in headline},
                                              **{f"baseline_{key}": baseline[key] for key in headline}})
     # actual,predicted per example: dvc plots' confusion template (meaningful when the answers are a label set)
-    write_text(out.confusion_csv, pd.DataFrame({"actual": data["reference"], "predicted": answers}).to_csv(index=False))
+    write_text(out.confusion_csv, confusion_csv(data["reference"], answers))
     print(f"evaluate: exact match gain {report['exact_match_gain']:+.4f}"
           + (f", macro-F1 gain {report['macro_f1_gain']:+.4f}" if labels else "") + f" on {len(data)} {ep.split} pairs")
     return report
@@ -154,8 +160,7 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN) -> dict:
         write_metrics(out.evaluate_metrics, {
             "accuracy": report["finetuned"]["accuracy"], "macro_f1": report["finetuned"]["macro_f1"],
             "baseline_macro_f1": report["baseline"]["macro_f1"], "macro_f1_gain": report["macro_f1_gain"]})
-    confusion = pd.DataFrame({"actual": [labels[i] for i in y_true], "predicted": [labels[i] for i in finetuned_pred]})
-    write_text(out.confusion_csv, confusion.to_csv(index=False))
+    write_text(out.confusion_csv, confusion_csv([labels[i] for i in y_true], [labels[i] for i in finetuned_pred]))
     for name in ("baseline", "finetuned"):
         print(f"evaluate: {name:9s} accuracy {report[name]['accuracy']:.4f}  macro-F1 {report[name]['macro_f1']:.4f}")
     print(f"evaluate: macro-F1 gain {report['macro_f1_gain']:+.4f} on {len(y_true)} {ep.split} examples")
