@@ -94,6 +94,8 @@ def _predict(args: argparse.Namespace) -> int:
         else:
             hint = "Register a model first (`dvc repro register`), or pass --model-uri / set MLFLOW_TRACKING_URI."
         raise CommandError(f"cannot load {model_uri} from {mlflow.get_tracking_uri()}: {exc.message}\n{hint}") from None
+    except (ValueError, FileNotFoundError) as exc:  # its files damaged (serving.verify_model_files), a base missing
+        raise CommandError(f"{_describe_loaded(model_uri).removeprefix('loaded ')}: {exc}") from None
     # Which model answered, on stderr: stdout stays one prediction per line for whatever parses it.
     print(f"frugaltune predict: {_describe_loaded(model_uri)}", file=sys.stderr)
     # The signature says which kind of model this is: a classifier reads `text`, a generative model `prompt`.
@@ -180,6 +182,10 @@ def _registered_adapter(model_uri: str, into: Path) -> tuple[Path, Path]:
         base = serving.resolve_base(config["base_model_sha256"], config["base_model_uri"])
     except (KeyError, FileNotFoundError, ValueError) as exc:
         raise CommandError(f"{model_uri}: its base model cannot be found: {exc}") from None
+    try:  # the files it was logged with, as loading it checks them
+        serving.verify_model_files(base, artifacts[serving.ADAPTER_ARTIFACT], config)
+    except ValueError as exc:
+        raise CommandError(f"{model_uri}: {exc}") from None
     return base, artifacts[serving.ADAPTER_ARTIFACT]
 
 

@@ -7,10 +7,8 @@ versions evaluated on the same data) are documented on each function.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -54,14 +52,9 @@ def read_report(stage: str) -> dict:
 
 
 def model_hash(base_dir: Path, adapter_dir: Path) -> str:
-    """sha256 of the adapter files (names + bytes) and the base model's config: what makes this model this one."""
-    digest = hashlib.sha256()
-    files = [(f"adapter/{p.relative_to(adapter_dir).as_posix()}", p) for p in sorted(adapter_dir.rglob("*"))]
-    files.append(("base/config.json", base_dir / "config.json"))
-    for name, path in files:
-        if path.is_file():
-            digest.update(name.encode() + b"\0" + path.read_bytes())
-    return digest.hexdigest()
+    """sha256 of the adapter files (names + bytes) and the base model's config: what makes this model this one.
+    The logged model carries it too, and its loading checks it (serving.model_files)."""
+    return serving.model_files(base_dir, adapter_dir)[0]
 
 
 def eval_data_tags(split: str) -> dict[str, str]:
@@ -284,14 +277,22 @@ def register_adapter(client: MlflowClient, reg: RegisterParams, run_id: str, bas
     return the report. Idempotent (see the module docstring). The federated pipeline registers its global adapter
     through this too (stages/federated_register.py): same serving, same champion rules."""
     metric_tag = f"finetuned.{reg.metric}"
-    log_eval_metrics(client, run_id, metrics)
-    tracking.save_runs_view(client, client.get_run(run_id).info.experiment_id, headline_metrics(metrics, reg.metric))
     version = find_version(client, reg.model_name, run_id)
     if version is not None:
+        registered = version.tags.get(MODEL_HASH_TAG, content_hash)
+        if registered != content_hash:
+            # The evaluation was of these files, not of the version's: neither its tags nor its run's metrics may
+            # take numbers measured on them.
+            raise RegisterError(
+                f"run {run_id} already has {reg.model_name} v{version.version}, registered from other files (model "
+                f"hash {registered[:12]}) than {adapter_dir} and {base_dir}/config.json hold now ({content_hash[:12]}"
+                f"): v{version.version} and its metrics are left as they were. A new model needs a training run of "
+                f"its own (`dvc repro -f train`); if these files should be v{version.version}'s, they were changed or "
+                "damaged: `dvc checkout` them.")
+    log_eval_metrics(client, run_id, metrics)
+    tracking.save_runs_view(client, client.get_run(run_id).info.experiment_id, headline_metrics(metrics, reg.metric))
+    if version is not None:
         print(f"register: run {run_id} already has {reg.model_name} v{version.version}; reusing it")
-        if version.tags.get(MODEL_HASH_TAG, content_hash) != content_hash:
-            print(f"register: warning: v{version.version} was logged from other adapter files than "
-                  f"{adapter_dir} holds now", file=sys.stderr)
         model_uri, model_id = version.source, version.model_id
     elif (logged := find_logged_model(client, run_id, content_hash)) is not None:
         model_uri, model_id = logged.model_uri, logged.model_id

@@ -5,7 +5,9 @@ holds the tokenizer and `labels.json`), and a reference to the base model: its s
 `log_base_model` stored it once, in the experiment `[internal] frugaltune base models`, whatever the number of
 versions trained on it (a version that copied the 538 MB base would grow the store by that much per retraining). Loading
 resolves the base from a local cache (`~/.cache/frugaltune/bases/<sha256>`, or `FRUGALTUNE_BASE_CACHE`), else
-downloads it from the tracking store once and checks its hash. Anyone can then predict with
+downloads it from the tracking store once and checks its hash. The model also carries the sha256 of the adapter's
+files and of the base's config.json (`model_files`); loading hashes them again and refuses a damaged file in one line
+(`verify_model_files`). Anyone can then predict with
 
     mlflow.pyfunc.load_model("models:/frugaltune-sentiment@champion").predict(pd.DataFrame({"text": [...]}))
 
@@ -58,6 +60,8 @@ BASE_EXPERIMENT_NOTE = ("Internal to frugaltune, not a task: the base model's we
 BASE_SHA_TAG = "frugaltune.base_sha256"
 BASE_COMPLETE_TAG = "frugaltune.base_complete"  # set only after every file is uploaded
 BASE_CACHE_ENV = "FRUGALTUNE_BASE_CACHE"
+# model_config keys log_model writes: the combined sha256 (the version's frugaltune.model_hash) and each file's
+MODEL_HASH_KEY, MODEL_FILES_KEY = "model_hash", "model_files"
 # log_model points this at the local base dir for the load MLflow does right after logging (input example check).
 _LOCAL_BASE_ENV = "FRUGALTUNE_LOCAL_BASE_"
 HEAD_MODULES = ("score", "classifier")  # the classification head of *ForSequenceClassification models
@@ -195,6 +199,8 @@ def load_classifier(
     ):
         if not path.exists():
             raise FileNotFoundError(f"{path}: {what} not found. Run {fix} first.")
+    for directory in (adapter_dir, base_dir):
+        check_tensor_files(directory)
     labels = read_labels(adapter_dir)
     tokenizer_dir = adapter_dir if (adapter_dir / "tokenizer_config.json").is_file() else base_dir
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
@@ -346,6 +352,8 @@ def load_causal_lm(base_dir: str | Path, adapter_dir: str | Path) -> tuple[Any, 
     ):
         if not path.exists():
             raise FileNotFoundError(f"{path}: {what} not found. Run {fix} first.")
+    for directory in (adapter_dir, base_dir):
+        check_tensor_files(directory)
     tokenizer_dir = adapter_dir if (adapter_dir / "tokenizer_config.json").is_file() else base_dir
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
     if tokenizer.pad_token is None:
@@ -456,6 +464,61 @@ def dir_sha256(directory: str | Path) -> str:
                 digest.update(block)
         digest.update(b"\0")
     return digest.hexdigest()
+
+
+def model_files(base_dir: str | Path, adapter_dir: str | Path) -> tuple[str, dict[str, str]]:
+    """What makes a model this one: the adapter's files and the base model's config.json. Returns their combined
+    sha256 (names + bytes, in name order: the registry's `frugaltune.model_hash` tag) and each file's own sha256
+    (`adapter/<path>`, `base/config.json`), which `log_model` stores in the model so that loading names a damaged
+    file."""
+    import hashlib
+
+    adapter_dir = Path(adapter_dir)
+    files = [(f"adapter/{p.relative_to(adapter_dir).as_posix()}", p) for p in sorted(adapter_dir.rglob("*"))]
+    files.append(("base/config.json", Path(base_dir) / "config.json"))
+    combined, each = hashlib.sha256(), {}
+    for name, path in files:
+        if path.is_file():
+            data = path.read_bytes()
+            combined.update(name.encode() + b"\0" + data)
+            each[name] = hashlib.sha256(data).hexdigest()
+    return combined.hexdigest(), each
+
+
+def verify_model_files(base_dir: str | Path, adapter_dir: str | Path, config: dict[str, Any]) -> None:
+    """Refuse, in one line, a model whose files are not those it was logged with (`model_config`'s `model_hash`
+    and `model_files`, stored by `log_model`); a model logged without them is not checked."""
+    expected, files = config.get(MODEL_HASH_KEY), config.get(MODEL_FILES_KEY) or {}
+    if not expected:
+        return
+    found, found_files = model_files(base_dir, adapter_dir)
+    if found == expected:
+        return
+    fix = ("Put the logged file back in the model's artifacts (the train stage's output, at the commit the version "
+           "records as git_commit), or register a retrained model (`dvc repro -f train register`).")
+    for name in sorted(set(files) | set(found_files)):
+        if files.get(name) != found_files.get(name):
+            state = (f"sha256 {found_files[name]}, logged as {files[name]}" if name in files and name in found_files
+                     else "missing" if name in files else "not among the files the model was logged with")
+            raise ValueError(f"{name} of the model: {state}: the model's files are damaged, refusing to load it. "
+                             f"{fix}")
+    raise ValueError(f"the model's files hash to {found}, logged as {expected}: they are damaged, refusing to load "
+                     f"them. {fix}")
+
+
+def check_tensor_files(directory: str | Path) -> None:
+    """Read the header of every safetensors file in `directory` (not the tensors: cheap): a damaged one is one
+    line naming it, not the safetensors library's traceback."""
+    from safetensors import SafetensorError, safe_open
+
+    for path in sorted(Path(directory).glob("*.safetensors")):
+        try:
+            with safe_open(str(path), "pt"):
+                pass
+        except SafetensorError as exc:
+            raise ValueError(f"{path}: its safetensors header cannot be read ({exc}): the file is damaged or cut "
+                             "short. Put an intact copy back (for models/: `rm` it, then `dvc checkout`), or "
+                             "retrain.") from None
 
 
 def base_cache_root() -> Path:
@@ -571,6 +634,7 @@ class SequenceClassifierModel(mlflow.pyfunc.PythonModel):
             base = context.artifacts[BASE_ARTIFACT]
         else:
             base = resolve_base(config["base_model_sha256"], config["base_model_uri"])
+        verify_model_files(base, context.artifacts[ADAPTER_ARTIFACT], config)
         self._classifier = load_classifier(
             base,
             context.artifacts[ADAPTER_ARTIFACT],
@@ -592,9 +656,9 @@ class GenerativeModel(mlflow.pyfunc.PythonModel):
 
     def load_context(self, context: Any) -> None:
         config = dict(context.model_config or {})
-        self._generator = load_generator(
-            resolve_base(config["base_model_sha256"], config["base_model_uri"]), context.artifacts[ADAPTER_ARTIFACT]
-        )
+        base = resolve_base(config["base_model_sha256"], config["base_model_uri"])
+        verify_model_files(base, context.artifacts[ADAPTER_ARTIFACT], config)
+        self._generator = load_generator(base, context.artifacts[ADAPTER_ARTIFACT])
 
     def predict(self, context: Any, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> list[str]:
         prompts, candidates = prompts_from(model_input)
@@ -667,8 +731,10 @@ def log_model(
         raise ValueError(f"task = {task!r}: expected {CLASSIFICATION!r} or {CAUSAL_LM!r}.")
     modules = (sys.modules[__name__], generation, input_template)
     sha256 = dir_sha256(base_dir)
+    content_hash, files = model_files(base_dir, adapter_dir)
     config = {"batch_size": DEFAULT_BATCH_SIZE, "base_model_sha256": sha256,
-              "base_model_uri": log_base_model(base_dir, sha256)}
+              "base_model_uri": log_base_model(base_dir, sha256), MODEL_HASH_KEY: content_hash,
+              MODEL_FILES_KEY: files}
     if max_length:
         config["max_length"] = max_length
     hint = _LOCAL_BASE_ENV + sha256[:16]

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import sys
 
-from frugaltune import paths
+from frugaltune import integrity, paths
 from frugaltune.config import Params, ParamsError, load_params
 from frugaltune.faults import stage_errors
 from frugaltune.io import read_json, write_json, write_metrics, write_text
@@ -54,6 +54,7 @@ def run(params: Params) -> dict:
     # As training ran (the plan's precision, measured faster on this CPU); the train stage records it.
     bf16 = bool(read_json(paths.PIPELINE_RUN.train_report).get("bf16", False))
     policies = dict(HEURISTICS)
+    integrity.verify_outs(paths.BASE_MODEL, paths.ADAPTER_DIR)  # as DVC recorded them (frugaltune/integrity.py)
     options = {"threads": llm.threads, "batch_size": llm.batch_size, "max_running": sp.sft.max_running,
                "bf16": bf16, "order": sp.order}
     policies["finetuned"] = load_llm_policy(paths.BASE_MODEL, paths.ADAPTER_DIR, name="finetuned",

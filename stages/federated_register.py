@@ -19,7 +19,7 @@ from pathlib import Path
 
 from mlflow import MlflowClient
 
-from frugaltune import paths, store, tracking
+from frugaltune import integrity, paths, store, tracking
 from frugaltune.config import Params, ParamsError, load_params
 from frugaltune.faults import stage_errors
 from frugaltune.io import write_json
@@ -54,6 +54,8 @@ def run(params: Params) -> dict:
     metrics = register.metric_tags({"finetuned": chosen["final"]})
     if not math.isfinite(float(metrics[f"finetuned.{reg.metric}"])):
         raise register.RegisterError(f"run {name}: its final {reg.metric} is not finite; nothing to register.")
+    # What is registered is what DVC recorded, not a damaged cache copy (frugaltune/integrity.py)
+    integrity.verify_outs(paths.BASE_MODEL, paths.FEDERATED_ADAPTERS)
     eval_data = register.eval_data_tags(EVAL_SPLIT)
     experiment_id = tracking.setup("federated")
     client = MlflowClient()
@@ -76,7 +78,7 @@ def main() -> None:
         try:
             with store.guarded_write(tracking.tracking_uri()):  # one writer; a backup before and after
                 run(load_params())
-        except (ParamsError, register.RegisterError, store.StoreError) as exc:
+        except (ParamsError, register.RegisterError, store.StoreError, integrity.IntegrityError) as exc:
             sys.exit(f"federated_register: {exc}")
 
 

@@ -23,7 +23,7 @@ import sys
 
 from mlflow import MlflowClient
 
-from frugaltune import paths, store, tracking
+from frugaltune import integrity, paths, store, tracking
 from frugaltune.config import Params, ParamsError, load_params
 from frugaltune.faults import stage_errors
 from frugaltune.io import write_json
@@ -46,6 +46,8 @@ def run(params: Params) -> dict:
         if not path.is_dir():
             raise RegisterError(f"{path}: not found. Run the {stage} stage first (`dvc repro {stage}`).")
 
+    # What is registered is what DVC recorded, not a damaged cache copy `dvc checkout` restored
+    integrity.verify_outs(paths.BASE_MODEL, paths.ADAPTER_DIR)
     eval_data = eval_data_tags(params.evaluate.split)
     experiment_id = tracking.setup(tracking.experiment_name(params))
     client = MlflowClient()
@@ -66,7 +68,7 @@ def main() -> None:
         try:
             with store.guarded_write(tracking.tracking_uri()):  # one writer; a backup before and after
                 run(load_params())
-        except (ParamsError, RegisterError, store.StoreError) as exc:
+        except (ParamsError, RegisterError, store.StoreError, integrity.IntegrityError) as exc:
             sys.exit(f"register: {exc}")
 
 

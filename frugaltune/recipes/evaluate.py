@@ -19,7 +19,7 @@ from frugaltune.training.methods import load_trained
 from frugaltune import paths
 from frugaltune.config import Params
 from frugaltune.kernels.attention import register_if_used
-from frugaltune import planner, resolve
+from frugaltune import integrity, planner, resolve
 
 
 def trained_precision(params: Params, out: paths.RunOutputs) -> bool:
@@ -123,6 +123,9 @@ def run_sft(params: Params, out: paths.RunOutputs) -> dict:
 
 
 def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN) -> dict:
+    # The files as DVC recorded them, not a damaged cache copy that `dvc checkout` restored (the comparison's
+    # adapter is its own stage's output, written just before: integrity skips it)
+    integrity.verify_outs(paths.BASE_MODEL, out.adapter_dir)
     if params.task.type == "causal_lm":
         return run_sft(params, out)
     ep, seed = params.evaluate, params.common.seed

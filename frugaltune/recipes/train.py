@@ -16,7 +16,7 @@ import mlflow
 import torch
 from datasets import load_from_disk
 
-from frugaltune import allocator, tracking
+from frugaltune import allocator, integrity, tracking
 from frugaltune.io import atomic_dir, read_json, write_json, write_metrics, write_text
 from frugaltune import planner, resolve
 from frugaltune.models import load_tokenizer
@@ -105,6 +105,7 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN, use_plan: bo
 
     labels = read_json(paths.LABELS)["labels"]
     train_set = load_from_disk(str(paths.TOKENIZED_DIR))["train"]
+    integrity.verify_out(paths.BASE_MODEL)  # as DVC recorded it, not a damaged cache copy checked out
     tokenizer = load_tokenizer(paths.BASE_MODEL)
     rows = setup.training_rows(params, train_set["input_ids"], tokenizer)
     model = setup.build_model(params, labels, tokenizer.pad_token_id, bf16, resolved.gradient_checkpointing)

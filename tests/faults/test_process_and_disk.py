@@ -200,6 +200,36 @@ def test_disk_full_writing_a_report(project):
     assert "evaluate" not in status(project)
 
 
+@fault("disk", "one bit flipped in the DVC cache copy of the adapter (its mtime kept, as bit rot keeps it), the "
+       "damaged copy put back by `dvc checkout`, which trusts the cache's names (`dvc status` stays clean)",
+       "evaluate (and train, register) stop with one line: the file, the md5 dvc.lock records, the md5 found, that "
+       "DVC's cache copy is damaged, and the fix: delete that cache file, then `dvc pull` it or `dvc repro -f train`",
+       "nothing measured on the damaged file: reports/evaluate.json, and so the registered version's metric, stay "
+       "as they were")
+def test_a_damaged_dvc_cache_copy_of_the_adapter_is_refused(project):
+    from tests.unit.test_integrity import flip_keeping_mtime
+
+    adapter = project / "models/adapter"
+    tensors = max((p for p in adapter.iterdir() if p.suffix == ".safetensors"), key=lambda p: p.stat().st_size)
+    lock = yaml.safe_load((project / "dvc.lock").read_text())
+    manifest = next(out["md5"] for out in lock["stages"]["train"]["outs"] if out["path"] == "models/adapter")
+    cache = project / ".dvc/cache/files/md5"
+    entries = json.loads((cache / manifest[:2] / manifest[2:]).read_text())
+    good = next(entry["md5"] for entry in entries if entry["relpath"] == tensors.name)
+    flip_keeping_mtime(cache / good[:2] / good[2:], tensors.stat().st_size // 2)
+    tensors.unlink()
+    dvc(["checkout", "models/adapter"], project)
+    assert "train" not in status(project)  # DVC sees nothing wrong
+    before = (project / "reports/evaluate.json").read_text()
+
+    failed = dvc(["repro", "--force", "--single-item", "evaluate"], project, check=False)
+    assert failed.returncode != 0 and "Traceback" not in failed.stderr, failed.stderr
+    [line] = [line for line in failed.stderr.splitlines() if line.startswith("evaluate: ")]
+    assert f"models/adapter/{tensors.name}: md5 " in line and f"dvc.lock records {good}" in line, line
+    assert "DVC's cache copy .dvc/cache/files/md5/" in line and "`dvc repro -f train`" in line, line
+    assert (project / "reports/evaluate.json").read_text() == before
+
+
 # Last in the module: it works on the built project itself (its MLflow store holds absolute artifact paths).
 @fault("process", "kill -9 in `register` after the model version exists, before its report",
        "DVC reports the stage failed", "recovered, nothing lost: the rerun finds the version of that run and "

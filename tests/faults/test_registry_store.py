@@ -33,6 +33,7 @@ from tests.unit.test_register import (
     MODEL_NAME,
     build_tiny_model,
     fake_reports,
+    registered_file,
     write_eval_data,
 )
 
@@ -125,6 +126,33 @@ def test_a_damaged_store_is_restored_by_the_printed_command(registered, project)
     answer = predict(project)
     assert answer.returncode == 0, answer.stderr
     assert answer.stdout == registered[1] and champion(project) == 1
+
+
+@fault("disk", "one bit flipped in a registered version's adapter file (mlartifacts/.../adapter/"
+       "adapter_model.safetensors)",
+       "`frugaltune predict` (and any `mlflow.pyfunc.load_model` of it) stops with one line: the version, the file, "
+       "the sha256 it was logged with and the one found, and the fix (the logged file back, or a retrained model "
+       "registered); a damaged safetensors header in a loaded adapter is one line naming the file",
+       "nothing predicted from the damaged file; the version, its tags and @champion unchanged")
+def test_a_damaged_registered_adapter_is_refused_on_load(registered):
+    from mlflow import MlflowClient
+
+    project = registered[0]
+    client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+    tensors = registered_file(client, "1", "adapter/adapter_model.safetensors")
+    original = tensors.read_bytes()
+    damaged = bytearray(original)
+    damaged[len(damaged) // 2] ^= 1
+    tensors.write_bytes(bytes(damaged))
+    try:
+        failed = predict(project)
+    finally:
+        tensors.write_bytes(original)  # the fixture's project is shared: its artifacts stay as they were
+    assert failed.returncode == 1 and "Traceback" not in failed.stderr, failed.stderr
+    [line] = failed.stderr.splitlines()
+    assert line.startswith(f"frugaltune predict: models:/{MODEL_NAME}@champion = {MODEL_NAME} version 1 "), line
+    assert "adapter/adapter_model.safetensors of the model: sha256 " in line and "damaged" in line, line
+    assert champion(project) == 1
 
 
 @fault("disk", "the MLflow store (mlflow.db) deleted, its backups left",

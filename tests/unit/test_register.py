@@ -6,6 +6,7 @@ Real MLflow with a sqlite store in a temp project; a tiny random llama + LoRA ad
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -15,6 +16,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from urllib.parse import urlparse
 
 import mlflow
 import pytest
@@ -400,3 +402,73 @@ def test_logging_a_version_prints_no_cloudpickle_notice_and_other_mlflow_warning
         after = capfd.readouterr()
     assert "CloudPickle" not in logged.out + logged.err, logged.err
     assert "another MLflow warning" in after.out + after.err  # the filter is gone once the model is logged
+
+
+def _flip(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 1
+    path.write_bytes(bytes(data))
+
+
+def test_register_never_rewrites_a_version_s_metrics_from_other_files(project: Path, tmp_path: Path) -> None:
+    """Train's run already has v1; an evaluation of other files (a damaged adapter) must not become v1's metric."""
+    import shutil
+
+    client = MlflowClient()
+    v1 = client.get_model_version(MODEL_NAME, "1")
+    metric_before = client.get_run(v1.run_id).data.metrics["eval.finetuned.macro_f1"]
+    adapter = tmp_path / "adapter"
+    shutil.copytree(project / paths.ADAPTER_DIR, adapter)
+    _flip(adapter / "adapter_model.safetensors", 1000)
+    content_hash = registry.model_hash(paths.BASE_MODEL, adapter)
+    metrics = registry.metric_tags({"finetuned": {"macro_f1": 0.1999}})
+
+    with pytest.raises(registry.RegisterError, match=rf"already has {MODEL_NAME} v1, registered from other files"):
+        registry.register_adapter(client, params().register_, v1.run_id, paths.BASE_MODEL, adapter, metrics,
+                                  registry.eval_data_tags("test"), content_hash)
+    after = client.get_model_version(MODEL_NAME, "1")
+    assert after.tags["finetuned.macro_f1"] == v1.tags["finetuned.macro_f1"]
+    assert after.tags[registry.MODEL_HASH_TAG] == v1.tags[registry.MODEL_HASH_TAG]
+    assert client.get_run(v1.run_id).data.metrics["eval.finetuned.macro_f1"] == metric_before
+
+
+def registered_file(client: MlflowClient, version: str, name: str) -> Path:
+    """The file `name` (`adapter/...`) of MODEL_NAME's `version` in the store's artifacts, where loads read it."""
+    source = client.get_model_version(MODEL_NAME, version).source  # models:/<logged model id>, or the artifacts' URI
+    if source.startswith("models:/"):
+        source = client.get_logged_model(source.removeprefix("models:/")).artifact_location
+    [found] = Path(urlparse(source).path).rglob(name)
+    return found
+
+
+def test_a_registered_version_with_a_damaged_file_is_refused_on_load(project: Path) -> None:
+    """Any load of the version checks its files against the hashes it was logged with (the pyfunc's own
+    load_context); `frugaltune predict` prints the message as one line (tests/faults/test_registry_store.py)."""
+    tensors = registered_file(MlflowClient(), "1", "adapter/adapter_model.safetensors")
+    original = tensors.read_bytes()
+    damaged = bytearray(original)
+    damaged[len(original) // 2] ^= 1
+    tensors.write_bytes(bytes(damaged))
+    try:
+        with pytest.raises(ValueError) as refused:
+            mlflow.pyfunc.load_model(f"models:/{MODEL_NAME}/1")
+    finally:
+        tensors.write_bytes(original)
+    expected, found = (hashlib.sha256(data).hexdigest() for data in (original, bytes(damaged)))
+    message = str(refused.value)
+    assert message.startswith(f"adapter/adapter_model.safetensors of the model: sha256 {found}, logged as "
+                              f"{expected}: the model's files are damaged, refusing to load it."), message
+    assert "\n" not in message and "`dvc repro -f train register`" in message
+
+
+def test_a_damaged_safetensors_header_is_one_line_naming_the_file(project: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from frugaltune import serving
+
+    adapter = tmp_path / "adapter"
+    shutil.copytree(project / paths.ADAPTER_DIR, adapter)
+    tensors = adapter / "adapter_model.safetensors"
+    _flip(tensors, 12)  # inside the JSON header that follows the 8-byte length
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(tensors))}: its safetensors header cannot be read"):
+        serving.load_classifier(project / paths.BASE_MODEL, adapter)
