@@ -1,7 +1,8 @@
 """Faults: the disk-full message every stage gives, and the injection points the fault suite drives.
 
 Library code. `stage_errors(stage)` wraps every stage's `main()` (and turns progress bars off when the stage's
-output is not a terminal: frugaltune.console); `inject(point, name)` is called where a fault is most harmful (just
+output is not a terminal: frugaltune.console); `is_disk_full(exc)` also sees a full disk through sqlite's and
+MLflow's exceptions (frugaltune.store); `inject(point, name)` is called where a fault is most harmful (just
 before an atomic rename, in the middle of a checkpoint write) and does nothing unless the fault suite (`tests/faults/`,
 `pytest -m slow tests/faults`) set FRUGALTUNE_FAULT in the stage's environment:
 
@@ -23,6 +24,7 @@ from pathlib import Path
 from frugaltune import console
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+SQLITE_FULL = "database or disk is full"  # sqlite's message for SQLITE_FULL, however many layers wrap it (MLflow's)
 
 
 def inject(point: str, name: str) -> None:
@@ -52,6 +54,24 @@ def disk_full_message(stage: str, exc: OSError) -> str:
             f"kept: outputs are written to temporary paths and renamed only when complete, so the previous outputs "
             f"(and, for train, the last complete checkpoint) are intact. Free some space (`df -h .`; `dvc gc` "
             f"removes cache entries no commit uses) and rerun: training resumes from its last checkpoint.")
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """Whether `exc`, or an error it was raised from, is a full disk: ENOSPC/EDQUOT, or sqlite's SQLITE_FULL (which
+    MLflow's store raises wrapped in SQLAlchemy's and its own exceptions)."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        current = todo.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in DISK_FULL:
+            return True
+        if SQLITE_FULL in str(current):
+            return True
+        todo += [current.__cause__, current.__context__, getattr(current, "orig", None)]
+    return False
 
 
 @contextmanager
