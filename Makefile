@@ -43,7 +43,10 @@ flower-env: install
 		echo "$(FLOWER_PINS)" > $(FLOWER_VENV)/.pins; \
 	fi
 
+# The params check first: it names a missing params.yaml, a damaged dvc.lock (DVC would silently rerun from it) and a
+# read-only checkout (DVC's own error is "unexpected error") before DVC starts.
 pipeline: install
+	python -m frugaltune.config
 	dvc repro
 
 compare: pipeline

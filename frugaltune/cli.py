@@ -36,8 +36,13 @@ class CommandError(RuntimeError):
 def _register_params(params_path: Path, explicit: bool):
     from frugaltune.config import load_params, parse_params
 
-    if not params_path.is_file() and not explicit:
-        return parse_params({}).register_  # outside a project checkout: the defaults, `auto` resolved
+    # In a project (dvc.yaml here) a missing params.yaml is an error (load_params says how to restore it): the
+    # defaults would name another model than the one its params.yaml registered.
+    if not params_path.is_file() and not explicit and not (params_path.parent / "dvc.yaml").is_file():
+        register = parse_params({}).register_  # outside a project checkout: the defaults, `auto` resolved
+        print(f"frugaltune predict: no {params_path} here: the default model, {register.model_name}@{register.alias} "
+              "(--params or --model-uri name another)", file=sys.stderr)
+        return register
     return load_params(params_path).register_
 
 
@@ -60,11 +65,13 @@ def _predict(args: argparse.Namespace) -> int:
     from frugaltune import store, tracking
     from frugaltune.config import ParamsError
 
-    try:
-        register = _register_params(Path(args.params or DEFAULT_PARAMS), explicit=args.params is not None)
-    except ParamsError as exc:
-        raise CommandError(str(exc)) from None
-    model_uri = args.model_uri or f"models:/{register.model_name}@{register.alias}"
+    model_uri = args.model_uri
+    if model_uri is None:  # the params only name the model: with --model-uri they are not read
+        try:
+            register = _register_params(Path(args.params or DEFAULT_PARAMS), explicit=args.params is not None)
+        except ParamsError as exc:
+            raise CommandError(str(exc)) from None
+        model_uri = f"models:/{register.model_name}@{register.alias}"
     uri = tracking.tracking_uri()
     try:
         store.check(uri)  # damaged, or deleted with backups left: the restore command, not MLflow's SQL error
