@@ -1,17 +1,20 @@
-"""The checkout itself under faults: a dvc.lock cut inside a hash, params.yaml deleted, a read-only checkout. What
-DVC would do silently or fail on obscurely is named first, by the params check `make pipeline` runs before
-`dvc repro` and by every stage (frugaltune.checkout, .faults).
+"""The checkout itself under faults: a dvc.lock cut inside a hash, params.yaml deleted, a read-only checkout, and a
+clone in a path with spaces and non-ASCII letters. What DVC would do silently or fail on obscurely is named first,
+by the params check `make pipeline` runs before `dvc repro` and by every stage (frugaltune.checkout, .faults).
 
 Run with `make test` or `pytest -m slow tests/faults/test_checkout.py` (seconds: the params check and the stage
-wrapper in-process, one stage and the check in a read-only mount). Each test is a row of docs/FAULTS.md (see
-table.py).
+wrapper in-process, one stage and the check in a read-only mount, `make install` in a clone). Each test is a row of
+docs/FAULTS.md (see table.py).
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 import shutil
+import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -114,3 +117,36 @@ def test_a_read_only_checkout_is_named_with_the_fix(tmp_path):
         assert "Read-only file system" in output and "chmod -R u+w" in output and "git clone" in output, output
     assert not (project / "reports").exists()
 
+
+def venv_here(venv: Path) -> None:
+    """A venv at `venv` that sees this test's packages (as `make flower-env` does), stamped as `make install`
+    stamps it: `make install` then has nothing to install, and runs its recipe's checks and the template step."""
+    subprocess.run([getattr(sys, "_base_executable", sys.executable), "-m", "venv", "--without-pip", str(venv)],
+                   check=True, capture_output=True)
+    purelib = subprocess.run([str(venv / "bin" / "python"), "-c", "import sysconfig; "
+                              "print(sysconfig.get_paths()['purelib'])"], check=True, capture_output=True,
+                             text=True).stdout.strip()
+    Path(purelib, "zz_frugaltune_venv.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    stamp = hashlib.sha256((venv.parent / "pyproject.toml").read_bytes()).hexdigest()
+    (venv / ".frugaltune-installed").write_text(stamp + "\n")
+
+
+@fault("process", "a clone in a path with spaces and non-ASCII letters (`my proj ü`)", "`make` works there: every "
+       "path in the Makefile's recipes is quoted (before: venvs made at `../my`, `./proj`, `./ü/.venv`, then "
+       "\"test: too many arguments\", Error 126)", "nothing made outside the clone")
+def test_make_in_a_path_with_spaces_and_non_ascii_letters(tmp_path):
+    parent = tmp_path / "parent"
+    parent.mkdir()
+    clone = parent / "my proj ü"
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True, capture_output=True)
+    shutil.copy(ROOT / "Makefile", clone / "Makefile")  # the Makefile under test, committed or not
+    venv_here(clone / ".venv")
+    make_env = {k: v for k, v in env().items() if k != "VIRTUAL_ENV"}  # ./.venv, under the spaced path
+    done = subprocess.run(["make", "--no-print-directory", "install"], cwd=clone, env=make_env, capture_output=True,
+                          text=True, timeout=300)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert f"install: {clone}/.venv is up to date with pyproject.toml" in output, output
+    assert (clone / ".dvc" / "plots_template.html").stat().st_size > 0  # written by the venv's python, in the clone
+    stray = sorted(p.name for p in [*parent.iterdir(), *clone.iterdir()] if p.name in ("my", "proj", "ü"))
+    assert not stray, f"made outside the venv's path: {stray}"
