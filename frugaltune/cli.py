@@ -94,6 +94,8 @@ def _predict(args: argparse.Namespace) -> int:
         else:
             hint = "Register a model first (`dvc repro register`), or pass --model-uri / set MLFLOW_TRACKING_URI."
         raise CommandError(f"cannot load {model_uri} from {mlflow.get_tracking_uri()}: {exc.message}\n{hint}") from None
+    except (OSError, ValueError) as exc:  # the base model's cache or files (serving.resolve_base says which, and why)
+        raise CommandError(f"cannot load {model_uri}: {exc}") from None
     # Which model answered, on stderr: stdout stays one prediction per line for whatever parses it.
     print(f"frugaltune predict: {_describe_loaded(model_uri)}", file=sys.stderr)
     # The signature says which kind of model this is: a classifier reads `text`, a generative model `prompt`.
@@ -178,7 +180,7 @@ def _registered_adapter(model_uri: str, into: Path) -> tuple[Path, Path]:
         return artifacts[serving.BASE_ARTIFACT], artifacts[serving.ADAPTER_ARTIFACT]
     try:
         base = serving.resolve_base(config["base_model_sha256"], config["base_model_uri"])
-    except (KeyError, FileNotFoundError, ValueError) as exc:
+    except (KeyError, OSError, ValueError) as exc:
         raise CommandError(f"{model_uri}: its base model cannot be found: {exc}") from None
     return base, artifacts[serving.ADAPTER_ARTIFACT]
 

@@ -286,3 +286,23 @@ def test_disk_full_during_register(project, tmp_path):
     assert not [p.name for p in (after / "mlflow-backups").iterdir() if p.name.startswith(".")]
     assert not after.joinpath("mlflow.db-journal").exists()
 
+
+# $1: a directory, mounted as an empty read-only file system; $2: the text to predict
+READ_ONLY_CACHE = r"""
+mount -t tmpfs -o ro,size=1m tmpfs "$1" || exit 99
+FRUGALTUNE_BASE_CACHE="$1/bases" exec frugaltune predict "$2"
+"""
+
+
+@fault("disk", "FRUGALTUNE_BASE_CACHE on a read-only file system (`frugaltune predict` must put the base model there)",
+       "one line: the variable, the path, the error (Read-only file system), and the fix (point it at a directory "
+       "you can write); not a 28-line OSError traceback", "nothing written; the registry untouched")
+def test_an_unwritable_base_cache_is_named_with_the_variable(project, tmp_path):
+    cache = tmp_path / "read-only-cache"
+    cache.mkdir()
+    done = in_private_mounts(READ_ONLY_CACHE, str(cache), TEXT, cwd=project, run_env=run_env(project))
+    output = done.stdout + done.stderr
+    assert done.returncode == 1 and "Traceback" not in output, output
+    [line] = [line for line in output.splitlines() if line.startswith("frugaltune predict: cannot load")]
+    assert f"FRUGALTUNE_BASE_CACHE={cache}/bases: cannot write the base model there (Read-only file system" in line
+    assert "Set FRUGALTUNE_BASE_CACHE to a directory you can write" in line, line
