@@ -1,5 +1,5 @@
 # frugaltune. On a fresh machine (Python 3.11 + the package registries) two commands do everything:
-#   make pipeline   # venv + install + `dvc repro`: import, ingest, validate, tokenize, probe, kernels, plan, train, evaluate, register
+#   make pipeline   # venv + install + the params check + `dvc repro`: import, ingest, validate, tokenize, probe, kernels, plan, train, evaluate, register
 #   make test       # unit + end-to-end tests (what CI runs)
 # make compare: every fine-tuning method on the same data -> reports/compare.md (six trainings; not in `pipeline`)
 # make schedule: the LLM job scheduler pipeline (scheduling/dvc.yaml) -> scheduling/reports/evaluate.json
