@@ -25,9 +25,11 @@ import yaml
 MD5 = re.compile(r"[0-9a-f]{32}(\.dir)?")
 
 
-def _restore(path: Path) -> str:
-    return (f"Restore it with `git checkout -- {path}`; or, if the files on disk are the right ones, `dvc commit` "
-            "records their hashes again.")
+def _restore(path: Path, stage: str | None = None) -> str:
+    # `-f`: DVC refuses to commit a stage whose recorded hashes differ from the files without it.
+    target = f" {stage}" if stage else ""
+    return (f"Restore it with `git checkout -- {path}`; or, if the files on disk are the right ones, "
+            f"`dvc commit -f{target}` records their hashes again.")
 
 
 def lock_problem(path: Path = Path("dvc.lock")) -> str | None:
@@ -54,7 +56,7 @@ def lock_problem(path: Path = Path("dvc.lock")) -> str | None:
                 found = "no md5" if value is None else f"md5 {str(value)!r}"
                 return (f"{path}: stage `{name}`, {kind[:-1]} `{entry.get('path')}`: {found} is not a DVC hash (32 "
                         f"hex digits; a directory's ends in `.dir`): dvc.lock was cut or edited, and DVC would rerun "
-                        f"`{name}` and every stage after it without a word. {_restore(path)}")
+                        f"`{name}` and every stage after it without a word. {_restore(path, name)}")
     return None
 
 

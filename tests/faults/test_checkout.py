@@ -45,7 +45,7 @@ def params_check(project: Path, monkeypatch: pytest.MonkeyPatch) -> str:
 
 @fault("disk", "dvc.lock cut inside a hash (DVC accepts it, and `dvc repro` would rerun the stage and all after it: "
        "a retrain)", "refused by name before any work: the params check (`make pipeline` runs it first) and every "
-       "stage say the stage, the output, the bad value, and the fix (`git checkout -- dvc.lock`, or `dvc commit`)",
+       "stage say the stage, the output, the bad value, and the fix (`git checkout -- dvc.lock`, or `dvc commit -f <stage>`)",
        "nothing run; nothing retrained")
 def test_a_dvc_lock_cut_inside_a_hash_is_refused_by_name(tmp_path, monkeypatch):
     project = checkout_files(tmp_path / "project")
@@ -57,7 +57,7 @@ def test_a_dvc_lock_cut_inside_a_hash_is_refused_by_name(tmp_path, monkeypatch):
 
     message = params_check(project, monkeypatch)
     assert message.startswith("dvc.lock: stage `train`, out `models/adapter`: md5 "), message
-    assert repr(cut) in message and "git checkout -- dvc.lock" in message and "dvc commit" in message, message
+    assert repr(cut) in message and "git checkout -- dvc.lock" in message and "dvc commit -f train" in message, message
     with pytest.raises(SystemExit) as stop, stage_errors("evaluate"):  # what every stage runs in, first thing
         pytest.fail("the stage ran on a damaged dvc.lock")
     assert str(stop.value.code) == f"evaluate: {message}"
