@@ -818,8 +818,11 @@ def main(argv: list[str] | None = None) -> None:
         params = load_params(path)
     except ParamsError as exc:
         sys.exit(str(exc))
-    # What DVC would do without a word (rerun from a damaged dvc.lock) or fail on (a read-only checkout), first.
-    for problem in (checkout.lock_problem(Path(path).parent / "dvc.lock"), checkout.write_problem(Path(path).parent)):
+    # What DVC would do without a word (rerun from a damaged dvc.lock) or fail on (a read-only checkout), first; the
+    # write test only in a project (dvc.yaml beside the file): a params file elsewhere may well be read-only.
+    project = Path(path).parent
+    for problem in (checkout.lock_problem(project / "dvc.lock"),
+                    checkout.write_problem(project) if (project / "dvc.yaml").is_file() else None):
         if problem is not None:
             sys.exit(problem)
     print(f"{path}: OK ({len(_known_keys(Params))} keys known); register.model_name {params.register_.model_name}, "
