@@ -309,6 +309,8 @@ def guarded_write(uri: str, rerun: str = "dvc repro register") -> Iterator[None]
         if not faults.is_disk_full(exc):
             raise
         remove_partial_backups(db)
+        if isinstance(exc, OSError) and exc.filename:  # an artifact or a report, not the database: say which
+            doing += f" (at {exc.filename})"
         raise StoreFull(_full_message(db, doing, rerun)) from None
 
 
