@@ -68,7 +68,7 @@ def test_a_dvc_lock_cut_inside_a_hash_is_refused_by_name(tmp_path, monkeypatch):
 
 @fault("params", "params.yaml deleted", "the params check (from the project root) says the file is missing and "
        "`git checkout -- params.yaml`; `frugaltune predict` in the project says the same instead of loading the "
-       "default model; outside a project it says it loads the default one", "nothing run")
+       "default model; outside a project the line naming the model says it is the default one", "nothing run")
 def test_a_deleted_params_yaml_is_named_with_its_restore(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     project = checkout_files(tmp_path / "project")
@@ -80,12 +80,12 @@ def test_a_deleted_params_yaml_is_named_with_its_restore(tmp_path, monkeypatch, 
     assert cli.main(["predict", "what a day"]) == 1
     error = capsys.readouterr().err
     assert error.startswith("frugaltune predict: params.yaml: missing") and "git checkout" in error, error
-    elsewhere = tmp_path / "elsewhere"
+    elsewhere = tmp_path / "elsewhere"  # not a project: the defaults, and the note shown with the model's name
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
-    assert cli.main(["predict", "what a day"]) == 1  # no store here either; but first it says which model it wanted
-    error = capsys.readouterr().err
-    assert "no params.yaml here: the default model" in error.splitlines()[0], error
+    register, note = cli._register_params(Path("params.yaml"), explicit=False)
+    assert register.model_name == config.parse_params({}).register_.model_name
+    assert note == " (the default model: no params.yaml here; --params or --model-uri name another)"
 
 
 # $1: the checkout, bound read-only onto itself; $2: the python; $3: where the outputs go
