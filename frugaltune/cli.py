@@ -34,11 +34,16 @@ class CommandError(RuntimeError):
 
 
 def _register_params(params_path: Path, explicit: bool):
+    """The params' `register` section, and a note to show with the model's name when it is the default's."""
     from frugaltune.config import load_params, parse_params
 
-    if not params_path.is_file() and not explicit:
-        return parse_params({}).register_  # outside a project checkout: the defaults, `auto` resolved
-    return load_params(params_path).register_
+    # In a project (dvc.yaml here) a missing params.yaml is an error (load_params says how to restore it): the
+    # defaults would name another model than the one its params.yaml registered.
+    if not params_path.is_file() and not explicit and not (params_path.parent / "dvc.yaml").is_file():
+        # outside a project checkout: the defaults, `auto` resolved; said wherever the model's name is shown
+        return parse_params({}).register_, (f" (the default model: no {params_path} here; --params or --model-uri "
+                                            "name another)")
+    return load_params(params_path).register_, ""
 
 
 def _read_texts(args: argparse.Namespace) -> list[str]:
@@ -54,11 +59,13 @@ def _predict(args: argparse.Namespace) -> int:
     from frugaltune import store, tracking
     from frugaltune.config import ParamsError
 
-    try:
-        register = _register_params(Path(args.params or DEFAULT_PARAMS), explicit=args.params is not None)
-    except ParamsError as exc:
-        raise CommandError(str(exc)) from None
-    model_uri = args.model_uri or f"models:/{register.model_name}@{register.alias}"
+    model_uri, default = args.model_uri, ""
+    if model_uri is None:  # the params only name the model: with --model-uri they are not read
+        try:
+            register, default = _register_params(Path(args.params or DEFAULT_PARAMS), explicit=args.params is not None)
+        except ParamsError as exc:
+            raise CommandError(str(exc)) from None
+        model_uri = f"models:/{register.model_name}@{register.alias}"
     uri = tracking.tracking_uri()
     try:
         # damaged, or deleted with backups left: the restore command, not MLflow's SQL error; a server that is down:
@@ -93,11 +100,13 @@ def _predict(args: argparse.Namespace) -> int:
                     "--params, or pass --model-uri.")
         else:
             hint = "Register a model first (`dvc repro register`), or pass --model-uri / set MLFLOW_TRACKING_URI."
-        raise CommandError(f"cannot load {model_uri} from {mlflow.get_tracking_uri()}: {exc.message}\n{hint}") from None
-    except (ValueError, FileNotFoundError) as exc:  # its files damaged (serving.verify_model_files), a base missing
+        raise CommandError(f"cannot load {model_uri}{default} from {mlflow.get_tracking_uri()}: {exc.message}\n"
+                           f"{hint}") from None
+    except (OSError, ValueError) as exc:
+        # its files damaged (serving.verify_model_files), the base model's cache or files (serving.resolve_base)
         raise CommandError(f"{_describe_loaded(model_uri).removeprefix('loaded ')}: {exc}") from None
     # Which model answered, on stderr: stdout stays one prediction per line for whatever parses it.
-    print(f"frugaltune predict: {_describe_loaded(model_uri)}", file=sys.stderr)
+    print(f"frugaltune predict: {_describe_loaded(model_uri)}{default}", file=sys.stderr)
     # The signature says which kind of model this is: a classifier reads `text`, a generative model `prompt`.
     schema = model.metadata.get_input_schema()
     if schema is not None and "prompt" in schema.input_names():
@@ -180,7 +189,7 @@ def _registered_adapter(model_uri: str, into: Path) -> tuple[Path, Path]:
         return artifacts[serving.BASE_ARTIFACT], artifacts[serving.ADAPTER_ARTIFACT]
     try:
         base = serving.resolve_base(config["base_model_sha256"], config["base_model_uri"])
-    except (KeyError, FileNotFoundError, ValueError) as exc:
+    except (KeyError, OSError, ValueError) as exc:
         raise CommandError(f"{model_uri}: its base model cannot be found: {exc}") from None
     try:  # the files it was logged with, as loading it checks them
         serving.verify_model_files(base, artifacts[serving.ADAPTER_ARTIFACT], config)

@@ -6,7 +6,9 @@ Not run directly; every stage calls `load_params()`. To check a params file by h
 
 A misspelled key fails with its path and a suggestion (`train.lora.rnk: unknown key. Did you mean
 `train.lora.r`?`), a wrong type names the key, the value and the expected type, and a file the params name
-(`scheduling.trace`, relative to the params file's directory) must exist.
+(`scheduling.trace`, relative to the params file's directory) must exist. The check by hand (which `make pipeline`
+and `make schedule` run before `dvc repro`) also refuses a damaged dvc.lock beside the file and a checkout that
+cannot be written (frugaltune.checkout).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
+
+from frugaltune import checkout
 
 
 class Section(BaseModel):
@@ -876,6 +880,9 @@ def load_params(path: str | Path = "params.yaml") -> Params:
     """Read and validate `params.yaml` (relative to the working directory, the project root)."""
     path = Path(path)
     if not path.is_file():
+        if (path.parent / "dvc.yaml").is_file():  # in the project: the file itself is gone
+            raise ParamsError(f"{path}: missing: the project's dvc.yaml is beside it, its params file is not. Restore "
+                              f"it with `git checkout -- {path}` (`git log -- {path}` shows when it went).")
         raise ParamsError(f"{path}: not found. Run from the project root (the directory with dvc.yaml).")
     try:
         raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
@@ -901,7 +908,14 @@ def main(argv: list[str] | None = None) -> None:
         params = load_params(path)
     except ParamsError as exc:
         sys.exit(str(exc))
-    data = _check_data_source(params, Path(path).parent)
+    # What DVC would do without a word (rerun from a damaged dvc.lock) or fail on (a read-only checkout), first; the
+    # write test only in a project (dvc.yaml beside the file): a params file elsewhere may well be read-only.
+    project = Path(path).parent
+    for problem in (checkout.lock_problem(project / "dvc.lock"),
+                    checkout.write_problem(project) if (project / "dvc.yaml").is_file() else None):
+        if problem is not None:
+            sys.exit(problem)
+    data = _check_data_source(params, project)
     print(f"{path}: OK ({len(_known_keys(Params))} keys known); register.model_name {params.register_.model_name}, "
           f"train.input_template {params.train.input_template!r}; {data}")
 

@@ -543,8 +543,16 @@ def resolve_base(sha256: str, uri: str) -> Path:
     cached = base_cache_root() / sha256
     if (cached / ".sha256").is_file() and (cached / ".sha256").read_text().strip() == sha256:
         return cached
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{sha256[:12]}-", dir=cached.parent))
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{sha256[:12]}-", dir=cached.parent))
+    except OSError as exc:  # read-only, not ours, a file in the way: one line, with the variable that moves it
+        where = (f"{BASE_CACHE_ENV}={os.environ[BASE_CACHE_ENV]}" if os.environ.get(BASE_CACHE_ENV)
+                 else f"the default base model cache {cached.parent}")
+        raise OSError(
+            f"{where}: cannot write the base model there ({exc.strerror}: {exc.filename}). Set {BASE_CACHE_ENV} "
+            f"to a directory you can write (it holds one copy of each base model, {sha256[:12]}... here)."
+        ) from None
     try:
         try:
             local = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(staging)))

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import fcntl
 import filecmp
+import logging
 import os
 import sqlite3
 import sys
@@ -54,6 +55,8 @@ SERVER_CHECK_TIMEOUT_S = 3.0  # a tracking server on the same machine or network
 # seconds; a value the user set wins. The per-request timeout (MLFLOW_HTTP_REQUEST_TIMEOUT, 120 s) is left alone:
 # uploading the base model's weights (hundreds of MB) to a server is a single request.
 HTTP_RETRY_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1"}
+# MLflow logs every SQLAlchemy OperationalError with its traceback (70 lines) before raising it as its own exception.
+MLFLOW_DB_LOGGER = "mlflow.store.db.utils"
 
 
 class StoreError(RuntimeError):
@@ -70,6 +73,10 @@ class StoreBusy(StoreError):
 
 class StoreUnreachable(StoreError):
     """The tracking server the URI names does not answer."""
+
+
+class StoreFull(StoreError):
+    """The disk filled up while the store, its artifacts or its backup were written; the store itself is intact."""
 
 
 @dataclass(frozen=True)
@@ -236,17 +243,27 @@ def _copy_database(source: sqlite3.Connection, target: Path) -> None:
         source.backup(copy)
 
 
+def remove_partial_backups(db: Path) -> None:
+    """Remove the half-written backups of `db` (`.<name>.partial`) and the journals sqlite keeps beside them."""
+    for pattern in (".*.partial", *(f".*.partial{suffix}" for suffix in SIDE_FILES)):
+        for partial in backup_dir(db).glob(pattern):
+            partial.unlink(missing_ok=True)
+
+
 def backup(db: Path, keep: int = KEEP) -> Path:
     """An online backup of `db` in backup_dir(db); the newest `keep` are kept. Returns the backup's path (the
     newest existing one when nothing changed since it was taken)."""
     folder = backup_dir(db)
     folder.mkdir(exist_ok=True)
-    for partial in folder.glob(".*.partial"):  # left by a backup killed half-way
-        partial.unlink(missing_ok=True)
+    remove_partial_backups(db)  # left by a backup killed half-way
     target = folder / f"{db.stem}-{datetime.now(UTC):{STAMP}}.db"
     partial = folder / f".{target.name}.partial"
-    with closing(sqlite3.connect(db, timeout=BUSY_TIMEOUT_S)) as source:
-        _copy_database(source, partial)
+    try:
+        with closing(sqlite3.connect(db, timeout=BUSY_TIMEOUT_S)) as source:
+            _copy_database(source, partial)
+    except BaseException:
+        remove_partial_backups(db)  # a full disk: neither the half copy nor its journal stays behind
+        raise
     previous = backups(db)
     if previous and filecmp.cmp(previous[0].path, partial, shallow=False):
         partial.unlink()
@@ -303,22 +320,63 @@ def write_lock(db: Path, timeout: float | None = None) -> Iterator[None]:
 
 
 @contextmanager
-def guarded_write(uri: str) -> Iterator[None]:
+def guarded_write(uri: str, rerun: str = "dvc repro register") -> Iterator[None]:
     """Around a process's writes to the store of `uri`: take the write lock, refuse a damaged store (StoreDamaged),
     back it up, let the caller write, and back it up again, so that the newest backup holds the newest registry.
-    Does nothing for a store that is not a local sqlite file."""
+    A disk that fills up anywhere in there (sqlite's "database or disk is full", MLflow's wrapping of it, ENOSPC
+    from an artifact) becomes StoreFull: one line saying what was being written, that the store is intact, and
+    `rerun`; the half-written backup and its journal are removed. Does nothing for a store that is not a local
+    sqlite file."""
     db = sqlite_path(uri)
     if db is None:
         yield
         return
-    with write_lock(db):
-        check(uri)
-        if db.exists():
-            backup(db)
-        faults.inject("store", db.name)  # the fault suite kills or pauses a writer here, holding the lock
+    doing = f"taking the write lock of {db}"
+    try:
+        with write_lock(db):
+            check(uri)
+            doing = f"backing {db} up into {backup_dir(db)} before writing"
+            if db.exists():
+                backup(db)
+            faults.inject("store", db.name)  # the fault suite kills or pauses a writer here, holding the lock
+            doing = f"writing the MLflow store {db} and its artifacts"
+            with _quiet_disk_full(logging.getLogger(MLFLOW_DB_LOGGER)):
+                yield
+            doing = f"backing {db} up into {backup_dir(db)} after writing (what was registered is in {db})"
+            if db.exists():
+                backup(db)
+    except Exception as exc:
+        if not faults.is_disk_full(exc):
+            raise
+        remove_partial_backups(db)
+        if isinstance(exc, OSError) and exc.filename:  # an artifact or a report, not the database: say which
+            doing += f" (at {exc.filename})"
+        raise StoreFull(_full_message(db, doing, rerun)) from None
+
+
+@contextmanager
+def _quiet_disk_full(logger: logging.Logger) -> Iterator[None]:
+    """Drop `logger`'s records of a full disk: guarded_write reports it in one line, and the traceback MLflow logs
+    first would bury that line. Every other record passes."""
+
+    def not_disk_full(record: logging.LogRecord) -> bool:
+        return not (record.exc_info and record.exc_info[1] is not None and faults.is_disk_full(record.exc_info[1]))
+
+    logger.addFilter(not_disk_full)
+    try:
         yield
-        if db.exists():
-            backup(db)
+    finally:
+        logger.removeFilter(not_disk_full)
+
+
+def _full_message(db: Path, doing: str, rerun: str) -> str:
+    problem = integrity_problem(db) if db.exists() else None
+    if problem is not None:  # sqlite rolls an unfinished write back, so this is not expected; but never hide it
+        return f"no space left on the device while {doing}. {_damage_message(db, f'is damaged ({problem})')}"
+    return (f"no space left on the device while {doing}. The store is intact: {db} passes sqlite's integrity check "
+            f"(a write the disk cut short is rolled back), and no half-written backup is left in {backup_dir(db)}. "
+            f"Free some space (`df -h {db.parent}`; `dvc gc` removes cache entries no commit uses), then rerun "
+            f"`{rerun}`: a version already registered is reused, never made twice.")
 
 
 def restore(db: Path, chosen: Path | None = None, force: bool = False) -> tuple[Backup, Path | None]:

@@ -76,7 +76,8 @@ def run(params: Params) -> dict:
 def main() -> None:
     with stage_errors("federated_register"):
         try:
-            with store.guarded_write(tracking.tracking_uri()):  # one writer; a backup before and after
+            # one writer; a backup before and after
+            with store.guarded_write(tracking.tracking_uri(), rerun="dvc repro federated/dvc.yaml:federated_register"):
                 run(load_params())
         except (ParamsError, register.RegisterError, store.StoreError, integrity.IntegrityError) as exc:
             sys.exit(f"federated_register: {exc}")

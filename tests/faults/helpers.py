@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from tests import tiny_project
@@ -69,3 +70,22 @@ def make_project(repo: Path, model_dir: Path, **train) -> Path:
 def commit(repo: Path, message: str) -> None:
     subprocess.run(["git", "add", "-A"], cwd=repo, check=True, capture_output=True)
     subprocess.run(["git", "commit", "-qm", message, "--allow-empty"], cwd=repo, check=True, capture_output=True)
+
+
+UNSHARE = ["unshare", "--user", "--map-root-user", "--mount"]
+
+
+def in_private_mounts(script: str, *args: str, cwd: Path | None = None, run_env: dict[str, str] | None = None,
+                      timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run the bash `script` (`args` as $1, $2...) in a user and mount namespace of its own (`unshare -rm`), where it
+    may mount a small tmpfs (a disk that fills up) or a read-only bind mount (a read-only checkout): real file
+    systems, seen only by the script and its children and gone with them, even if the test dies. Skips the test
+    where the kernel allows no such namespace (unprivileged user namespaces turned off)."""
+    try:
+        probe = subprocess.run([*UNSHARE, "true"], capture_output=True, text=True, timeout=60)
+    except FileNotFoundError:
+        pytest.skip("needs util-linux's `unshare` for a private tmpfs or read-only mount")
+    if probe.returncode != 0:
+        pytest.skip(f"needs a user and mount namespace for a private mount (`unshare -rm`): {probe.stderr.strip()}")
+    return subprocess.run([*UNSHARE, "bash", "-c", script, "bash", *args], cwd=cwd, env=run_env or env(),
+                          capture_output=True, text=True, timeout=timeout)

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from frugaltune import paths, store
-from tests.faults.helpers import ROOT, env
+from tests.faults.helpers import ROOT, env, in_private_mounts
 from tests.faults.table import fault
 from tests.unit.test_register import (
     EXPERIMENT,
@@ -265,3 +265,72 @@ def test_kill9_while_writing_the_store(project):
     done = register(project)
     assert "already has" in done.stdout and champion(project) == 1
     assert json.loads((project / "reports" / "register.json").read_text())["version"] == 1
+
+
+# $1: the project, $2: the python, $3: the marker, $4: where the results go. The project is copied onto an 8 MB tmpfs;
+# each register writes the store's backup (1 MB) first, so 100 KB free stops the first one there; the second pauses
+# once that backup is taken (FRUGALTUNE_FAULT), the disk is filled to the last byte, and MLflow's writes hit it.
+FILL_REGISTER = r"""
+set -u
+disk="$4/disk"; mkdir -p "$disk"; mount -t tmpfs -o size=8m tmpfs "$disk"
+cp -a "$1" "$disk/project"; cd "$disk/project"
+fill() { dd if=/dev/zero of="$disk/fill" bs=1k count="$1" 2>/dev/null; }
+fill $(( $(df --output=avail -k "$disk" | tail -1) - 100 ))
+"$2" -m stages.register > "$4/before-backup.log" 2>&1; echo $? > "$4/before-backup.rc"
+rm "$disk/fill"
+FRUGALTUNE_FAULT=store:mlflow.db:pause FRUGALTUNE_FAULT_MARKER="$3" "$2" -m stages.register > "$4/mlflow-write.log" 2>&1 &
+until [ -f "$3" ] || ! kill -0 $! 2>/dev/null; do sleep 0.2; done
+dd if=/dev/zero of="$disk/fill" bs=64k 2>/dev/null
+rm -f "$3"; wait $!; echo $? > "$4/mlflow-write.rc"
+rm "$disk/fill"; cp -a "$disk/project" "$4/after"
+"""
+
+
+@fault("disk", "the disk fills up during `register`: while it backs the store up, and while MLflow writes the store",
+       "one line: no space left while backing up / writing mlflow.db, the store is intact, the fix (free space, "
+       "rerun `dvc repro register`); not sqlite's traceback, nor MLflow's 70-line log of it",
+       "the store intact (sqlite's integrity check passes, @champion unchanged); no half-written backup or journal "
+       "left in mlflow-backups/")
+def test_disk_full_during_register(project, tmp_path):
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+    run = client.create_run(client.get_experiment_by_name(EXPERIMENT).experiment_id)
+    client.set_terminated(run.info.run_id)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(project)
+        fake_reports(0.7, run.info.run_id)  # a better model: register would write a version and move @champion
+    done = in_private_mounts(FILL_REGISTER, str(project), sys.executable, str(tmp_path / "marker"), str(tmp_path),
+                             run_env=run_env(project))
+    assert (tmp_path / "after").is_dir(), done.stdout + done.stderr
+    for name, doing in (("before-backup", "backing"), ("mlflow-write", "writing the MLflow store")):
+        output = (tmp_path / f"{name}.log").read_text()
+        assert (tmp_path / f"{name}.rc").read_text().strip() == "1", output
+        assert output.strip().splitlines() == [output.strip()], output  # one line, no traceback, no MLflow log
+        assert output.startswith(f"register: no space left on the device while {doing}"), output
+        assert "The store is intact" in output and "rerun `dvc repro register`" in output, output
+    after = tmp_path / "after"
+    assert store.integrity_problem(after / "mlflow.db") is None and champion(after) == 1
+    assert not [p.name for p in (after / "mlflow-backups").iterdir() if p.name.startswith(".")]
+    assert not after.joinpath("mlflow.db-journal").exists()
+
+
+# $1: a directory, mounted as an empty read-only file system; $2: the text to predict
+READ_ONLY_CACHE = r"""
+mount -t tmpfs -o ro,size=1m tmpfs "$1" || exit 99
+FRUGALTUNE_BASE_CACHE="$1/bases" exec frugaltune predict "$2"
+"""
+
+
+@fault("disk", "FRUGALTUNE_BASE_CACHE on a read-only file system (`frugaltune predict` must put the base model there)",
+       "one line: the variable, the path, the error (Read-only file system), and the fix (point it at a directory "
+       "you can write); not a 28-line OSError traceback", "nothing written; the registry untouched")
+def test_an_unwritable_base_cache_is_named_with_the_variable(project, tmp_path):
+    cache = tmp_path / "read-only-cache"
+    cache.mkdir()
+    done = in_private_mounts(READ_ONLY_CACHE, str(cache), TEXT, cwd=project, run_env=run_env(project))
+    output = done.stdout + done.stderr
+    assert done.returncode == 1 and "Traceback" not in output, output
+    [line] = [line for line in output.splitlines() if line.startswith("frugaltune predict: cannot load")]
+    assert f"FRUGALTUNE_BASE_CACHE={cache}/bases: cannot write the base model there (Read-only file system" in line
+    assert "Set FRUGALTUNE_BASE_CACHE to a directory you can write" in line, line
