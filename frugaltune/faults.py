@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from frugaltune import console
+from frugaltune import console, processes
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
@@ -58,8 +58,10 @@ def disk_full_message(stage: str, exc: OSError) -> str:
 def stage_errors(stage: str) -> Iterator[None]:
     """Turn a full disk into one clear line and exit status 1, for any stage (other errors pass through).
 
-    Every stage runs in here, so this is where its progress bars are turned off unless it writes to a terminal.
+    Every stage runs in here, so this is where its progress bars are turned off unless it writes to a terminal,
+    and where it asks to die with DVC (frugaltune/processes.py): a stage whose `dvc repro` was killed stops too.
     """
+    processes.die_with_parent()
     console.quiet_progress_unless_terminal()
     try:
         yield
