@@ -29,7 +29,8 @@ import psutil
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 PARENT_ENV = "FRUGALTUNE_PARENT_PID"  # a worker's expected parent: see die_with_parent
-_START_TOLERANCE_S = 1.0  # psutil's start times are the kernel's boot-relative ticks: a little jitter, never seconds
+_START_TOLERANCE_S = 1.0
+_armed: list[bool] = []  # whether die_with_parent succeeded in this process  # psutil's start times are the kernel's boot-relative ticks: a little jitter, never seconds
 
 
 def _prctl() -> Callable[..., int] | None:
@@ -59,7 +60,16 @@ def die_with_parent(parent: int | None = None) -> bool:
     is normal in a container), so a stage calls this in its first lines, before its imports.
     """
     prctl = _prctl()
-    return prctl is not None and _arm(prctl, parent)
+    if prctl is None or not _arm(prctl, parent):
+        return False
+    _armed.append(True)
+    return True
+
+
+def dies_with_parent() -> bool:
+    """Whether this process asked for the parent-death signal: then a SIGTERM may come twice (a process group's,
+    then the kernel's once DVC has died), and the training loop keeps ignoring the second while it exits."""
+    return bool(_armed)
 
 
 def child_dies_with_parent() -> Callable[[], None] | None:

@@ -148,18 +148,21 @@ def test_dvc_and_the_stage_killed_together(project):
 def test_kill9_of_dvc_exp_run_leaves_no_orphan_and_exp_clean_removes_it(project):
     # train.lr: a param train reads and the plan does not (no recalibration); 5 s a step: 4 steps of 6 left to run
     # after the first checkpoint, longer than the stage may take to stop
-    proc = subprocess.Popen([sys.executable, "-m", "dvc", "exp", "run", "--temp", "-n", "killed", "-S",
-                             "train.lr=0.000321"], cwd=project, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True, env=env(FRUGALTUNE_TEST_STEP_DELAY_S="5"))
+    # The output goes to a file: a pipe would stay open while the stage (which inherits it) runs
+    log = project.parent / "exp-run.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "dvc", "exp", "run", "--temp", "-n", "killed", "-S",
+                                 "train.lr=0.000321"], cwd=project, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True, env=env(FRUGALTUNE_TEST_STEP_DELAY_S="5"))
     workspaces = project / ".dvc" / "tmp" / "exps" / "standalone"
     deadline = time.monotonic() + 600
     while not list(workspaces.glob("tmp*/checkpoints/train/*/step-2")):
-        assert proc.poll() is None, f"the experiment ended before its first checkpoint:\n{proc.stdout.read()}"
+        assert proc.poll() is None, f"the experiment ended before its first checkpoint:\n{log.read_text()}"
         assert time.monotonic() < deadline, "no checkpoint within 10 minutes"
         time.sleep(0.1)
     stage = next(p for p in psutil.Process(proc.pid).children(recursive=True) if "stages.train" in p.cmdline())
     os.kill(proc.pid, signal.SIGKILL)  # DVC alone, as `kill -9 <pid>` does; the stage is its child
-    proc.communicate(timeout=60)
+    proc.wait(timeout=60)
     try:
         stage.wait(timeout=12)  # the step under way (up to 5 s), a checkpoint, exit
     except psutil.TimeoutExpired:
