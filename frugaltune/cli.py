@@ -11,6 +11,7 @@
     frugaltune plan --memory-limit-gb 4 --no-calibrate --json
     frugaltune registry restore                             # a damaged mlflow.db: its newest good backup back
     frugaltune registry backups                             # the backups of mlflow.db, newest first
+    frugaltune exp-clean                                    # what a killed `dvc exp run --temp` left: removed
 
 Each subcommand is a `_<name>(args) -> int` handler registered in `build_parser()`; heavy imports stay inside
 the handlers so `frugaltune --help` is instant.
@@ -325,6 +326,17 @@ def _registry_backups(args: argparse.Namespace) -> int:
     return 0
 
 
+def _exp_clean(args: argparse.Namespace) -> int:
+    from frugaltune import exp_clean, store
+
+    try:
+        lines = exp_clean.clean(Path.cwd())
+    except store.StoreError as exc:
+        raise CommandError(str(exc)) from None
+    print("\n".join(lines))
+    return 0
+
+
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -395,6 +407,16 @@ def build_parser() -> argparse.ArgumentParser:
                       help="run a few real training steps to fit this machine's constants (default: probe.calibrate)")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.set_defaults(handler=_plan)
+
+    clean = commands.add_parser(
+        "exp-clean",
+        help="remove what a killed `dvc exp run --temp` or `dvc repro` left behind",
+        description="Run from the project root after DVC was killed (kill -9, a closed terminal): a temp experiment "
+        "`dvc exp show` lists as Running whose DVC process is gone has its workspace under .dvc/tmp/exps removed "
+        "(and anything still running in it stopped); MLflow runs left RUNNING by a process that is gone are marked "
+        "KILLED. Nothing a live process uses is touched (frugaltune/exp_clean.py).",
+    )
+    clean.set_defaults(handler=_exp_clean)
 
     registry = commands.add_parser(
         "registry",

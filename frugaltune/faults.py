@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from frugaltune import checkout, console
+from frugaltune import checkout, console, processes
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
@@ -90,9 +90,11 @@ def stage_errors(stage: str) -> Iterator[None]:
     """Refuse a damaged dvc.lock, then turn a full disk or an unwritable path into one clear line and exit status 1,
     for any stage (other errors pass through).
 
-    Every stage runs in here, so this is where its progress bars are turned off unless it writes to a terminal, and
-    where dvc.lock is checked: whatever DVC command runs the stage, this runs before the stage does any work.
+    Every stage runs in here, so this is where its progress bars are turned off unless it writes to a terminal, where
+    dvc.lock is checked (whatever DVC command runs the stage, this runs before the stage does any work), and where it
+    asks to die with DVC (frugaltune/processes.py): a stage whose `dvc repro` was killed stops too.
     """
+    processes.die_with_parent()
     console.quiet_progress_unless_terminal()
     problem = checkout.lock_problem()
     if problem is not None:

@@ -534,12 +534,12 @@ class CalibrationWorker:
     the other, then reads its spec from stdin; `run` hands it the spec and returns what it measured."""
 
     def __init__(self, allocator_choice: str = "auto"):
-        from frugaltune import allocator
+        from frugaltune import allocator, processes
 
         self.process = subprocess.Popen(
             [sys.executable, "-m", "frugaltune.planner", "--calibration-worker"], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env={**allocator.child_env(allocator_choice), "TQDM_DISABLE": "1"})
+            env=processes.worker_env({**allocator.child_env(allocator_choice), "TQDM_DISABLE": "1"}))
 
     def run(self, spec: dict, timeout_s: float) -> dict:
         try:
@@ -559,6 +559,9 @@ class CalibrationWorker:
 def _worker_main() -> None:
     """`python -m frugaltune.planner --calibration-worker`: import first, then wait for the spec on stdin."""
     began = time.perf_counter()
+    from frugaltune import processes
+
+    processes.die_with_parent(processes.parent_from_env())  # a killed plan stage leaves no calibration running
     import torch  # noqa: F401 -- what the steps need, imported before the spec arrives
 
     from frugaltune.training import loop, methods, setup  # noqa: F401

@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -32,7 +33,7 @@ from urllib.parse import urlparse
 
 import yaml
 
-from frugaltune import paths, store
+from frugaltune import paths, processes, store
 
 TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
 # MLflow 3's UI opens an experiment without this tag in its GenAI view (traces); ours are model development.
@@ -47,6 +48,9 @@ RUN_NAME_HASH_CHARS = 7  # as `git log --oneline`: enough to tell a task's runs 
 RUNS_VIEW_KEY = "frugaltune"
 RUNS_VIEW_TAG = f"mlflow.sharedViewState.{RUNS_VIEW_KEY}"
 # The params a user compares runs by (logged by the train recipe as `train.<field>`), shown beside the metrics.
+# The process logging into a run, so that `frugaltune exp-clean` can tell a run whose process was killed (left
+# RUNNING forever) from one that runs: host, pid and the pid's start time (pids are reused).
+HOST_TAG, PID_TAG, STARTED_TAG = "frugaltune.host", "frugaltune.pid", "frugaltune.pid_started"
 KEY_PARAMS = ("train.method", "train.lr", "train.epochs", "train.lora.r", "resolved.precision", "data.train_rows")
 
 
@@ -124,6 +128,35 @@ def setup(experiment: str) -> str:
         warn_if_artifacts_local(experiment, client.get_experiment(experiment_id).artifact_location, uri)
     mlflow.set_experiment(experiment_id=experiment_id)
     return experiment_id
+
+
+def process_tags() -> dict[str, str]:
+    """HOST_TAG, PID_TAG, STARTED_TAG of this process: set on a run when it starts, and again when it is resumed."""
+    return {HOST_TAG: socket.gethostname(), PID_TAG: str(os.getpid()), STARTED_TAG: f"{processes.started():.3f}"}
+
+
+def process_gone(tags: dict[str, str]) -> bool:
+    """Whether a run's process (its `process_tags`) is known to be gone: it ran on this host and that pid, started
+    then, no longer runs. False when the tags are missing or name another host: nothing is known there."""
+    try:
+        pid, started = int(tags[PID_TAG]), float(tags[STARTED_TAG])
+    except (KeyError, ValueError):
+        return False
+    return tags.get(HOST_TAG) == socket.gethostname() and not processes.alive(pid, started)
+
+
+def resumable_run(client, run_id: str | None, experiment_id: str) -> str | None:
+    """`run_id` when MLflow can reopen it for this experiment (it exists, is not deleted, is in `experiment_id`)."""
+    from mlflow.exceptions import MlflowException
+
+    if not run_id:
+        return None
+    try:
+        run = client.get_run(run_id)
+    except MlflowException:
+        return None
+    ok = run.info.lifecycle_stage != "deleted" and run.info.experiment_id == experiment_id
+    return run_id if ok else None
 
 
 def experiment_name(params) -> str:

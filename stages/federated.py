@@ -102,7 +102,7 @@ def run(params: Params) -> dict:
     report = {"runs": {}, "partitions": {}, "clients": {}}
     round_rows, label_rows, clients = [], [], []
     tracking.setup("federated")
-    with mlflow.start_run(run_name="federated", tags=tracking.run_tags()) as mlrun:
+    with mlflow.start_run(run_name="federated", tags={**tracking.run_tags(), **tracking.process_tags()}) as mlrun:
         report["mlflow_run_id"] = mlrun.info.run_id  # stages/federated_register.py registers into this run
         mlflow.log_params({f"federated.{k}": json.dumps(v) if isinstance(v, (list, dict)) else v
                            for k, v in fp.model_dump().items()})

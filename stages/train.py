@@ -23,8 +23,9 @@ from __future__ import annotations
 if __name__ == "__main__":
     # Before the heavy imports below: a malloc cannot change after start, so this process may re-execute itself
     # on mimalloc (train.allocator), and doing it here saves importing torch, datasets and mlflow twice.
-    from frugaltune import allocator as _allocator
+    from frugaltune import allocator as _allocator, processes as _processes
 
+    _processes.die_with_parent()  # before seconds of imports: killed DVC, no training (stage_errors repeats it)
     _allocator.reexec_early()
 
 import os

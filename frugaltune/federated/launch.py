@@ -28,6 +28,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from frugaltune import processes
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -126,9 +128,10 @@ class LocalFederation:
 
     def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
         log = open(self.workdir / f"{name}.log", "ab")
-        # own process group: stopping a SuperNode also stops the ClientApp process it started
+        # own process group: stopping a SuperNode also stops the ClientApp process it started; and each dies with
+        # the stage (frugaltune/processes.py), which `stop` cannot see to when the stage is killed
         proc = subprocess.Popen(cmd, cwd=self.project_root, env=self.env(), stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=processes.child_dies_with_parent())
         self.processes[name] = proc
         return proc
 

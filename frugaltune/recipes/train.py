@@ -22,7 +22,8 @@ from frugaltune import planner, resolve
 from frugaltune.models import load_tokenizer
 from frugaltune.telemetry import StepTimer, TelemetrySampler
 from frugaltune.training import checkpoint, distributed, setup
-from frugaltune.training.loop import TrainResult, count_parameters, peak_rss_mb, train_classifier
+from frugaltune.training.loop import (TrainingInterrupted, TrainResult, count_parameters, peak_rss_mb,
+                                      train_classifier)
 from frugaltune.training.methods import save_trained
 from frugaltune import paths
 from frugaltune.config import Params
@@ -58,6 +59,20 @@ def flatten(prefix: str, value) -> dict:
             out.update(flatten(f"{prefix}.{key}" if prefix else key, sub))
         return out
     return {prefix: json.dumps(value) if isinstance(value, list) else value}
+
+
+def log_params_once(logged, values: dict) -> None:
+    """`mlflow.log_params(values)`; into a reopened run (`logged`: its data) only those its first attempt did not
+    log, since MLflow refuses to change a param. A setting that may change between attempts without changing the
+    checkpoints (`train.log_every`, `resolved.threads`, ...) keeps its first value, and the new one is the tag
+    `resumed.<param>`."""
+    if logged is None:
+        mlflow.log_params(values)
+        return
+    mlflow.log_params({k: v for k, v in values.items() if k not in logged.params})
+    for k, v in values.items():
+        if k in logged.params and logged.params[k] != str(v):
+            mlflow.set_tag(f"resumed.{k}", str(v))
 
 
 def untrained() -> TrainResult:
@@ -141,12 +156,21 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN, use_plan: bo
           f"{'on' if int8_products['on'] else 'off'} ({int8_products['why']})"
           + (f", {world.size} ranks (data parallel, {threads} threads each)" if world.distributed else ""))
 
-    events: list[str] = []
-    tracking.setup(tracking.experiment_name(params))
-    with mlflow.start_run(run_name=tracking.run_name(tp.method, params.data.source, key),
-                          tags=tracking.run_tags()) as mlrun:
-        mlflow.log_params(flatten("train", tp.model_dump()))
-        mlflow.log_params({"resolved.precision": "bf16" if bf16 else "fp32", "resolved.threads": threads,
+    experiment_id = tracking.setup(tracking.experiment_name(params))
+    # A run resumed from a checkpoint logs into the MLflow run it began (its id is kept beside the checkpoints):
+    # one run with the whole loss history, rather than a stopped twin and a run that starts at the resumed step.
+    reopened = tracking.resumable_run(mlflow.MlflowClient(), checkpoint.run_to_resume(checkpoint_dir)
+                                      if cfg.resume else None, experiment_id)
+    with mlflow.start_run(run_id=reopened,
+                          run_name=None if reopened else tracking.run_name(tp.method, params.data.source, key),
+                          tags={**tracking.run_tags(), **tracking.process_tags()}) as mlrun:
+        checkpoint.remember_run(checkpoint_dir, mlrun.info.run_id)
+        logged = mlflow.MlflowClient().get_run(mlrun.info.run_id).data if reopened else None
+        events: list[str] = []
+        # a reopened run keeps its first attempt's events: this attempt's are numbered after them
+        first_event = sum(k.startswith("event.") for k in logged.tags) if logged else 0
+        log_params_once(logged, flatten("train", tp.model_dump())
+                        | {"resolved.precision": "bf16" if bf16 else "fp32", "resolved.threads": threads,
                            "resolved.micro_batch_size": resolved.micro_batch_size,
                            "resolved.gradient_checkpointing": resolved.gradient_checkpointing,
                            "resolved.allocator": allocator.active(), "resolved.int8_products": int8_products["on"],
@@ -155,14 +179,21 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN, use_plan: bo
                           extra_phases=("all_reduce",) if world.distributed else ())
         sampler = TelemetrySampler(tp.telemetry_interval_s, out.telemetry_csv, mlrun.info.run_id,
                                    cores=threads, use_nvml=params.probe.nvml)
-        with sampler:
-            result = untrained() if tp.method == "none" else train_classifier(
-                model, rows, train_set["labels"], cfg, tokenizer.pad_token_id,
-                on_log=lambda rec: mlflow.log_metrics(step_metrics(rec), step=rec["step"]),
-                on_event=lambda message: mlflow.set_tag(f"event.{len(events)}", message) or events.append(message),
-                timer=timer, world=world,
-            )
-            peak_all_ranks = world.sum([peak_rss_mb()])[0]
+        try:
+            with sampler:
+                result = untrained() if tp.method == "none" else train_classifier(
+                    model, rows, train_set["labels"], cfg, tokenizer.pad_token_id,
+                    on_log=lambda rec: mlflow.log_metrics(step_metrics(rec), step=rec["step"]),
+                    on_event=lambda message: mlflow.set_tag(f"event.{first_event + len(events)}", message)
+                    or events.append(message),
+                    timer=timer, world=world,
+                )
+                peak_all_ranks = world.sum([peak_rss_mb()])[0]
+        except TrainingInterrupted:
+            # SIGINT/SIGTERM (a killed DVC included): a checkpoint was written, so the run is stopped rather than
+            # failed, and the next `dvc repro` reopens it to log the rest of its steps
+            mlflow.end_run("KILLED")
+            raise
         distributed.shutdown(world)
         telemetry = sampler.summary(timer)
         sampler.log_summary(telemetry)

@@ -4,7 +4,8 @@ Library code used by `frugaltune.training.loop`. A checkpoint is written to a te
 manifest of sha256 sums, then renamed to `step-<N>`: a directory that exists under its final name is complete,
 and one whose files do not match the manifest (truncated, edited) is skipped with a warning, never loaded.
 They live under `checkpoints/<run key>/`, outside every DVC output, because `dvc repro` deletes a stage's outputs
-before running it.
+before running it. Beside them, `run.json` names the MLflow run they belong to (`remember_run`): a resumed training
+logs into that same run (`run_to_resume`), so its loss history is whole and no failed twin is left.
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from frugaltune import faults
-from frugaltune.io import sha256_file
+from frugaltune.io import sha256_file, write_json
 
 MANIFEST = "manifest.json"
+RUN_FILE = "run.json"
 STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
@@ -107,6 +109,22 @@ def save_checkpoint(
     for old in list_checkpoints(directory)[:-keep]:
         shutil.rmtree(old.path, ignore_errors=True)
     return final
+
+
+def remember_run(directory: Path, mlflow_run_id: str) -> None:
+    """Record the MLflow run the checkpoints of `directory` belong to (written atomically, before any of them)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    write_json(directory / RUN_FILE, {"mlflow_run_id": mlflow_run_id})
+
+
+def run_to_resume(directory: Path) -> str | None:
+    """The MLflow run to continue: the one `remember_run` recorded, when there is a checkpoint to resume from."""
+    if not list_checkpoints(directory):
+        return None
+    try:
+        return json.loads((directory / RUN_FILE).read_text())["mlflow_run_id"]
+    except (OSError, ValueError, KeyError, TypeError):  # checkpoints written before run.json existed
+        return None
 
 
 def list_checkpoints(directory: Path) -> list[Checkpoint]:

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from frugaltune import console
+from frugaltune import console, processes
 from frugaltune.telemetry import StepTimer
 from frugaltune.training import checkpoint
 from frugaltune.training.batching import (IGNORE_INDEX, collate, collate_targets, epoch_batches, parts,
@@ -272,8 +272,12 @@ def _stop_on_signals(flag: dict):
     try:
         yield
     finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
+        # After a stop a stage is on its way out (checkpoint written, TrainingInterrupted raised): the parent-death
+        # SIGTERM (frugaltune/processes.py) that follows a process group's once DVC has died must not cut its exit
+        # short (its message, its MLflow run marked KILLED). There the flag handler stays: it does nothing more.
+        if not (flag and processes.dies_with_parent()):
+            for sig, old in previous.items():
+                signal.signal(sig, old)
 
 
 def _unpack_4bit_inference_layout(model: torch.nn.Module) -> None:

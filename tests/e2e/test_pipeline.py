@@ -169,6 +169,17 @@ def test_killed_and_terminated_training_resumes_to_the_same_final_loss(repo):
     resumed = json.loads((repo / "reports/train.json").read_text())
     assert resumed["resumed_from_step"] >= 16, output
     assert not list((repo / "checkpoints" / "train").glob("*/step-*"))  # a finished run cleans up
+    # One MLflow run for the three attempts: reopened at each resume, so it holds every logged step and no stopped
+    # or failed twin of the same name is left.
+    code = ("import json, sys, mlflow; from frugaltune import tracking; "
+            "c = mlflow.MlflowClient(tracking.tracking_uri()); r = c.get_run(sys.argv[1]); "
+            "same = c.search_runs([r.info.experiment_id], f\"attributes.run_name = '{r.info.run_name}'\"); "
+            "print('LOGGED', json.dumps({'status': r.info.status, "
+            "'steps': sorted({m.step for m in c.get_metric_history(r.info.run_id, 'step/loss')}), "
+            "'runs': [x.info.status for x in same]}))")
+    out = sh([sys.executable, "-c", code, resumed["mlflow_run_id"]], repo)
+    logged = json.loads(next(line for line in out.splitlines() if line.startswith("LOGGED "))[len("LOGGED "):])
+    assert logged == {"status": "FINISHED", "steps": list(range(4, 25, 4)), "runs": ["FINISHED"]}, logged
 
     # The same configuration uninterrupted (--force: no run cache, no checkpoint left to resume from).
     sh([sys.executable, "-m", "dvc", "repro", "--force", "--single-item", "train"], repo)

@@ -42,9 +42,10 @@ def fault(category: str, case: str, happens: str, kept: str):
 
 
 EARLIER = [
-    Row("process", "kill -9 / SIGTERM during training, resumed with `dvc repro`",
-        "the stage dies (SIGTERM: a checkpoint first, then exit)",
-        "recovered, nothing lost: the rerun resumes from the last complete checkpoint to the same final loss",
+    Row("process", "kill -9 / SIGTERM (or Ctrl-C) during training, resumed with `dvc repro`",
+        "the stage dies (SIGTERM: a checkpoint first, then exit; its MLflow run is marked KILLED, not FAILED)",
+        "recovered, nothing lost: the rerun resumes from the last complete checkpoint to the same final loss, in the "
+        "same MLflow run (reopened: the whole loss history, no failed twin)",
         "tests/e2e/test_pipeline.py::test_killed_and_terminated_training_resumes_to_the_same_final_loss"),
     Row("process", "a checkpoint truncated on disk", "a warning naming the checkpoint",
         "recovered: the previous complete checkpoint is used",

@@ -1,6 +1,7 @@
 """Process and disk faults on a real tiny project: a stage killed (-9, SIGTERM) with its output complete but not yet
-renamed, dvc and the stage killed together, two `dvc repro` at once, `register` killed after the model version
-exists, and a disk that fills up while writing a checkpoint, the adapter or a report.
+renamed, dvc and the stage killed together, `dvc exp run --temp` killed while it trains, two `dvc repro` at once,
+`register` killed after the model version exists, and a disk that fills up while writing a checkpoint, the adapter
+or a report.
 
 Run with `make test` or `pytest -m slow tests/faults` (a few minutes: one pipeline build, then one stage per test).
 Faults are injected with FRUGALTUNE_FAULT (frugaltune/faults.py) at the worst moment: just before the atomic
@@ -14,11 +15,14 @@ import json
 import os
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
+from contextlib import closing
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 
@@ -134,6 +138,47 @@ def test_dvc_and_the_stage_killed_together(project):
     assert_nothing_half_written(project, "tokenize")
     dvc(["repro"], project)
     assert status(project) == {}
+
+
+@fault("process", "`kill -9` of `dvc exp run --temp` while it trains (a closed terminal, the OOM killer)",
+       "the training stops with DVC (the kernel's SIGTERM: a checkpoint, then exit), no process is left; DVC alone "
+       "would list the experiment as Running forever: `frugaltune exp-clean` removes it",
+       "the experiment's temp workspace removed, `dvc exp show` lists nothing running, its MLflow run KILLED, not "
+       "RUNNING")
+def test_kill9_of_dvc_exp_run_leaves_no_orphan_and_exp_clean_removes_it(project):
+    # train.lr: a param train reads and the plan does not (no recalibration); 5 s a step: 4 steps of 6 left to run
+    # after the first checkpoint, longer than the stage may take to stop
+    # The output goes to a file: a pipe would stay open while the stage (which inherits it) runs
+    log = project.parent / "exp-run.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "dvc", "exp", "run", "--temp", "-n", "killed", "-S",
+                                 "train.lr=0.000321"], cwd=project, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True, env=env(FRUGALTUNE_TEST_STEP_DELAY_S="5"))
+    workspaces = project / ".dvc" / "tmp" / "exps" / "standalone"
+    deadline = time.monotonic() + 600
+    while not list(workspaces.glob("tmp*/checkpoints/train/*/step-2")):
+        assert proc.poll() is None, f"the experiment ended before its first checkpoint:\n{log.read_text()}"
+        assert time.monotonic() < deadline, "no checkpoint within 10 minutes"
+        time.sleep(0.1)
+    stage = next(p for p in psutil.Process(proc.pid).children(recursive=True) if "stages.train" in p.cmdline())
+    os.kill(proc.pid, signal.SIGKILL)  # DVC alone, as `kill -9 <pid>` does; the stage is its child
+    proc.wait(timeout=60)
+    try:
+        stage.wait(timeout=12)  # the step under way (up to 5 s), a checkpoint, exit
+    except psutil.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("the training outlived `kill -9` of its `dvc exp run`")
+    assert list(workspaces.glob("tmp*")), "DVC removed the temp workspace itself"  # DVC: Running, until cleaned
+
+    out = subprocess.run([sys.executable, "-m", "frugaltune.cli", "exp-clean"], cwd=project, env=env(),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "experiment killed" in out.stdout and "Traceback" not in out.stderr, out
+    assert not list(workspaces.glob("tmp*")), out.stdout
+    assert "Running" not in dvc(["exp", "show", "--csv"], project).stdout
+    with closing(sqlite3.connect(project / "mlflow.db")) as db:
+        statuses = db.execute("SELECT status FROM runs JOIN params USING (run_uuid) WHERE key = 'train.lr' AND "
+                              "value = '0.000321'").fetchall()
+    assert statuses == [("KILLED",)], statuses
 
 
 @fault("process", "a second `dvc repro` while one runs in the same repo", "the second stops at once with DVC's "
