@@ -684,8 +684,9 @@ class CalibrationWorker:
             if process.poll() is None:
                 process.kill()
                 process.wait()
-            process.stdout.close()
-            process.stderr.close()
+            for stream in (process.stdin, process.stdout, process.stderr):
+                with contextlib.suppress(OSError, ValueError):  # a pipe it closed first, or closed here already
+                    stream.close()
         if result is not None and not why:
             return result
         code = process.returncode
