@@ -39,6 +39,7 @@ matmuls). A method not timed falls back to its training FLOPs per token (6N full
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -361,7 +362,7 @@ def _calibration_point(spec: dict) -> dict:
     import torch
     from torch._dynamo.utils import counters
 
-    from frugaltune import allocator
+    from frugaltune import allocator, faults
     from frugaltune.training.loop import LoopConfig, train_classifier
     from frugaltune.training.methods import prepare_model
     from frugaltune.training.setup import apply_int8
@@ -382,6 +383,9 @@ def _calibration_point(spec: dict) -> dict:
     loaded_rss = psutil.Process().memory_info().rss
     phases = {"build_s": time.perf_counter() - began}
     int8 = apply_int8(model, spec["int8"], spec["method"])
+    # What the planner keeps of a calibration it stops early (CalibrationWorker.run): this line, then one per step
+    _report({"built": {"loaded_rss_bytes": loaded_rss, "int8_products": bool(int8["on"]),
+                       "allocator": allocator.active(), "build_s": round(phases["build_s"], 2)}})
     cfg = LoopConfig(**{**spec["loop"], "checkpoint_dir": None, "resume": False, "max_steps": None, "grad_accum": 1,
                         "log_every": 1, "warmup_ratio": 0.0})
     # Graphs inductor compiles afresh here (not found in its on-disk cache) are found there by every later process
@@ -395,6 +399,9 @@ def _calibration_point(spec: dict) -> dict:
     def on_log(record: dict) -> None:
         marks.append((record["elapsed_s"], peak(), compiled(), time.process_time(), time.perf_counter()))
         count(record)
+        elapsed, rss, graphs, cpu, wall = marks[-1]
+        _report({"mark": [elapsed, rss, graphs, cpu - cpu_start, wall - wall_start]})
+        faults.inject("calibration", f"step-{len(marks)}")
 
     cpu_start, wall_start = time.process_time(), time.perf_counter()
     optimizer_state: dict = {}  # AdamW's, kept for the steps taken in turn with the other methods'
@@ -417,10 +424,7 @@ def _calibration_point(spec: dict) -> dict:
             predict(evaluated, batch, spec["pad_token_id"], batch_size=len(batch), bf16=spec["loop"]["bf16"],
                     progress=False)
             inference.append(time.perf_counter() - begin)
-    steps, previous = [], (0.0, 0)
-    for elapsed, rss, graphs, _, _ in marks:  # cumulative marks -> each step's own seconds and compiled graphs
-        steps.append({"seconds": elapsed - previous[0], "peak_rss_bytes": rss, "compiled_graphs": graphs - previous[1]})
-        previous = (elapsed, graphs)
+    steps = _marked_steps(marks)
     others = {}
     if spec.get("others") and not spec.get("batches"):
         evaluated = None  # noqa: F841 (the model stays: its steps on the others' rows are taken in turn with theirs)
@@ -442,6 +446,20 @@ def _calibration_point(spec: dict) -> dict:
     return {"phases": phases, "loaded_rss_bytes": loaded_rss, "steps": steps, "int8_products": bool(int8["on"]),
             "cpu_share": round(busy, 3), "allocator": allocator.active(), "inference_seconds": inference,
             "others": others, "saved_bytes": saved_bytes, "cast_bytes": cast_bytes}
+
+
+def _report(line: dict) -> None:
+    """One line of the calibration's progress to the planner, as it happens (the worker's stdout is its pipe)."""
+    print(json.dumps(line), flush=True)
+
+
+def _marked_steps(marks: list) -> list[dict]:
+    """The loop's cumulative marks (elapsed, peak RSS, compiled graphs, ...) -> each step's own seconds and graphs."""
+    steps, previous = [], (0.0, 0)
+    for elapsed, rss, graphs, *_ in marks:
+        steps.append({"seconds": elapsed - previous[0], "peak_rss_bytes": rss, "compiled_graphs": graphs - previous[1]})
+        previous = (elapsed, graphs)
+    return steps
 
 
 def _cpu_share(marks: list[tuple], cpu_start: float, wall_start: float, threads: int) -> float:
@@ -527,6 +545,86 @@ def _time_other_methods(spec: dict, build, rows: list, targets: list, cfg, step_
     return timed
 
 
+# The calibration's watch (CalibrationWorker.run), over its last WATCH_S seconds: a process that got under
+# STALLED_CORE of one core is stopped (SIGSTOP, a debugger) or starved, and would wait out its timeout; one that got
+# under BUSY_SHARE of its threads' cores while other processes kept OTHERS_BUSY of the machine's cores busy is
+# sharing them: it runs past 1/BUSY_SHARE of its time on a free machine (more where OpenMP threads spin-wait for
+# a descheduled sibling), and it measures the load as much as the run.
+WATCH_S = 30.0
+STALLED_CORE = 0.1
+BUSY_SHARE = 0.8
+OTHERS_BUSY = 0.25
+
+
+class CalibrationStopped(RuntimeError):
+    """The calibration's process ended before its result: `why` (a clause), and what it had reported by then:
+    `built` (the model as loaded; None before), `marks` (the loop's, one per step). `busy`: the machine was."""
+
+    def __init__(self, why: str, built: dict | None = None, marks: list | None = None, busy: bool = False):
+        super().__init__(f"the calibration stopped early: {why}")
+        self.why, self.built, self.marks, self.busy = why, built, marks or [], busy
+
+
+class _Watch:
+    """CPU seconds of a process and its descendants (inductor compiles in worker processes) and of the whole
+    machine, sampled over time: whether the process is stalled, or losing its cores to other processes."""
+
+    def __init__(self, pid: int, threads: int, window_s: float):
+        import psutil
+
+        self.process, self.threads, self.window_s = psutil.Process(pid), threads, window_s
+        self.cores = psutil.cpu_count() or 1
+        self.samples: list[tuple[float, float, float]] = []
+
+    def _own(self) -> float:
+        import psutil
+
+        total = 0.0
+        for process in [self.process, *self.process.children(recursive=True)]:
+            try:
+                t = process.cpu_times()  # children_*: descendants it has reaped
+            except psutil.Error:
+                continue
+            total += t.user + t.system + t.children_user + t.children_system
+        return total
+
+    def verdict(self, stop_when_busy: bool, steps: int) -> tuple[str | None, bool]:
+        """(why to stop, whether the machine was busy), or (None, False) to go on. A process that got under
+        STALLED_CORE of a core over the window stops in any case: stopped, starved by a busy machine, or stuck.
+        With `stop_when_busy`, one losing its cores to other processes stops once it has two steps to fit, or after
+        twice the window without them."""
+        import psutil
+
+        now = time.monotonic()
+        try:
+            own = self._own()
+        except psutil.Error:  # gone: its exit status says how
+            return None, False
+        machine = psutil.cpu_times()
+        busy_all = (sum(machine) - machine.idle - getattr(machine, "iowait", 0.0) - getattr(machine, "guest", 0.0)
+                    - getattr(machine, "guest_nice", 0.0))  # guest time is counted in user time already
+        self.samples.append((now, own, busy_all))
+        old = [sample for sample in self.samples if sample[0] <= now - self.window_s]
+        if not old:
+            return None, False
+        then, own_then, busy_then = old[-1]
+        wall, used = now - then, own - own_then
+        others = max(0.0, busy_all - busy_then - used)
+        crowded = others >= OTHERS_BUSY * self.cores * wall
+        share = used / (wall * self.threads)
+        with contextlib.suppress(psutil.Error):
+            if used < STALLED_CORE * wall and self.process.status() == psutil.STATUS_STOPPED:
+                return f"its process was stopped (SIGSTOP, or a debugger) for {wall:.0f} s", False
+        # starved (it would take ten times its time), or sharing its cores with a plan that asked to stop then
+        if crowded and (used < STALLED_CORE * wall or (
+                stop_when_busy and share < BUSY_SHARE and (steps >= 2 or now - self.samples[0][0] >= 2 * self.window_s))):
+            return (f"the machine was busy: over {wall:.0f} s it got {share:.0%} of its {self.threads} threads' "
+                    f"cores while other processes kept {others / wall:.1f} of the {self.cores} cores busy"), True
+        if used < STALLED_CORE * wall:
+            return f"its process got {used / wall:.0%} of a core for {wall:.0f} s (stuck)", False
+        return None, False
+
+
 class CalibrationWorker:
     """The fresh process the calibration's steps run in: a clean peak RSS, on the training process's malloc
     (`train.allocator`: RSS depends on it as much as on the tensors). Started before the plan needs it, it imports
@@ -541,14 +639,62 @@ class CalibrationWorker:
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env=processes.worker_env({**allocator.child_env(allocator_choice), "TQDM_DISABLE": "1"}))
 
-    def run(self, spec: dict, timeout_s: float) -> dict:
+    def run(self, spec: dict, timeout_s: float, watch_s: float = WATCH_S, stop_when_busy: bool = False) -> dict:
+        """Hand the worker `spec` and read its progress as it comes; return what it measured (its last line).
+        CalibrationStopped, with what it reported by then, when it runs past `timeout_s`, is killed, or (watched
+        over its last `watch_s` seconds) gets no CPU, or, `stop_when_busy`, loses its cores to other processes."""
+        import select
+        import signal
+
+        process, built, marks, result, why, busy = self.process, None, [], None, None, False
+        out, err = process.stdout.fileno(), process.stderr.fileno()
+        received = {out: bytearray(), err: bytearray()}
+        began = time.monotonic()
         try:
-            out, err = self.process.communicate(json.dumps(spec), timeout=timeout_s)
-        finally:
-            self.close()
-        if self.process.returncode != 0:
-            raise RuntimeError(f"calibration of {spec['method']} failed:\n{err[-2000:]}")
-        return json.loads(out.strip().splitlines()[-1])
+            watch = _Watch(process.pid, spec["threads"], watch_s)
+            with contextlib.suppress(BrokenPipeError):  # it died before reading: its exit status says how
+                process.stdin.write(json.dumps(spec))
+                process.stdin.close()
+            pending = set(received)
+            while pending:
+                for fd in select.select(list(pending), [], [], 1.0)[0]:
+                    chunk = os.read(fd, 1 << 16)
+                    received[fd] += chunk
+                    if not chunk:
+                        pending.discard(fd)
+                *lines, rest = received[out].split(b"\n")
+                received[out] = bytearray(rest)
+                for line in lines:
+                    with contextlib.suppress(ValueError):  # not one of its JSON lines (a loop event)
+                        item = json.loads(line)
+                        if isinstance(item, dict):
+                            built = item.get("built", built)
+                            marks += [item["mark"]] if "mark" in item else []
+                            result = item if "steps" in item else result
+                if time.monotonic() - began > timeout_s:
+                    why = f"it ran past its timeout of {timeout_s:.0f} s"
+                elif pending:
+                    why, busy = watch.verdict(stop_when_busy, len(marks))
+                if why:
+                    break
+            if not why:  # its pipes are closed: it is exiting
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    process.wait(timeout=watch_s)
+        finally:  # its stdin is closed already: communicate (close) would refuse to flush it
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+            for stream in (process.stdin, process.stdout, process.stderr):
+                with contextlib.suppress(OSError, ValueError):  # a pipe it closed first, or closed here already
+                    stream.close()
+        if result is not None and not why:
+            return result
+        code = process.returncode
+        if why or (code is not None and code < 0):
+            why = why or f"its process was killed by {signal.Signals(-code).name}" + (
+                " (out of memory?)" if code == -signal.SIGKILL else "")
+            raise CalibrationStopped(why, built, marks, busy)
+        raise RuntimeError(f"calibration of {spec['method']} failed:\n{received[err].decode()[-2000:]}")
 
     def close(self) -> None:
         if self.process.poll() is None:
@@ -648,7 +794,8 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
               inference_rows: list[list[int]] | None = None, inference_batch: int = 32,
               others: list[dict] | None = None, others_share: float | None = 0.1,
               worker: CalibrationWorker | None = None,
-              planned: tuple[int, int] | None = None) -> tuple[Constants, dict]:
+              planned: tuple[int, int] | None = None, watch_s: float = WATCH_S,
+              stop_when_busy: bool = False) -> tuple[Constants, dict]:
     """Time the train stage's own loop on this machine over a few of the run's own micro-batches and fit the
     memory and time constants.
 
@@ -678,6 +825,13 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
     timed in `others`' order while that budget lasts, and one it cannot pay for keeps the FLOPs estimate, saying
     so (`Constants.not_timed`). `planned`: the run's (steps, padded tokens) as the plan counts them for its ETA
     (default: the micro-batches of `order` and all their padded tokens).
+
+    A calibration that cannot finish ends here, never in a traceback (CalibrationWorker.run's watch): a process
+    that gets no CPU for `watch_s` seconds, is killed, or runs past `timeout_s`, and, with `stop_when_busy` (the
+    plan), one that loses its cores to other processes, is stopped there. After two steps or more, the constants
+    are fitted from those steps and the other methods keep their FLOPs estimate; before, they are the analytic
+    defaults (no ETA). `calibration["stopped"]` says why and `calibration["busy_note"]` what that means for the plan.
+    With `inference_rows`, whose passes come after the steps, a stopped calibration is CalibrationStopped.
     """
     import tempfile
 
@@ -742,10 +896,22 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
                     run_steps=planned[0] if planned else len(order),
                     run_tokens=planned[1] if planned else sum(run_tokens))
     started = time.perf_counter()
+    stopped: CalibrationStopped | None = None
+    startup_from = "the first step"
     try:
-        # sent_at: the wall clock (shared by both processes) when this process starts to wait, from which the
-        # worker counts what the calibration has cost
-        point = (worker or CalibrationWorker(allocator)).run({**spec, "sent_at": time.time()}, timeout_s)
+        try:
+            # sent_at: the wall clock (shared by both processes) when this process starts to wait, from which the
+            # worker counts what the calibration has cost
+            point = (worker or CalibrationWorker(allocator)).run({**spec, "sent_at": time.time()}, timeout_s,
+                                                                 watch_s, stop_when_busy)
+        except CalibrationStopped as exc:
+            # What it measured before it stopped is the plan's, when there are two steps to fit; the evaluation's
+            # forward passes (a caller's inference_rows) come after the steps: without them, the caller's error.
+            if inference_rows or exc.built is None or len(exc.marks) < 2:
+                if inference_rows:
+                    raise
+                return _not_calibrated(exc, method, len(runs), time.perf_counter() - started)
+            stopped, point = exc, _stopped_point(exc, spec)
         steps = [{**step, **counted, "under_peak": n >= len(picks)}
                  for n, (step, counted) in enumerate(zip(point["steps"], runs_tokens))]
         growing = steps[:len(picks)]
@@ -760,8 +926,13 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
         growth = sum(excess[1:])
         startup_cold = excess[0] + growth
         first = warm["seconds"]
-        if warm.get("compiled_graphs"):
-            first = CalibrationWorker(allocator).run({**spec, "batches": 1}, timeout_s)["steps"][0]["seconds"]
+        if warm.get("compiled_graphs") and not stopped:
+            try:
+                first = CalibrationWorker(allocator).run({**spec, "batches": 1}, timeout_s, watch_s,
+                                                         stop_when_busy)["steps"][0]["seconds"]
+                startup_from = "a second process: the first step compiled graphs that the run will find in inductor's cache"
+            except CalibrationStopped as exc:  # the cold first step's start-up, an overestimate, and why
+                startup_from = f"the first step, compiling graphs (its second process stopped early: {exc.why})"
     finally:
         Path(handle.name).unlink(missing_ok=True)
     seconds = time.perf_counter() - started
@@ -786,7 +957,7 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
     scale, runtime = fit_memory(points, static, per_token, point["loaded_rss_bytes"])
     if scale * per_token * points[-1][0] < fixed["gradients"]:
         scale, runtime = fit_memory(points, fixed["peak"], per_token, point["loaded_rss_bytes"])
-    reference = min(s["seconds"] for s in steps[-2:]) if typical_tokens else 0.0
+    reference = min(s["seconds"] for s in steps[-2:]) if typical_tokens and not stopped else 0.0
     # each method against the calibrated one's steps on the same rows, taken in turn with its own
     method_cost = {m: round(t["seconds"] / t["calibrated_seconds"], 3) for m, t in point["others"].items()
                    if "seconds" in t and t["calibrated_seconds"] > 0}
@@ -806,8 +977,16 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
                           calibrated_checkpointing=gradient_checkpointing,
                           source=f"calibrated: the run's own loop over {len(steps)} of its micro-batches ({method}, "
                                  f"int8 products {'on' if point['int8_products'] else 'off'}, {threads} threads, "
-                                 f"malloc {point['allocator']}) in {seconds:.0f} s")
-    busy = point["cpu_share"] < 0.8
+                                 f"malloc {point['allocator']}) in {seconds:.0f} s"
+                                 + (f", stopped early ({stopped.why})" if stopped else ""))
+    busy = point["cpu_share"] < BUSY_SHARE or bool(stopped and stopped.busy)
+    busy_note = (f"the machine was busy: calibration got {point['cpu_share']:.0%} of {threads} cores; the ETA assumes "
+                 "the same load" if busy else None)
+    if stopped:
+        busy_note = (f"the calibration stopped after {len(steps)} of its {len(runs)} steps: {stopped.why}; the ETA "
+                     f"and peak come from those steps{', under that load' if busy else ''}"
+                     f"{', the other methods from training FLOPs' if others else ''}. "
+                     f"{RECALIBRATE} when the machine is free calibrates it fully")
     timed_inference = None
     if inference:
         pairs = list(zip(inference["padded_tokens"], point["inference_seconds"]))[1:]  # after the warm-up
@@ -826,11 +1005,35 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
                        "allocator": point["allocator"], "gradient_checkpointing": gradient_checkpointing,
                        "int8_products": point["int8_products"], "cpu_share": point["cpu_share"],
                        "startup_s": round(startup, 2), "startup_cold_s": round(startup_cold, 2),
-                       "startup_from": ("a second process: the first step compiled graphs that the run will find in "
-                                        "inductor's cache" if warm.get("compiled_graphs") else "the first step"),
-                       "machine_busy": busy,
-                       "busy_note": (f"the machine was busy: calibration got {point['cpu_share']:.0%} of {threads} "
-                                     "cores; the ETA assumes the same load" if busy else None)}
+                       "startup_from": startup_from,
+                       "machine_busy": busy, "stopped": stopped.why if stopped else None, "busy_note": busy_note}
+
+
+RECALIBRATE = "`dvc repro --force --single-item plan`"
+
+
+def _stopped_point(stopped: CalibrationStopped, spec: dict) -> dict:
+    """A worker's result (`_calibration_point`) from what a calibration stopped after its second step had reported:
+    those steps; no other method timed, nothing saved for backward counted."""
+    marks, built = stopped.marks, stopped.built
+    return {"phases": {"build_s": built["build_s"], "steps_s": round(marks[-1][4], 2)},
+            "loaded_rss_bytes": built["loaded_rss_bytes"], "steps": _marked_steps(marks),
+            "int8_products": built["int8_products"], "allocator": built["allocator"],
+            "cpu_share": round(_cpu_share([tuple(m) for m in marks], 0.0, 0.0, spec["threads"]), 3),
+            "inference_seconds": [], "saved_bytes": None, "cast_bytes": None,
+            "others": {o["method"]: {"skipped": f"the calibration stopped early ({stopped.why})"}
+                       for o in spec.get("others") or []}}
+
+
+def _not_calibrated(stopped: CalibrationStopped, method: str, planned_steps: int,
+                    seconds: float) -> tuple[Constants, dict]:
+    """calibrate's answer when its process stopped before two steps: the analytic constants, and why."""
+    note = (f"the calibration stopped before its second step ({stopped.why}): the plan is analytic, without an ETA. "
+            f"{RECALIBRATE} when the machine is free calibrates it")
+    return Constants(source=f"analytic defaults: {note}"), {
+        "method": method, "steps": [], "planned_steps": planned_steps, "seconds": round(seconds, 1),
+        "cpu_share": None, "int8_products": (stopped.built or {}).get("int8_products"),
+        "machine_busy": stopped.busy, "stopped": stopped.why, "busy_note": note}
 
 
 # ---------------------------------------------------------------------------------------------- the plan
@@ -1317,7 +1520,7 @@ def _build_plan(params: "Params", hardware: dict[str, Any], measured_precision: 
                  "int8": decided["int8"].get(m, {"on": False, "why": "not decided"})}
                 for m in sorted(methods, key=lambda m: TIMING_ORDER.index(m) if m in TIMING_ORDER else 0)
                 if m not in ("none", method) and draft["methods"][m]["fits"]],
-        worker=worker, planned=(entry["steps"], entry["padded_tokens"]))
+        worker=worker, planned=(entry["steps"], entry["padded_tokens"]), stop_when_busy=True)
     if calibration["busy_note"]:
         log(f"plan: {calibration['busy_note']}")
     plan = make_plan(spec, hardware, shapes, constants, limit_gb, calibration, measured_precision=measured_precision,

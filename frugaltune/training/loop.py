@@ -12,6 +12,7 @@ import math
 import os
 import resource
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -88,6 +89,9 @@ class LoopConfig:
     # int8 products has nothing it takes. Measured faster in paired steps (docs/DECISIONS.md,
     # benchmarks/step_anatomy.py --ab-paired 60 --ab int8lora)
     fused_int8_lora: bool = True
+    # Where the output is not a terminal (a log file, a pipe), one progress line every this many seconds of wall
+    # time (step/total, loss, tokens/s, ETA), flushed: a bar there is `\r` redraws, or nothing when bars are off
+    progress_every_s: float = 30.0
 
 
 @dataclass
@@ -389,6 +393,31 @@ def _optimizer(model: torch.nn.Module, cfg: LoopConfig, optimizer_state: dict | 
     return optimizer
 
 
+class _ProgressLines:
+    """The loop's progress as a line every `every_s` seconds, for a log: one clock read per step."""
+
+    def __init__(self, every_s: float, total_steps: int, first_step: int, start: float):
+        self.every_s, self.total, self.first, self.start = every_s, total_steps, first_step, start
+        self.due, self.losses, self.tokens, self.since = start + every_s, [], 0, start
+
+    def step(self, step: int, sums: _StepSums) -> None:
+        self.losses.append(sums.loss)
+        self.tokens += sums.tokens
+        now = time.perf_counter()
+        if now < self.due:
+            return
+        per_step = (now - self.start) / (step - self.first + 1)  # this process's steps: a resumed run's too
+        tqdm.write(f"train: step {step}/{self.total} ({step / self.total:.0%}), loss {np.mean(self.losses):.4f}, "
+                   f"{self.tokens / max(now - self.since, 1e-9):.0f} tokens/s, {_minutes(now - self.start)} in, "
+                   f"ETA {_minutes(per_step * (self.total - step))}", file=sys.stdout)
+        sys.stdout.flush()
+        self.due, self.losses, self.tokens, self.since = now + self.every_s, [], 0, now
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
+
+
 def _add_step(state: dict, sums: _StepSums, cfg: LoopConfig) -> None:
     state["position"] += cfg.grad_accum
     for key, value in (("tokens", sums.tokens), ("padded", sums.padded), ("sequences", sums.sequences),
@@ -461,6 +490,7 @@ def train_classifier(
     def event(message: str) -> None:
         events.append(message)
         tqdm.write(f"train: {message}")
+        sys.stdout.flush()  # into a log file as it happens, not when a buffer fills
         if on_event:
             on_event(message)
 
@@ -476,8 +506,11 @@ def train_classifier(
     window_tokens, window_start = 0, time.perf_counter()
     start = time.perf_counter()
     stop: dict = {}
-    bar = tqdm(total=total_steps, initial=first_step - 1, desc="train", unit="step",
-               disable=not (progress and world.is_main and console.progress_bars_on()), dynamic_ncols=True)
+    shown = progress and world.is_main
+    bar = tqdm(total=total_steps, initial=first_step - 1, desc="train", unit="step", dynamic_ncols=True,
+               disable=not (shown and console.progress_bars_on() and console.is_terminal(sys.stderr)))
+    lines = _ProgressLines(cfg.progress_every_s, total_steps, first_step, start) if (
+        shown and not console.is_terminal(sys.stdout)) else None
     with (_stop_on_signals(stop), short_sequence_attention(model, cfg.eager_attention_max_len),
           fused_int8_lora(model, cfg.fused_int8_lora)):
         step = first_step
@@ -521,6 +554,8 @@ def train_classifier(
             _add_step(state, sums, cfg)
             window_tokens += sums.tokens
             bar.update(1)
+            if lines is not None:
+                lines.step(step, sums)
             if step % cfg.log_every == 0 or step == total_steps:
                 now = time.perf_counter()
                 record = {"step": step, "loss": float(np.mean(state["window"])), "lr": scheduler.get_last_lr()[0],

@@ -79,6 +79,26 @@ def test_a_stage_writing_to_a_pipe_draws_no_progress_bar(tiny_model_dir, tmp_pat
         assert bar not in stderr, stderr[-3000:]
 
 
+# As the import_model stage runs: its imports (transformers, tqdm) before main(), then transformers' GGUF conversion,
+# which draws its bar with tqdm.auto directly (modeling_gguf_pytorch_utils), past transformers' own switch.
+GGUF_CONVERSION_BAR = """
+import stages.import_model
+from frugaltune.faults import stage_errors
+with stage_errors("import_model"):
+    from transformers import modeling_gguf_pytorch_utils as gguf_loader
+    for _ in gguf_loader.tqdm(range(300), desc="Converting and de-quantizing GGUF tensors...", mininterval=0):
+        pass
+print("done")
+"""
+
+
+def test_a_bar_of_a_library_imported_before_the_stage_began_stays_out_of_a_pipe():
+    env = {name: value for name, value in tiny_project.env().items() if name not in console.QUIET_ENV}
+    proc = subprocess.run([sys.executable, "-c", GGUF_CONVERSION_BAR], env=env, capture_output=True, timeout=300)
+    stdout, stderr = proc.stdout.decode(), proc.stderr.decode()
+    assert proc.returncode == 0 and "done" in stdout, stderr
+    assert "\r" not in stdout + stderr and "Converting" not in stderr, stderr[-3000:]
+
 def test_on_a_terminal_the_progress_bars_stay(monkeypatch):
     for name in console.QUIET_ENV:
         monkeypatch.delenv(name, raising=False)

@@ -95,11 +95,25 @@ def test_divergence_stops_with_the_step(tiny_model_dir):
                          progress=False)
 
 
-def test_unknown_target_module_lists_the_linear_layers(tiny_model_dir):
+def test_training_into_a_log_prints_progress_lines_at_its_cadence_and_no_bar(tiny_model_dir, capsys):
+    """Output into a file or a pipe (pytest's capture: not a terminal): a line every `progress_every_s` seconds with
+    the step, loss, tokens/s and ETA, and no bar's `\r` redraws; at the default 30 s a run of seconds prints none."""
+    import re
+
     tokenizer = load_tokenizer(tiny_model_dir)
-    model = load_for_classification(tiny_model_dir, LABELS, tokenizer.pad_token_id, seed=0)
-    with pytest.raises(ValueError, match=r"train.lora.target_modules: \['qproj'\].*q_proj"):
-        apply_lora(model, 4, 8, 0.0, ["qproj"])
+    ids, labels = toy_task(tokenizer, 32)
+    printed = {}
+    for every_s in (0.0, 30.0):  # 0: a line after every step
+        model = _fresh(tiny_model_dir, tokenizer)
+        capsys.readouterr()  # the loop's output alone (loading the weights draws transformers' bar)
+        train_classifier(model, ids, labels, LoopConfig(lr=1e-3, batch_size=8, progress_every_s=every_s),
+                         tokenizer.pad_token_id)
+        out, err = capsys.readouterr()
+        assert "\r" not in out + err and "train" not in err, err
+        printed[every_s] = [line for line in out.splitlines() if line.startswith("train: step ")]
+    line = re.compile(r"train: step (\d)/4 \(\d+%\), loss \d+\.\d{4}, \d+ tokens/s, \d+ s in, ETA \d+ s$")
+    assert [int(line.match(text).group(1)) for text in printed[0.0]] == [1, 2, 3, 4], printed
+    assert printed[30.0] == []
 
 
 def test_last_layers_adapts_only_the_top_layers_and_the_ones_below_run_forward_only(tiny_model_dir):
