@@ -30,7 +30,7 @@ from pathlib import Path
 
 import psutil
 
-from frugaltune import store, tracking
+from frugaltune import processes, store, tracking
 
 STANDALONE = Path(".dvc") / "tmp" / "exps" / "standalone"
 STOP_WAIT_S = 30.0
@@ -67,21 +67,6 @@ def _inside(path: Path, folder: Path) -> bool:
     return path == folder or folder in path.parents
 
 
-def _stop(procs: list[Proc]) -> None:
-    for proc in procs:
-        try:
-            proc.process.terminate()
-        except psutil.NoSuchProcess:
-            continue
-    _, left = psutil.wait_procs([p.process for p in procs], timeout=STOP_WAIT_S)
-    for process in left:
-        try:
-            process.kill()
-        except psutil.NoSuchProcess:
-            continue
-    psutil.wait_procs(left, timeout=STOP_WAIT_S)
-
-
 def _size_mb(folder: Path) -> float:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and not p.is_symlink()) / 2**20
 
@@ -113,7 +98,7 @@ def clean_temp_experiments(root: Path) -> list[str]:
         if inside:
             lines.append(f"exp-clean: experiment {name}: stopping what still runs in its workspace: "
                          + ", ".join(p.describe() for p in inside))
-            _stop(inside)
+            processes.end([p.process for p in inside], STOP_WAIT_S)
         size = _size_mb(workspace)
         shutil.rmtree(workspace)
         info.status = TaskStatus.FAILED

@@ -113,3 +113,19 @@ def alive(pid: int, start_time: float | None) -> bool:
         return False
     except psutil.AccessDenied:  # another user's process: it runs, and it is not ours to judge
         return True
+
+
+def end(procs: list[psutil.Process], timeout: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL what is still alive after `timeout`."""
+    for process in procs:
+        try:
+            process.terminate()
+        except psutil.NoSuchProcess:
+            continue
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    for process in alive:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            continue
+    psutil.wait_procs(alive, timeout=timeout)

@@ -75,24 +75,6 @@ def flower_processes(under: Path) -> list:
     return found
 
 
-def end_processes(processes: list, timeout: float = 10.0) -> None:
-    """SIGTERM, then SIGKILL what is still alive after `timeout`."""
-    import psutil
-
-    for process in processes:
-        try:
-            process.terminate()
-        except psutil.NoSuchProcess:
-            continue
-    _, alive = psutil.wait_procs(processes, timeout=timeout)
-    for process in alive:
-        try:
-            process.kill()
-        except psutil.NoSuchProcess:
-            continue
-    psutil.wait_procs(alive, timeout=timeout)
-
-
 @dataclass
 class LocalFederation:
     """A SuperLink and SuperNodes on 127.0.0.1. `node_configs[i]` is SuperNode i's --node-config values."""
@@ -216,7 +198,7 @@ class LocalFederation:
             strays = descendants(proc.pid)
             os.killpg(proc.pid, sig)
             proc.wait(timeout=30)
-            end_processes(strays)
+            processes.end(strays)
 
     def strays(self) -> list:
         """Live processes of this federation that are none of ours (`flower_processes` of our FLWR_HOME). Flower's
@@ -236,7 +218,7 @@ class LocalFederation:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-        end_processes(self.strays())  # found by their environment: our groups are gone, they are not
+        processes.end(self.strays())  # found by their environment: our groups are gone, they are not
 
     def __enter__(self) -> "LocalFederation":
         return self.start()

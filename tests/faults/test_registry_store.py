@@ -172,11 +172,9 @@ def test_a_deleted_store_with_backups_is_not_replaced_by_an_empty_one(project):
     assert store.integrity_problem(db) is None and champion(project) == 1
 
 
-@fault("process", "two `register` runs at once on one MLflow store",
-       "the second waits for the first (a line names the writer's pid), then runs",
-       "nothing doubled or lost: one version for the training run, @champion moved once, the store passes "
-       "sqlite's integrity check")
-def test_two_registers_at_once(project):
+def better_training_run(project):
+    """A finished training run in the project's store whose reports score better than @champion's (0.7): the store's
+    client and the run's id."""
     from mlflow import MlflowClient
 
     client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
@@ -184,7 +182,16 @@ def test_two_registers_at_once(project):
     client.set_terminated(run.info.run_id)
     with pytest.MonkeyPatch.context() as patch:
         patch.chdir(project)
-        fake_reports(0.7, run.info.run_id)  # a better model: both runs would register it and move @champion
+        fake_reports(0.7, run.info.run_id)
+    return client, run.info.run_id
+
+
+@fault("process", "two `register` runs at once on one MLflow store",
+       "the second waits for the first (a line names the writer's pid), then runs",
+       "nothing doubled or lost: one version for the training run, @champion moved once, the store passes "
+       "sqlite's integrity check")
+def test_two_registers_at_once(project):
+    client, run_id = better_training_run(project)  # both register runs would register it and move @champion
     marker = project.parent / "first-holds-the-lock"
     command = [sys.executable, "-m", "stages.register"]
     # The first pauses while it holds the lock (until the marker is deleted): the second surely finds it taken.
@@ -211,7 +218,7 @@ def test_two_registers_at_once(project):
         second.wait(timeout=180)
     assert first.returncode == 0, first_output
     assert second.returncode == 0, log.read_text()
-    versions = client.search_model_versions(f"name = '{MODEL_NAME}' and run_id = '{run.info.run_id}'")
+    versions = client.search_model_versions(f"name = '{MODEL_NAME}' and run_id = '{run_id}'")
     assert [v.version for v in versions] == [2]
     assert "already has" in log.read_text()  # the second found the first's version instead of making another
     assert champion(project) == 2 and store.integrity_problem(project / "mlflow.db") is None
@@ -292,14 +299,7 @@ rm "$disk/fill"; cp -a "$disk/project" "$4/after"
        "the store intact (sqlite's integrity check passes, @champion unchanged); no half-written backup or journal "
        "left in mlflow-backups/")
 def test_disk_full_during_register(project, tmp_path):
-    from mlflow import MlflowClient
-
-    client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
-    run = client.create_run(client.get_experiment_by_name(EXPERIMENT).experiment_id)
-    client.set_terminated(run.info.run_id)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.chdir(project)
-        fake_reports(0.7, run.info.run_id)  # a better model: register would write a version and move @champion
+    better_training_run(project)  # register would write a version and move @champion
     done = in_private_mounts(FILL_REGISTER, str(project), sys.executable, str(tmp_path / "marker"), str(tmp_path),
                              run_env=run_env(project))
     assert (tmp_path / "after").is_dir(), done.stdout + done.stderr
