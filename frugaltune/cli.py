@@ -105,7 +105,7 @@ def _predict(args: argparse.Namespace) -> int:
                            f"{hint}") from None
     except (OSError, ValueError) as exc:
         # its files damaged (serving.verify_model_files), the base model's cache or files (serving.resolve_base)
-        raise CommandError(f"{_describe_loaded(model_uri).removeprefix('loaded ')}: {exc}") from None
+        raise CommandError(f"cannot load {_describe_loaded(model_uri).removeprefix('loaded ')}{default}: {exc}") from None
     # Which model answered, on stderr: stdout stays one prediction per line for whatever parses it.
     print(f"frugaltune predict: {_describe_loaded(model_uri)}{default}", file=sys.stderr)
     # The signature says which kind of model this is: a classifier reads `text`, a generative model `prompt`.

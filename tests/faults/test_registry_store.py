@@ -150,7 +150,7 @@ def test_a_damaged_registered_adapter_is_refused_on_load(registered):
         tensors.write_bytes(original)  # the fixture's project is shared: its artifacts stay as they were
     assert failed.returncode == 1 and "Traceback" not in failed.stderr, failed.stderr
     [line] = failed.stderr.splitlines()
-    assert line.startswith(f"frugaltune predict: models:/{MODEL_NAME}@champion = {MODEL_NAME} version 1 "), line
+    assert line.startswith(f"frugaltune predict: cannot load models:/{MODEL_NAME}@champion = {MODEL_NAME} version 1 "), line
     assert "adapter/adapter_model.safetensors of the model: sha256 " in line and "damaged" in line, line
     assert champion(project) == 1
 
