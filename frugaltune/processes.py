@@ -29,8 +29,9 @@ import psutil
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 PARENT_ENV = "FRUGALTUNE_PARENT_PID"  # a worker's expected parent: see die_with_parent
+# psutil's start times are the kernel's boot-relative ticks: a little jitter, never seconds
 _START_TOLERANCE_S = 1.0
-_armed: list[bool] = []  # whether die_with_parent succeeded in this process  # psutil's start times are the kernel's boot-relative ticks: a little jitter, never seconds
+_armed: list[bool] = []  # whether die_with_parent succeeded in this process
 
 
 def _prctl() -> Callable[..., int] | None:
