@@ -30,20 +30,14 @@ import yaml
 
 from frugaltune import paths
 
-CHUNK = 1 << 22
-
-
 class IntegrityError(ValueError):
     """A model file is not what DVC recorded; the message names it, both hashes and the fix."""
 
 
 def file_md5(path: Path) -> str:
     """md5 of the file's bytes: DVC 3's hash of any file, text or binary."""
-    digest = hashlib.md5()
     with path.open("rb") as fh:
-        for block in iter(lambda: fh.read(CHUNK), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(fh, "md5").hexdigest()
 
 
 def tree_entries(directory: Path) -> list[dict[str, str]]:
@@ -136,8 +130,8 @@ def _mismatch(file: Path, expected: str, found: str, out: Path, stage: str) -> I
             f"as it is: delete it (`rm -f {cached}`), then {rebuild}.")
     return IntegrityError(
         f"{what} The file changed after DVC recorded it (DVC's cache copy is intact): `rm {_shown(file)} && dvc "
-        f"checkout {_shown(out)}` puts the recorded one back; if you changed it on purpose, `dvc commit {stage}` "
-        "records it.")
+        f"checkout {_shown(out)}` puts the recorded one back; if you changed it on purpose, `dvc commit -f {stage}` "
+        "records it (`-f`: DVC asks before it records hashes that changed).")
 
 
 def verify_out(path: Path) -> None:
@@ -189,7 +183,7 @@ def verify_out(path: Path) -> None:
     extra = sorted(set(found_files) - set(recorded_files))
     raise IntegrityError(
         f"{_shown(path / extra[0]) if extra else _shown(path)}: not among the files dvc.lock records for "
-        f"{_shown(path)} (stage `{stage}`): refusing to use the directory. Remove it, or `dvc commit {stage}` if it "
+        f"{_shown(path)} (stage `{stage}`): refusing to use the directory. Remove it, or `dvc commit -f {stage}` if it "
         "belongs there.")
 
 

@@ -175,8 +175,5 @@ def atomic_dir(path: Path | str) -> Iterator[Path]:
 
 
 def sha256_file(path: Path | str) -> str:
-    digest = hashlib.sha256()
     with Path(path).open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(fh, "sha256").hexdigest()

@@ -114,7 +114,7 @@ def test_a_workspace_file_changed_after_dvc_recorded_it(in_repo: Path) -> None:
     original = head.read_bytes()
     head.write_bytes(b"edited")
     try:
-        with pytest.raises(integrity.IntegrityError, match=r"changed after DVC recorded it .*`dvc commit train`"):
+        with pytest.raises(integrity.IntegrityError, match=r"changed after DVC recorded it .*`dvc commit -f train`"):
             integrity.verify_out(head)
     finally:
         head.write_bytes(original)
