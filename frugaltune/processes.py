@@ -20,9 +20,11 @@ as `tracking.process_tags` records the one that logs into an MLflow run.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable
 
 import psutil
@@ -123,10 +125,23 @@ def end(procs: list[psutil.Process], timeout: float = 10.0) -> None:
             process.terminate()
         except psutil.NoSuchProcess:
             continue
-    _, alive = psutil.wait_procs(procs, timeout=timeout)
-    for process in alive:
+    for process in _still_running(procs, timeout):
         try:
             process.kill()
         except psutil.NoSuchProcess:
             continue
-    psutil.wait_procs(alive, timeout=timeout)
+    _still_running(procs, timeout)
+
+
+def _still_running(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """Those of `procs` still running after up to `timeout` s. A zombie has stopped: psutil's wait_procs would wait
+    for its reaping, which a container's init may never do."""
+    deadline = time.monotonic() + timeout
+    while True:
+        running = [p for p in procs if alive(p.pid, p.create_time())]
+        for stopped in set(procs) - set(running):  # ours to reap when we are its parent; a no-op otherwise
+            with contextlib.suppress(psutil.Error, ChildProcessError):
+                stopped.wait(timeout=0)
+        if not running or time.monotonic() > deadline:
+            return running
+        time.sleep(0.1)
