@@ -121,13 +121,13 @@ def run(params: Params) -> dict:
                                                     DATA, paths.BASE_MODEL)
         print(f"federated: budget: {decision['trade']}", flush=True)
         # and once more after the first federation's rounds 1 and 2, from what they took (budget.FirstRounds)
-        watch = budget.FirstRounds(decision, f"{runs[0][1]}_{runs[0][0]}", began) if fp.budget_minutes else None
+        watch = budget.FirstRounds(decision, f"{runs[0][1]}_{runs[0][0]}", began) if decision["minutes"] else None
         done: list[dict] = []  # what each run took against its prediction: the federations after the first fit it
         for index, (scheme, method) in enumerate(runs):
             name = f"{method}_{scheme}"
             # never more than the federations before ran: the budget's guard chose them for every one after
             rounds_ = min([decision["rounds"], *(later["rounds"] for later in decision.get("later", []))])
-            if fp.budget_minutes and index:  # what remains of the budget, at the slowest pace measured so far
+            if decision["minutes"] and index:  # what remains of the budget, at the slowest pace measured so far
                 later = budget.later_rounds(decision, [f"{m}_{s}" for s, m in runs[index:]], done,
                                             time.perf_counter() - began, rounds_)
                 decision.setdefault("later", []).append(later)

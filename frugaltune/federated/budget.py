@@ -179,10 +179,15 @@ def decide(params, plans: dict[str, list[dict]], runs: list[tuple[str, str]], la
     probe = included[len(included) // 2]  # a client of the median size stands for the others' speed per token
     lora = local.LoraSpec(fp.lora.r, fp.lora.alpha, fp.lora.dropout, tuple(fp.lora.target_modules))
     test_ids, test_labels = local.read_examples(data / "test.parquet")
-    constants, calibration = measure_client_round(
-        model_dir, labels, pad_token_id, data / f"partitions_{runs[0][0]}", probe, lora=lora,
-        batch_size=fp.batch_size, lr=fp.lr, seed=params.common.seed, precision=precision, threads=fp.threads,
-        allocator=tp.allocator, test_ids=test_ids)
+    try:
+        constants, calibration = measure_client_round(
+            model_dir, labels, pad_token_id, data / f"partitions_{runs[0][0]}", probe, lora=lora,
+            batch_size=fp.batch_size, lr=fp.lr, seed=params.common.seed, precision=precision, threads=fp.threads,
+            allocator=tp.allocator, test_ids=test_ids)
+    except planner.CalibrationStopped as exc:  # no speed to predict from: every round asked runs, and we say why
+        return {"minutes": None, "rounds_asked": asked, "rounds": asked,
+                "trade": f"{asked} rounds asked, all run: the budget of {fp.budget_minutes:g} min is not applied, "
+                         f"{exc} (rerun the stage on a quieter machine for a budget)"}
     evaluation = evaluation_seconds(calibration["inference"], test_ids, machine)  # the whole split
     # rounds before the last evaluate a sample of it (server_app.evaluation_split); each federation's last the whole
     sample = local.sample_rows(test_labels, fp.round_eval_rows or 0, params.common.seed)

@@ -91,6 +91,22 @@ def test_no_budget_runs_every_round_asked_without_measuring():
         "minutes": None, "rounds_asked": 4, "rounds": 4, "trade": "no budget: 4 rounds"}
 
 
+def test_a_stopped_calibration_runs_every_round_asked_and_says_why(federation_data, monkeypatch):
+    """A busy or stalled machine stops the client-round's calibration (planner.CalibrationStopped, raised here where
+    the real one would be, tests/faults/test_busy_machine.py shows how): no traceback, no budget, and the reason."""
+    from frugaltune import planner
+
+    def stopped(*args, **kwargs):
+        raise planner.CalibrationStopped("its process got no CPU for 30 s (the machine is busy)")
+
+    monkeypatch.setattr(budget, "measure_client_round", stopped)
+    found = decide(federation_data, None, 0, minutes=5)
+    assert found["minutes"] is None and found["rounds"] == found["rounds_asked"] == 6
+    assert found["trade"] == ("6 rounds asked, all run: the budget of 5 min is not applied, the calibration stopped "
+                              "early: its process got no CPU for 30 s (the machine is busy) (rerun the stage on a "
+                              "quieter machine for a budget)")
+
+
 def test_clients_run_longest_first_on_the_first_free_worker():
     assert budget.makespan([3.0, 1.0, 2.0], workers=1) == 6.0
     assert budget.makespan([3.0, 1.0, 2.0], workers=2) == 3.0
