@@ -14,8 +14,8 @@ import json
 import sys
 
 from frugaltune import paths
-from frugaltune.config import Params, ParamsError, load_params
-from frugaltune.faults import stage_errors
+from frugaltune.config import Params
+from frugaltune.faults import stage_main
 from frugaltune.io import write_json, write_metrics, write_text
 from frugaltune.scheduling.settings import load_workload, sft_config
 from frugaltune.scheduling.sft import build_sft
@@ -45,11 +45,7 @@ def run(params: Params) -> dict:
 
 
 def main() -> None:
-    with stage_errors("build_sft"):
-        try:
-            run(load_params())
-        except (ParamsError, ValueError) as exc:
-            sys.exit(f"build_sft: {exc}")
+    stage_main("build_sft", run, ValueError)
 
 
 if __name__ == "__main__":

@@ -9,14 +9,13 @@ tokens per second, and peak memory (RSS on CPU; allocated and reserved on CUDA),
 
 from __future__ import annotations
 
-import sys
 
 import pandas as pd
 
-from frugaltune.faults import stage_errors
+from frugaltune.faults import stage_main
 from frugaltune.io import read_json, write_text
 from frugaltune import paths
-from frugaltune.config import Params, ParamsError, load_params
+from frugaltune.config import Params
 
 COLUMNS = {
     "method": "method",
@@ -102,11 +101,7 @@ def run(params: Params) -> dict:
 
 
 def main() -> None:
-    with stage_errors("compare_table"):  # a full disk: one clear line, not a traceback
-        try:
-            run(load_params())
-        except (ParamsError, FileNotFoundError) as exc:
-            sys.exit(f"compare_table: {exc}")
+    stage_main("compare_table", run, FileNotFoundError)
 
 
 if __name__ == "__main__":

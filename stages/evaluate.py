@@ -13,21 +13,15 @@ training started from (same seed), so the gain is what fine-tuning added.
 
 from __future__ import annotations
 
-import sys
 
-from frugaltune.config import ParamsError, load_params
-from frugaltune.faults import stage_errors
+from frugaltune.faults import stage_main
 from frugaltune.recipes.evaluate import run
 
 __all__ = ["main", "run"]
 
 
 def main() -> None:
-    with stage_errors("evaluate"):  # a full disk: one clear line, not a traceback
-        try:
-            run(load_params())
-        except (ParamsError, FileNotFoundError, ValueError) as exc:
-            sys.exit(f"evaluate: {exc}")
+    stage_main("evaluate", run, FileNotFoundError, ValueError)
 
 
 if __name__ == "__main__":

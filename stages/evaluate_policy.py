@@ -23,11 +23,10 @@ queue_length_cdf.png` and `reports/figures/policy_bsld.png` (the trace, the gate
 
 from __future__ import annotations
 
-import sys
 
 from frugaltune import integrity, paths
-from frugaltune.config import Params, ParamsError, load_params
-from frugaltune.faults import stage_errors
+from frugaltune.config import Params
+from frugaltune.faults import stage_main
 from frugaltune.io import read_json, write_json, write_metrics, write_text
 from frugaltune.scheduling.evaluation import sequences
 from frugaltune.scheduling.judge import MODES, compact, judge
@@ -126,11 +125,7 @@ def run(params: Params) -> dict:
 
 
 def main() -> None:
-    with stage_errors("evaluate_policy"):
-        try:
-            run(load_params())
-        except (ParamsError, ValueError, FileNotFoundError) as exc:
-            sys.exit(f"evaluate_policy: {exc}")
+    stage_main("evaluate_policy", run, ValueError, FileNotFoundError)
 
 
 if __name__ == "__main__":

@@ -42,7 +42,6 @@ if __name__ == "__main__":
     _allocator.reexec_early()
 
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -50,8 +49,8 @@ import mlflow
 from datasets import load_from_disk
 
 from frugaltune import models, paths, store, tracking
-from frugaltune.config import Params, load_params
-from frugaltune.faults import stage_errors
+from frugaltune.config import Params
+from frugaltune.faults import stage_main
 from frugaltune.federated import budget, centralized, federation, keys, plans, plots, results, rounds, rows
 from frugaltune.io import csv_text, read_json, write_json, write_text
 
@@ -196,11 +195,7 @@ def write_outputs(report: dict, round_rows: list[dict], label_rows: list[dict], 
 
 
 def main() -> None:
-    with stage_errors("federated"):  # a full disk: one clear line; progress bars only on a terminal
-        try:
-            run(load_params())
-        except store.StoreError as exc:  # a damaged store, a tracking server that is down: one line
-            sys.exit(f"federated: {exc}")
+    stage_main("federated", run, store.StoreError)  # a damaged store, a tracking server that is down: one line
 
 
 if __name__ == "__main__":

@@ -20,8 +20,8 @@ from pathlib import Path
 from mlflow import MlflowClient
 
 from frugaltune import integrity, paths, store, tracking
-from frugaltune.config import Params, ParamsError, load_params
-from frugaltune.faults import stage_errors
+from frugaltune.config import Params
+from frugaltune.faults import stage_main
 from frugaltune.io import write_json
 from frugaltune import registry as register
 
@@ -74,13 +74,13 @@ def run(params: Params) -> dict:
 
 
 def main() -> None:
-    with stage_errors("federated_register"):
-        try:
-            # one writer; a backup before and after
-            with store.guarded_write(tracking.tracking_uri(), rerun="dvc repro federated/dvc.yaml:federated_register"):
-                run(load_params())
-        except (ParamsError, register.RegisterError, store.StoreError, integrity.IntegrityError) as exc:
-            sys.exit(f"federated_register: {exc}")
+    stage_main("federated_register", guarded_run, register.RegisterError, store.StoreError, integrity.IntegrityError)
+
+
+def guarded_run(params: Params) -> None:
+    # one writer; a backup before and after
+    with store.guarded_write(tracking.tracking_uri(), rerun="dvc repro federated/dvc.yaml:federated_register"):
+        run(params)
 
 
 if __name__ == "__main__":

@@ -9,13 +9,12 @@ on the trace meets a machine size and load it has never seen. Writes `data/secon
 
 from __future__ import annotations
 
-import sys
 
 import numpy as np
 
 from frugaltune import paths
-from frugaltune.config import Params, ParamsError, load_params
-from frugaltune.faults import stage_errors
+from frugaltune.config import Params
+from frugaltune.faults import stage_main
 from frugaltune.io import write_json
 from frugaltune.scheduling.lublin import offered_load
 from frugaltune.scheduling.settings import generate_second_workload
@@ -40,11 +39,7 @@ def run(params: Params) -> dict:
 
 
 def main() -> None:
-    with stage_errors("generate_workload"):
-        try:
-            run(load_params())
-        except (ParamsError, ValueError) as exc:
-            sys.exit(f"generate_workload: {exc}")
+    stage_main("generate_workload", run, ValueError)
 
 
 if __name__ == "__main__":

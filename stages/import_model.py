@@ -7,14 +7,13 @@ dequantizes it, and since a GGUF-loaded model cannot be saved as is, it is rebui
 
 from __future__ import annotations
 
-import sys
 import time
 
-from frugaltune.faults import stage_errors
+from frugaltune.faults import stage_main
 from frugaltune.io import write_json
 from frugaltune.models import ModelSourceError, import_base_model
 from frugaltune import paths
-from frugaltune.config import Params, ParamsError, load_params
+from frugaltune.config import Params
 
 
 def run(params: Params) -> dict:
@@ -37,11 +36,7 @@ def run(params: Params) -> dict:
 
 
 def main() -> None:
-    with stage_errors("import_model"):  # a full disk: one clear line, not a traceback
-        try:
-            run(load_params())
-        except (ParamsError, ModelSourceError) as exc:
-            sys.exit(f"import_model: {exc}")
+    stage_main("import_model", run, ModelSourceError)
 
 
 if __name__ == "__main__":

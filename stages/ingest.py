@@ -13,11 +13,10 @@ With `task.prompt_template` the rows are read and split exactly as for the class
 from __future__ import annotations
 
 import shutil
-import sys
 
 import pandas as pd
 
-from frugaltune.faults import stage_errors
+from frugaltune.faults import stage_main
 from frugaltune.data import (
     DataSourceError,
     check_split_sizes,
@@ -33,7 +32,7 @@ from frugaltune.data import (
 )
 from frugaltune.io import atomic_dir, write_json
 from frugaltune import paths
-from frugaltune.config import Params, ParamsError, label_problem, load_params
+from frugaltune.config import Params, label_problem
 
 
 def pairs_mode(params: Params) -> bool:
@@ -149,11 +148,7 @@ def run(params: Params) -> dict:
 
 
 def main() -> None:
-    with stage_errors("ingest"):  # a full disk: one clear line, not a traceback
-        try:
-            run(load_params())
-        except (ParamsError, DataSourceError) as exc:
-            sys.exit(f"ingest: {exc}")
+    stage_main("ingest", run, DataSourceError)
 
 
 if __name__ == "__main__":

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import hashlib
 import shutil
-import sys
 from pathlib import Path
 
 from frugaltune import paths
-from frugaltune.config import DEFAULT_TRACE, DEFAULT_TRACE_SHA256, Params, ParamsError, load_params, trace_file
-from frugaltune.faults import stage_errors
+from frugaltune.config import DEFAULT_TRACE, DEFAULT_TRACE_SHA256, Params, trace_file
+from frugaltune.faults import stage_main
 from frugaltune.io import write_json
 from frugaltune.scheduling.evaluation import held_out_start
 from frugaltune.scheduling.settings import load_workload, protocol
@@ -67,11 +66,7 @@ def check_default_trace(source: Path) -> None:
 
 
 def main() -> None:
-    with stage_errors("ingest_trace"):
-        try:
-            run(load_params())
-        except (ParamsError, SWFError, FileNotFoundError, TraceChanged) as exc:
-            sys.exit(f"ingest_trace: {exc}")
+    stage_main("ingest_trace", run, SWFError, FileNotFoundError, TraceChanged)
 
 
 if __name__ == "__main__":

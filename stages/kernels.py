@@ -21,8 +21,8 @@ import time
 from typing import Any
 
 from frugaltune import paths
-from frugaltune.config import Params, load_params
-from frugaltune.faults import stage_errors
+from frugaltune.config import Params
+from frugaltune.faults import stage_main
 from frugaltune.io import read_json, write_json
 from frugaltune.kernels.report import build_report
 
@@ -43,8 +43,7 @@ def run(params: Params) -> dict[str, Any]:
 
 
 def main() -> None:
-    with stage_errors("kernels"):  # a full disk: one clear line, not a traceback
-        run(load_params())
+    stage_main("kernels", run)
 
 
 if __name__ == "__main__":

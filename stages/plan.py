@@ -16,11 +16,10 @@ the trained adapter.
 
 from __future__ import annotations
 
-import sys
 
-from frugaltune.faults import stage_errors
+from frugaltune.faults import stage_main
 from frugaltune import paths, planner
-from frugaltune.config import Params, ParamsError, load_params
+from frugaltune.config import Params
 from frugaltune.io import read_json, write_json
 
 
@@ -40,11 +39,7 @@ def run(params: Params) -> dict:
 
 
 def main() -> None:
-    with stage_errors("plan"):  # a full disk: one clear line, not a traceback
-        try:
-            run(load_params())
-        except (ParamsError, FileNotFoundError, RuntimeError) as exc:
-            sys.exit(f"plan: {exc}")
+    stage_main("plan", run, FileNotFoundError, RuntimeError)
 
 
 if __name__ == "__main__":

@@ -24,8 +24,8 @@ import sys
 from mlflow import MlflowClient
 
 from frugaltune import integrity, paths, store, tracking
-from frugaltune.config import Params, ParamsError, load_params
-from frugaltune.faults import stage_errors
+from frugaltune.config import Params
+from frugaltune.faults import stage_main
 from frugaltune.io import write_json
 from frugaltune.registry import (RegisterError, eval_data_tags, metric_tags, model_hash, read_report, register_adapter,
                                  resolve_run)
@@ -64,12 +64,12 @@ def run(params: Params) -> dict:
 
 
 def main() -> None:
-    with stage_errors("register"):  # a full disk: one clear line, not a traceback
-        try:
-            with store.guarded_write(tracking.tracking_uri()):  # one writer; a backup before and after
-                run(load_params())
-        except (ParamsError, RegisterError, store.StoreError, integrity.IntegrityError) as exc:
-            sys.exit(f"register: {exc}")
+    stage_main("register", guarded_run, RegisterError, store.StoreError, integrity.IntegrityError)
+
+
+def guarded_run(params: Params) -> None:
+    with store.guarded_write(tracking.tracking_uri()):  # one writer; a backup before and after
+        run(params)
 
 
 if __name__ == "__main__":

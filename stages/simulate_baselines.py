@@ -12,12 +12,11 @@ and mode), `reports/plots/simulate_baselines_bsld.csv` and `reports/figures/base
 
 from __future__ import annotations
 
-import sys
 import time
 
 from frugaltune import paths
-from frugaltune.config import Params, ParamsError, load_params
-from frugaltune.faults import stage_errors
+from frugaltune.config import Params
+from frugaltune.faults import stage_main
 from frugaltune.io import write_json, write_metrics, write_text
 from frugaltune.scheduling.evaluation import Protocol, evaluate, markdown_table, sequences, summary_table
 from frugaltune.scheduling.judge import MODES, summarise, teacher_results
@@ -85,11 +84,7 @@ def run(params: Params) -> dict:
 
 
 def main() -> None:
-    with stage_errors("simulate_baselines"):
-        try:
-            run(load_params())
-        except (ParamsError, ValueError) as exc:
-            sys.exit(f"simulate_baselines: {exc}")
+    stage_main("simulate_baselines", run, ValueError)
 
 
 if __name__ == "__main__":

@@ -14,18 +14,17 @@ reference and candidates for evaluation. A pair longer than `tokenize.max_length
 from __future__ import annotations
 
 import json
-import sys
 
 import numpy as np
 import pandas as pd
 from datasets import Dataset, DatasetDict
 
 from frugaltune import generation
-from frugaltune.faults import stage_errors
+from frugaltune.faults import stage_main
 from frugaltune.io import atomic_dir, read_json, write_json
 from frugaltune.models import load_tokenizer
 from frugaltune import paths
-from frugaltune.config import Params, ParamsError, load_params
+from frugaltune.config import Params
 
 
 def length_stats(lengths: np.ndarray, max_length: int) -> dict:
@@ -146,11 +145,7 @@ def run(params: Params) -> dict:
 
 
 def main() -> None:
-    with stage_errors("tokenize"):  # a full disk: one clear line, not a traceback
-        try:
-            run(load_params())
-        except (ParamsError, FileNotFoundError, ValueError) as exc:
-            sys.exit(f"tokenize: {exc}")
+    stage_main("tokenize", run, FileNotFoundError, ValueError)
 
 
 if __name__ == "__main__":

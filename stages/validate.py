@@ -22,17 +22,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
 import pandas as pd
 
-from frugaltune.faults import stage_errors
+from frugaltune.faults import stage_main
 from frugaltune.io import atomic_dir, write_json, write_metrics
 from frugaltune.validation import DataValidationError, ValidationRules, check_columns, validate_splits
 from frugaltune import paths
-from frugaltune.config import Params, ParamsError, load_params
+from frugaltune.config import Params
 
 
 def _remove_outputs() -> None:
@@ -131,11 +130,7 @@ def run(params: Params) -> dict:
 
 
 def main() -> None:
-    with stage_errors("validate"):  # a full disk: one clear line, not a traceback
-        try:
-            run(load_params())
-        except (ParamsError, DataValidationError) as exc:
-            sys.exit(f"validate: {exc}")
+    stage_main("validate", run, DataValidationError)
 
 
 if __name__ == "__main__":

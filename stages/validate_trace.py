@@ -7,13 +7,12 @@ with the check, what was observed and the fix; the report is written first so th
 
 from __future__ import annotations
 
-import sys
 
 import pandas as pd
 
 from frugaltune import paths
-from frugaltune.config import Params, ParamsError, load_params
-from frugaltune.faults import stage_errors
+from frugaltune.config import Params
+from frugaltune.faults import stage_main
 from frugaltune.io import read_json, write_json, write_metrics
 from frugaltune.scheduling.trace_checks import TraceRules, check_trace
 
@@ -37,11 +36,7 @@ def run(params: Params) -> dict:
 
 
 def main() -> None:
-    with stage_errors("validate_trace"):
-        try:
-            run(load_params())
-        except (ParamsError, TraceValidationError) as exc:
-            sys.exit(f"validate_trace: {exc}")
+    stage_main("validate_trace", run, TraceValidationError)
 
 
 if __name__ == "__main__":

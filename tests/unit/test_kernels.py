@@ -326,13 +326,13 @@ def test_stage_with_nvcc_and_no_gpu_records_ptxas_figures(project, fake_nvcc, mo
     assert flash["verify"]["status"] == "not run" and flash["used"] is False
 
 
-def test_stage_without_a_gpu_runs_no_emulation_and_takes_seconds(project, fake_nvcc, monkeypatch):
+def test_stage_without_a_gpu_runs_no_emulation(project, fake_nvcc, monkeypatch):
     """No GPU can run the kernels here: the stage builds them (ptxas figures) and runs none of their code on the
     CPU. The emulator checks their logic in the tests below and by hand, not on every machine's pipeline run."""
     monkeypatch.setattr(build, "find_nvcc", lambda: fake_nvcc.path)
-    start = time.perf_counter()
-    report = run_stage(stage_params())  # every other `kernels.*` key at its default, as params.yaml runs it
-    assert time.perf_counter() - start < 30, "the CPU measurement alone takes seconds at these shapes"
+    # every other `kernels.*` key at its default, as params.yaml runs it; what ran is in the report, not timed (a
+    # busy machine would fail a timed assertion)
+    report = run_stage(stage_params())
     for kernel in report["kernels"].values():
         assert "emulated_on_cpu" not in kernel["verify"], kernel["verify"]
         assert kernel["verify"]["status"] == "not run" and "frugaltune.kernels.emulate" in kernel["verify"]["reason"]
