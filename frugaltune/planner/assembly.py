@@ -132,25 +132,7 @@ def plan_method(method: str, run: RunSpec, hardware: dict, shape: ModelShape, co
     if run.shared_prefix and not ckpt:  # each part computes the shared prefix once, not once per row
         parts = split * run.ranks
         padded -= sum(max(rows - parts, 0) * run.shared_prefix for rows, _ in batches)
-    eta, eta_note = None, "no calibration: run `frugaltune plan` with calibration for an ETA"
-    if constants.seconds_per_token is not None and method != "none":
-        factor, calibrated = 1.0, constants.calibrated_method
-        if calibrated and calibrated != method:
-            factor = constants.method_cost.get(method) or FLOPS_FACTOR[method] / FLOPS_FACTOR[calibrated]
-        recompute = 4 / 3 if ckpt else 1.0  # checkpointing reruns the forward pass: +1 forward per 3 passes
-        eta = (constants.startup_s + (steps * constants.step_overhead_s
-                                      + padded * constants.seconds_per_token * recompute) * factor)
-        if not calibrated or calibrated == method:
-            eta_note = "measured on this machine"
-        elif method in constants.method_cost:
-            eta_note = (f"the {calibrated} calibration x {factor:.2f}: a step of {method} timed here against one of "
-                        f"{calibrated} on the same micro-batch")
-        else:
-            why = constants.not_timed.get(method, "not asked for")
-            eta_note = (f"the {calibrated} calibration x {factor:.2f} (training FLOPs per token: {method} not timed: "
-                        f"{why})")
-    elif method == "none":
-        eta, eta_note = 0.0, "nothing to train"
+    eta, eta_note = _eta(method, constants, steps, padded, ckpt)
     calibrated, ratio = constants.calibrated_method, constants.measured_ratio(method, ckpt)
     peak_note = None
     if ratio is not None:
@@ -159,17 +141,7 @@ def plan_method(method: str, run: RunSpec, hardware: dict, shape: ModelShape, co
     elif calibrated and method not in (calibrated, "none"):
         peak_note = f"activations: {method}'s analytic bytes per token at {calibrated}'s measured scale"
     grad_accum = run.grad_accum * split
-    reasons = []
-    if method == "none":
-        reasons.append("inference only: weights and one batch of hidden states")
-    elif fits:
-        if split > 1:
-            reasons.append(f"micro-batch {run.batch_size} does not fit; {micro} x {grad_accum} accumulation keeps the "
-                           f"effective batch {run.batch_size * run.grad_accum}")
-        if ckpt and run.gradient_checkpointing == "auto":
-            reasons.append("gradient checkpointing on: without it even micro-batch 1 exceeds the budget")
-        if not reasons:
-            reasons.append("fits as configured: no gradient checkpointing (it would cost ~33% time)")
+    reasons = _reasons(method, run, fits, split, micro, grad_accum, ckpt)
     return {
         "fits": fits,
         "predicted_peak_bytes": est["peak"],
@@ -194,6 +166,47 @@ def plan_method(method: str, run: RunSpec, hardware: dict, shape: ModelShape, co
         "total_params": shape.total_params,
         "why": "; ".join(reasons) if fits else _does_not_fit(method, tried, budget, limit_bytes),
     }
+
+
+def _eta(method: str, constants: Constants, steps: int, padded: int, ckpt: bool) -> tuple[float | None, str]:
+    """(ETA seconds, where it comes from) of `method`'s run: `steps` optimizer steps over `padded` tokens at the
+    calibrated speed, scaled to `method` by its measured cost or its training FLOPs (None: not calibrated)."""
+    eta, eta_note = None, "no calibration: run `frugaltune plan` with calibration for an ETA"
+    if constants.seconds_per_token is not None and method != "none":
+        factor, calibrated = 1.0, constants.calibrated_method
+        if calibrated and calibrated != method:
+            factor = constants.method_cost.get(method) or FLOPS_FACTOR[method] / FLOPS_FACTOR[calibrated]
+        recompute = 4 / 3 if ckpt else 1.0  # checkpointing reruns the forward pass: +1 forward per 3 passes
+        eta = (constants.startup_s + (steps * constants.step_overhead_s
+                                      + padded * constants.seconds_per_token * recompute) * factor)
+        if not calibrated or calibrated == method:
+            eta_note = "measured on this machine"
+        elif method in constants.method_cost:
+            eta_note = (f"the {calibrated} calibration x {factor:.2f}: a step of {method} timed here against one of "
+                        f"{calibrated} on the same micro-batch")
+        else:
+            why = constants.not_timed.get(method, "not asked for")
+            eta_note = (f"the {calibrated} calibration x {factor:.2f} (training FLOPs per token: {method} not timed: "
+                        f"{why})")
+    elif method == "none":
+        eta, eta_note = 0.0, "nothing to train"
+    return eta, eta_note
+
+
+def _reasons(method: str, run: RunSpec, fits: bool, split: int, micro: int, grad_accum: int, ckpt: bool) -> list[str]:
+    """Why the plan of a method that fits is what it is: accumulation, checkpointing, or as configured."""
+    reasons = []
+    if method == "none":
+        reasons.append("inference only: weights and one batch of hidden states")
+    elif fits:
+        if split > 1:
+            reasons.append(f"micro-batch {run.batch_size} does not fit; {micro} x {grad_accum} accumulation keeps the "
+                           f"effective batch {run.batch_size * run.grad_accum}")
+        if ckpt and run.gradient_checkpointing == "auto":
+            reasons.append("gradient checkpointing on: without it even micro-batch 1 exceeds the budget")
+        if not reasons:
+            reasons.append("fits as configured: no gradient checkpointing (it would cost ~33% time)")
+    return reasons
 
 
 def _does_not_fit(method: str, tried: list, budget: int, limit: int) -> str:

@@ -25,6 +25,7 @@ import math
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import NamedTuple
 
 from frugaltune.planner.measure import _cpu_share, _fit_line, _marked_steps, _step_line
 from frugaltune.planner.memory import (Constants, MethodKnobs, ModelShape, activation_bytes_per_token,
@@ -71,6 +72,41 @@ def fit_memory(points: list[tuple[int, int]], static: float, per_token: float,
     return scale, runtime
 
 
+class Calibration(NamedTuple):
+    """What `calibrate` returns: the fitted constants (the plan's `constants`) and the calibration's report (the
+    plan's `calibration` section: its steps and phases, memory points, the other methods timed, why it stopped)."""
+
+    constants: Constants
+    report: dict
+
+
+class _Prepared(NamedTuple):
+    """What calibrate hands its process (`spec`; the rows in `spec["rows_file"]`) and how its steps map onto the run:
+    `picks` (positions in the run's order, the first pass), `runs` (each step's rows), their tokens, the rows the
+    other methods are timed on (`typical_tokens`) and the evaluation batches (`inference`)."""
+
+    spec: dict
+    picks: list[int]
+    runs: list[list[int]]
+    runs_tokens: list[dict]
+    typical_tokens: dict | None
+    inference: dict | None
+
+
+class _Measured(NamedTuple):
+    """What the calibration's steps measured (the worker's `point`, or what it reported before it stopped) and the
+    time line fitted under the peak: `step = overhead + per_token_s x padded tokens`, plus the run's start-up."""
+
+    point: dict
+    stopped: CalibrationStopped | None
+    steps: list[dict]
+    overhead: float
+    per_token_s: float
+    startup: float
+    startup_cold: float
+    startup_from: str
+
+
 def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, method: str, knobs: MethodKnobs,
               shape: ModelShape, *, rows: list[list[int]], targets: list, order: list[list[int]], loop: dict,
               int8: dict, gradient_checkpointing: bool, threads: int, seed: int = 0, time_samples: int = 6,
@@ -79,7 +115,7 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
               others: list[dict] | None = None, others_share: float | None = 0.1,
               worker: CalibrationWorker | None = None,
               planned: tuple[int, int] | None = None, watch_s: float = WATCH_S,
-              stop_when_busy: bool = False) -> tuple[Constants, dict]:
+              stop_when_busy: bool = False) -> Calibration:
     """Time the train stage's own loop on this machine over a few of the run's own micro-batches and fit the
     memory and time constants.
 
@@ -117,6 +153,30 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
     defaults (no ETA). `calibration["stopped"]` says why and `calibration["busy_note"]` what that means for the plan.
     With `inference_rows`, whose passes come after the steps, a stopped calibration is CalibrationStopped.
     """
+    prepared = _prepare(model_dir, labels, pad_token_id, method, knobs, rows=rows, targets=targets, order=order,
+                        loop=loop, int8=int8, gradient_checkpointing=gradient_checkpointing, threads=threads, seed=seed,
+                        time_samples=time_samples, allocator=allocator, task=task, inference_rows=inference_rows,
+                        inference_batch=inference_batch, others=others, others_share=others_share, planned=planned)
+    started = time.perf_counter()
+    try:
+        measured = _measure(prepared, method, worker, allocator, timeout_s, watch_s, stop_when_busy, inference_rows,
+                            started)
+    finally:
+        Path(prepared.spec["rows_file"]).unlink(missing_ok=True)
+    if isinstance(measured, Calibration):  # stopped before its second step: the analytic defaults, and why
+        return measured
+    return _fitted(measured, prepared, time.perf_counter() - started, shape, method, knobs, loop,
+                   gradient_checkpointing, threads, others)
+
+
+def _prepare(model_dir: Path | str, labels: list[str], pad_token_id: int, method: str, knobs: MethodKnobs, *,
+             rows: list[list[int]], targets: list, order: list[list[int]], loop: dict, int8: dict,
+             gradient_checkpointing: bool, threads: int, seed: int, time_samples: int, allocator: str, task: str,
+             inference_rows: list[list[int]] | None, inference_batch: int, others: list[dict] | None,
+             others_share: float | None, planned: tuple[int, int] | None) -> _Prepared:
+    """calibrate's first step: the run's micro-batches it times (calibration_batches, then again under the peak,
+    then the rows the other methods are timed on), written to a rows file its process reads, and the spec that
+    names them (calibrate's arguments)."""
     import tempfile
 
     from frugaltune.training.batching import parts
@@ -179,48 +239,60 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
                     # the steps and padded tokens the plan's ETA counts (a causal LM's shared prefix once per part)
                     run_steps=planned[0] if planned else len(order),
                     run_tokens=planned[1] if planned else sum(run_tokens))
-    started = time.perf_counter()
+    return _Prepared(spec, picks, runs, runs_tokens, typical_tokens, inference)
+
+
+def _measure(prepared: _Prepared, method: str, worker: CalibrationWorker | None, allocator: str, timeout_s: float,
+             watch_s: float, stop_when_busy: bool, inference_rows: list[list[int]] | None,
+             started: float) -> _Measured | Calibration:
+    """calibrate's second step: its process runs the steps (a second one the first step alone, when that compiled
+    graphs afresh); their time line and the run's start-up. A process stopped before two steps: the analytic
+    Calibration (_not_calibrated); with `inference_rows`, CalibrationStopped."""
+    spec, picks, runs, runs_tokens, _, _ = prepared
     stopped: CalibrationStopped | None = None
     startup_from = "the first step"
     try:
+        # sent_at: the wall clock (shared by both processes) when this process starts to wait, from which the
+        # worker counts what the calibration has cost
+        point = (worker or CalibrationWorker(allocator)).run({**spec, "sent_at": time.time()}, timeout_s,
+                                                             watch_s, stop_when_busy)
+    except CalibrationStopped as exc:
+        # What it measured before it stopped is the plan's, when there are two steps to fit; the evaluation's
+        # forward passes (a caller's inference_rows) come after the steps: without them, the caller's error.
+        if inference_rows or exc.built is None or len(exc.marks) < 2:
+            if inference_rows:
+                raise
+            return _not_calibrated(exc, method, len(runs), time.perf_counter() - started)
+        stopped, point = exc, _stopped_point(exc, spec)
+    steps = [{**step, **counted, "under_peak": n >= len(picks)}
+             for n, (step, counted) in enumerate(zip(point["steps"], runs_tokens))]
+    growing = steps[:len(picks)]
+    warm = growing[0]
+    timed = [(s["padded_tokens"], s["seconds"]) for s in steps]
+    overhead, per_token_s, excess = _step_line(timed[:len(picks)], timed[len(picks):])
+    steady = lambda step: overhead + per_token_s * step["padded_tokens"]  # noqa: E731
+    # What the first pass paid beyond a step under the peak is paid once per run: the warm-up (page faults,
+    # oneDNN's kernels for new shapes) and the growth to the peak. When the first step compiled graphs afresh,
+    # the run will load them from inductor's cache instead: a second process runs the first step alone and
+    # measures the start-up the run will pay.
+    growth = sum(excess[1:])
+    startup_cold = excess[0] + growth
+    first = warm["seconds"]
+    if warm.get("compiled_graphs") and not stopped:
         try:
-            # sent_at: the wall clock (shared by both processes) when this process starts to wait, from which the
-            # worker counts what the calibration has cost
-            point = (worker or CalibrationWorker(allocator)).run({**spec, "sent_at": time.time()}, timeout_s,
-                                                                 watch_s, stop_when_busy)
-        except CalibrationStopped as exc:
-            # What it measured before it stopped is the plan's, when there are two steps to fit; the evaluation's
-            # forward passes (a caller's inference_rows) come after the steps: without them, the caller's error.
-            if inference_rows or exc.built is None or len(exc.marks) < 2:
-                if inference_rows:
-                    raise
-                return _not_calibrated(exc, method, len(runs), time.perf_counter() - started)
-            stopped, point = exc, _stopped_point(exc, spec)
-        steps = [{**step, **counted, "under_peak": n >= len(picks)}
-                 for n, (step, counted) in enumerate(zip(point["steps"], runs_tokens))]
-        growing = steps[:len(picks)]
-        warm = growing[0]
-        timed = [(s["padded_tokens"], s["seconds"]) for s in steps]
-        overhead, per_token_s, excess = _step_line(timed[:len(picks)], timed[len(picks):])
-        steady = lambda step: overhead + per_token_s * step["padded_tokens"]  # noqa: E731
-        # What the first pass paid beyond a step under the peak is paid once per run: the warm-up (page faults,
-        # oneDNN's kernels for new shapes) and the growth to the peak. When the first step compiled graphs afresh,
-        # the run will load them from inductor's cache instead: a second process runs the first step alone and
-        # measures the start-up the run will pay.
-        growth = sum(excess[1:])
-        startup_cold = excess[0] + growth
-        first = warm["seconds"]
-        if warm.get("compiled_graphs") and not stopped:
-            try:
-                first = CalibrationWorker(allocator).run({**spec, "batches": 1}, timeout_s, watch_s,
-                                                         stop_when_busy)["steps"][0]["seconds"]
-                startup_from = "a second process: the first step compiled graphs that the run will find in inductor's cache"
-            except CalibrationStopped as exc:  # the cold first step's start-up, an overestimate, and why
-                startup_from = f"the first step, compiling graphs (its second process stopped early: {exc.why})"
-    finally:
-        Path(handle.name).unlink(missing_ok=True)
-    seconds = time.perf_counter() - started
+            first = CalibrationWorker(allocator).run({**spec, "batches": 1}, timeout_s, watch_s,
+                                                     stop_when_busy)["steps"][0]["seconds"]
+            startup_from = "a second process: the first step compiled graphs that the run will find in inductor's cache"
+        except CalibrationStopped as exc:  # the cold first step's start-up, an overestimate, and why
+            startup_from = f"the first step, compiling graphs (its second process stopped early: {exc.why})"
     startup = max(0.0, first - steady(warm)) + growth
+    return _Measured(point, stopped, steps, overhead, per_token_s, startup, startup_cold, startup_from)
+
+
+def _fit_peaks(steps: list[dict], growing: list[dict], shape: ModelShape, method: str, knobs: MethodKnobs,
+               loop: dict, gradient_checkpointing: bool, loaded_rss: int) -> tuple[list, float, float, float]:
+    """(memory points, analytic bytes per token, activation scale, runtime bytes): the peaks of the first pass,
+    smallest part first, fitted against the memory model (fit_memory)."""
     # Memory: the peak after the warm-up step, then after each larger part (the first pass runs smallest first).
     points, top = [], 0
     for s in growing:
@@ -238,9 +310,21 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
     # (memory_estimate's gradients_overlap), so the peaks grow from weights + optimizer state alone, unless the
     # gradients are the larger (full fine-tuning on short parts), when the peaks stand on them.
     static = fixed["peak"] - fixed["gradients"]
-    scale, runtime = fit_memory(points, static, per_token, point["loaded_rss_bytes"])
+    scale, runtime = fit_memory(points, static, per_token, loaded_rss)
     if scale * per_token * points[-1][0] < fixed["gradients"]:
-        scale, runtime = fit_memory(points, fixed["peak"], per_token, point["loaded_rss_bytes"])
+        scale, runtime = fit_memory(points, fixed["peak"], per_token, loaded_rss)
+    return points, per_token, scale, runtime
+
+
+def _fitted(measured: _Measured, prepared: _Prepared, seconds: float, shape: ModelShape, method: str,
+            knobs: MethodKnobs, loop: dict, gradient_checkpointing: bool, threads: int,
+            others: list[dict] | None) -> Calibration:
+    """calibrate's last step: the measured steps fitted into Constants (memory, time, each other method's cost and
+    saved bytes), and the calibration's report, with what a busy machine or an early stop means for the plan."""
+    point, stopped, steps, overhead, per_token_s, startup, startup_cold, startup_from = measured
+    _, picks, runs, _, typical_tokens, inference = prepared
+    points, per_token, scale, runtime = _fit_peaks(steps, steps[:len(picks)], shape, method, knobs, loop,
+                                                   gradient_checkpointing, point["loaded_rss_bytes"])
     reference = min(s["seconds"] for s in steps[-2:]) if typical_tokens and not stopped else 0.0
     # each method against the calibrated one's steps on the same rows, taken in turn with its own
     method_cost = {m: round(t["seconds"] / t["calibrated_seconds"], 3) for m, t in point["others"].items()
@@ -277,20 +361,21 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
         fixed, per_token_inference = _fit_line([(float(t), s) for t, s in pairs])
         timed_inference = {"overhead_s": fixed, "seconds_per_token": per_token_inference, "threads": threads,
                            "batches": [{"padded_tokens": t, "seconds": round(s, 4)} for t, s in pairs]}
-    return constants, {"method": method, "phases": point["phases"], "steps": steps, "inference": timed_inference,
-                       "memory_points": points,
-                       "others": {"padded_tokens": typical_tokens["padded_tokens"],
-                                  "calibrated_step_s": round(reference, 4), "calibrated_saved_bytes": own_saved,
-                                  "calibrated_cast_bytes": own_casts,
-                                  "methods": point["others"]}
-                       if others else None,
-                       "seconds": round(seconds, 1),
-                       "loaded_rss_bytes": point["loaded_rss_bytes"], "bf16": bool(loop["bf16"]),
-                       "allocator": point["allocator"], "gradient_checkpointing": gradient_checkpointing,
-                       "int8_products": point["int8_products"], "cpu_share": point["cpu_share"],
-                       "startup_s": round(startup, 2), "startup_cold_s": round(startup_cold, 2),
-                       "startup_from": startup_from,
-                       "machine_busy": busy, "stopped": stopped.why if stopped else None, "busy_note": busy_note}
+    report = {"method": method, "phases": point["phases"], "steps": steps, "inference": timed_inference,
+              "memory_points": points,
+              "others": {"padded_tokens": typical_tokens["padded_tokens"],
+                         "calibrated_step_s": round(reference, 4), "calibrated_saved_bytes": own_saved,
+                         "calibrated_cast_bytes": own_casts,
+                         "methods": point["others"]}
+              if others else None,
+              "seconds": round(seconds, 1),
+              "loaded_rss_bytes": point["loaded_rss_bytes"], "bf16": bool(loop["bf16"]),
+              "allocator": point["allocator"], "gradient_checkpointing": gradient_checkpointing,
+              "int8_products": point["int8_products"], "cpu_share": point["cpu_share"],
+              "startup_s": round(startup, 2), "startup_cold_s": round(startup_cold, 2),
+              "startup_from": startup_from,
+              "machine_busy": busy, "stopped": stopped.why if stopped else None, "busy_note": busy_note}
+    return Calibration(constants, report)
 
 
 RECALIBRATE = "`dvc repro --force --single-item plan`"
@@ -310,11 +395,11 @@ def _stopped_point(stopped: CalibrationStopped, spec: dict) -> dict:
 
 
 def _not_calibrated(stopped: CalibrationStopped, method: str, planned_steps: int,
-                    seconds: float) -> tuple[Constants, dict]:
+                    seconds: float) -> Calibration:
     """calibrate's answer when its process stopped before two steps: the analytic constants, and why."""
     note = (f"the calibration stopped before its second step ({stopped.why}): the plan is analytic, without an ETA. "
             f"{RECALIBRATE} when the machine is free calibrates it")
-    return Constants(source=f"analytic defaults: {note}"), {
+    return Calibration(Constants(source=f"analytic defaults: {note}"), {
         "method": method, "steps": [], "planned_steps": planned_steps, "seconds": round(seconds, 1),
         "cpu_share": None, "int8_products": (stopped.built or {}).get("int8_products"),
-        "machine_busy": stopped.busy, "stopped": stopped.why, "busy_note": note}
+        "machine_busy": stopped.busy, "stopped": stopped.why, "busy_note": note})
