@@ -5,7 +5,8 @@ Not a benchmark: the benchmarks run as `python benchmarks/<name>.py` from the re
 folder is the first entry of their import path and they `import common` (`python benchmarks/common.py` only says
 what it is; `make bench` does not run it). Everything here uses the installed `frugaltune`; nothing here decides a
 setting the plan decides (precision, int8 products, the attention crossover, threads): `machine` reads the plan's
-decisions through frugaltune.resolve, which decides them with `planner.decide_machine` only when there is no plan.
+decisions through frugaltune.resolve, which decides them with `planner.machine.decide_machine` only when there
+is no plan.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def lora_model(bf16: bool, method: str = "lora", switches: bool = True, knobs=No
     import torch
 
     from frugaltune.models import load_tokenizer
-    from frugaltune.planner import MethodKnobs
+    from frugaltune.planner.memory import MethodKnobs
     from frugaltune.training.methods import prepare_model
 
     tokenizer = load_tokenizer(BASE)
@@ -101,8 +102,8 @@ def replace_lora_dropouts(model, make, which=lambda dropout: True) -> None:
 
 def machine(precision: str = "auto", method: str = "lora", int8: bool = False) -> dict:
     """The plan's machine decisions on this machine (frugaltune.resolve.machine: bf16, precision_why,
-    eager_attention_max_len, threads, int8), decided by `planner.decide_machine` when there is no plan for this CPU
-    or `precision` is not the plan's setting. `int8`: also `train.int8_products`' decision for `method` (without a
+    eager_attention_max_len, threads, int8), decided by `planner.machine.decide_machine` when there is no plan for
+    this CPU or `precision` is not the plan's setting. `int8`: also `train.int8_products`' decision for `method` (without a
     plan that times int8 products against the precision's now, a few seconds)."""
     from frugaltune import resolve
     from frugaltune.config import load_params

@@ -45,7 +45,7 @@ def measure(method: str, lean: bool, steps: int, batch: int, length: int) -> dic
 
     import torch
 
-    from frugaltune.planner import MethodKnobs
+    from frugaltune.planner.memory import MethodKnobs
     from frugaltune.training.methods import prepare_model
 
     torch.set_num_threads(os.cpu_count() or 1)

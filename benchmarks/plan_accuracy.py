@@ -7,10 +7,10 @@ Needs `models/base` and `data/tokenized` (`make pipeline`). Its first row is the
 `reports/plan.json` against `reports/train.json`, when both describe this CPU. Then, for each (method, length),
 the run is params.yaml's `train.*` with that method (its own knobs, `train.<method>`), the training rows as the
 model sees them (input template), cut to `length` tokens and to the first `--steps` x batch rows; the plan is made
-as the plan stage makes it (`planner.decide_machine` for this machine: precision, int8 products for that method,
-attention crossover; `planner.calibrate`: the run's own loop over a few of its micro-batches in a fresh process)
-and the run itself then trains in a fresh process, set up by the same `frugaltune.training.setup` calls as the
-train stage, on the same malloc; its peak RSS (ru_maxrss) and the loop's wall time are measured.
+as the plan stage makes it (`planner.machine.decide_machine` for this machine: precision, int8 products for that
+method, attention crossover; `planner.calibration.calibrate`: the run's own loop over a few of its micro-batches in a
+fresh process) and the run itself then trains in a fresh process, set up by the same `frugaltune.training.setup`
+calls as the train stage, on the same malloc; its peak RSS (ru_maxrss) and the loop's wall time are measured.
 
 Each (method, length) is planned and run `--repeats` times (2 by default), calibration and run taken in turn, and its
 row shows the median prediction against the median measurement, with each pair's own errors beside them
@@ -66,11 +66,12 @@ def _rows(params, length: int, count: int) -> tuple[list[list[int]], list]:
 
 def _decided(params, method: str, threads: int) -> dict:
     """The plan's machine decisions for this machine and `method`, made as the plan stage makes them."""
-    from frugaltune import planner, resolve
+    from frugaltune import resolve
+    from frugaltune.planner.machine import decide_machine
 
     hardware, measured = resolve.machine_facts()
-    return planner.decide_machine(hardware, measured, params.train.precision, params.train.int8_products, (method,),
-                                  resolve.model_dims(), threads)
+    return decide_machine(hardware, measured, params.train.precision, params.train.int8_products, (method,),
+                          resolve.model_dims(), threads)
 
 
 def _loop(params, method: str, decided: dict, micro: int):
@@ -106,30 +107,32 @@ def predict(method: str, length: int, steps: int, threads: int, hw: dict, others
     """The plan of `method`'s run: calibrated on that method itself (timing `others` too, as the plan stage times
     the methods it does not calibrate), or, given another method's calibrated `constants`, the plan stage's estimate
     for a method it did not calibrate."""
-    from frugaltune import planner
+    from frugaltune.planner.assembly import make_plan, run_spec
     from frugaltune.models import load_tokenizer
+    from frugaltune.planner.calibration import calibrate
+    from frugaltune.planner.memory import Constants, MethodKnobs, model_shape, planned_order
 
     params = _params(method, steps)
     batch = params.train.batch_size
     ids, labels = _rows(params, length, steps * batch)
     names = common.labels()
     decided = _decided(params, method, threads)
-    run = planner.run_spec(params, [len(x) for x in ids])
-    knobs = run.knobs.get(method, planner.MethodKnobs())
-    shape = planner.model_shape(BASE, len(names), method, knobs)
-    draft = planner.make_plan(run, hw, {method: shape}, planner.Constants(), decided=decided)["methods"][method]
-    _, order = planner.planned_order(list(run.lengths), batch, run.grad_accum, run.epochs, run.max_steps, run.seed)
+    run = run_spec(params, [len(x) for x in ids])
+    knobs = run.knobs.get(method, MethodKnobs())
+    shape = model_shape(BASE, len(names), method, knobs)
+    draft = make_plan(run, hw, {method: shape}, Constants(), decided=decided)["methods"][method]
+    _, order = planned_order(list(run.lengths), batch, run.grad_accum, run.epochs, run.max_steps, run.seed)
     calibration = {"seconds": None}
     if constants is None:
-        timed = [{"method": m, "knobs": run.knobs.get(m, planner.MethodKnobs()),
+        timed = [{"method": m, "knobs": run.knobs.get(m, MethodKnobs()),
                   "int8": _decided(params, m, threads)["int8"][m]} for m in others]
-        constants, calibration = planner.calibrate(
+        constants, calibration = calibrate(
             BASE, names, load_tokenizer(BASE).pad_token_id, method, knobs, shape, rows=ids, targets=labels,
             order=order, loop=asdict(_loop(params, method, decided, draft["micro_batch_size"])),
             int8=decided["int8"][method], gradient_checkpointing=False, threads=threads, seed=run.seed,
             time_samples=params.probe.calibration_steps, allocator=params.train.allocator, others=timed,
             others_share=None)  # every method timed: the 20-step runs are shorter than any calibration
-    plan = planner.make_plan(run, hw, {method: shape}, constants, decided=decided)["methods"][method]
+    plan = make_plan(run, hw, {method: shape}, constants, decided=decided)["methods"][method]
     return {"peak_bytes": plan["predicted_peak_bytes"], "eta_seconds": plan["eta_seconds"],
             "largest_batch": plan["largest_batch"], "decided": decided, "micro": plan["micro_batch_size"],
             "calibration_seconds": calibration["seconds"], "int8": decided["int8"][method]["on"],

@@ -55,7 +55,8 @@ from pathlib import Path
 import common
 import torch
 
-from frugaltune import planner
+from frugaltune.planner.machine import keep_sdpa_off_cudnn
+from frugaltune.planner.memory import MethodKnobs
 from frugaltune.hardware import cpu_facts
 
 
@@ -191,7 +192,7 @@ def ab_switch(switch: str, rounds: int, steps: int, batch_size: int, bf16: bool,
 
     ids, labels = common.training_examples(max(steps * rounds, paired) * batch_size)
     if torch.cuda.is_available():  # as the train stage and train_throughput's frugaltune recipe do on a GPU
-        planner.keep_sdpa_off_cudnn()
+        keep_sdpa_off_cudnn()
     variants = {"frozen": ("fp32 weights, autocast casts", "frozen weights stored in bf16"),
                 "compiled": ("eager", "decoder layers compiled"),
                 "optimizer": ("AdamW, torch's default", "AdamW fused"),
@@ -207,7 +208,7 @@ def ab_switch(switch: str, rounds: int, steps: int, batch_size: int, bf16: bool,
         decision = common.forced_int8(False)
     models = {}
     for name in variants:
-        knobs = planner.MethodKnobs(target_modules=tuple(target_modules)) if target_modules else None
+        knobs = MethodKnobs(target_modules=tuple(target_modules)) if target_modules else None
         model, tokenizer = common.lora_model(bf16, "lora", True, knobs)  # bf16 frozen weights when bf16
         stored = {"fp32 weights, autocast casts": torch.float32, "frozen weights stored in bf16": torch.bfloat16}
         if name in stored:
@@ -271,7 +272,7 @@ def layer_compile(batch_size: int, bf16: bool, repeats: int = 20) -> None:
         (out[0] if isinstance(out, tuple) else out).float().pow(2).mean().backward()
 
     print(f"one decoder layer, {batch_size} x {length} tokens, {'bf16' if bf16 else 'fp32'}, forward + backward:")
-    p = planner.MethodKnobs().dropout
+    p = MethodKnobs().dropout
     for kind, make in (("SharedDropout (the loop's)", None), ("nn.Dropout", lambda: torch.nn.Dropout(p)),
                        ("no dropout", torch.nn.Identity)):
         eager = copy.deepcopy(decoder.layers[0])

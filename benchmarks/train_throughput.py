@@ -88,8 +88,8 @@ def run_recipe(recipe: str, steps: int, batch_size: int, lr: float, threads: int
 
         kind, method = recipe.split(":")
         switches = kind == "frugaltune"
-        if switches:  # on a GPU, SDPA without cuDNN (planner.keep_sdpa_off_cudnn, as the train stage does)
-            from frugaltune.planner import keep_sdpa_off_cudnn
+        if switches:  # on a GPU, SDPA without cuDNN (planner.machine.keep_sdpa_off_cudnn, as the train stage does)
+            from frugaltune.planner.machine import keep_sdpa_off_cudnn
 
             keep_sdpa_off_cudnn()
         model, tokenizer = common.lora_model(bf16_ours, method, switches)
@@ -234,7 +234,7 @@ def _nvml_max_clock() -> float:
 def flops_per_token(mean_length: float) -> float:
     from transformers import AutoConfig
 
-    from frugaltune.planner import model_shape
+    from frugaltune.planner.memory import model_shape
 
     config = AutoConfig.from_pretrained(str(BASE))
     shape = model_shape(BASE, len(common.labels()), "lora")

@@ -262,7 +262,10 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from frugaltune import paths, planner
+    from frugaltune import paths
+    from frugaltune.planner.assembly import PlanError, build_plan, check_fits
+    from frugaltune.planner.machine import measured_on
+    from frugaltune.planner.render import render
     from frugaltune.config import ParamsError, load_params
     from frugaltune.hardware import probe
 
@@ -274,15 +277,15 @@ def _plan(args: argparse.Namespace) -> int:
         # bf16 vs fp32 as the kernels stage measured it, if it measured this CPU (reports/kernels.json): a
         # measurement from another machine would be a guess (the same flags have measured 0.7x and 2.3x).
         kernels = paths.report("kernels")
-        measured = planner.measured_on(hardware, json.loads(kernels.read_text()) if kernels.is_file() else None)
-        plan = planner.build_plan(params, hardware, measured,
-                                  run_calibration=args.calibrate, memory_limit_gb=args.memory_limit_gb)
+        measured = measured_on(hardware, json.loads(kernels.read_text()) if kernels.is_file() else None)
+        plan = build_plan(params, hardware, measured,
+                          run_calibration=args.calibrate, memory_limit_gb=args.memory_limit_gb)
     except (ParamsError, FileNotFoundError, RuntimeError) as exc:
         raise CommandError(str(exc)) from None
-    print(json.dumps(plan, indent=2) if args.json else planner.render(plan))
+    print(json.dumps(plan, indent=2) if args.json else render(plan))
     try:
-        planner.check_fits(plan)
-    except planner.PlanError as exc:
+        check_fits(plan)
+    except PlanError as exc:
         print(f"frugaltune plan: {exc}", file=sys.stderr)
         return 1
     return 0

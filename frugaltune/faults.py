@@ -1,7 +1,7 @@
 """Faults: the disk-full message every stage gives, and the injection points the fault suite drives.
 
-Library code. `stage_main(stage, run, *expected)` is every stage's `main()` (the stages whose entry point does more
-wrap themselves in `stage_errors(stage)`, as it does): it refuses a damaged dvc.lock first
+Library code. `stage_errors(stage)` wraps every stage's `main()` (through frugaltune.entry's `stage_main`, or
+directly where the entry point does more): it refuses a damaged dvc.lock first
 (frugaltune.checkout), turns a full disk or a checkout it cannot write into one line, and turns progress bars off
 when the stage's output is not a terminal (frugaltune.console). `is_disk_full(exc)` also sees a full disk through
 sqlite's and MLflow's exceptions (frugaltune.store). `inject(point, name)` is called where a fault is most harmful
@@ -19,15 +19,11 @@ import errno
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from frugaltune import checkout, console, processes
-
-if TYPE_CHECKING:
-    from frugaltune.config import Params
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
@@ -88,19 +84,6 @@ def not_writable_message(stage: str, exc: OSError) -> str:
             f"stage writes its outputs here, and DVC dvc.lock and .dvc/tmp. Make it writable (`chmod -R u+w {here}`, "
             f"or mount it read-write), or clone it where you can write (`git clone {here} <dir>`) and rerun "
             f"`dvc repro` there.")
-
-
-def stage_main(stage: str, run: Callable[[Params], None], *expected: type[Exception]) -> None:
-    """A stage's `main()`: `run(params)` inside stage_errors, with params.yaml read and checked first; a bad key, or
-    an error of the kinds the stage `expected` (bad input: each names its file, row or key and the fix), becomes one
-    line, `<stage>: <message>`, and exit status 1."""
-    from frugaltune.config import ParamsError, load_params
-
-    with stage_errors(stage):
-        try:
-            run(load_params())
-        except (ParamsError, *expected) as exc:
-            sys.exit(f"{stage}: {exc}")
 
 
 @contextmanager

@@ -374,7 +374,7 @@ def decide(setting: str | bool, method: str, bf16: bool, hidden: int, intermedia
     """Whether to train with int8 products: `true`/`false` as set; `auto` on a CPU, for AUTO_METHODS, under bf16,
     where int8 multiplies at least MIN_GEMM_RATIO x faster than bf16, measured here and now. Not under fp32: their
     quality was measured against bf16 training, and against fp32 training they lost it (docs/DECISIONS.md, "The
-    federation on this CPU"). Called by the plan alone (frugaltune.planner.decide_machine); `measured`, when given,
+    federation on this CPU"). Called by the plan alone (planner.machine.decide_machine); `measured`, when given,
     keeps the timing for the next call."""
     if setting is False or setting == "false":
         return {"on": False, "why": "train.int8_products is false"}

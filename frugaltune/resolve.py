@@ -1,7 +1,7 @@
 """A run's machine-dependent settings, read from the plan.
 
 Library code, no entry point. The `plan` stage (`python -m stages.plan`) decides precision, int8 products, the
-attention crossover, threads and micro-batch once (`frugaltune.planner.decide_machine`, `plan_method`) and writes
+attention crossover, threads and micro-batch once (frugaltune/planner/: `decide_machine`, `plan_method`) and writes
 them to reports/plan.json. Every consumer (the train, evaluate, compare and federated stages, the scheduling
 pipeline, the benchmarks) reads them here instead of deciding again; `frugaltune.training.setup` then builds the
 run from params and this `Run` the same way for every caller (the planner's calibration included).
@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 
-from frugaltune import paths, planner
+from frugaltune import paths
+from frugaltune.planner.assembly import check_fits
+from frugaltune.planner.machine import decide_machine, int8_setting_name, measured_on
 from frugaltune.io import read_json
 
 if TYPE_CHECKING:
@@ -31,7 +33,7 @@ def machine_facts() -> tuple[dict, dict | None]:
     hardware = read_json(paths.HARDWARE) if paths.HARDWARE.exists() else {}
     report = paths.kernels_report()
     kernels = read_json(report) if report.exists() else None
-    return hardware, planner.measured_on(hardware, kernels)
+    return hardware, measured_on(hardware, kernels)
 
 
 def device() -> "torch.device":
@@ -69,15 +71,15 @@ def machine(precision_setting: str = "auto", method: str = "lora", int8_setting:
         decided = plan["machine"]
     else:
         hardware, measured = machine_facts()
-        decided = planner.decide_machine(hardware, measured, precision_setting,
-                                         "auto" if int8_setting is None else int8_setting,
-                                         (method,) if dims else (), dims, threads, ranks)
-    setting = None if int8_setting is None else planner.int8_setting_name(int8_setting)
+        decided = decide_machine(hardware, measured, precision_setting,
+                                 "auto" if int8_setting is None else int8_setting,
+                                 (method,) if dims else (), dims, threads, ranks)
+    setting = None if int8_setting is None else int8_setting_name(int8_setting)
     if setting is not None and decided.get("int8_setting", "auto") != setting:
         hardware, measured = machine_facts()
         decided = {**decided, "int8_setting": setting,
-                   "int8": planner.decide_machine(hardware, measured, decided["precision_setting"], int8_setting,
-                                                  (method,) if dims else (), dims, threads, ranks)["int8"]}
+                   "int8": decide_machine(hardware, measured, decided["precision_setting"], int8_setting,
+                                          (method,) if dims else (), dims, threads, ranks)["int8"]}
     int8 = decided["int8"].get(method) or {"on": False, "why": f"no int8 decision for {method} (no model dims)"}
     return {**decided, "int8": int8}
 
@@ -113,11 +115,11 @@ def resolve_run(params: "Params", use_plan: bool = True) -> Run:
 
     Raises PlanError before anything loads when the plan says the method cannot fit. `use_plan=False` (the method
     comparison: every method on the same batches) takes the machine decisions but the configured batch, no
-    checkpointing. Without a plan the same decisions are made now (planner.decide_machine).
+    checkpointing. Without a plan the same decisions are made now (planner.machine.decide_machine).
     """
     tp = params.train
     plan = read_plan()
-    entry = planner.check_fits(plan, tp.method) if plan and use_plan else {}
+    entry = check_fits(plan, tp.method) if plan and use_plan else {}
     decided = machine(tp.precision, tp.method, tp.int8_products, plan, tp.distributed.nproc_per_node, model_dims(),
                       tp.threads)
     if plan and use_plan and plan.get("run", {}).get("method") == tp.method:  # the configured run: its resolved keys

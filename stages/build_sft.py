@@ -15,7 +15,7 @@ import sys
 
 from frugaltune import paths
 from frugaltune.config import Params
-from frugaltune.faults import stage_main
+from frugaltune.entry import stage_main
 from frugaltune.io import write_json, write_metrics, write_text
 from frugaltune.scheduling.settings import load_workload, sft_config
 from frugaltune.scheduling.sft import build_sft

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from frugaltune.faults import stage_main
+from frugaltune.entry import stage_main
 from frugaltune.io import read_json, write_text
 from frugaltune import paths
 from frugaltune.config import Params

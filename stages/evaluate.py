@@ -14,7 +14,7 @@ training started from (same seed), so the gain is what fine-tuning added.
 from __future__ import annotations
 
 
-from frugaltune.faults import stage_main
+from frugaltune.entry import stage_main
 from frugaltune.recipes.evaluate import run
 
 __all__ = ["main", "run"]

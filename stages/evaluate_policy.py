@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from frugaltune import integrity, paths
 from frugaltune.config import Params
-from frugaltune.faults import stage_main
+from frugaltune.entry import stage_main
 from frugaltune.io import read_json, write_json, write_metrics, write_text
 from frugaltune.scheduling.evaluation import sequences
 from frugaltune.scheduling.judge import MODES, compact, judge

@@ -50,7 +50,7 @@ from datasets import load_from_disk
 
 from frugaltune import models, paths, store, tracking
 from frugaltune.config import Params
-from frugaltune.faults import stage_main
+from frugaltune.entry import stage_main
 from frugaltune.federated import budget, centralized, federation, keys, plans, plots, results, rounds, rows
 from frugaltune.io import csv_text, read_json, write_json, write_text
 

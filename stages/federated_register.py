@@ -21,7 +21,7 @@ from mlflow import MlflowClient
 
 from frugaltune import integrity, paths, store, tracking
 from frugaltune.config import Params
-from frugaltune.faults import stage_main
+from frugaltune.entry import stage_main
 from frugaltune.io import write_json
 from frugaltune import registry as register
 

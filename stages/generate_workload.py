@@ -14,7 +14,7 @@ import numpy as np
 
 from frugaltune import paths
 from frugaltune.config import Params
-from frugaltune.faults import stage_main
+from frugaltune.entry import stage_main
 from frugaltune.io import write_json
 from frugaltune.scheduling.lublin import offered_load
 from frugaltune.scheduling.settings import generate_second_workload

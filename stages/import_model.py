@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from frugaltune.faults import stage_main
+from frugaltune.entry import stage_main
 from frugaltune.io import write_json
 from frugaltune.models import ModelSourceError, import_base_model
 from frugaltune import paths

@@ -16,7 +16,7 @@ import shutil
 
 import pandas as pd
 
-from frugaltune.faults import stage_main
+from frugaltune.entry import stage_main
 from frugaltune.data import (
     DataSourceError,
     check_split_sizes,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from frugaltune import paths
 from frugaltune.config import DEFAULT_TRACE, DEFAULT_TRACE_SHA256, Params, trace_file
-from frugaltune.faults import stage_main
+from frugaltune.entry import stage_main
 from frugaltune.io import write_json
 from frugaltune.scheduling.evaluation import held_out_start
 from frugaltune.scheduling.settings import load_workload, protocol

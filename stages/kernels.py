@@ -22,7 +22,7 @@ from typing import Any
 
 from frugaltune import paths
 from frugaltune.config import Params
-from frugaltune.faults import stage_main
+from frugaltune.entry import stage_main
 from frugaltune.io import read_json, write_json
 from frugaltune.kernels.report import build_report
 

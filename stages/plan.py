@@ -17,8 +17,11 @@ the trained adapter.
 from __future__ import annotations
 
 
-from frugaltune.faults import stage_main
-from frugaltune import paths, planner
+from frugaltune.entry import stage_main
+from frugaltune import paths
+from frugaltune.planner.assembly import build_plan
+from frugaltune.planner.machine import measured_on
+from frugaltune.planner.render import render
 from frugaltune.config import Params
 from frugaltune.io import read_json, write_json
 
@@ -29,9 +32,9 @@ def run(params: Params) -> dict:
     hardware = read_json(paths.HARDWARE)
     measured = paths.kernels_report()  # the root pipeline's in every pipeline: measured once per machine
     kernels = read_json(measured) if measured.exists() else None
-    plan = planner.build_plan(params, hardware, planner.measured_on(hardware, kernels))
+    plan = build_plan(params, hardware, measured_on(hardware, kernels))
     write_json(paths.PLAN, plan)  # atomic: temp file + rename
-    print(planner.render(plan))
+    print(render(plan))
     resolved = plan["run"]
     print(f"plan: wrote {paths.PLAN}; train runs {resolved['method']} in {resolved['precision']}, micro-batch "
           f"{resolved['micro_batch_size']}, gradient checkpointing {'on' if resolved['gradient_checkpointing'] else 'off'}")

@@ -25,7 +25,7 @@ from mlflow import MlflowClient
 
 from frugaltune import integrity, paths, store, tracking
 from frugaltune.config import Params
-from frugaltune.faults import stage_main
+from frugaltune.entry import stage_main
 from frugaltune.io import write_json
 from frugaltune.registry import (RegisterError, eval_data_tags, metric_tags, model_hash, read_report, register_adapter,
                                  resolve_run)

@@ -16,7 +16,7 @@ import time
 
 from frugaltune import paths
 from frugaltune.config import Params
-from frugaltune.faults import stage_main
+from frugaltune.entry import stage_main
 from frugaltune.io import write_json, write_metrics, write_text
 from frugaltune.scheduling.evaluation import Protocol, evaluate, markdown_table, sequences, summary_table
 from frugaltune.scheduling.judge import MODES, summarise, teacher_results

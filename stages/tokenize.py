@@ -20,7 +20,7 @@ import pandas as pd
 from datasets import Dataset, DatasetDict
 
 from frugaltune import generation
-from frugaltune.faults import stage_main
+from frugaltune.entry import stage_main
 from frugaltune.io import atomic_dir, read_json, write_json
 from frugaltune.models import load_tokenizer
 from frugaltune import paths

@@ -31,7 +31,8 @@ if __name__ == "__main__":
 import os
 import sys
 
-from frugaltune import paths, planner, store
+from frugaltune import paths, store
+from frugaltune.planner.assembly import PlanError
 from frugaltune.config import ParamsError, load_params
 from frugaltune.faults import stage_errors
 from frugaltune.recipes.train import run
@@ -55,7 +56,7 @@ def main() -> None:
             run(params)  # on train.allocator's malloc already: see the first lines of this module
         except TrainingInterrupted as exc:
             sys.exit(interrupted_message(exc))
-        except (ParamsError, planner.PlanError, DivergenceError, OutOfMemoryAtBatchOne, ValueError,
+        except (ParamsError, PlanError, DivergenceError, OutOfMemoryAtBatchOne, ValueError,
                 FileNotFoundError, checkpoint.CheckpointRefused, store.StoreError) as exc:
             sys.exit(f"train: {exc}")
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from frugaltune.faults import stage_main
+from frugaltune.entry import stage_main
 from frugaltune.io import atomic_dir, write_json, write_metrics
 from frugaltune.validation import DataValidationError, ValidationRules, check_columns, validate_splits
 from frugaltune import paths

@@ -12,7 +12,7 @@ import pandas as pd
 
 from frugaltune import paths
 from frugaltune.config import Params
-from frugaltune.faults import stage_main
+from frugaltune.entry import stage_main
 from frugaltune.io import read_json, write_json, write_metrics
 from frugaltune.scheduling.trace_checks import TraceRules, check_trace
 

@@ -2,9 +2,9 @@
 every round of every federation the stage runs (and its centralized reference), and run as many rounds as fit.
 
 Library code, used by the federated stage; never run. The measurement is the planner's own calibration
-(planner.calibrate): one fresh process runs the clients' loop (training.loop.train_classifier with the LoopConfig
-local.train_locally builds: constant lr, the plan's micro-batch, the clients' precision and int8 products) over a
-few of a client's own micro-batches, and fits `step = overhead + per_token x padded tokens`. From it:
+(planner.calibration.calibrate): one fresh process runs the clients' loop (training.loop.train_classifier with the
+LoopConfig local.train_locally builds: constant lr, the plan's micro-batch, the clients' precision and int8 products)
+over a few of a client's own micro-batches, and fits `step = overhead + per_token x padded tokens`. From it:
 
 - a client-round is the sum of its planned steps (its own rows, batched as its loop will batch them);
 - a round runs the clients the ServerApp samples for it (aggregation.sample_clients, by client id: the same clients
@@ -41,7 +41,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from frugaltune import planner
+from frugaltune.planner.calibration import calibrate
+from frugaltune.planner.worker import CalibrationStopped
+from frugaltune.planner.memory import Constants, MethodKnobs, model_shape, planned_batches, planned_order
 from frugaltune.federated import aggregation, local, rounds, rows
 from frugaltune.federated.plans import Precision, machine_cores
 from frugaltune.federated.settings import RunSettings
@@ -62,7 +64,7 @@ class Machine:
 
 def measure_client_round(model_dir: Path, labels: list[str], pad_token_id: int, parts: Path, plan: dict, *,
                          lora: local.LoraSpec, batch_size: int, lr: float, seed: int, precision: Precision,
-                         threads: int, allocator: str, test_ids: list[list[int]]) -> tuple[planner.Constants, dict]:
+                         threads: int, allocator: str, test_ids: list[list[int]]) -> tuple[Constants, dict]:
     """The planner's calibration of the clients' loop on this machine, over client `plan`'s own rows and steps, with
     their precision and int8 products, and of the server's evaluation over a few of the test split's batches
     (`test_ids`)."""
@@ -70,30 +72,30 @@ def measure_client_round(model_dir: Path, labels: list[str], pad_token_id: int, 
 
     input_ids, targets = local.read_examples(rows.client_file(parts, plan["client"]))
     rank = plan["lora_rank"]
-    knobs = planner.MethodKnobs(r=rank, alpha=aggregation.client_alpha(lora.alpha, lora.r, rank),
-                                dropout=lora.dropout, target_modules=tuple(lora.target_modules))
-    shape = planner.model_shape(str(model_dir), len(labels), "lora", knobs)
-    steps, order = planner.planned_order([len(r) for r in input_ids], batch_size, 1, 1.0, plan["local_steps"], seed)
+    knobs = MethodKnobs(r=rank, alpha=aggregation.client_alpha(lora.alpha, lora.r, rank),
+                        dropout=lora.dropout, target_modules=tuple(lora.target_modules))
+    shape = model_shape(str(model_dir), len(labels), "lora", knobs)
+    steps, order = planned_order([len(r) for r in input_ids], batch_size, 1, 1.0, plan["local_steps"], seed)
     loop = asdict(LoopConfig(lr=lr, max_steps=steps, batch_size=batch_size, micro_batch_size=plan["micro_batch_size"],
                              seed=seed, warmup_ratio=0.0, scheduler="constant", log_every=1, checkpoint_dir=None,
                              bf16=precision.bf16, eager_attention_max_len=precision.eager))
-    return planner.calibrate(model_dir, labels, pad_token_id, "lora", knobs, shape, rows=input_ids, targets=targets,
-                             order=order, loop=loop,
-                             int8={"on": precision.int8, "why": "the plan's int8 decision for the clients' LoRA"},
-                             gradient_checkpointing=False, threads=threads, seed=seed, time_samples=4,
-                             allocator=allocator, inference_rows=test_ids, inference_batch=EVAL_BATCH)
+    return calibrate(model_dir, labels, pad_token_id, "lora", knobs, shape, rows=input_ids, targets=targets,
+                     order=order, loop=loop,
+                     int8={"on": precision.int8, "why": "the plan's int8 decision for the clients' LoRA"},
+                     gradient_checkpointing=False, threads=threads, seed=seed, time_samples=4,
+                     allocator=allocator, inference_rows=test_ids, inference_batch=EVAL_BATCH)
 
 
-def step_seconds(constants: planner.Constants, batches: list[tuple[int, int]]) -> float:
+def step_seconds(constants: Constants, batches: list[tuple[int, int]]) -> float:
     """Seconds of these micro-batches ((rows, longest) each) at the calibrated speed."""
     return sum(constants.step_overhead_s + constants.seconds_per_token * n * longest for n, longest in batches)
 
 
-def client_round_seconds(constants: planner.Constants, parts: Path, plan: dict, batch_size: int, seed: int,
+def client_round_seconds(constants: Constants, parts: Path, plan: dict, batch_size: int, seed: int,
                          number: int) -> float:
     """One client's training in round `number`: its planned steps over its own rows (the seed its round trains with)."""
     lengths = list(rows.client_lengths(parts, plan["client"]))
-    _, batches = planner.planned_batches(lengths, batch_size, 1, 1.0, plan["local_steps"], seed * 1000 + number)
+    _, batches = planned_batches(lengths, batch_size, 1, 1.0, plan["local_steps"], seed * 1000 + number)
     return step_seconds(constants, batches)
 
 
@@ -112,11 +114,11 @@ def evaluation_seconds(inference: dict, test_ids: list[list[int]], machine: Mach
     from frugaltune.training.batching import sorted_batches
 
     batches = [(len(b), max(lengths[i] for i in b)) for b in sorted_batches(lengths, EVAL_BATCH)]
-    timed = planner.Constants(step_overhead_s=inference["overhead_s"], seconds_per_token=inference["seconds_per_token"])
+    timed = Constants(step_overhead_s=inference["overhead_s"], seconds_per_token=inference["seconds_per_token"])
     return step_seconds(timed, batches) * inference["threads"] / machine.server_threads
 
 
-def predict_rounds(constants: planner.Constants, parts: Path, plans: list[dict], *, asked: int, fraction: float,
+def predict_rounds(constants: Constants, parts: Path, plans: list[dict], *, asked: int, fraction: float,
                    min_completed: int, batch_size: int, seed: int, machine: Machine, evaluation: float) -> list[dict]:
     """Rounds 1..asked of one federation: the clients the ServerApp samples in each, their seconds, the round's."""
     included = sorted((p for p in plans if p["fits"]), key=lambda p: p["client"])
@@ -134,7 +136,7 @@ def predict_rounds(constants: planner.Constants, parts: Path, plans: list[dict],
     return predicted
 
 
-def centralized_seconds(constants: planner.Constants, examples: int, mean_length: float, batch: int,
+def centralized_seconds(constants: Constants, examples: int, mean_length: float, batch: int,
                         machine: Machine) -> float:
     """The centralized reference's training: `examples` rows of the mean padded length, on every core."""
     steps = max(1, round(examples / batch))
@@ -184,7 +186,7 @@ def decide(params, plans: dict[str, list[dict]], runs: list[tuple[str, str]], la
             model_dir, labels, pad_token_id, data / f"partitions_{runs[0][0]}", probe, lora=lora,
             batch_size=fp.batch_size, lr=fp.lr, seed=params.common.seed, precision=precision, threads=fp.threads,
             allocator=tp.allocator, test_ids=test_ids)
-    except planner.CalibrationStopped as exc:  # no speed to predict from: every round asked runs, and we say why
+    except CalibrationStopped as exc:  # no speed to predict from: every round asked runs, and we say why
         return {"minutes": None, "rounds_asked": asked, "rounds": asked,
                 "trade": f"{asked} rounds asked, all run: the budget of {fp.budget_minutes:g} min is not applied, "
                          f"{exc} (rerun the stage on a quieter machine for a budget)"}

@@ -9,7 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import NamedTuple
 
-from frugaltune import paths, planner, resolve
+from frugaltune import paths, resolve
+from frugaltune.planner.assembly import RunSpec
+from frugaltune.planner.memory import Constants, MethodKnobs
 from frugaltune.config import FederatedParams, Params
 from frugaltune.federated import profiles, rows
 from frugaltune.io import read_json
@@ -37,13 +39,13 @@ def machine_cores(params: Params) -> int:
     return int(resolve.machine(params.federated.precision, plan=resolve.read_plan())["cores"])
 
 
-def plan_calibration(bf16: bool, int8: bool = False) -> tuple[planner.Constants, int | None, str]:
+def plan_calibration(bf16: bool, int8: bool = False) -> tuple[Constants, int | None, str]:
     """(constants, threads they were measured with, where from) for the clients' time estimates: the plan stage's
     calibration (reports/plan.json) when it measured this CPU (reports/hardware.json), on a CPU, in the precision the
     clients train in, with their int8 products or without as they; else the planner's uncalibrated defaults, and the
     plans carry no time estimate."""
     if not paths.PLAN.exists():
-        return planner.Constants(), None, f"{paths.PLAN} missing: no time estimate (dvc repro plan)"
+        return Constants(), None, f"{paths.PLAN} missing: no time estimate (dvc repro plan)"
     plan = read_json(paths.PLAN)
     hardware = read_json(paths.HARDWARE) if paths.HARDWARE.exists() else {}
     device, values = plan.get("device", {}), plan.get("constants") or {}
@@ -58,13 +60,13 @@ def plan_calibration(bf16: bool, int8: bool = False) -> tuple[planner.Constants,
         why = (f"{paths.PLAN} was calibrated {'with' if not int8 else 'without'} int8 products, the clients train "
                f"{'with' if int8 else 'without'}")
     else:
-        return planner.Constants(**values), plan.get("threads"), f"{paths.PLAN}: {values.get('source')}"
-    return planner.Constants(), None, why + ": no time estimate"
+        return Constants(**values), plan.get("threads"), f"{paths.PLAN}: {values.get('source')}"
+    return Constants(), None, why + ": no time estimate"
 
 
-def method_knobs(fp: FederatedParams) -> planner.MethodKnobs:
-    return planner.MethodKnobs(r=fp.lora.r, alpha=fp.lora.alpha, dropout=fp.lora.dropout,
-                               target_modules=tuple(fp.lora.target_modules))
+def method_knobs(fp: FederatedParams) -> MethodKnobs:
+    return MethodKnobs(r=fp.lora.r, alpha=fp.lora.alpha, dropout=fp.lora.dropout,
+                       target_modules=tuple(fp.lora.target_modules))
 
 
 def plan_clients(fp: FederatedParams, summary: dict, parts: Path, model_dir: Path, num_labels: int, max_length: int,
@@ -78,8 +80,8 @@ def plan_clients(fp: FederatedParams, summary: dict, parts: Path, model_dir: Pat
     for entry in summary["clients"]:
         preset = fp.profiles[entry["client"] % len(fp.profiles)]
         lengths = rows.client_lengths(parts, entry["client"]) or (max_length,)
-        run = planner.RunSpec(method="lora", batch_size=fp.batch_size, grad_accum=1, epochs=1.0,
-                              max_steps=fp.local_steps, seq_len=max_length, lengths=lengths, seed=seed)
+        run = RunSpec(method="lora", batch_size=fp.batch_size, grad_accum=1, epochs=1.0,
+                      max_steps=fp.local_steps, seq_len=max_length, lengths=lengths, seed=seed)
         plan = profiles.plan_client(profiles.resolve(preset), run, str(model_dir), num_labels, knobs, constants,
                                     fp.local_steps, fp.round_budget_s, calibrated_cores, fp.threads)
         plans.append({"client": entry["client"], "preset": preset, "examples": entry["examples"], **plan,

@@ -13,7 +13,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 
-from frugaltune import planner
+from frugaltune.planner.assembly import RunSpec, plan_method
+from frugaltune.planner.memory import Constants, MethodKnobs, model_shape
 
 GiB = 1024 ** 3
 
@@ -42,8 +43,8 @@ def resolve(profile: str | HardwareProfile) -> HardwareProfile:
     return PRESETS[profile]
 
 
-def plan_client(profile: HardwareProfile, run: planner.RunSpec, model_config, num_labels: int,
-                knobs: planner.MethodKnobs, constants: planner.Constants, local_steps: int,
+def plan_client(profile: HardwareProfile, run: RunSpec, model_config, num_labels: int,
+                knobs: MethodKnobs, constants: Constants, local_steps: int,
                 round_budget_s: float | None, calibrated_cores: int | None = None,
                 host_threads: int | None = None) -> dict:
     """The client's plan: {"fits": True, method, rank, micro_batch_size, gradient_checkpointing, local_steps, ...}
@@ -64,9 +65,9 @@ def plan_client(profile: HardwareProfile, run: planner.RunSpec, model_config, nu
         if method == "qlora" and not on_gpu:
             reasons.append("qlora: 4-bit training needs a CUDA GPU here")
             continue
-        shape = planner.model_shape(model_config, num_labels, method, knobs)
+        shape = model_shape(model_config, num_labels, method, knobs)
         spec = replace(run, method=method, max_steps=local_steps, knobs={method: knobs})
-        plan = planner.plan_method(method, spec, {}, shape, constants, limit, bf16=on_gpu, devices=devices)
+        plan = plan_method(method, spec, {}, shape, constants, limit, bf16=on_gpu, devices=devices)
         if not plan["fits"]:
             reasons.append(plan["why"])
             continue

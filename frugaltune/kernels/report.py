@@ -169,7 +169,7 @@ def guarded(step, when: bool = True) -> dict[str, Any]:
 
 def cpu_precision(kp: KernelsParams, hw: dict[str, Any], seed: int) -> dict[str, Any]:
     """fp32 against bf16 (and SDPA against eager attention in training) at the model's shapes on this CPU: the
-    `cpu` section the planner reads (planner.measured_on, recommend_precision, eager_attention_max_len)."""
+    `cpu` section the planner reads (planner.machine.measured_on, recommend_precision, eager_attention_max_len)."""
     shapes = cpu.ModelShapes(kp.bench_batch, kp.bench_seq_len, kp.model_hidden, kp.model_heads, kp.model_intermediate)
     ops = cpu.measure_precisions(shapes, repeats=kp.timing_repeats, seed=seed)
     choice = cpu.choose_precision(ops, kp.bf16_min_speedup)
@@ -235,7 +235,7 @@ def build_report(kp: KernelsParams, hw: dict[str, Any], build_root: Path, seed: 
     report["mode"] = mode
     report["kernels"] = kernels
     report["reference"] = {"tiled_attention_vs_sdpa": cpu.verify_tiled_reference(seed=seed)}
-    # The CPU it was measured on: the plan uses the measurement only on that same CPU (planner.measured_on).
+    # The CPU it was measured on: the plan uses the measurement only on that same CPU (planner.machine.measured_on).
     report["cpu"] = {**cpu_precision(kp, hw, seed), "cpu_model": hw.get("cpu", {}).get("model")}
     report["summary"] = error or summarize(mode, kernels, archs, report["cpu"])
     return report, error

@@ -19,7 +19,8 @@ from frugaltune.training.methods import load_trained
 from frugaltune import paths
 from frugaltune.config import Params
 from frugaltune.kernels.attention import register_if_used
-from frugaltune import integrity, planner, resolve
+from frugaltune import integrity, resolve
+from frugaltune.planner.machine import keep_sdpa_off_cudnn
 
 
 def trained_precision(params: Params, out: paths.RunOutputs) -> bool:
@@ -30,7 +31,7 @@ def trained_precision(params: Params, out: paths.RunOutputs) -> bool:
 
 
 def threads(params: Params) -> int:
-    """The plan's thread count (planner.decide_machine), as training used it."""
+    """The plan's thread count (planner.machine.decide_machine), as training used it."""
     return resolve.machine(params.train.precision, plan=resolve.read_plan(), threads=params.train.threads)["threads"]
 
 
@@ -98,7 +99,7 @@ def run_sft(params: Params, out: paths.RunOutputs) -> dict:
     ep, seed = params.evaluate, params.common.seed
     bf16 = trained_precision(params, out)
     torch.set_num_threads(threads(params))
-    planner.keep_sdpa_off_cudnn()  # as in training: cuDNN's attention cost ~4 ms of host time per call
+    keep_sdpa_off_cudnn()  # as in training: cuDNN's attention cost ~4 ms of host time per call
     labels = read_json(paths.LABELS)["labels"] if params.task.prompt_template is not None else []
     data = load_from_disk(str(paths.TOKENIZED_DIR))[ep.split]
     tokenizer = load_tokenizer(paths.BASE_MODEL)
@@ -131,7 +132,7 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN) -> dict:
     ep, seed = params.evaluate, params.common.seed
     bf16 = trained_precision(params, out)
     torch.set_num_threads(threads(params))
-    planner.keep_sdpa_off_cudnn()  # as in training: cuDNN's attention cost ~4 ms of host time per call
+    keep_sdpa_off_cudnn()  # as in training: cuDNN's attention cost ~4 ms of host time per call
     labels = read_json(paths.LABELS)["labels"]
     data = load_from_disk(str(paths.TOKENIZED_DIR))[ep.split]
     y_true = np.asarray(data["labels"])

@@ -18,7 +18,8 @@ from datasets import load_from_disk
 
 from frugaltune import allocator, integrity, tracking
 from frugaltune.io import atomic_dir, read_json, write_json, write_metrics, write_text
-from frugaltune import planner, resolve
+from frugaltune import resolve
+from frugaltune.planner.machine import keep_sdpa_off_cudnn
 from frugaltune.models import load_tokenizer
 from frugaltune.telemetry import StepTimer, TelemetrySampler
 from frugaltune.training import checkpoint, distributed, setup
@@ -114,7 +115,7 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN, use_plan: bo
     world = distributed.init(tp.distributed.backend)  # World() unless torchrun started this process
     threads = resolved.threads
     torch.set_num_threads(threads)
-    if planner.keep_sdpa_off_cudnn():
+    if keep_sdpa_off_cudnn():
         print("train: SDPA without its cuDNN backend on this GPU (planner.keep_sdpa_off_cudnn)",
               flush=True)
 

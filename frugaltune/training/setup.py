@@ -1,6 +1,6 @@
 """How a training run is set up from params: the model, its int8 products, its rows and its LoopConfig.
 
-Library code, no entry point. The train and compare stages and the planner's calibration (frugaltune/planner.py)
+Library code, no entry point. The train and compare stages and the planner's calibration (frugaltune/planner/)
 build a run with these functions alone, so that the steps the plan times are the steps that train.
 """
 

@@ -18,7 +18,10 @@ from dataclasses import asdict
 
 import pytest
 
-from frugaltune import planner
+from frugaltune.planner.assembly import RunSpec, make_plan
+from frugaltune.planner.calibration import calibrate
+from frugaltune.planner.memory import MethodKnobs, model_shape, planned_order
+from frugaltune.planner.worker import CalibrationWorker
 from frugaltune.models import load_tokenizer
 from frugaltune.training.loop import LoopConfig
 from tests.faults.table import fault
@@ -29,26 +32,26 @@ WATCH_S = 3.0
 OFF = {"on": False, "why": "test"}
 
 
-def calibrate(model_dir, worker=None, **kw):
+def calibrate_tiny(model_dir, worker=None, **kw):
     """The plan's calibration of lora on 48 rows of the tiny llama (4 sizes, then 3 again: 7 steps), prelayer to
     time after them; returns (constants, calibration, the plan made from them, seconds it took)."""
     lengths = [8 + (i * 7) % 25 for i in range(48)]
-    _, order = planner.planned_order(lengths, 8, 1, 1.0, None, seed=0)
-    shape = planner.model_shape(model_dir, len(LABELS), "lora")
+    _, order = planned_order(lengths, 8, 1, 1.0, None, seed=0)
+    shape = model_shape(model_dir, len(LABELS), "lora")
     began = time.monotonic()
-    constants, calibration = planner.calibrate(
-        model_dir, LABELS, load_tokenizer(model_dir).pad_token_id, "lora", planner.MethodKnobs(), shape,
+    constants, calibration = calibrate(
+        model_dir, LABELS, load_tokenizer(model_dir).pad_token_id, "lora", MethodKnobs(), shape,
         rows=[[5 + j % 50 for j in range(n)] for n in lengths], targets=[i % 3 for i in range(48)], order=order,
         loop=asdict(LoopConfig(lr=1e-3, batch_size=8)), int8=OFF, gradient_checkpointing=False, threads=1,
-        time_samples=4, others=[{"method": "prelayer", "knobs": planner.MethodKnobs(), "int8": OFF}],
+        time_samples=4, others=[{"method": "prelayer", "knobs": MethodKnobs(), "int8": OFF}],
         others_share=None, worker=worker, watch_s=WATCH_S, **kw)
     seconds = time.monotonic() - began
     hardware = {"cpu": {"model": "test CPU", "physical_cores": 2}, "gpus": [], "gpu_note": "test",
                 "memory": {"total_bytes": 8 * 2**30, "cgroup_limit_bytes": None}}
-    run = planner.RunSpec(method="lora", batch_size=8, grad_accum=1, epochs=1.0, max_steps=None, seq_len=32,
-                          lengths=tuple(lengths), seed=0)
-    plan = planner.make_plan(run, hardware, {m: planner.model_shape(model_dir, 3, m) for m in ("lora", "prelayer")},
-                             constants, calibration=calibration)
+    run = RunSpec(method="lora", batch_size=8, grad_accum=1, epochs=1.0, max_steps=None, seq_len=32,
+                  lengths=tuple(lengths), seed=0)
+    plan = make_plan(run, hardware, {m: model_shape(model_dir, 3, m) for m in ("lora", "prelayer")},
+                     constants, calibration=calibration)
     json.dumps(plan)  # written as JSON: the note and all
     return constants, calibration, plan, seconds
 
@@ -59,10 +62,10 @@ def calibrate(model_dir, worker=None, **kw):
        "recovered: a complete reports/plan.json (analytic constants, the note in `calibration`); no traceback, "
        "no 15-minute wait")
 def test_a_stopped_calibration_process_gives_the_analytic_plan_and_says_why(tiny_model_dir):
-    worker = planner.CalibrationWorker()
+    worker = CalibrationWorker()
     os.kill(worker.process.pid, signal.SIGSTOP)
     try:
-        constants, calibration, plan, seconds = calibrate(tiny_model_dir, worker=worker)
+        constants, calibration, plan, seconds = calibrate_tiny(tiny_model_dir, worker=worker)
     finally:
         worker.close()  # SIGKILL ends a stopped process too
     assert seconds < WATCH_S + 10, seconds
@@ -79,7 +82,7 @@ def test_a_stopped_calibration_process_gives_the_analytic_plan_and_says_why(tiny
        "recovered: the plan fitted from the steps measured, the other methods' ETA from training FLOPs (said so)")
 def test_a_calibration_that_hangs_after_two_steps_keeps_what_it_measured(tiny_model_dir, monkeypatch):
     monkeypatch.setenv("FRUGALTUNE_FAULT", "calibration:step-2:hang")  # the worker sleeps after its second step
-    constants, calibration, plan, seconds = calibrate(tiny_model_dir)
+    constants, calibration, plan, seconds = calibrate_tiny(tiny_model_dir)
     # why: stuck, or, on a machine that other processes keep busy, starved (both: no CPU for the window)
     assert len(calibration["steps"]) == 2 and calibration["busy_note"].startswith(
         f"the calibration stopped after 2 of its 9 steps: {calibration['stopped']}; the ETA and peak come from those")
@@ -95,7 +98,7 @@ def test_a_calibration_that_hangs_after_two_steps_keeps_what_it_measured(tiny_mo
 def test_a_calibration_beside_cpu_bound_jobs_stops_early_and_says_the_machine_was_busy(tiny_model_dir):
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * (os.cpu_count() or 1))]
     try:
-        constants, calibration, plan, seconds = calibrate(tiny_model_dir, stop_when_busy=True)
+        constants, calibration, plan, seconds = calibrate_tiny(tiny_model_dir, stop_when_busy=True)
     finally:
         for hog in hogs:
             hog.kill()

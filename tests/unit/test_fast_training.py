@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from frugaltune.planner import MethodKnobs
+from frugaltune.planner.memory import MethodKnobs
 from frugaltune.training.fast import SharedDropout, fast_lora_dropout, frozen_weights_in, short_sequence_attention
 from frugaltune.training.methods import prepare_model
 
@@ -98,7 +98,7 @@ def test_short_sequence_attention_off_leaves_the_model_alone(lora_model):
 
 def test_kernels_stage_measures_the_attention_crossover_and_the_plan_reads_it_for_its_precision():
     from frugaltune.kernels.cpu import ATTENTION_LENGTHS, ModelShapes, measure_training_attention
-    from frugaltune.planner import eager_attention_max_len
+    from frugaltune.planner.machine import eager_attention_max_len
 
     timed = measure_training_attention(ModelShapes(hidden=64, heads=2), tokens=64, repeats=3, warmup=1)
     for precision in ("fp32", "bf16"):

@@ -155,17 +155,18 @@ def test_no_update_at_all_is_an_error():
 # --- per-client plans from hardware profiles (the project's planner on each client's hardware)
 from transformers import LlamaConfig  # noqa: E402
 
-from frugaltune import planner  # noqa: E402
 from frugaltune.federated import profiles  # noqa: E402
+from frugaltune.planner.assembly import RunSpec  # noqa: E402
+from frugaltune.planner.memory import Constants, MethodKnobs  # noqa: E402
 
 SMALL_LLAMA = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                           num_attention_heads=9, num_key_value_heads=3)  # SmolLM2-135M's shape
 
 
-def client_plan(profile, local_steps=8, budget=None, constants=planner.Constants()):
-    run = planner.RunSpec(method="lora", batch_size=16, grad_accum=1, epochs=1.0, max_steps=local_steps, seq_len=128,
-                          lengths=tuple([128] * 256), seed=0)
-    return profiles.plan_client(profiles.resolve(profile), run, SMALL_LLAMA, 3, planner.MethodKnobs(r=8),
+def client_plan(profile, local_steps=8, budget=None, constants=Constants()):
+    run = RunSpec(method="lora", batch_size=16, grad_accum=1, epochs=1.0, max_steps=local_steps, seq_len=128,
+                  lengths=tuple([128] * 256), seed=0)
+    return profiles.plan_client(profiles.resolve(profile), run, SMALL_LLAMA, 3, MethodKnobs(r=8),
                                 constants, local_steps, budget, calibrated_cores=2)
 
 
@@ -189,21 +190,21 @@ def test_less_memory_means_a_smaller_micro_batch_and_too_little_excludes_the_cli
 
 
 def test_the_round_budget_caps_local_steps_by_the_calibrated_speed():
-    measured = planner.Constants(step_overhead_s=0.1, seconds_per_token=1e-3)  # 16 x 128 tokens: ~2.2 s a step
+    measured = Constants(step_overhead_s=0.1, seconds_per_token=1e-3)  # 16 x 128 tokens: ~2.2 s a step
     slow = client_plan(profiles.HardwareProfile(ram_gb=16, cores=1), local_steps=8, budget=10, constants=measured)
     fast = client_plan(profiles.HardwareProfile(ram_gb=16, cores=8), local_steps=8, budget=10, constants=measured)
     assert 1 <= slow["local_steps"] < fast["local_steps"] <= 8
 
 
 def test_a_gpu_client_gets_no_time_from_a_cpu_calibration_and_this_host_scales_by_its_threads():
-    measured = planner.Constants(step_overhead_s=2.0, seconds_per_token=0.0)  # 2 s a step on 2 threads
-    run = planner.RunSpec(method="lora", batch_size=16, grad_accum=1, epochs=1.0, max_steps=8, seq_len=128,
-                          lengths=tuple([128] * 256), seed=0)
-    gpu = profiles.plan_client(profiles.resolve("gpu_server"), run, SMALL_LLAMA, 3, planner.MethodKnobs(r=8),
+    measured = Constants(step_overhead_s=2.0, seconds_per_token=0.0)  # 2 s a step on 2 threads
+    run = RunSpec(method="lora", batch_size=16, grad_accum=1, epochs=1.0, max_steps=8, seq_len=128,
+                  lengths=tuple([128] * 256), seed=0)
+    gpu = profiles.plan_client(profiles.resolve("gpu_server"), run, SMALL_LLAMA, 3, MethodKnobs(r=8),
                                measured, 8, 1.0, calibrated_cores=2, host_threads=1)
     assert gpu["local_steps"] == 8 and gpu["predicted_seconds"] is None and "GPU" in gpu["time_note"]
     assert gpu["predicted_seconds_here"] == pytest.approx(32.0)  # simulated here: 8 steps at 4 s on 1 thread
-    box = profiles.plan_client(profiles.resolve("laptop"), run, SMALL_LLAMA, 3, planner.MethodKnobs(r=8),
+    box = profiles.plan_client(profiles.resolve("laptop"), run, SMALL_LLAMA, 3, MethodKnobs(r=8),
                                measured, 8, 3.0, calibrated_cores=2, host_threads=2)
     assert box["local_steps"] == 3 and box["predicted_seconds"] == pytest.approx(3.0)  # 1 s a step on 4 cores
     assert box["predicted_seconds_here"] == pytest.approx(6.0)
@@ -216,7 +217,7 @@ def test_client_plans_use_the_plan_stages_calibration_only_of_this_cpu_and_preci
 
     monkeypatch.chdir(tmp_path)
     constants, cores, why = plan_calibration(bf16=True)
-    assert constants == planner.Constants() and cores is None and "missing" in why
+    assert constants == Constants() and cores is None and "missing" in why
     (tmp_path / "reports").mkdir()
     (tmp_path / "reports/hardware.json").write_text(json.dumps({"cpu": {"model": "CPU A"}}))
     plan = {"device": {"kind": "cpu", "name": "CPU A"}, "threads": 2, "run": {"precision": "bf16"},

@@ -92,12 +92,12 @@ def test_no_budget_runs_every_round_asked_without_measuring():
 
 
 def test_a_stopped_calibration_runs_every_round_asked_and_says_why(federation_data, monkeypatch):
-    """A busy or stalled machine stops the client-round's calibration (planner.CalibrationStopped, raised here where
+    """A busy or stalled machine stops the client-round's calibration (CalibrationStopped, raised here where
     the real one would be, tests/faults/test_busy_machine.py shows how): no traceback, no budget, and the reason."""
-    from frugaltune import planner
+    from frugaltune.planner.worker import CalibrationStopped
 
     def stopped(*args, **kwargs):
-        raise planner.CalibrationStopped("its process got no CPU for 30 s (the machine is busy)")
+        raise CalibrationStopped("its process got no CPU for 30 s (the machine is busy)")
 
     monkeypatch.setattr(budget, "measure_client_round", stopped)
     found = decide(federation_data, None, 0, minutes=5)

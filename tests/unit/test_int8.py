@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from frugaltune import int8
-from frugaltune.planner import MethodKnobs
+from frugaltune.planner.memory import MethodKnobs
 from frugaltune.training.loop import count_parameters
 from frugaltune.training.methods import prepare_model
 
@@ -231,7 +231,7 @@ def test_without_a_compiler_quantize_and_rescale_run_eager(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("setting", [True, False])
 def test_the_plans_decision_is_applied_and_recorded(tiny_model_dir, smol_tokenizer, setting):
-    from frugaltune.planner import decide_machine
+    from frugaltune.planner.machine import decide_machine
     from frugaltune.training.distributed import World
     from frugaltune.training.setup import apply_int8
 

@@ -8,7 +8,14 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from frugaltune import planner
+from frugaltune.planner.assembly import HEADROOM, PlanError, RunSpec, check_fits, common_prompt_prefix, make_plan
+from frugaltune.planner.calibration import calibrate, fit_memory
+from frugaltune.planner.machine import decide_machine, keep_sdpa_off_cudnn, measured_on
+from frugaltune.planner.measure import _SavedBytes, _cpu_share
+from frugaltune.planner.memory import (CPU_RUNTIME_BYTES, CUDA_CONTEXT_BYTES, Constants, MethodKnobs, ModelShape,
+                                       activation_bytes_per_token, memory_estimate, model_shape, planned_batches,
+                                       planned_order, weight_bytes)
+from frugaltune.planner.render import render
 from frugaltune.models import load_tokenizer
 from frugaltune.training.loop import LoopConfig, _EpochOrder, plan_steps, train_classifier
 from frugaltune.training.methods import prepare_model
@@ -30,22 +37,22 @@ def cpu_hardware(ram_gb: float = 24.0) -> dict:
             "gpu_note": "no NVIDIA GPU: test"}
 
 
-def run_spec(method="lora", lengths=(30,) * 64 + (128,) * 16, **kw) -> planner.RunSpec:
+def run_spec(method="lora", lengths=(30,) * 64 + (128,) * 16, **kw) -> RunSpec:
     base = dict(method=method, batch_size=16, grad_accum=1, epochs=1.0, max_steps=None, seq_len=128,
                 lengths=tuple(lengths), seed=42)
-    return planner.RunSpec(**{**base, **kw})
+    return RunSpec(**{**base, **kw})
 
 
 def shapes(config, methods=("none", "full", "lora", "qlora", "prelayer", "dora")):
-    return {m: planner.model_shape(config, len(LABELS), m) for m in methods}
+    return {m: model_shape(config, len(LABELS), m) for m in methods}
 
 
 @pytest.mark.parametrize("method", ["full", "lora", "dora", "prelayer", "none"])
 def test_meta_shapes_count_exactly_what_the_real_model_trains(method, tiny_model_dir):
     """The meta-device count equals the count of the real model wrapped by the same method code."""
     tokenizer = load_tokenizer(tiny_model_dir)
-    knobs = planner.MethodKnobs(r=4, target_modules=("q_proj", "v_proj"))
-    shape = planner.model_shape(tiny_model_dir, len(LABELS), method, knobs)
+    knobs = MethodKnobs(r=4, target_modules=("q_proj", "v_proj"))
+    shape = model_shape(tiny_model_dir, len(LABELS), method, knobs)
     model = prepare_model(tiny_model_dir, LABELS, tokenizer.pad_token_id, 0, method, knobs)
     assert shape.trainable_params == sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert shape.total_params == sum(p.numel() for p in model.parameters())
@@ -54,17 +61,17 @@ def test_meta_shapes_count_exactly_what_the_real_model_trains(method, tiny_model
 def test_smollm2_shapes_match_the_default_run_reports():
     """What reports/train.json recorded for the default LoRA run: 923,328 trainable of 135,440,064 on q/k/v/o (until
     2026-11-28), 2,443,968 of 136,960,704 on all seven linear layers (the default since)."""
-    shape = planner.model_shape(smollm2_config(), 3, "lora")
+    shape = model_shape(smollm2_config(), 3, "lora")
     assert (shape.trainable_params, shape.total_params) == (923_328, 135_440_064)
-    seven = planner.MethodKnobs(target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                                "down_proj"))
-    shape = planner.model_shape(smollm2_config(), 3, "lora", seven)
+    seven = MethodKnobs(target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                        "down_proj"))
+    shape = model_shape(smollm2_config(), 3, "lora", seven)
     assert (shape.trainable_params, shape.total_params) == (2_443_968, 136_960_704)
 
 
 def test_memory_model_orders_qlora_below_lora_below_full_and_checkpointing_saves_activations():
     config = smollm2_config()
-    peak = {m: planner.memory_estimate(s, m, bf16=False, micro_batch=16, seq_len=128, gradient_checkpointing=False)
+    peak = {m: memory_estimate(s, m, bf16=False, micro_batch=16, seq_len=128, gradient_checkpointing=False)
             for m, s in shapes(config, ("full", "lora", "qlora")).items()}
     assert peak["qlora"]["weights"] < 0.35 * peak["full"]["weights"]  # fp32 embeddings stay
     assert peak["lora"]["weights"] == pytest.approx(peak["full"]["weights"], rel=0.01)  # + the adapters
@@ -72,8 +79,8 @@ def test_memory_model_orders_qlora_below_lora_below_full_and_checkpointing_saves
     # full: gradients + AdamW states = 3x the weights on top of them
     assert peak["full"]["gradients"] + peak["full"]["optimizer"] == 3 * peak["full"]["weights"]
     lora = shapes(config, ("lora",))["lora"]
-    ckpt = planner.memory_estimate(lora, "lora", bf16=False, micro_batch=16, seq_len=128, gradient_checkpointing=True)
-    bf16 = planner.memory_estimate(lora, "lora", bf16=True, micro_batch=16, seq_len=128, gradient_checkpointing=False)
+    ckpt = memory_estimate(lora, "lora", bf16=False, micro_batch=16, seq_len=128, gradient_checkpointing=True)
+    bf16 = memory_estimate(lora, "lora", bf16=True, micro_batch=16, seq_len=128, gradient_checkpointing=False)
     assert ckpt["activations"] < peak["lora"]["activations"] / 5
     assert bf16["activations"] < peak["lora"]["activations"]
 
@@ -84,8 +91,8 @@ def test_gradients_of_a_part_alone_in_its_step_overlap_the_activations_backward_
     full = shapes(smollm2_config(), ("full",))["full"]
     kw = dict(bf16=False, seq_len=64, gradient_checkpointing=False)
     for micro in (16, 1):  # activations above the gradients, then below them
-        summed = planner.memory_estimate(full, "full", micro_batch=micro, **kw)
-        alone = planner.memory_estimate(full, "full", micro_batch=micro, gradients_overlap=True, **kw)
+        summed = memory_estimate(full, "full", micro_batch=micro, **kw)
+        alone = memory_estimate(full, "full", micro_batch=micro, gradients_overlap=True, **kw)
         held = summed["activations"] + summed["logits"]
         assert alone["peak"] == summed["peak"] - min(summed["gradients"], held)
         assert alone["peak"] - summed["runtime"] - summed["weights"] - summed["optimizer"] == max(
@@ -93,10 +100,10 @@ def test_gradients_of_a_part_alone_in_its_step_overlap_the_activations_backward_
     # The plan: 16 rows of 64 alone in their step, whose activations outweigh the gradients; under a 512-token cap
     # the same batch runs as two parts of 8, the second with all of the step's gradients allocated.
     lengths = [64] * 32
-    alone = planner.make_plan(run_spec("full", lengths=lengths, micro_batch_tokens=1024), cpu_hardware(24),
-                              shapes(smollm2_config()), planner.Constants())["methods"]["full"]
-    split = planner.make_plan(run_spec("full", lengths=lengths, micro_batch_tokens=512), cpu_hardware(24),
-                              shapes(smollm2_config()), planner.Constants())["methods"]["full"]
+    alone = make_plan(run_spec("full", lengths=lengths, micro_batch_tokens=1024), cpu_hardware(24),
+                      shapes(smollm2_config()), Constants())["methods"]["full"]
+    split = make_plan(run_spec("full", lengths=lengths, micro_batch_tokens=512), cpu_hardware(24),
+                      shapes(smollm2_config()), Constants())["methods"]["full"]
     assert alone["largest_batch"] == {"sequences": 16, "length": 64}
     assert split["largest_batch"] == {"sequences": 8, "length": 64}
     assert alone["components_mb"]["gradients"] == 0
@@ -106,9 +113,9 @@ def test_gradients_of_a_part_alone_in_its_step_overlap_the_activations_backward_
 def test_nf4_weights_are_about_an_eighth_of_fp32_for_the_linear_layers():
     shape = shapes(smollm2_config(), ("qlora",))["qlora"]
     rest = shape.total_params - shape.quantizable_params
-    nf4 = planner.weight_bytes(shape, "qlora") - 4 * rest
+    nf4 = weight_bytes(shape, "qlora") - 4 * rest
     assert 0.5 < nf4 / shape.quantizable_params < 0.53  # 4 bits + double-quantized block constants
-    single = planner.weight_bytes(shape, "qlora", planner.MethodKnobs(double_quant=False)) - 4 * rest
+    single = weight_bytes(shape, "qlora", MethodKnobs(double_quant=False)) - 4 * rest
     assert single > nf4
 
 
@@ -118,19 +125,19 @@ def test_weight_bytes_are_the_bytes_of_the_model_each_method_trains(tiny_model_d
     then carried."""
     from frugaltune.training.methods import prepare_model
 
-    knobs = planner.MethodKnobs(r=4, alpha=8, target_modules=("q_proj", "v_proj"))
+    knobs = MethodKnobs(r=4, alpha=8, target_modules=("q_proj", "v_proj"))
     for method, bf16 in (("lora", True), ("lora", False), ("full", True)):
         model = prepare_model(tiny_model_dir, ["a", "b", "c"], smol_tokenizer.pad_token_id, 0, method, knobs, bf16=bf16)
         held = sum(p.numel() * p.element_size() for p in model.parameters())
-        shape = planner.model_shape(tiny_model_dir, 3, method, knobs)
+        shape = model_shape(tiny_model_dir, 3, method, knobs)
         # the projections' biases (this tiny model has some; SmolLM2 none) go to bf16 too, uncounted
-        assert planner.weight_bytes(shape, method, knobs, bf16) == pytest.approx(held, rel=1e-4), (method, bf16)
+        assert weight_bytes(shape, method, knobs, bf16) == pytest.approx(held, rel=1e-4), (method, bf16)
 
 
 def test_planned_batches_are_the_training_loops_batches():
     lengths = [5 + (i * 37) % 120 for i in range(300)]
     cfg = LoopConfig(lr=1e-3, batch_size=8, grad_accum=2, epochs=1.5, seed=7)
-    steps, batches = planner.planned_batches(lengths, 8, 2, 1.5, None, 7)
+    steps, batches = planned_batches(lengths, 8, 2, 1.5, None, 7)
     assert steps == plan_steps(len(lengths), cfg)
     order = _EpochOrder(lengths, cfg)
     expected = [(len(order[i]), max(lengths[j] for j in order[i])) for i in range(steps * 2)]
@@ -139,43 +146,43 @@ def test_planned_batches_are_the_training_loops_batches():
 
 def test_plan_keeps_the_effective_batch_and_turns_on_checkpointing_only_when_needed():
     config = smollm2_config()
-    roomy = planner.make_plan(run_spec(), cpu_hardware(24), shapes(config), planner.Constants())
+    roomy = make_plan(run_spec(), cpu_hardware(24), shapes(config), Constants())
     lora = roomy["methods"]["lora"]
     assert lora["fits"] and lora["micro_batch_size"] == 16 and not lora["gradient_checkpointing"]
-    tight = planner.make_plan(run_spec(), cpu_hardware(24), shapes(config), planner.Constants(), limit_gb=2.5)
+    tight = make_plan(run_spec(), cpu_hardware(24), shapes(config), Constants(), limit_gb=2.5)
     lora = tight["methods"]["lora"]
     assert lora["fits"] and lora["micro_batch_size"] < 16
     assert lora["micro_batch_size"] * lora["grad_accum"] == 16  # the effective batch is kept
     assert lora["predicted_peak_bytes"] <= tight["budget_bytes"]
-    cramped = planner.make_plan(run_spec(), cpu_hardware(24), shapes(config), planner.Constants(), limit_gb=1.25)
+    cramped = make_plan(run_spec(), cpu_hardware(24), shapes(config), Constants(), limit_gb=1.25)
     assert cramped["methods"]["lora"]["fits"] and cramped["methods"]["lora"]["gradient_checkpointing"]
     assert "gradient checkpointing on" in cramped["methods"]["lora"]["why"]
-    assert "lora*" in planner.render(cramped)
+    assert "lora*" in render(cramped)
 
 
 def test_a_shared_prompt_prefix_is_counted_once_per_batch_in_the_eta():
     ids = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 50 + i, 0] for i in range(4)]
     labels = [[-100] * 11 + [0]] * 4
-    assert planner.common_prompt_prefix(ids, labels) == 10
-    assert planner.common_prompt_prefix(ids, [[-100] * 8 + [9, 10, 50, 0]] * 4) == 0  # 7 < the loop's 8
-    assert planner.common_prompt_prefix(ids[:1], labels[:1]) == 0
-    constants = planner.Constants(seconds_per_token=0.01, step_overhead_s=0.0)
+    assert common_prompt_prefix(ids, labels) == 10
+    assert common_prompt_prefix(ids, [[-100] * 8 + [9, 10, 50, 0]] * 4) == 0  # 7 < the loop's 8
+    assert common_prompt_prefix(ids[:1], labels[:1]) == 0
+    constants = Constants(seconds_per_token=0.01, step_overhead_s=0.0)
     config = smollm2_config()
-    whole = planner.make_plan(run_spec(), cpu_hardware(24), shapes(config), constants)["methods"]["lora"]
-    shared = planner.make_plan(run_spec(shared_prefix=10), cpu_hardware(24), shapes(config),
-                               constants)["methods"]["lora"]
+    whole = make_plan(run_spec(), cpu_hardware(24), shapes(config), constants)["methods"]["lora"]
+    shared = make_plan(run_spec(shared_prefix=10), cpu_hardware(24), shapes(config),
+                       constants)["methods"]["lora"]
     assert whole["shared_prefix"] == 0 and shared["shared_prefix"] == 10
     assert whole["padded_tokens"] - shared["padded_tokens"] == 5 * (16 - 1) * 10  # 5 batches of 16, one part each
     assert whole["eta_seconds"] - shared["eta_seconds"] == pytest.approx(5 * 15 * 10 * 0.01)
-    cramped = planner.make_plan(run_spec(shared_prefix=10), cpu_hardware(24), shapes(config), constants,
-                                limit_gb=1.25)["methods"]["lora"]
+    cramped = make_plan(run_spec(shared_prefix=10), cpu_hardware(24), shapes(config), constants,
+                        limit_gb=1.25)["methods"]["lora"]
     assert cramped["gradient_checkpointing"] and cramped["shared_prefix"] == 0  # checkpointing cannot share
 
 
 def test_ranks_on_one_cpu_split_its_cores_and_share_its_memory():
     config = smollm2_config()
-    one = planner.make_plan(run_spec(), cpu_hardware(24), shapes(config, ("lora",)), planner.Constants())
-    two = planner.make_plan(run_spec(ranks=2), cpu_hardware(24), shapes(config, ("lora",)), planner.Constants())
+    one = make_plan(run_spec(), cpu_hardware(24), shapes(config, ("lora",)), Constants())
+    two = make_plan(run_spec(ranks=2), cpu_hardware(24), shapes(config, ("lora",)), Constants())
     assert (one["threads"], two["threads"], two["ranks"]) == (2, 1, 2)
     solo, pair = one["methods"]["lora"], two["methods"]["lora"]
     # each rank computes half of each batch, and each holds its own model: the host holds both
@@ -183,70 +190,70 @@ def test_ranks_on_one_cpu_split_its_cores_and_share_its_memory():
     assert pair["predicted_peak_bytes"] < solo["predicted_peak_bytes"]
     assert pair["predicted_peak_all_ranks_mb"] == pytest.approx(2 * pair["predicted_peak_mb"], abs=1)
     # a limit one process fits in but two do not: the plan shrinks the ranks' micro-batch rather than overcommit
-    limit_gb = solo["predicted_peak_bytes"] / GiB / planner.HEADROOM * 1.01
-    tight = planner.make_plan(run_spec(ranks=2), cpu_hardware(24), shapes(config, ("lora",)), planner.Constants(),
-                              limit_gb=limit_gb)["methods"]["lora"]
-    assert tight["predicted_peak_all_ranks_mb"] * MiB <= limit_gb * GiB * planner.HEADROOM + MiB
+    limit_gb = solo["predicted_peak_bytes"] / GiB / HEADROOM * 1.01
+    tight = make_plan(run_spec(ranks=2), cpu_hardware(24), shapes(config, ("lora",)), Constants(),
+                      limit_gb=limit_gb)["methods"]["lora"]
+    assert tight["predicted_peak_all_ranks_mb"] * MiB <= limit_gb * GiB * HEADROOM + MiB
 
 
 def test_impossible_full_finetuning_is_rejected_naming_the_limit_and_a_configuration_that_fits():
     """Full fine-tuning needs weights + gradients + AdamW (~2 GiB for 135M params): a 1.5 GiB limit cannot hold it."""
-    plan = planner.make_plan(run_spec("full"), cpu_hardware(24), shapes(smollm2_config()), planner.Constants(),
-                             limit_gb=1.5)
+    plan = make_plan(run_spec("full"), cpu_hardware(24), shapes(smollm2_config()), Constants(),
+                     limit_gb=1.5)
     assert not plan["fits"] and not plan["methods"]["full"]["fits"]
-    with pytest.raises(planner.PlanError) as error:
-        planner.check_fits(plan)
+    with pytest.raises(PlanError) as error:
+        check_fits(plan)
     message = str(error.value)
     assert "train.method = full cannot fit" in message
     assert "1.50 GiB" in message and "probe.memory_limit_gb = 1.5" in message
     fitting = plan["methods_that_fit"]
     assert fitting and any(f"train.method: {m} fits" in message for m in fitting)
     suggested = next(m for m in fitting if f"train.method: {m} fits" in message)
-    assert planner.check_fits(plan, suggested)["fits"]
+    assert check_fits(plan, suggested)["fits"]
 
 
 def test_nothing_fits_says_what_to_lower():
-    plan = planner.make_plan(run_spec("lora"), cpu_hardware(24), shapes(smollm2_config()), planner.Constants(),
-                             limit_gb=0.5)
-    with pytest.raises(planner.PlanError, match="no method fits: lower tokenize.max_length or train.batch_size"):
-        planner.check_fits(plan)
+    plan = make_plan(run_spec("lora"), cpu_hardware(24), shapes(smollm2_config()), Constants(),
+                     limit_gb=0.5)
+    with pytest.raises(PlanError, match="no method fits: lower tokenize.max_length or train.batch_size"):
+        check_fits(plan)
 
 
 def test_gpu_plans_against_the_gpu_memory_with_a_cuda_context():
     hardware = {**cpu_hardware(64), "torch": {"cuda_available": True},
                 "gpus": [{"name": "Fake GPU 8GB", "memory_total_bytes": 8 * GiB, "compute_capability": "8.6"}]}
-    plan = planner.make_plan(run_spec("full"), hardware, shapes(smollm2_config(), ("full",)), planner.Constants())
+    plan = make_plan(run_spec("full"), hardware, shapes(smollm2_config(), ("full",)), Constants())
     assert plan["device"]["kind"] == "cuda" and plan["memory_limit_bytes"] == 8 * GiB
     assert plan["precision"] == "bf16" and plan["gpus_note"] is None
     turing = {**hardware, "gpus": [{**hardware["gpus"][0], "compute_capability": "7.5"}]}
-    assert planner.make_plan(run_spec("full"), turing, shapes(smollm2_config(), ("full",)),
-                             planner.Constants())["precision"] == "fp32"
+    assert make_plan(run_spec("full"), turing, shapes(smollm2_config(), ("full",)),
+                     Constants())["precision"] == "fp32"
     # A GPU that this torch build cannot drive (CPU wheel) trains on the CPU: its capability decides nothing.
     undriven = {**hardware, "torch": {"cuda_available": False}}
-    assert "not measured" in planner.make_plan(run_spec("full"), undriven, shapes(smollm2_config(), ("full",)),
-                                               planner.Constants())["precision_why"]
-    assert plan["methods"]["full"]["components_mb"]["runtime"] >= (planner.CPU_RUNTIME_BYTES
-                                                                   + planner.CUDA_CONTEXT_BYTES) / 2**20 - 1
+    assert "not measured" in make_plan(run_spec("full"), undriven, shapes(smollm2_config(), ("full",)),
+                                       Constants())["precision_why"]
+    assert plan["methods"]["full"]["components_mb"]["runtime"] >= (CPU_RUNTIME_BYTES
+                                                                   + CUDA_CONTEXT_BYTES) / 2**20 - 1
 
 
 def test_cpu_precision_follows_this_machines_measurement_never_its_flags():
     """The same flags (avx512_bf16, no AMX) measured 0.7x fp32 on one Xeon and 2.3x on a Zen 4."""
     hardware = cpu_hardware()
-    unmeasured = planner.make_plan(run_spec(), hardware, shapes(smollm2_config(), ("lora",)), planner.Constants())
+    unmeasured = make_plan(run_spec(), hardware, shapes(smollm2_config(), ("lora",)), Constants())
     assert unmeasured["precision"] == "fp32" and "not measured" in unmeasured["precision_why"]
     assert "no NVIDIA GPU" in unmeasured["gpus_note"]
     for preferred in ("bf16", "fp32"):
         measured = {"preferred_precision": preferred, "reason": "measured", "cpu_model": hardware["cpu"]["model"]}
-        plan = planner.make_plan(run_spec(), hardware, shapes(smollm2_config(), ("lora",)), planner.Constants(),
-                                 measured_precision=planner.measured_on(hardware, {"cpu": measured}))
+        plan = make_plan(run_spec(), hardware, shapes(smollm2_config(), ("lora",)), Constants(),
+                         measured_precision=measured_on(hardware, {"cpu": measured}))
         assert plan["precision"] == plan["run"]["precision"] == plan["methods"]["lora"]["precision"] == preferred
     other = {"cpu": {"preferred_precision": "bf16", "reason": "x", "cpu_model": "another CPU"}}
-    assert planner.measured_on(hardware, other) is None
+    assert measured_on(hardware, other) is None
 
 
 def train_tiny_lora(model_dir, tokenizer, ids, labels, **loop):
     """A rank-4 LoRA without dropout (no masks drawn per part) on the tiny model, batches of 8, seed 1."""
-    model = prepare_model(model_dir, LABELS, tokenizer.pad_token_id, 0, "lora", planner.MethodKnobs(r=4, dropout=0.0))
+    model = prepare_model(model_dir, LABELS, tokenizer.pad_token_id, 0, "lora", MethodKnobs(r=4, dropout=0.0))
     return train_classifier(model, ids, labels, LoopConfig(lr=1e-2, batch_size=8, seed=1, log_every=1, **loop),
                             tokenizer.pad_token_id, progress=False)
 
@@ -288,7 +295,7 @@ def test_gradient_checkpointing_gives_the_same_loss(tiny_model_dir):
     losses, grads = [], []
     for ckpt in (False, True):
         model = prepare_model(tiny_model_dir, LABELS, tokenizer.pad_token_id, 0, "lora",
-                              planner.MethodKnobs(r=4, dropout=0.0), gradient_checkpointing=ckpt)
+                              MethodKnobs(r=4, dropout=0.0), gradient_checkpointing=ckpt)
         model.train()
         loss = model(**batch, labels=target).loss
         loss.backward()
@@ -307,13 +314,13 @@ def test_calibration_times_the_runs_own_loop_and_gives_an_eta(tiny_model_dir):
     from frugaltune.training.loop import LoopConfig
 
     tokenizer = load_tokenizer(tiny_model_dir)
-    shape = planner.model_shape(tiny_model_dir, len(LABELS), "lora")
+    shape = model_shape(tiny_model_dir, len(LABELS), "lora")
     lengths = [8 + (i * 7) % 25 for i in range(64)]
     rows = [[5 + j % 50 for j in range(n)] for n in lengths]
-    steps, order = planner.planned_order(lengths, 8, 1, 1.0, None, seed=0)
+    steps, order = planned_order(lengths, 8, 1, 1.0, None, seed=0)
     loop = asdict(LoopConfig(lr=1e-3, batch_size=8, micro_batch_tokens=96))
-    constants, calibration = planner.calibrate(
-        tiny_model_dir, LABELS, tokenizer.pad_token_id, "lora", planner.MethodKnobs(), shape, rows=rows,
+    constants, calibration = calibrate(
+        tiny_model_dir, LABELS, tokenizer.pad_token_id, "lora", MethodKnobs(), shape, rows=rows,
         targets=[i % 3 for i in range(64)], order=order, loop=loop, int8={"on": False, "why": "test"},
         gradient_checkpointing=False, threads=1, time_samples=4)
     steps = calibration["steps"]
@@ -335,8 +342,8 @@ def test_calibration_times_the_runs_own_loop_and_gives_an_eta(tiny_model_dir):
     # where the calibration's time went, the worker's imports among it (paid before the spec when started early)
     assert {"imports_s", "waited_s", "build_s", "steps_s", "total_s"} <= set(calibration["phases"])
     assert calibration["phases"]["imports_s"] > 0 and calibration["phases"]["steps_s"] > 0
-    plan = planner.make_plan(run_spec("lora", lengths=lengths, seq_len=32), cpu_hardware(),
-                             {"lora": shape, "full": planner.model_shape(tiny_model_dir, 3, "full")}, constants)
+    plan = make_plan(run_spec("lora", lengths=lengths, seq_len=32), cpu_hardware(),
+                     {"lora": shape, "full": model_shape(tiny_model_dir, 3, "full")}, constants)
     lora, full = plan["methods"]["lora"], plan["methods"]["full"]
     padded = lora["padded_tokens"]
     expected = constants.startup_s + lora["steps"] * constants.step_overhead_s + padded * constants.seconds_per_token
@@ -352,18 +359,18 @@ def test_every_method_the_plan_lists_gets_its_own_timed_estimate(tiny_model_dir)
     from dataclasses import asdict
 
     tokenizer = load_tokenizer(tiny_model_dir)
-    shape = planner.model_shape(tiny_model_dir, len(LABELS), "lora")
+    shape = model_shape(tiny_model_dir, len(LABELS), "lora")
     lengths = [8 + (i * 7) % 25 for i in range(48)]
     rows = [[5 + j % 50 for j in range(n)] for n in lengths]
-    _, order = planner.planned_order(lengths, 8, 1, 1.0, None, seed=0)
+    _, order = planned_order(lengths, 8, 1, 1.0, None, seed=0)
     off = {"on": False, "why": "test"}
-    constants, calibration = planner.calibrate(
-        tiny_model_dir, LABELS, tokenizer.pad_token_id, "lora", planner.MethodKnobs(), shape, rows=rows,
+    constants, calibration = calibrate(
+        tiny_model_dir, LABELS, tokenizer.pad_token_id, "lora", MethodKnobs(), shape, rows=rows,
         targets=[i % 3 for i in range(48)], order=order, loop=asdict(LoopConfig(lr=1e-3, batch_size=8)),
         int8=off, gradient_checkpointing=False, threads=1, time_samples=3,
-        others=[{"method": "prelayer", "knobs": planner.MethodKnobs(), "int8": off},
-                {"method": "full", "knobs": planner.MethodKnobs(), "int8": off},
-                {"method": "dora", "knobs": planner.MethodKnobs(target_modules=("no_such_module",)), "int8": off}],
+        others=[{"method": "prelayer", "knobs": MethodKnobs(), "int8": off},
+                {"method": "full", "knobs": MethodKnobs(), "int8": off},
+                {"method": "dora", "knobs": MethodKnobs(target_modules=("no_such_module",)), "int8": off}],
         others_share=None)
     assert set(constants.method_cost) == {"prelayer", "full"}
     assert all(cost > 0 for cost in constants.method_cost.values())
@@ -379,8 +386,8 @@ def test_every_method_the_plan_lists_gets_its_own_timed_estimate(tiny_model_dir)
     assert calibration["others"]["calibrated_step_s"] > 0 and calibration["others"]["padded_tokens"] > 0
     assert "no_such_module" in calibration["others"]["methods"]["dora"]["error"]
     methods = ("lora", "prelayer", "full", "dora")
-    plan = planner.make_plan(run_spec("lora", lengths=lengths, seq_len=32, batch_size=8), cpu_hardware(),
-                             {m: planner.model_shape(tiny_model_dir, 3, m) for m in methods}, constants)
+    plan = make_plan(run_spec("lora", lengths=lengths, seq_len=32, batch_size=8), cpu_hardware(),
+                     {m: model_shape(tiny_model_dir, 3, m) for m in methods}, constants)
     lora, prelayer = plan["methods"]["lora"], plan["methods"]["prelayer"]
     cost = constants.method_cost["prelayer"]
     assert prelayer["eta_seconds"] == pytest.approx(constants.startup_s + (lora["eta_seconds"] - constants.startup_s)
@@ -394,23 +401,23 @@ def test_every_method_the_plan_lists_gets_its_own_timed_estimate(tiny_model_dir)
     assert set(ratio) == {"prelayer", "full"} and 0 < ratio["prelayer"] < ratio["full"]
     assert calibration["others"]["calibrated_saved_bytes"] > 0
     assert f"x {ratio['prelayer']:.2f}" in prelayer["peak_note"] and "analytic" in plan["methods"]["dora"]["peak_note"]
-    shape_prelayer = planner.model_shape(tiny_model_dir, 3, "prelayer")
-    estimate = planner.memory_estimate(shape_prelayer, "prelayer", bf16=False, micro_batch=4, seq_len=16,
-                                       gradient_checkpointing=False, constants=constants)
+    shape_prelayer = model_shape(tiny_model_dir, 3, "prelayer")
+    estimate = memory_estimate(shape_prelayer, "prelayer", bf16=False, micro_batch=4, seq_len=16,
+                               gradient_checkpointing=False, constants=constants)
     assert estimate["activations"] + estimate["logits"] == pytest.approx(
         constants.activation_scale * 64 * ratio["prelayer"] * constants.calibrated_per_token, abs=2)
     # measured without checkpointing: a checkpointed run keeps the analytic bytes
-    checkpointed = planner.memory_estimate(shape_prelayer, "prelayer", bf16=False, micro_batch=4, seq_len=16,
-                                           gradient_checkpointing=True, constants=constants)
-    assert checkpointed["activations"] == int(constants.activation_scale * 64 * planner.activation_bytes_per_token(
+    checkpointed = memory_estimate(shape_prelayer, "prelayer", bf16=False, micro_batch=4, seq_len=16,
+                                   gradient_checkpointing=True, constants=constants)
+    assert checkpointed["activations"] == int(constants.activation_scale * 64 * activation_bytes_per_token(
         shape_prelayer, False, True))
     json.dumps(plan)
     # a calibration that already cost more than its share of this (tiny) run times no other method, and says so
-    constants, calibration = planner.calibrate(
-        tiny_model_dir, LABELS, tokenizer.pad_token_id, "lora", planner.MethodKnobs(), shape, rows=rows,
+    constants, calibration = calibrate(
+        tiny_model_dir, LABELS, tokenizer.pad_token_id, "lora", MethodKnobs(), shape, rows=rows,
         targets=[i % 3 for i in range(48)], order=order, loop=asdict(LoopConfig(lr=1e-3, batch_size=8)),
         int8=off, gradient_checkpointing=False, threads=1, time_samples=2,
-        others=[{"method": "prelayer", "knobs": planner.MethodKnobs(), "int8": off}])
+        others=[{"method": "prelayer", "knobs": MethodKnobs(), "int8": off}])
     assert constants.method_cost == {} and "budget" in calibration["others"]["methods"]["prelayer"]["skipped"]
     assert "budget" in constants.not_timed["prelayer"]
 
@@ -419,7 +426,7 @@ def test_saved_bytes_count_the_last_step_alone_and_stop_counting_after_it():
     """What a method saves for backward is counted in its last step only (each storage once, parameters left out),
     and the hooks are off once counted: the calibration's other methods run in the same process after it."""
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
-    saved = planner._SavedBytes(model)
+    saved = _SavedBytes(model)
     on_log = saved.last_step_of(3)
     for step in range(3):
         x = torch.randn(8 + step, 16)  # a different width each step: only the last one's is counted
@@ -433,7 +440,7 @@ def test_saved_bytes_count_the_last_step_alone_and_stop_counting_after_it():
     # a sparse operand, saved for the dense one's gradient, has no storage: not counted, and backward still runs
     sparse = torch.sparse_coo_tensor(torch.tensor([[0, 1], [1, 0]]), torch.tensor([1.0, 2.0]), (2, 2))
     dense = torch.randn(2, 3, requires_grad=True)
-    counter = planner._SavedBytes(torch.nn.Linear(1, 1))
+    counter = _SavedBytes(torch.nn.Linear(1, 1))
     with counter.hooks:
         product = torch.sparse.mm(sparse, dense)
     product.sum().backward()
@@ -448,7 +455,7 @@ def test_bf16_weight_casts_are_counted_apart_from_what_grows_with_the_tokens():
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
     casts, grows = [], []
     for rows in (8, 24):
-        saved = planner._SavedBytes(model)
+        saved = _SavedBytes(model)
         with saved.hooks, torch.autocast("cpu", dtype=torch.bfloat16):
             out = model(torch.randn(rows, 16, requires_grad=True)).float().sum()
         out.backward()
@@ -459,19 +466,19 @@ def test_bf16_weight_casts_are_counted_apart_from_what_grows_with_the_tokens():
     # what is left grows with the rows: the inputs' bf16 copies, the tanh's output, the second layer's input
     assert grows[0] > 0 and grows[1] == 3 * grows[0]
     # fp32: the products save the parameters themselves, which are not counted at all
-    saved = planner._SavedBytes(model)
+    saved = _SavedBytes(model)
     with saved.hooks:
         model(torch.randn(8, 16)).sum().backward()
     assert saved.cast_total() == 0 and saved.total() == 8 * 16 * 4 + 8 * 32 * 4
     # in an estimate from another method's calibration: the ratio scales the per-token part, the casts are added
-    shape = planner.ModelShape(total_params=10_000, trainable_params=10_000, quantizable_params=8_000,
-                               matmul_params=9_000, layers=2, hidden=16, intermediate=32, heads=2, kv_heads=2,
-                               num_labels=3, adapted_modules_per_layer=0, adapter_rank=0, dora=False)
-    constants = planner.Constants(calibrated_method="lora", calibrated_per_token=1000.0, activation_ratio={"full": 1.0})
-    plain = planner.memory_estimate(shape, "full", bf16=True, micro_batch=2, seq_len=8, gradient_checkpointing=False,
-                                    constants=constants)
-    with_casts = planner.memory_estimate(shape, "full", bf16=True, micro_batch=2, seq_len=8,
-                                         gradient_checkpointing=False, constants=planner.Constants(
+    shape = ModelShape(total_params=10_000, trainable_params=10_000, quantizable_params=8_000,
+                       matmul_params=9_000, layers=2, hidden=16, intermediate=32, heads=2, kv_heads=2,
+                       num_labels=3, adapted_modules_per_layer=0, adapter_rank=0, dora=False)
+    constants = Constants(calibrated_method="lora", calibrated_per_token=1000.0, activation_ratio={"full": 1.0})
+    plain = memory_estimate(shape, "full", bf16=True, micro_batch=2, seq_len=8, gradient_checkpointing=False,
+                            constants=constants)
+    with_casts = memory_estimate(shape, "full", bf16=True, micro_batch=2, seq_len=8,
+                                 gradient_checkpointing=False, constants=Constants(
                                              **{**constants.__dict__, "extra_cast_bytes": {"full": 20_000}}))
     assert with_casts["activations"] == plain["activations"] + 20_000
 
@@ -482,22 +489,22 @@ def test_the_memory_fit_keeps_the_largest_parts_measured_peak():
     are the points of that calibration (part tokens, peak RSS; SmolLM2-135M, full, fp32)."""
     points = [(576, 2_851_332_096), (624, 3_430_359_040), (640, 3_650_584_576), (784, 3_738_689_536)]
     per_token, static = 1_950_000.0, 2_151_000_000.0
-    scale, runtime = planner.fit_memory(points, static, per_token, loaded_rss=629_174_272)
+    scale, runtime = fit_memory(points, static, per_token, loaded_rss=629_174_272)
     assert runtime >= 0 and scale >= 0
     assert static + runtime + scale * per_token * 784 == pytest.approx(3_738_689_536, rel=1e-9)
     # A clean line (activations alone grow) keeps its slope and passes through the largest point too.
     line = [(t, int(static + 300e6 + 1.2 * per_token * t)) for t in (200, 400, 800)]
-    scale, runtime = planner.fit_memory(line, static, per_token, loaded_rss=600_000_000)
+    scale, runtime = fit_memory(line, static, per_token, loaded_rss=600_000_000)
     assert scale == pytest.approx(1.2, rel=1e-6) and runtime == pytest.approx(300e6, rel=1e-6)
 
 
 def test_the_plan_predicts_the_part_the_loop_runs_under_the_token_cap():
     """train.micro_batch_tokens splits wide batches in the loop; the plan's peak is that part's, not the batch's."""
     lengths = [128] * 16 + [20] * 48
-    capped = planner.make_plan(run_spec("lora", lengths=lengths, micro_batch_tokens=1024), cpu_hardware(24),
-                               shapes(smollm2_config()), planner.Constants())
-    whole = planner.make_plan(run_spec("lora", lengths=lengths), cpu_hardware(24), shapes(smollm2_config()),
-                              planner.Constants())
+    capped = make_plan(run_spec("lora", lengths=lengths, micro_batch_tokens=1024), cpu_hardware(24),
+                       shapes(smollm2_config()), Constants())
+    whole = make_plan(run_spec("lora", lengths=lengths), cpu_hardware(24), shapes(smollm2_config()),
+                      Constants())
     assert capped["methods"]["lora"]["largest_batch"] == {"sequences": 8, "length": 128}
     assert whole["methods"]["lora"]["largest_batch"] == {"sequences": 16, "length": 128}
     assert capped["methods"]["lora"]["predicted_peak_bytes"] < whole["methods"]["lora"]["predicted_peak_bytes"]
@@ -508,13 +515,13 @@ def test_resolve_run_refuses_before_loading_and_reads_every_decision_from_the_pl
     from frugaltune.config import Params
 
     monkeypatch.chdir(tmp_path)
-    decided = planner.decide_machine(cpu_hardware(24), None, int8_setting="true", dims=(576, 1536))
-    plan = planner.make_plan(run_spec("full"), cpu_hardware(24), shapes(smollm2_config()), planner.Constants(),
-                             limit_gb=1.5, decided=decided)
+    decided = decide_machine(cpu_hardware(24), None, int8_setting="true", dims=(576, 1536))
+    plan = make_plan(run_spec("full"), cpu_hardware(24), shapes(smollm2_config()), Constants(),
+                     limit_gb=1.5, decided=decided)
     paths.PLAN.parent.mkdir(parents=True)
     paths.PLAN.write_text(json.dumps(plan))
     params = Params.model_validate({"train": {"method": "full"}})
-    with pytest.raises(planner.PlanError, match="cannot fit"):
+    with pytest.raises(PlanError, match="cannot fit"):
         resolve.resolve_run(params, use_plan=True)
     lora = Params.model_validate({"train": {"method": "lora", "int8_products": True}})  # as the plan was made
     resolved = resolve.resolve_run(lora, use_plan=True)
@@ -536,19 +543,19 @@ def test_a_caller_gets_the_int8_products_it_set_whatever_the_plan_was_made_with(
     from frugaltune import resolve
 
     monkeypatch.chdir(tmp_path)  # no reports here: the machine's facts are the empty defaults
-    made_on = planner.decide_machine(cpu_hardware(24), None, int8_setting=True, dims=(576, 1536))
+    made_on = decide_machine(cpu_hardware(24), None, int8_setting=True, dims=(576, 1536))
     assert made_on["int8_setting"] == "true" and made_on["int8"]["lora"]["on"] is True
     plan = {"machine": made_on}
     assert resolve.machine("auto", "lora", "true", plan, dims=(576, 1536))["int8"]["on"] is True  # the plan's
     off = resolve.machine("auto", "lora", False, plan, dims=(576, 1536))["int8"]
     assert off == {"on": False, "why": "train.int8_products is false"}
     # a plan written before the setting was recorded was made with auto: true asked of it is decided again
-    older = {"machine": {key: value for key, value in planner.decide_machine(
+    older = {"machine": {key: value for key, value in decide_machine(
         cpu_hardware(24), None, int8_setting=False, dims=(576, 1536)).items() if key != "int8_setting"}}
     assert resolve.machine("auto", "lora", "true", older, dims=(576, 1536))["int8"]["on"] is True
     assert resolve.machine("auto", "lora", "auto", older, dims=(576, 1536))["int8"]["on"] is False  # the plan's
     # a caller that does not use int8 products (evaluation, the core count) gets the plan's record, decided once
-    monkeypatch.setattr(planner, "decide_machine", lambda *a, **k: pytest.fail("decided again for nothing"))
+    monkeypatch.setattr(resolve, "decide_machine", lambda *a, **k: pytest.fail("decided again for nothing"))
     assert resolve.machine("auto", "lora", plan=plan)["int8"]["on"] is True
 
 
@@ -561,9 +568,9 @@ def test_the_federation_lays_out_its_workers_on_the_cores_the_plan_counted(tmp_p
 
     monkeypatch.chdir(tmp_path)
     twelve = {**cpu_hardware(24), "cpu": {**cpu_hardware(24)["cpu"], "physical_cores": 12}}
-    decided = planner.decide_machine(twelve, None, "auto")
+    decided = decide_machine(twelve, None, "auto")
     assert decided["cores"] == 12 and decided["threads"] == 12
-    assert planner.decide_machine(twelve, None, "auto", ranks=4)["cores"] == 12  # ranks share cores, not count them
+    assert decide_machine(twelve, None, "auto", ranks=4)["cores"] == 12  # ranks share cores, not count them
     paths.PLAN.parent.mkdir(parents=True)
     paths.PLAN.write_text(json.dumps({"machine": {**decided, "precision_setting": "auto"}}))
     params = Params.model_validate({"federated": {"threads": 2}})
@@ -575,7 +582,7 @@ def test_the_federation_lays_out_its_workers_on_the_cores_the_plan_counted(tmp_p
 def test_sdpa_keeps_cudnn_on_a_cpu_only_machine():
     """The GPU switch (cuDNN out of SDPA's backends) must leave a CPU machine's process as it was."""
     before = torch.backends.cuda.cudnn_sdp_enabled()
-    assert planner.keep_sdpa_off_cudnn() is torch.cuda.is_available()
+    assert keep_sdpa_off_cudnn() is torch.cuda.is_available()
     assert torch.backends.cuda.cudnn_sdp_enabled() is (before and not torch.cuda.is_available())
 
 
@@ -589,18 +596,18 @@ def test_a_cold_compile_is_timed_again_warm_as_the_run_will_find_it(tiny_model_d
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     tokenizer = load_tokenizer(tiny_model_dir)
-    shape = planner.model_shape(tiny_model_dir, len(LABELS), "lora")
+    shape = model_shape(tiny_model_dir, len(LABELS), "lora")
     lengths = [8 + (i * 7) % 25 for i in range(32)]
     rows = [[5 + j % 50 for j in range(n)] for n in lengths]
-    _, order = planner.planned_order(lengths, 8, 1, 1.0, None, seed=0)
+    _, order = planned_order(lengths, 8, 1, 1.0, None, seed=0)
 
-    def calibrate():  # one call: a second would find the cache warm
-        return planner.calibrate(
-            tiny_model_dir, LABELS, tokenizer.pad_token_id, "lora", planner.MethodKnobs(), shape, rows=rows,
+    def calibrate_once():  # one call: a second would find the cache warm
+        return calibrate(
+            tiny_model_dir, LABELS, tokenizer.pad_token_id, "lora", MethodKnobs(), shape, rows=rows,
             targets=[i % 3 for i in range(32)], order=order, loop=asdict(LoopConfig(lr=1e-3, batch_size=8)),
             int8={"on": True, "why": "test"}, gradient_checkpointing=False, threads=1, time_samples=2)
 
-    constants, cold = calibrate()
+    constants, cold = calibrate_once()
     compiled = [s["compiled_graphs"] for s in cold["steps"]]
     assert compiled[0] > 0 and not any(compiled[1:])  # dynamic shapes: the first step compiles for every size
     assert cold["int8_products"] and cold["startup_from"].startswith("a second process")
@@ -612,20 +619,20 @@ def test_a_cold_compile_does_not_read_as_a_busy_machine():
     # the first step compiles 12 graphs in worker processes (this process's clock sees 2 of its 9 s), the next
     # two keep both cores busy
     marks = [(9.0, 0, 12, 2.0, 9.0), (11.0, 0, 12, 5.9, 11.0), (13.0, 0, 12, 9.8, 13.0)]
-    assert planner._cpu_share(marks, 0.0, 0.0, 2) == pytest.approx(7.8 / 8)
+    assert _cpu_share(marks, 0.0, 0.0, 2) == pytest.approx(7.8 / 8)
     # a machine shared with another job: the warm steps get one core of two
     shared = [(9.0, 0, 12, 2.0, 9.0), (11.0, 0, 12, 4.0, 11.0), (13.0, 0, 12, 6.0, 13.0)]
-    assert planner._cpu_share(shared, 0.0, 0.0, 2) == pytest.approx(0.5)
+    assert _cpu_share(shared, 0.0, 0.0, 2) == pytest.approx(0.5)
     # every step compiled: the whole span counts
-    assert planner._cpu_share([(4.0, 0, 3, 6.0, 4.0)], 0.0, 0.0, 2) == pytest.approx(0.75)
+    assert _cpu_share([(4.0, 0, 3, 6.0, 4.0)], 0.0, 0.0, 2) == pytest.approx(0.75)
 
 
 def test_the_table_marks_an_eta_the_calibration_did_not_time():
-    constants = planner.Constants(step_overhead_s=0.1, seconds_per_token=1e-4, calibrated_method="lora",
-                                  method_cost={"dora": 1.3}, not_timed={"qlora": "the calibration's budget is spent"})
-    plan = planner.make_plan(run_spec(), cpu_hardware(24), shapes(smollm2_config()), constants)
-    rows = {line.split()[0]: line for line in planner.render(plan).splitlines() if line.split()[:1]}
+    constants = Constants(step_overhead_s=0.1, seconds_per_token=1e-4, calibrated_method="lora",
+                          method_cost={"dora": 1.3}, not_timed={"qlora": "the calibration's budget is spent"})
+    plan = make_plan(run_spec(), cpu_hardware(24), shapes(smollm2_config()), constants)
+    rows = {line.split()[0]: line for line in render(plan).splitlines() if line.split()[:1]}
     marked = lambda row: re.search(r" ~\d+(\.\d)? (s|min|h) ", row)  # noqa: E731 (the ETA column, not the why's "~33%")
     assert plan["methods"]["qlora"]["eta_seconds"] and marked(rows["qlora"])
     assert not marked(rows["lora*"]) and not marked(rows["dora"]) and marked(rows["qlora"].replace("~", "")) is None
-    assert "~ not timed here (qlora: the calibration's budget is spent)" in planner.render(plan)
+    assert "~ not timed here (qlora: the calibration's budget is spent)" in render(plan)

@@ -43,7 +43,8 @@ def test_the_scheduling_plan_reads_the_root_pipelines_kernels_report(tmp_path, m
     """From scheduling/ (where its stages run) the kernels report is the root's, as scheduling/dvc.yaml declares."""
     import yaml
 
-    from frugaltune import paths, planner, resolve
+    from frugaltune import paths, resolve
+    from frugaltune.planner.machine import recommend_precision
 
     stages = yaml.safe_load((ROOT / "scheduling/dvc.yaml").read_text())["stages"]
     assert "kernels" not in stages and "../reports/kernels.json" in stages["plan"]["deps"]
@@ -57,7 +58,7 @@ def test_the_scheduling_plan_reads_the_root_pipelines_kernels_report(tmp_path, m
     monkeypatch.chdir(tmp_path / "scheduling")
     assert paths.kernels_report() == Path("../reports/kernels.json")
     hardware, found = resolve.machine_facts()
-    assert found == measured and planner.recommend_precision(hardware, "auto", found)[0] is True
+    assert found == measured and recommend_precision(hardware, "auto", found)[0] is True
 
 
 def test_a_scheduling_train_stage_gets_the_training_timeout_and_register_its_retries():

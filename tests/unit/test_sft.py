@@ -207,13 +207,13 @@ def test_no_shared_prefix_for_one_row_class_ids_short_prefixes_or_one_that_reach
 
 
 def test_planner_shapes_the_lm_head_over_the_vocabulary(tiny_model_dir):
-    from frugaltune import planner
+    from frugaltune.planner.memory import memory_estimate, model_shape
 
-    causal = planner.model_shape(tiny_model_dir, 1, "lora", task="causal_lm")
-    classifier = planner.model_shape(tiny_model_dir, 3, "lora")
+    causal = model_shape(tiny_model_dir, 1, "lora", task="causal_lm")
+    classifier = model_shape(tiny_model_dir, 3, "lora")
     assert causal.num_labels == json.loads((Path(tiny_model_dir) / "config.json").read_text())["vocab_size"]
     assert causal.trainable_params < classifier.trainable_params  # no new head to train
-    memory = planner.memory_estimate(causal, "lora", bf16=False, micro_batch=4, seq_len=32,
+    memory = memory_estimate(causal, "lora", bf16=False, micro_batch=4, seq_len=32,
                                     gradient_checkpointing=False)
     assert memory["logits"] == 4 * 32 * causal.num_labels * 4 * 3
 

@@ -1,0 +1,424 @@
+"""The plan: every method priced for the configured run on this machine, the configured one checked to fit.
+
+Library code. The `plan` stage (`python -m stages.plan`) writes `build_plan`'s plan to `reports/plan.json`;
+`frugaltune plan` prints it; the `train` stage takes its `auto` values from it and refuses a configuration that
+cannot fit (`check_fits`). `build_plan` reads the project's data and model, decides the machine
+(frugaltune.planner.machine), prices every method with the memory model (frugaltune.planner.memory) and, with
+`probe.calibrate`, calibrates the configured method (frugaltune.planner.calibration) and prices them again.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from frugaltune.planner.calibration import calibrate
+from frugaltune.planner.machine import decide_machine, memory_limit
+from frugaltune.planner.memory import (ADAPTER_METHODS, FLOPS_FACTOR, TRAINED_METHODS, Constants, GiB, MethodKnobs,
+                                       MiB, ModelShape, memory_estimate, model_shape, planned_batches,
+                                       planned_order)
+from frugaltune.planner.worker import CalibrationWorker
+
+if TYPE_CHECKING:
+    from frugaltune.config import Params
+
+
+HEADROOM = 0.9  # plan to use at most this share of the memory limit: the OS and page cache need the rest
+# The order the calibration times the methods it was not configured with, while its budget lasts: those whose
+# training FLOPs (the fallback) are furthest from their measured cost first (docs/DECISIONS.md, "A calibration
+# under a tenth of the run").
+TIMING_ORDER = ("full", "prelayer", "qlora", "dora", "lora")
+
+
+class PlanError(ValueError):
+    """The configured run cannot fit; the message names the limit and a configuration that fits."""
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """The configured training run, as the planner needs it."""
+
+    method: str
+    batch_size: int
+    grad_accum: int
+    epochs: float
+    max_steps: int | None
+    seq_len: int  # tokenize.max_length: the longest a sequence can be
+    lengths: tuple[int, ...]  # token counts of the training split
+    seed: int
+    group_by_length: bool = True
+    precision: str = "auto"  # auto | bf16 | fp32
+    micro_batch_size: int | str = "auto"
+    gradient_checkpointing: bool | str = "auto"
+    threads: int | None = None
+    knobs: dict[str, MethodKnobs] = field(default_factory=dict)
+    ranks: int = 1  # train.distributed.nproc_per_node: data-parallel processes on this host
+    micro_batch_tokens: int | None = None  # train.micro_batch_tokens: the loop splits wider batches (part_rows)
+    # causal_lm: leading tokens every training row has in common (its prompt template), read once per micro-batch
+    # part by the training loop (LoopConfig.shared_prefix_min): the ETA does not count them per row
+    shared_prefix: int = 0
+
+
+
+def _candidates(batch_size: int) -> list[int]:
+    sizes, size = [], batch_size
+    while size >= 1:
+        sizes.append(size)
+        if size == 1:
+            break
+        size = math.ceil(size / 2)
+    return sizes
+
+
+def plan_method(method: str, run: RunSpec, hardware: dict, shape: ModelShape, constants: Constants,
+                limit_bytes: int, bf16: bool, devices: list[dict],
+                schedule: tuple[int, list[tuple[int, int]]] | None = None) -> dict:
+    """Fits or not, the recommended micro-batch / accumulation / checkpointing, predicted peak and ETA."""
+    knobs = run.knobs.get(method, MethodKnobs())
+    steps, batches = schedule or planned_batches(list(run.lengths), run.batch_size, run.grad_accum, run.epochs,
+                                                 run.max_steps, run.seed, run.group_by_length)
+    if method == "none":
+        steps, batches = 0, []
+    from frugaltune.training.batching import part_rows
+
+    # The largest part the loop runs, in tokens, decides the peak; a batch of sequences at the cap bounds it.
+    batches_or_cap = batches or [(run.batch_size, run.seq_len)]
+    budget = int(limit_bytes * HEADROOM)
+    # On CPU the ranks share the host's RAM, each with its own copy of the weights; a GPU rank has its own memory
+    host_ranks = run.ranks if devices[0]["kind"] == "cpu" else 1
+    if run.micro_batch_size != "auto":
+        micro_options = [int(run.micro_batch_size)]
+    else:
+        micro_options = _candidates(run.batch_size)
+    if run.gradient_checkpointing == "auto":
+        ckpt_options = [False, True]
+    else:
+        ckpt_options = [bool(run.gradient_checkpointing)]
+    # Fastest first: the largest micro-batch without checkpointing; checkpointing only when memory requires it.
+    tried = []
+    chosen = None
+    for ckpt in ckpt_options:
+        for micro in micro_options:
+            split = math.ceil(run.batch_size / micro)
+            # Every distinct part the loop runs: (rows, length, alone in its optimizer step), each rank computing its
+            # share of a batch (every ranks-th sequence) in parts as the loop splits it. A part alone in its
+            # step has backward's gradients replace the activations it frees (memory_estimate), so the peak is the
+            # largest estimate over them, not always the largest part's.
+            kinds = set()
+            for rows, longest in batches_or_cap:
+                mine = math.ceil(rows / run.ranks)
+                part = part_rows(mine, longest, split, run.micro_batch_tokens)
+                kinds.add((part, longest, run.grad_accum == 1 and run.ranks == 1 and part >= mine))
+            estimates = {kind: memory_estimate(shape, method, bf16=bf16, micro_batch=kind[0], seq_len=kind[1],
+                                               gradient_checkpointing=ckpt, constants=constants,
+                                               device=devices[0]["kind"], knobs=knobs, gradients_overlap=kind[2])
+                         for kind in kinds}
+            worst = max(estimates, key=lambda kind: (estimates[kind]["peak"], kind[0] * kind[1]))
+            est = estimates[worst]
+            tried.append((micro, ckpt, est["peak"] * host_ranks))
+            if est["peak"] * host_ranks <= budget:
+                chosen = (micro, ckpt, est)
+                break
+        if chosen:
+            break
+    fits = chosen is not None
+    micro, ckpt, est = chosen or (micro_options[-1], ckpt_options[-1], memory_estimate(
+        shape, method, bf16=bf16, micro_batch=1, seq_len=worst[1], gradient_checkpointing=ckpt_options[-1],
+        constants=constants, device=devices[0]["kind"], knobs=knobs))
+    split = math.ceil(run.batch_size / micro)
+    padded = sum(rows * length for rows, length in batches)
+    if run.shared_prefix and not ckpt:  # each part computes the shared prefix once, not once per row
+        parts = split * run.ranks
+        padded -= sum(max(rows - parts, 0) * run.shared_prefix for rows, _ in batches)
+    eta, eta_note = _eta(method, constants, steps, padded, ckpt)
+    calibrated, ratio = constants.calibrated_method, constants.measured_ratio(method, ckpt)
+    peak_note = None
+    if ratio is not None:
+        peak_note = (f"activations: {calibrated}'s x {ratio:.2f}, the bytes {method} saved for backward against "
+                     f"{calibrated}'s on the same rows here")
+    elif calibrated and method not in (calibrated, "none"):
+        peak_note = f"activations: {method}'s analytic bytes per token at {calibrated}'s measured scale"
+    grad_accum = run.grad_accum * split
+    reasons = _reasons(method, run, fits, split, micro, grad_accum, ckpt)
+    return {
+        "fits": fits,
+        "predicted_peak_bytes": est["peak"],
+        "predicted_peak_mb": round(est["peak"] / MiB),
+        "ranks": run.ranks,
+        "predicted_peak_all_ranks_mb": round(est["peak"] * host_ranks / MiB),
+        "components_mb": {k: round(v / MiB, 1) for k, v in est.items() if k != "peak"},
+        "micro_batch_size": micro,
+        "grad_accum": grad_accum,
+        "effective_batch": run.batch_size * run.grad_accum,
+        "gradient_checkpointing": ckpt,
+        "precision": "bf16" if bf16 else "fp32",
+        "seq_len": run.seq_len,
+        "largest_batch": {"sequences": worst[0], "length": worst[1]},  # the largest part the loop runs
+        "steps": steps,
+        "padded_tokens": padded,  # the tokens the model computes: padding counted, shared prefixes once per part
+        "shared_prefix": run.shared_prefix if not ckpt else 0,
+        "eta_seconds": None if eta is None else round(eta, 1 if eta >= 10 else 4),  # tiny test runs take ms
+        "eta_note": eta_note,
+        "peak_note": peak_note,
+        "trainable_params": shape.trainable_params,
+        "total_params": shape.total_params,
+        "why": "; ".join(reasons) if fits else _does_not_fit(method, tried, budget, limit_bytes),
+    }
+
+
+def _eta(method: str, constants: Constants, steps: int, padded: int, ckpt: bool) -> tuple[float | None, str]:
+    """(ETA seconds, where it comes from) of `method`'s run: `steps` optimizer steps over `padded` tokens at the
+    calibrated speed, scaled to `method` by its measured cost or its training FLOPs (None: not calibrated)."""
+    eta, eta_note = None, "no calibration: run `frugaltune plan` with calibration for an ETA"
+    if constants.seconds_per_token is not None and method != "none":
+        factor, calibrated = 1.0, constants.calibrated_method
+        if calibrated and calibrated != method:
+            factor = constants.method_cost.get(method) or FLOPS_FACTOR[method] / FLOPS_FACTOR[calibrated]
+        recompute = 4 / 3 if ckpt else 1.0  # checkpointing reruns the forward pass: +1 forward per 3 passes
+        eta = (constants.startup_s + (steps * constants.step_overhead_s
+                                      + padded * constants.seconds_per_token * recompute) * factor)
+        if not calibrated or calibrated == method:
+            eta_note = "measured on this machine"
+        elif method in constants.method_cost:
+            eta_note = (f"the {calibrated} calibration x {factor:.2f}: a step of {method} timed here against one of "
+                        f"{calibrated} on the same micro-batch")
+        else:
+            why = constants.not_timed.get(method, "not asked for")
+            eta_note = (f"the {calibrated} calibration x {factor:.2f} (training FLOPs per token: {method} not timed: "
+                        f"{why})")
+    elif method == "none":
+        eta, eta_note = 0.0, "nothing to train"
+    return eta, eta_note
+
+
+def _reasons(method: str, run: RunSpec, fits: bool, split: int, micro: int, grad_accum: int, ckpt: bool) -> list[str]:
+    """Why the plan of a method that fits is what it is: accumulation, checkpointing, or as configured."""
+    reasons = []
+    if method == "none":
+        reasons.append("inference only: weights and one batch of hidden states")
+    elif fits:
+        if split > 1:
+            reasons.append(f"micro-batch {run.batch_size} does not fit; {micro} x {grad_accum} accumulation keeps the "
+                           f"effective batch {run.batch_size * run.grad_accum}")
+        if ckpt and run.gradient_checkpointing == "auto":
+            reasons.append("gradient checkpointing on: without it even micro-batch 1 exceeds the budget")
+        if not reasons:
+            reasons.append("fits as configured: no gradient checkpointing (it would cost ~33% time)")
+    return reasons
+
+
+def _does_not_fit(method: str, tried: list, budget: int, limit: int) -> str:
+    smallest = min(peak for _, _, peak in tried)
+    return (f"{method}: even the smallest option tried (micro-batch {tried[-1][0]}, gradient checkpointing "
+            f"{'on' if tried[-1][1] else 'off'}) needs {smallest / GiB:.2f} GiB, over the budget of "
+            f"{budget / GiB:.2f} GiB ({HEADROOM:.0%} of the {limit / GiB:.2f} GiB limit)")
+
+
+def make_plan(run: RunSpec, hardware: dict, shapes: dict[str, ModelShape], constants: Constants,
+              limit_gb: float | None = None, calibration: dict | None = None,
+              measured_precision: dict | None = None, decided: dict | None = None) -> dict:
+    """The plan for every method in `shapes`; `run.method` is the configured one.
+
+    `decided`: the machine decisions (`decide_machine`; decided here without int8 products when None).
+    `measured_precision`: the `cpu` section of reports/kernels.json (see `recommend_precision`). The plan's `run`
+    section is what the configured run resolves to; the train stage depends on exactly those keys, so a
+    recalibration that changes only the ETA or the predicted peak retrains nothing.
+    """
+    decided = decided or decide_machine(hardware, measured_precision, run.precision, "false", (),
+                                        threads=run.threads, ranks=run.ranks)
+    limit, limit_source = memory_limit(hardware, limit_gb)
+    bf16 = decided["bf16"]
+    gpus = hardware.get("gpus") or []
+    devices = [{"kind": "cuda", "name": g["name"], "memory_bytes": g["memory_total_bytes"]} for g in gpus] or [
+        {"kind": "cpu", "name": hardware.get("cpu", {}).get("model", "CPU"), "memory_bytes": limit}]
+    if gpus:  # weights and activations live on the first GPU; its memory is the limit that matters
+        limit, limit_source = int(gpus[0]["memory_total_bytes"]), f"{gpus[0]['name']} memory"
+    schedule = planned_batches(list(run.lengths), run.batch_size, run.grad_accum, run.epochs, run.max_steps,
+                               run.seed, run.group_by_length)
+    methods = {m: plan_method(m, run, hardware, s, constants, limit, bf16, devices, schedule)
+               for m, s in shapes.items()}
+    for method, entry in methods.items():
+        entry["int8_products"] = bool(decided["int8"].get(method, {}).get("on", False))
+    configured = methods.get(run.method)
+    fitting = [m for m, p in methods.items() if p["fits"] and m != "none"]
+    return {
+        "configured_method": run.method,
+        "fits": bool(configured and configured["fits"]),
+        # What the configured run resolves to: the train and evaluate stages depend on these keys alone.
+        "run": {"method": run.method, "precision": decided["precision"],
+                "micro_batch_size": configured["micro_batch_size"] if configured else run.batch_size,
+                "gradient_checkpointing": bool(configured["gradient_checkpointing"]) if configured else False,
+                "eager_attention_max_len": decided["eager_attention_max_len"],
+                "int8_products": bool(configured and configured["int8_products"])},
+        # Every machine decision, made once (decide_machine): frugaltune.resolve reads them for every consumer
+        "machine": decided,
+        "device": devices[0],
+        "memory_limit_bytes": limit,
+        "memory_limit_source": limit_source,
+        "budget_bytes": int(limit * HEADROOM),
+        "threads": decided["threads"],
+        "threads_why": decided["threads_why"],
+        "ranks": run.ranks,
+        "precision": decided["precision"],
+        "precision_why": decided["precision_why"],
+        "constants": asdict(constants),
+        "calibration": calibration,
+        "methods": methods,
+        "methods_that_fit": fitting,
+        "gpus_note": None if gpus else (hardware.get("gpu_note") or "no NVIDIA GPU: planning for CPU RAM"),
+    }
+
+
+def check_fits(plan: dict, method: str | None = None) -> dict:
+    """The plan of `method` (default: the configured one), or PlanError saying what to change."""
+    method = method or plan["configured_method"]
+    entry = plan["methods"].get(method)
+    if entry is None:
+        raise PlanError(f"reports/plan.json has no plan for train.method = {method}: run `dvc repro plan`.")
+    if entry["fits"] or method == "none":
+        return entry
+    # The fastest fitting method first: the largest micro-batch, then the fewest training FLOPs, then the least memory.
+    others = sorted((-p["micro_batch_size"], FLOPS_FACTOR[m], p["predicted_peak_bytes"], m)
+                    for m, p in plan["methods"].items() if p["fits"] and m != "none")
+    if others:
+        best = plan["methods"][others[0][3]]
+        suggestion = (f"train.method: {others[0][3]} fits (predicted peak {best['predicted_peak_bytes'] / GiB:.2f} GiB "
+                      f"at micro-batch {best['micro_batch_size']})")
+    else:
+        suggestion = "no method fits: lower tokenize.max_length or train.batch_size, or use a machine with more memory"
+    raise PlanError(
+        f"train.method = {method} cannot fit: predicted peak {entry['predicted_peak_bytes'] / GiB:.2f} GiB with "
+        f"micro-batch {entry['micro_batch_size']}, gradient checkpointing "
+        f"{'on' if entry['gradient_checkpointing'] else 'off'}; the limit is {plan['memory_limit_bytes'] / GiB:.2f} GiB "
+        f"({plan['memory_limit_source']}, {HEADROOM:.0%} usable). Change: {suggestion}; or raise probe.memory_limit_gb "
+        "if the machine has more memory than that."
+    )
+
+
+def method_knobs(params: "Params") -> dict[str, MethodKnobs]:
+    """`train.<method>` as the planner sees it (adapter rank, targets, quantization)."""
+    knobs = {}
+    for method in ADAPTER_METHODS:
+        k = getattr(params.train, method)
+        extra = {"quant_type": k.quant_type, "double_quant": k.double_quant} if method == "qlora" else {}
+        knobs[method] = MethodKnobs(r=k.r, alpha=k.alpha, dropout=k.dropout,
+                                    target_modules=tuple(k.target_modules), last_layers=k.last_layers, **extra)
+    return knobs
+
+
+def run_spec(params: "Params", lengths: list[int]) -> RunSpec:
+    tp = params.train
+    return RunSpec(
+        method=tp.method, batch_size=tp.batch_size, grad_accum=tp.grad_accum, epochs=tp.epochs,
+        max_steps=tp.max_steps, seq_len=params.tokenize.max_length, lengths=tuple(lengths), seed=params.common.seed,
+        group_by_length=tp.group_by_length, precision=tp.precision, micro_batch_size=tp.micro_batch_size,
+        gradient_checkpointing=tp.gradient_checkpointing, threads=tp.threads, knobs=method_knobs(params),
+        ranks=tp.distributed.nproc_per_node, micro_batch_tokens=tp.micro_batch_tokens,
+    )
+
+
+def common_prompt_prefix(input_ids: list[list[int]], labels: list[list[int]]) -> int:
+    """How many leading tokens every causal_lm example has in common before its first scored prediction (the
+    training loop reads them once per batch: `frugaltune.training.loop.shared_prefix_length`); 0 when fewer than
+    the loop's minimum. Every batch shares at least these; the ETA still comes out low, because a token read once
+    for the batch saves less than a row's token costs (docs/DECISIONS.md)."""
+    from frugaltune.generation import _common_prefix_length
+    from frugaltune.training.batching import IGNORE_INDEX
+    from frugaltune.training.loop import LoopConfig
+
+    if len(input_ids) < 2:
+        return 0
+    length = min(_common_prefix_length(input_ids), min(len(ids) for ids in input_ids) - 1)
+    for targets in labels:  # the logit before a row's first target token is its own
+        scored = next((i for i, t in enumerate(targets) if t != IGNORE_INDEX), len(targets))
+        length = min(length, max(scored - 1, 0))
+    return length if length >= LoopConfig.shared_prefix_min else 0
+
+
+def build_plan(params: "Params", hardware: dict[str, Any], measured_precision: dict | None = None,
+               run_calibration: bool | None = None, memory_limit_gb: float | None = None,
+               methods: tuple[str, ...] | None = None, log=print) -> dict[str, Any]:
+    """The plan for this project's model, data and params on `hardware` (the `plan` stage and `frugaltune plan`).
+
+    Run from the project root. `measured_precision` is the `cpu` section of reports/kernels.json; the
+    calibration steps run in the precision the plan chose, so the constants describe the run that will train.
+    """
+    from frugaltune import paths
+
+    for needed, stage in ((paths.BASE_MODEL, "import_model"), (paths.TOKENIZED_DIR, "tokenize"),
+                          (paths.LABELS, "ingest")):
+        if not needed.exists():
+            raise FileNotFoundError(f"{needed} is missing: run `dvc repro {stage}` first (the plan needs it).")
+    run_calibration = params.probe.calibrate if run_calibration is None else run_calibration
+    # The calibration's process starts now: its imports run beside this function's own work (the data, the shapes,
+    # the machine's decisions) instead of after it. Closed unused when the run is not calibrated.
+    worker = CalibrationWorker(params.train.allocator) if run_calibration and params.train.method != "none" else None
+    try:
+        return _build_plan(params, hardware, measured_precision, run_calibration, memory_limit_gb, methods, log, worker)
+    finally:
+        if worker:
+            worker.close()
+
+
+def _build_plan(params: "Params", hardware: dict[str, Any], measured_precision: dict | None, run_calibration: bool,
+                memory_limit_gb: float | None, methods: tuple[str, ...] | None, log,
+                worker: CalibrationWorker | None) -> dict[str, Any]:
+    from datasets import load_from_disk
+
+    from frugaltune import paths
+    from frugaltune.models import load_tokenizer
+    from frugaltune.training import setup
+
+    labels = json.loads(paths.LABELS.read_text())["labels"]
+    train_split = load_from_disk(str(paths.TOKENIZED_DIR))["train"]
+    tokenizer = load_tokenizer(paths.BASE_MODEL)
+    rows = setup.training_rows(params, train_split["input_ids"], tokenizer)  # as the model sees them (template)
+    lengths = [len(ids) for ids in rows]
+    spec = run_spec(params, lengths)
+    if params.task.type == "causal_lm":
+        spec = replace(spec, shared_prefix=common_prompt_prefix(train_split["input_ids"], train_split["labels"]))
+    knobs = spec.knobs
+    methods = methods or ("none", *TRAINED_METHODS)
+    task = params.task.type
+    shapes = {m: model_shape(paths.BASE_MODEL, max(len(labels), 1), m, knobs.get(m, MethodKnobs()), task)
+              for m in methods}
+    limit_gb = memory_limit_gb if memory_limit_gb is not None else params.probe.memory_limit_gb
+    some_shape = next(iter(shapes.values()))
+    decided = decide_machine(hardware, measured_precision, spec.precision, params.train.int8_products, methods,
+                             (some_shape.hidden, some_shape.intermediate), spec.threads, spec.ranks)
+    draft = make_plan(spec, hardware, shapes, Constants(), limit_gb, measured_precision=measured_precision,
+                      decided=decided)
+    method = spec.method
+    if not run_calibration or method == "none" or not draft["methods"][method]["fits"]:
+        if run_calibration and method != "none":
+            log(f"plan: not calibrating: {method} does not fit by the analytic model")
+        return draft
+    entry = draft["methods"][method]
+    loop = setup.loop_config(params, method=method, bf16=decided["bf16"], micro_batch_size=entry["micro_batch_size"],
+                             eager_attention_max_len=decided["eager_attention_max_len"])
+    log(f"plan: calibrating {method} in {entry['precision']}: the run's own loop over "
+        f"{2 * params.probe.calibration_steps - 1} of its micro-batches at most ...")
+    _, order = planned_order(lengths, spec.batch_size, spec.grad_accum, spec.epochs, spec.max_steps, spec.seed,
+                             spec.group_by_length)
+    constants, calibration = calibrate(
+        paths.BASE_MODEL, labels, tokenizer.pad_token_id, method, knobs.get(method, MethodKnobs()), shapes[method],
+        rows=rows, targets=list(train_split["labels"]), order=order, loop=asdict(loop),
+        int8=decided["int8"].get(method, {"on": False, "why": "not decided"}),
+        gradient_checkpointing=entry["gradient_checkpointing"], threads=decided["threads"], seed=params.common.seed,
+        time_samples=params.probe.calibration_steps, allocator=params.train.allocator, task=task,
+        # every other method the plan lists and memory allows, timed on one micro-batch: each gets its own ETA
+        others=[{"method": m, "knobs": knobs.get(m, MethodKnobs()),
+                 "int8": decided["int8"].get(m, {"on": False, "why": "not decided"})}
+                for m in sorted(methods, key=lambda m: TIMING_ORDER.index(m) if m in TIMING_ORDER else 0)
+                if m not in ("none", method) and draft["methods"][m]["fits"]],
+        worker=worker, planned=(entry["steps"], entry["padded_tokens"]), stop_when_busy=True)
+    if calibration["busy_note"]:
+        log(f"plan: {calibration['busy_note']}")
+    plan = make_plan(spec, hardware, shapes, constants, limit_gb, calibration, measured_precision=measured_precision,
+                     decided=decided)
+    eta = plan["methods"][method]["eta_seconds"]
+    # What planning cost against what it plans (the calibration should stay a small share of the run)
+    calibration["share_of_run"] = round(calibration["seconds"] / eta, 3) if eta else None
+    return plan
