@@ -98,12 +98,12 @@ test: install flower-env chromium lint
 
 # The guards: import-linter (the layers and contracts in pyproject.toml), ruff (a small bug-finding rule set) and
 # vulture (dead code; vulture_whitelist.py lists what frameworks call by name). Seconds; part of `make test`.
-VULTURE_IGNORE := pytestmark,on_cpu,fake_cuda_machine,no_gpu,prefect_server,sensor
+# vulture reads the product without tests/: code that only tests use is dead code here (it belongs in tests/).
 lint: install
 	lint-imports --no-cache
 	ruff check .
-	vulture frugaltune stages flows tests benchmarks vulture_whitelist.py --min-confidence 60 \
-		--ignore-decorators "@pytest.fixture,@field_validator,@model_validator" --ignore-names "$(VULTURE_IGNORE)"
+	vulture frugaltune stages flows benchmarks vulture_whitelist.py --min-confidence 60 \
+		--ignore-decorators "@field_validator,@model_validator"
 
 # One pipeline's experiments side by side: its headline metric (register.metric) and the params that differ first,
 # fitted to the terminal (120 columns when piped). PIPELINE=scheduling for the scheduler; frugaltune/experiments.py

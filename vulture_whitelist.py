@@ -29,8 +29,10 @@ server_round  # unused variable (frugaltune/federated/secure.py:68)
 server_round  # unused variable (frugaltune/federated/secure.py:71)
 kv_heads  # unused variable (frugaltune/planner/memory.py:72)
 eta_seconds  # unused variable (frugaltune/resolve.py:99)
+predicted_peak_mb  # unused variable (frugaltune/resolve.py): read by name, recipes/train.py's getattr
 load_registered_llm_policy  # unused function (frugaltune/scheduling/llm_policy.py:166)
 max_bsld  # unused variable (frugaltune/scheduling/metrics.py:75)
+allocated_procs  # unused variable (frugaltune/scheduling/swf.py): an SWF column
 avg_cpu_time  # unused variable (frugaltune/scheduling/swf.py:62)
 used_memory  # unused variable (frugaltune/scheduling/swf.py:63)
 requested_memory  # unused variable (frugaltune/scheduling/swf.py:69)
@@ -52,12 +54,3 @@ _.notes  # unused attribute (frugaltune/validation.py:172)
 _.mostly  # unused attribute (frugaltune/validation.py:227)
 _.notes  # unused attribute (frugaltune/validation.py:252)
 _.notes  # unused attribute (frugaltune/validation.py:256)
-_._active_experiment_id  # unused attribute (tests/unit/test_generation.py:376)
-_.pre_tokenizer  # unused attribute (tests/unit/test_register.py:43)
-_._active_experiment_id  # unused attribute (tests/unit/test_register.py:87)
-_.init_calls  # unused attribute (tests/unit/test_telemetry.py:303)
-_.init_calls  # unused attribute (tests/unit/test_telemetry.py:309)
-_._active_experiment_id  # unused attribute (tests/unit/test_tracking.py:52)
-pytest_collection_modifyitems  # unused function (tests/conftest.py): pytest's hook, called by name
-_.do_GET  # unused method (tests/unit/test_store.py:108): http.server's BaseHTTPRequestHandler calls it per GET
-_.log_message  # unused method (tests/unit/test_store.py:112): http.server's request log, silenced

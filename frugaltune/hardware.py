@@ -4,9 +4,8 @@
 the same from one run to the next on one machine go in (model names, core counts, flags, totals, capabilities),
 never free memory or load: other stages depend on that file, and a volatile reading would rerun them for nothing.
 
-    from frugaltune.hardware import probe, supports_bf16_autocast
-    hw = probe()
-    supports_bf16_autocast(hw)   # True on a CPU with avx512_bf16 / AMX, or with a GPU of compute capability >= 8.0
+    from frugaltune.hardware import probe
+    hw = probe()   # whether bf16 pays off here is measured, not read from these flags: planner.machine
 """
 
 from __future__ import annotations
@@ -173,22 +172,6 @@ def probe(use_nvml: bool = True, cpuinfo_text: str | None = None) -> dict[str, A
         "gpu_note": note,
         "nvidia_driver": driver,
     }
-
-
-def supports_bf16_autocast(hw: dict[str, Any]) -> bool:
-    """True when bf16 autocast pays off here: the CPU has avx512_bf16 or AMX-bf16, or a GPU has capability >= 8.0.
-
-    Takes the dictionary of `probe()` (or reports/hardware.json). On a CPU without those flags torch emulates bf16
-    and it is slower than fp32; GPUs before Ampere (8.0) have no bf16 tensor cores.
-    """
-    flags = hw.get("cpu", {}).get("flags", {})
-    if flags.get("avx512_bf16") or flags.get("amx_bf16"):
-        return True
-    for gpu in hw.get("gpus", []):
-        major, _, minor = str(gpu.get("compute_capability", "0.0")).partition(".")
-        if (int(major), int(minor or 0)) >= (8, 0):
-            return True
-    return False
 
 
 def cpu_clock_hz() -> tuple[float, str]:

@@ -332,7 +332,6 @@ class TelemetrySampler:
         self.mlflow_flush_s = mlflow_flush_s
         self.use_nvml = use_nvml
         self.samples = 0
-        self.last_sample: dict[str, float | None] = {}
         self.gpu_note: str | None = None
         self.columns: list[str] = []
         self._thread: threading.Thread | None = None
@@ -500,7 +499,6 @@ class TelemetrySampler:
                 if value is not None:
                     self._stats[name].add(value)
             self.samples += 1
-            self.last_sample = row
         if self._csv_file is not None:
             cells = ("" if row[name] is None else f"{row[name]:.2f}" for name in self.columns[1:])
             self._csv.writerow([f"{elapsed:.3f}", *cells])

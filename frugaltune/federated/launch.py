@@ -186,10 +186,6 @@ class LocalFederation:
         return subprocess.run(args[:2] + [str(app_dir), "local", "--stream"] + args[2:], cwd=self.project_root,
                               env=self.env(), capture_output=True, text=True, timeout=timeout)
 
-    def submit_async(self, app_dir: Path, run_config: dict) -> subprocess.Popen:
-        args = self.run_args(run_config)
-        return self._spawn("flwr_run", args[:2] + [str(app_dir), "local", "--stream"] + args[2:])
-
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         """Kill process `name` and everything it started (its process group and the processes Flower starts in
         sessions of their own): a crash, not a shutdown."""

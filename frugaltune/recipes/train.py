@@ -206,6 +206,7 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN, use_plan: bo
             "final_loss": round(result.final_loss, 6),
             "mean_loss": round(result.mean_loss, 6),
             "steps": result.steps,
+            "micro_batches": result.micro_batches,
             "sequences": result.sequences,
             "tokens": result.tokens,
             "padding_fraction": round(1 - result.tokens / max(result.padded_tokens, 1), 4),

@@ -10,7 +10,7 @@ import pynvml
 import pytest
 
 from frugaltune import hardware
-from frugaltune.hardware import parse_cpuinfo, probe, supports_bf16_autocast
+from frugaltune.hardware import parse_cpuinfo, probe
 
 
 def cpuinfo_block(processor: int, core: int, flags: str, model: str = "Intel(R) Xeon(R) Platinum 8480+") -> str:
@@ -112,21 +112,6 @@ def test_probe_without_nvml_records_why_there_are_no_gpus():
     assert hw["gpus"] == [] and hw["gpu_note"] == "no NVIDIA GPU: not probed (probe.nvml is false)"
     assert hw["memory"]["total_bytes"] > 0
     assert hw["torch"]["build"] == "cpu" or hw["torch"]["build"].startswith("cuda ")
-
-
-@pytest.mark.parametrize(
-    ("cpu_flags", "gpus", "expected"),
-    [
-        ({"avx512_bf16": True}, [], True),
-        ({"amx_bf16": True}, [], True),
-        ({"avx2": True, "avx512f": True}, [], False),
-        ({}, [{"compute_capability": "8.0"}], True),
-        ({}, [{"compute_capability": "7.5"}], False),
-        ({}, [{"compute_capability": "7.5"}, {"compute_capability": "12.0"}], True),
-    ],
-)
-def test_bf16_autocast_support(cpu_flags, gpus, expected):
-    assert supports_bf16_autocast({"cpu": {"flags": cpu_flags}, "gpus": gpus}) is expected
 
 
 def test_probe_stage_writes_stable_facts_and_reads_another_machine(tmp_path, monkeypatch):

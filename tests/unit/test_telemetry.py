@@ -377,7 +377,7 @@ def test_older_drivers_without_temperature_v_use_the_old_call(tmp_path, monkeypa
     monkeypatch.setattr(pynvml, "nvmlDeviceGetTemperature", lambda h, sensor: h.temp)
     sampler = TelemetrySampler(FAST)
     run_for(sampler, 0.12)
-    assert sampler.last_sample["gpu_0_temperature_c"] == 55.0
+    assert sampler.summary()["gpu_0_temperature_peak_c"] == 55.0
 
 
 def test_without_nvidia_gpu_telemetry_says_so_and_samples_the_cpu(tmp_path, no_gpu):
