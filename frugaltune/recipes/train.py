@@ -116,7 +116,7 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN, use_plan: bo
     threads = resolved.threads
     torch.set_num_threads(threads)
     if keep_sdpa_off_cudnn():
-        print("train: SDPA without its cuDNN backend on this GPU (planner.keep_sdpa_off_cudnn)",
+        print("train: SDPA without its cuDNN backend on this GPU (planner.machine.keep_sdpa_off_cudnn)",
               flush=True)
 
     labels = read_json(paths.LABELS)["labels"]
