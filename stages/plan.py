@@ -21,6 +21,7 @@ import sys
 from frugaltune.faults import stage_errors
 from frugaltune import paths, planner
 from frugaltune.config import Params, ParamsError, load_params
+from frugaltune.fit_summary import fit_line
 from frugaltune.io import read_json, write_json
 
 
@@ -33,6 +34,7 @@ def run(params: Params) -> dict:
     plan = planner.build_plan(params, hardware, planner.measured_on(hardware, kernels))
     write_json(paths.PLAN, plan)  # atomic: temp file + rename
     print(planner.render(plan))
+    print(fit_line(plan))
     resolved = plan["run"]
     print(f"plan: wrote {paths.PLAN}; train runs {resolved['method']} in {resolved['precision']}, micro-batch "
           f"{resolved['micro_batch_size']}, gradient checkpointing {'on' if resolved['gradient_checkpointing'] else 'off'}")
