@@ -9,6 +9,7 @@
     frugaltune export --model-uri models:/frugaltune-arithmetic@champion --merged exported/   # a registered one
     frugaltune plan                                         # will train.method fit here, and how long will it take?
     frugaltune plan --memory-limit-gb 4 --no-calibrate --json
+    frugaltune plan --model SmolLM2-1.7B --memory-limit-gb 8      # a bigger model, before its weights
     frugaltune registry restore                             # a damaged mlflow.db: its newest good backup back
     frugaltune registry backups                             # the backups of mlflow.db, newest first
     frugaltune exp-clean                                    # what a killed `dvc exp run --temp` left: removed
@@ -262,11 +263,14 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from frugaltune import paths
+    import tempfile
+
+    from frugaltune import paths, shapes
     from frugaltune.planner.assembly import PlanError, build_plan, check_fits
     from frugaltune.planner.machine import measured_on
     from frugaltune.planner.render import render
     from frugaltune.config import ParamsError, load_params
+    from frugaltune.fit_summary import fit_line
     from frugaltune.hardware import probe
 
     try:
@@ -278,11 +282,25 @@ def _plan(args: argparse.Namespace) -> int:
         # measurement from another machine would be a guess (the same flags have measured 0.7x and 2.3x).
         kernels = paths.report("kernels")
         measured = measured_on(hardware, json.loads(kernels.read_text()) if kernels.is_file() else None)
-        plan = build_plan(params, hardware, measured,
-                          run_calibration=args.calibrate, memory_limit_gb=args.memory_limit_gb)
-    except (ParamsError, FileNotFoundError, RuntimeError) as exc:
+        # --model: its config (and random weights of its shape, when it has none) in a directory removed after
+        with tempfile.TemporaryDirectory(prefix="frugaltune-model-") as workdir:
+            model = shapes.resolve(args.model, Path(workdir), params.model.dtype) if args.model else None
+            if model and paths.BASE_MODEL.exists():
+                from frugaltune.models import load_tokenizer
+
+                shapes.check_vocabulary(model, len(load_tokenizer(paths.BASE_MODEL)), paths.BASE_MODEL)
+            # --json: stdout is the plan alone, the calibration's progress goes to stderr
+            plan = build_plan(params, hardware, measured, run_calibration=args.calibrate,
+                              memory_limit_gb=args.memory_limit_gb, model=model,
+                              log=(lambda line: print(line, file=sys.stderr)) if args.json else print)
+    except (ParamsError, FileNotFoundError, RuntimeError, shapes.ShapeError) as exc:
         raise CommandError(str(exc)) from None
-    print(json.dumps(plan, indent=2) if args.json else render(plan))
+    plan["fit"] = fit_line(plan)
+    if model:
+        plan["model"] = {"given": model.given, "source": model.source, "by_shape": model.by_shape,
+                         "note": model.note(plan["constants"]["calibrated_method"] is not None, paths.BASE_MODEL)}
+    print(json.dumps(plan, indent=2) if args.json else "\n".join(
+        [render(plan), plan["fit"]] + ([plan["model"]["note"]] if model else [])))
     try:
         check_fits(plan)
     except PlanError as exc:
@@ -404,6 +422,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--params", help=f"params file (default: {DEFAULT_PARAMS})")
     plan.add_argument("--method", choices=["none", "full", "lora", "qlora", "prelayer", "dora"],
                       help="plan (and calibrate) this method instead of train.method")
+    plan.add_argument("--model", metavar="NAME|CONFIG|DIR",
+                      help="plan this model instead of models/base: a shape the repository holds (SmolLM2-360M, "
+                      "Qwen2.5-0.5B, Llama-3.2-1B, SmolLM2-1.7B, Llama-3.2-3B), a config.json, or a model directory; "
+                      "without weights the calibration runs a random model of the same shape")
     plan.add_argument("--memory-limit-gb", type=float, help="memory the run may use (default: probe.memory_limit_gb, "
                       "else the machine's)")
     plan.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=None,

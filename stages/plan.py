@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from frugaltune.entry import stage_main
 from frugaltune import paths
+from frugaltune.fit_summary import fit_line
 from frugaltune.planner.assembly import build_plan
 from frugaltune.planner.machine import measured_on
 from frugaltune.planner.render import render
@@ -35,6 +36,7 @@ def run(params: Params) -> dict:
     plan = build_plan(params, hardware, measured_on(hardware, kernels))
     write_json(paths.PLAN, plan)  # atomic: temp file + rename
     print(render(plan))
+    print(fit_line(plan))
     resolved = plan["run"]
     print(f"plan: wrote {paths.PLAN}; train runs {resolved['method']} in {resolved['precision']}, micro-batch "
           f"{resolved['micro_batch_size']}, gradient checkpointing {'on' if resolved['gradient_checkpointing'] else 'off'}")

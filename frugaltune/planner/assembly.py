@@ -339,11 +339,14 @@ def common_prompt_prefix(input_ids: list[list[int]], labels: list[list[int]]) ->
 
 def build_plan(params: "Params", hardware: dict[str, Any], measured_precision: dict | None = None,
                run_calibration: bool | None = None, memory_limit_gb: float | None = None,
-               methods: tuple[str, ...] | None = None, log=print) -> dict[str, Any]:
+               methods: tuple[str, ...] | None = None, log=print, model=None) -> dict[str, Any]:
     """The plan for this project's model, data and params on `hardware` (the `plan` stage and `frugaltune plan`).
 
     Run from the project root. `measured_precision` is the `cpu` section of reports/kernels.json; the
     calibration steps run in the precision the plan chose, so the constants describe the run that will train.
+    `model` (a `frugaltune.shapes.PlannedModel`, `frugaltune plan --model`): plan that model instead of
+    models/base, its shape from its config, its calibration on its `weights_dir()` (random weights of its shape
+    when it has none); the rows stay the project's, tokenized by models/base's tokenizer.
     """
     from frugaltune import paths
 
@@ -356,7 +359,8 @@ def build_plan(params: "Params", hardware: dict[str, Any], measured_precision: d
     # the machine's decisions) instead of after it. Closed unused when the run is not calibrated.
     worker = CalibrationWorker(params.train.allocator) if run_calibration and params.train.method != "none" else None
     try:
-        return _build_plan(params, hardware, measured_precision, run_calibration, memory_limit_gb, methods, log, worker)
+        return _build_plan(params, hardware, measured_precision, run_calibration, memory_limit_gb, methods, log, worker,
+                           model)
     finally:
         if worker:
             worker.close()
@@ -364,7 +368,7 @@ def build_plan(params: "Params", hardware: dict[str, Any], measured_precision: d
 
 def _build_plan(params: "Params", hardware: dict[str, Any], measured_precision: dict | None, run_calibration: bool,
                 memory_limit_gb: float | None, methods: tuple[str, ...] | None, log,
-                worker: CalibrationWorker | None) -> dict[str, Any]:
+                worker: CalibrationWorker | None, model=None) -> dict[str, Any]:
     from datasets import load_from_disk
 
     from frugaltune import paths
@@ -382,7 +386,8 @@ def _build_plan(params: "Params", hardware: dict[str, Any], measured_precision: 
     knobs = spec.knobs
     methods = methods or ("none", *TRAINED_METHODS)
     task = params.task.type
-    shapes = {m: model_shape(paths.BASE_MODEL, max(len(labels), 1), m, knobs.get(m, MethodKnobs()), task)
+    config_dir = model.config_dir if model else paths.BASE_MODEL  # --model: its config, weights or not
+    shapes = {m: model_shape(config_dir, max(len(labels), 1), m, knobs.get(m, MethodKnobs()), task)
               for m in methods}
     limit_gb = memory_limit_gb if memory_limit_gb is not None else params.probe.memory_limit_gb
     some_shape = next(iter(shapes.values()))
@@ -402,8 +407,10 @@ def _build_plan(params: "Params", hardware: dict[str, Any], measured_precision: 
         f"{2 * params.probe.calibration_steps - 1} of its micro-batches at most ...")
     _, order = planned_order(lengths, spec.batch_size, spec.grad_accum, spec.epochs, spec.max_steps, spec.seed,
                              spec.group_by_length)
+    # --model without weights: random weights of its shape, written only now that the calibration runs
+    weights = model.weights_dir() if model else paths.BASE_MODEL
     constants, calibration = calibrate(
-        paths.BASE_MODEL, labels, tokenizer.pad_token_id, method, knobs.get(method, MethodKnobs()), shapes[method],
+        weights, labels, tokenizer.pad_token_id, method, knobs.get(method, MethodKnobs()), shapes[method],
         rows=rows, targets=list(train_split["labels"]), order=order, loop=asdict(loop),
         int8=decided["int8"].get(method, {"on": False, "why": "not decided"}),
         gradient_checkpointing=entry["gradient_checkpointing"], threads=decided["threads"], seed=params.common.seed,
