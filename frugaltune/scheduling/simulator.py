@@ -171,13 +171,6 @@ class SchedulerState:
         """How long `job` has waited so far."""
         return self.clock - job.submit_time
 
-    def job_by_id(self, job_id: int) -> JobView:
-        """The visible job with this id, for policies that answer with an id (an LLM writes "job 1234")."""
-        for job in self.queue:
-            if job.job_id == job_id:
-                return job
-        raise KeyError(f"job {job_id} is not in the visible queue (ids: {[j.job_id for j in self.queue]})")
-
 
 @runtime_checkable
 class Policy(Protocol):
@@ -185,7 +178,7 @@ class Policy(Protocol):
     which run times EASY assumes for it with a `runtime` attribute ("estimate", the default, or "prediction").
 
     The heuristics in `policies.py` are score functions; an LLM policy renders `state` as text, reads a job id
-    from the answer and returns `state.job_by_id(id)`.
+    from the answer and returns that job of `state.queue`.
     """
 
     name: str
