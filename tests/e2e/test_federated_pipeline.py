@@ -99,7 +99,7 @@ def test_the_stage_runs_three_supernodes_for_two_rounds_sending_only_the_adapter
     from frugaltune.config import parse_params
     from frugaltune.federated import centralized
     from frugaltune.federated.plans import machine_precision
-    from frugaltune.models import build_tiny_model
+    from tests.tiny_model import build_tiny_model
     from stages import federated as stage
 
     project = world / "project"
