@@ -488,13 +488,13 @@ def validate_splits(
     definition = context.validation_definitions.add(gx.ValidationDefinition(name="validate", data=batch, suite=suite))
     result_format = {"result_format": "COMPLETE", "unexpected_index_column_names": [SPLIT, "source_row"]}
     order = [expectation.meta["check"] for expectation in suite.expectations]
-    if len(frame) > chunk_rows:
-        shares = [e for e in build_suite(rules, labels, has_confidence, pairs).expectations
-                  if e.meta["check"].startswith("class_fraction.")]
+    if len(frame) > chunk_rows:  # the suite again, as the chunks after the first run it (see below)
+        again = build_suite(rules, labels, has_confidence, pairs).expectations
+        share = [e.meta["check"].startswith("class_fraction.") for e in again]
         row_suite = gx.ExpectationSuite(name="validate-rows", expectations=[
-            e for e in build_suite(rules, labels, has_confidence, pairs).expectations
-            if not e.meta["check"].startswith("class_fraction.")])
-        share_suite = gx.ExpectationSuite(name="validate-shares", expectations=shares)
+            e for e, is_share in zip(again, share) if not is_share])
+        share_suite = gx.ExpectationSuite(name="validate-shares", expectations=[
+            e for e, is_share in zip(again, share) if is_share])
 
     # GX holds a whole batch and every unexpected row of it (a class share lists the other classes' rows), so the
     # rows go through it `chunk_rows` at a time: row failures are kept as masks over `frame`, table-level counts are
@@ -579,8 +579,10 @@ def validate_splits(
             results[name] = ({"element_count": element, "missing_count": missing, "unexpected_count": unexpected},
                              not considered or (considered - unexpected) / considered >= kwargs["mostly"])
         else:  # a proportion of unique / of non-null values, at least min_value
-            observed = ((present.sum() - duplicate.sum()) / present.sum() if name == "duplicate_fraction"
-                        else frame[CONFIDENCE].notna().sum() / rows)
+            if name == "duplicate_fraction":  # no text at all: nothing repeats
+                observed = (present.sum() - duplicate.sum()) / present.sum() if present.any() else 1.0
+            else:
+                observed = frame[CONFIDENCE].notna().sum() / rows
             results[name] = ({"observed_value": float(observed)}, bool(observed >= kwargs["min_value"]))
 
     table_checks = [_bad_fraction(frame, reasons, rules)]

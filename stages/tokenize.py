@@ -3,7 +3,8 @@
 Reads `tokenize.*`, `data/validated/`, the label set and the base model's tokenizer. Writes `data/tokenized/`
 (a `datasets.DatasetDict` saved with `save_to_disk`: input_ids, labels, length) and `reports/tokenize.json`
 (length statistics per split). Truncates at `tokenize.max_length` and pads nothing: batches pad to their own
-longest sequence at training time, so no compute is spent on padding to a fixed length.
+longest sequence at training time, so no compute is spent on padding to a fixed length. A classifier's split is read
+and tokenized a chunk (data.CHUNK_ROWS rows) at a time, so that a million rows need the memory of their token ids.
 
 `task.type: causal_lm`: each row becomes prompt ids (the model's chat template, frugaltune.generation) + response
 ids + EOS, with `labels` -100 over the prompt (the loss is on the response only), plus prompt_length, prompt,

@@ -104,6 +104,7 @@ def run(params: Params) -> dict:
 
     with atomic_dir(paths.DATA_DOCS) as docs:
         outcome = validate_splits(splits, labels, rules, docs_dir=docs, pairs=pairs)
+    del splits  # the outcome holds their rows (a copy): these would stay beside it while the outputs are written
     stored = (lambda frame: frame.rename(columns=AS_STORED)) if pairs else (lambda frame: frame)
     if not outcome.passed:
         raise DataValidationError(
