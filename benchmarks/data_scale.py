@@ -110,6 +110,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="4000,100000,1000000", help="comma-separated row counts")
     parser.add_argument("--out", type=Path, default=REPORT)
+    parser.add_argument("--note", default="", help="a sentence for the report about the machine at the time "
+                        "(e.g. what else ran on it)")
     args = parser.parse_args()
     sizes = [int(size) for size in args.sizes.split(",")]
 
@@ -135,7 +137,9 @@ def main() -> None:
              "(4 k: the default pipeline; larger: the tweet corpus resampled with a seed, `data.max_rows: null`). "
              "Peak RSS is the stage process's own.", "",
              f"Before: {load_before}  ", f"After: {load_after}", "",
-             "| stage | " + " | ".join(f"{rows:,} rows: wall s | peak RSS MB" for rows in sizes) + " |",
+             "The seconds depend on what else runs on the machine (the load averages above); the peaks hardly do."
+             + (f" {args.note}" if args.note else ""), "",
+             "| stage | " + " | ".join(f"{rows:,} rows: wall s | {rows:,} rows: peak RSS MB" for rows in sizes) + " |",
              "| --- | " + " | ".join("---: | ---:" for _ in sizes) + " |"]
     for stage in STAGES:
         lines.append(f"| {stage} | " + " | ".join(f"{results[rows][stage][0]:.1f} | {results[rows][stage][1]:.0f}"
