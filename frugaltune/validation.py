@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import datetime
 import html
-import re
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -61,14 +60,6 @@ MOJIBAKE_PATTERN = "|".join([
     r"Â\s",
     "äó|_[ôÑ]",
 ])
-_MOJIBAKE = re.compile(MOJIBAKE_PATTERN)
-
-
-def has_mojibake(text: str) -> bool:
-    """True when `text` carries one of the mojibake signatures of `MOJIBAKE_PATTERN`."""
-    return _MOJIBAKE.search(text) is not None
-
-
 @dataclass(frozen=True)
 class ValidationRules:
     """The thresholds; field names are those of the `validate` params section (documented there)."""
