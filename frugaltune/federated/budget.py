@@ -175,7 +175,7 @@ def decide(params, plans: dict[str, list[dict]], runs: list[tuple[str, str]], la
     asked = fp.num_rounds
     if fp.budget_minutes is None:
         return {"minutes": None, "rounds_asked": asked, "rounds": asked, "trade": f"no budget: {asked} rounds"}
-    physical = machine_cores(params)
+    physical = machine_cores()
     machine = Machine(threads=fp.threads, workers=max(1, physical // fp.threads), server_threads=physical)
     included = sorted((p for p in plans[runs[0][0]] if p["fits"]), key=lambda p: (p["examples"], p["client"]))
     probe = included[len(included) // 2]  # a client of the median size stands for the others' speed per token
