@@ -56,7 +56,8 @@ def run(params: Params) -> dict:
     bf16 = bool(trained.get("bf16", False))
     policies = dict(HEURISTICS)
     integrity.verify_outs(paths.BASE_MODEL, paths.ADAPTER_DIR)  # as DVC recorded them (frugaltune/integrity.py)
-    options = {"threads": llm.threads or trained.get("threads"), "batch_size": llm.batch_size, "max_running": sp.sft.max_running,
+    threads = llm.threads or trained.get("threads")  # None: a train report without them, torch's own count
+    options = {"threads": threads, "batch_size": llm.batch_size, "max_running": sp.sft.max_running,
                "bf16": bf16, "order": sp.order}
     policies["finetuned"] = load_llm_policy(paths.BASE_MODEL, paths.ADAPTER_DIR, name="finetuned",
                                             fallback=llm.fallback, **options)
@@ -86,6 +87,7 @@ def run(params: Params) -> dict:
         "sequences": proto.n_sequences, "sequence_length": proto.sequence_length, "window": proto.window,
         "backfill": sp.backfill,
         "precision": "bf16" if bf16 else "fp32",
+        "threads": threads,
         "finetuned_policy": policies["finetuned"].name,  # "F1 (fallback: ...)" when the adapter did not load
         ("finetuned" if loaded else "fallback"): main["finetuned"],
         **({"baseline": main["base"]} if "base" in main else {}),
