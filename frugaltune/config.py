@@ -535,7 +535,8 @@ class SchedulingLlmParams(Section):
     fallback: Literal["FCFS", "SJF", "WFP3", "UNICEF", "F1"] = Field(
         "F1", description="Heuristic used, under a name that says so, when the fine-tuned model cannot be loaded.")
     batch_size: int = Field(20, ge=1, description="Prompts per forward: one per test sequence run in lockstep.")
-    threads: int | None = Field(None, ge=1, description="torch threads for evaluation; null = torch's default.")
+    threads: int | None = Field(None, ge=1, description="torch threads for evaluation; null = the plan's, as the "
+                                   "train stage ran (reports/train.json).")
     evaluate_base: bool = Field(True, description="Also run the untuned base model (the study's comparison).")
 
 

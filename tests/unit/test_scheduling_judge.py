@@ -112,8 +112,10 @@ def test_the_stages_generate_judge_on_both_workloads_and_write_numbers_only_metr
     (tmp_path / "models").mkdir()
     (tmp_path / "models/base").symlink_to(tiny_model_dir)
     (tmp_path / "reports").mkdir()
-    (tmp_path / "reports/train.json").write_text(json.dumps({"bf16": False}))
-    params = parse_params(stage_params("data/trace.swf"))
+    (tmp_path / "reports/train.json").write_text(json.dumps({"bf16": False, "threads": 1}))
+    raw = stage_params("data/trace.swf")
+    raw["scheduling"]["llm"]["threads"] = None  # the plan's, as training ran them (reports/train.json)
+    params = parse_params(raw)
 
     generated = generate_workload.run(params)
     second = generated["second_workload"]
@@ -133,6 +135,7 @@ def test_the_stages_generate_judge_on_both_workloads_and_write_numbers_only_metr
     # No adapter here: the F1 fallback stands in under its own name, and the base model is judged as an LLM
     report = evaluate_policy.run(params)
     assert "finetuned" not in report and report["fallback"]["avg_bsld"] >= 1
+    assert report["threads"] == 1  # the LLMs chose on the threads the train stage read from the plan
     for name in ("trace", "second_workload"):
         for mode in MODES:
             rows = report["workloads"][name][mode]
