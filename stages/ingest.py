@@ -58,7 +58,7 @@ def _chunks(path, params: Params, encoding: str):
     data = params.data
     for chunk in iter_table(path, data.format, encoding):
         yield normalize_columns(chunk, path, data.text_column, data.label_column, data.confidence_column,
-                                first_row=int(chunk.index[0]))
+                                first_row=int(chunk.index[0]) if len(chunk) else 0)  # a header alone: no rows
 
 
 def run_pairs(params: Params) -> dict:
