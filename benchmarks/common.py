@@ -5,8 +5,7 @@ Not a benchmark: the benchmarks run as `python benchmarks/<name>.py` from the re
 folder is the first entry of their import path and they `import common` (`python benchmarks/common.py` only says
 what it is; `make bench` does not run it). Everything here uses the installed `frugaltune`; nothing here decides a
 setting the plan decides (precision, int8 products, the attention crossover, threads): `machine` reads the plan's
-decisions through frugaltune.resolve, which decides them with `planner.machine.decide_machine` only when there
-is no plan.
+decisions through frugaltune.resolve, which decides nothing (no plan for this machine: `dvc repro plan`).
 """
 
 from __future__ import annotations
@@ -100,17 +99,20 @@ def replace_lora_dropouts(model, make, which=lambda dropout: True) -> None:
 
 # --- the plan's decisions ----------------------------------------------------------------------------------------
 
-def machine(precision: str = "auto", method: str = "lora", int8: bool = False) -> dict:
+def machine(method: str = "lora", int8: bool = False) -> dict:
     """The plan's machine decisions on this machine (frugaltune.resolve.machine: bf16, precision_why,
-    eager_attention_max_len, threads, int8), decided by `planner.machine.decide_machine` when there is no plan for
-    this CPU or `precision` is not the plan's setting. `int8`: also `train.int8_products`' decision for `method` (without a
-    plan that times int8 products against the precision's now, a few seconds)."""
+    eager_attention_max_len, threads, int8) for params.yaml's `train.precision`, read from reports/plan.json; no
+    plan for this machine and these params: one line saying to run `dvc repro plan`. `int8`: also
+    `train.int8_products`' decision for `method`."""
     from frugaltune import resolve
     from frugaltune.config import load_params
+    from frugaltune.planner.assembly import PlanError
 
-    setting = load_params().train.int8_products if int8 else None  # None: int8 not asked, nothing decided again
-    return resolve.machine(precision, method, setting, resolve.read_plan(),
-                           dims=resolve.model_dims() if int8 else None)
+    tp = load_params().train
+    try:
+        return resolve.machine(tp.precision, method, tp.int8_products if int8 else None)
+    except PlanError as exc:
+        raise SystemExit(f"{Path(sys.argv[0]).name}: {exc}") from None
 
 
 def forced_int8(on: bool) -> dict:

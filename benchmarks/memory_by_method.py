@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import os
 import sys
 
 import common
@@ -48,7 +47,7 @@ def measure(method: str, lean: bool, steps: int, batch: int, length: int) -> dic
     from frugaltune.planner.memory import MethodKnobs
     from frugaltune.training.methods import prepare_model
 
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(common.machine()["threads"])  # the plan's, as the train stage reads them
     model = prepare_model(BASE, ["negative", "neutral", "positive"], 2, 42, method, MethodKnobs())
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(3, model.config.vocab_size, (batch, length), generator=generator)
@@ -91,7 +90,7 @@ def main() -> None:
             rows[(method, name)] = common.run_child(
                 [sys.executable, __file__, "--child", method, name, "--steps", str(args.steps), "--batch-size",
                  str(args.batch_size), "--length", str(args.length)], f"{method}/{name}", env)
-    print(f"\n{args.steps} steps of {args.batch_size} x {args.length} tokens, {os.cpu_count()} threads; "
+    print(f"\n{args.steps} steps of {args.batch_size} x {args.length} tokens, {common.machine()['threads']} threads; "
           f"peak RSS MB / median step s (first step s)\n")
     print(f"{'method':8s} " + " ".join(f"{name:>24s}" for name in args.allocators))
     for method in args.methods:

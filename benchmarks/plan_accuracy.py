@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import sys
 from dataclasses import asdict
@@ -224,7 +223,7 @@ def main() -> None:
     from frugaltune.hardware import probe
 
     hw = probe(use_nvml=False)
-    threads = load_params().train.threads or hw["cpu"]["physical_cores"] or os.cpu_count()
+    threads = _decided(load_params(), "none", load_params().train.threads)["threads"]  # the plan's rule, not a count
     if args.measure:
         job = json.loads(args.measure)
         print(json.dumps(measure(job["method"], job["length"], args.steps, threads, job["decided"], job["micro"])))

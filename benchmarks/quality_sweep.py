@@ -3,12 +3,12 @@
     python benchmarks/quality_sweep.py NAME train.epochs=1.4 train.lora.r=16 ...     # one variant
     python benchmarks/quality_sweep.py --table                                         # all variants run so far
 
-Each variant runs the train and evaluate stages themselves (`python -m stages.train`, then
-`python -m stages.evaluate`) in a scratch project (a temporary directory with symlinks to this checkout's models/base,
+Each variant runs the plan, train and evaluate stages themselves (`python -m stages.plan`, `python -m stages.train`,
+then `python -m stages.evaluate`) in a scratch project (a temporary directory with symlinks to this checkout's models/base,
 data/tokenized, data/splits and the hardware, kernels and import_model reports) whose params.yaml is this one's
-with the overrides applied. It holds no reports/plan.json, so the run resolves plan-free (frugaltune.resolve
-decides the precision, attention and int8 products from what this machine measured; the configured batch, no
-micro-batch); its MLflow run goes to this project's store. The adapter is copied to models/sweep/NAME and the
+with the overrides applied. Its plan is the variant's own, analytic (`probe.calibrate: false` unless an override
+sets it): the machine decisions the train stage reads (frugaltune.resolve decides nothing) and the micro-batch
+that fits; its MLflow run goes to this project's store. The adapter is copied to models/sweep/NAME and the
 reports to reports/sweep/. One line per variant goes to reports/sweep/quality_sweep.jsonl: training wall seconds,
 useful tokens/s, test macro-F1 and accuracy, and the CPU it ran on. Needs the pipeline's data (`dvc repro
 tokenize`).
@@ -36,7 +36,7 @@ from frugaltune.config import ParamsError, load_params
 
 OUT = Path("reports/sweep")
 TABLE = OUT / "quality_sweep.jsonl"
-# What the two stages read and never write, linked into the scratch project (no reports/plan.json: plan-free)
+# What the three stages read and never write, linked into the scratch project (the plan is the variant's own)
 STAGE_INPUTS = (str(paths.BASE_MODEL), str(paths.TOKENIZED_DIR), str(paths.SPLITS_DIR), str(paths.HARDWARE),
                 str(paths.report("kernels")), str(paths.report("import_model")), str(paths.KERNEL_BUILD_DIR))
 
@@ -77,7 +77,9 @@ def main() -> None:
             print(f"{r['name']:22s} {' '.join(r['overrides']):55s} {r['train_seconds']:8.1f} {r['tokens_per_s']:7.1f} "
                   f"{r['macro_f1']:9.4f} {r['accuracy']:7.4f}")
         return
-    raw = with_overrides(yaml.safe_load(paths.PARAMS.read_text()), args.overrides)
+    raw = yaml.safe_load(paths.PARAMS.read_text())
+    raw.setdefault("probe", {})["calibrate"] = False  # the plan's decisions and fit, not its ETA: no timed steps
+    raw = with_overrides(raw, args.overrides)
     OUT.mkdir(parents=True, exist_ok=True)
     out = outputs(args.name)
     with tempfile.TemporaryDirectory(prefix="quality-sweep-") as tmp:
@@ -88,7 +90,7 @@ def main() -> None:
         except ParamsError as exc:
             raise SystemExit(f"quality_sweep: {exc}") from None
         env = common.stage_env(MLFLOW_TRACKING_URI=tracking.tracking_uri())  # this project's store
-        for stage in ("train", "evaluate"):
+        for stage in ("plan", "train", "evaluate"):
             if subprocess.run([sys.executable, "-m", f"stages.{stage}"], cwd=project, env=env).returncode:
                 raise SystemExit(f"quality_sweep: {args.name}: the {stage} stage failed (its output is above)")
         written = dataclasses.asdict(paths.PIPELINE_RUN)

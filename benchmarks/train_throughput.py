@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
@@ -272,7 +271,7 @@ def main() -> None:
 
     cuda = _cuda()
     hw = probe(use_nvml=cuda)
-    threads = args.threads or hw["cpu"]["physical_cores"] or os.cpu_count()
+    threads = args.threads or common.machine()["threads"]  # the plan's, as the train stage reads them
     if args.recipe:
         print(json.dumps(run_recipe(args.recipe, args.steps, args.batch_size, args.lr, threads, args.bf16_ours,
                                     args.eager_max, args.warmup)))

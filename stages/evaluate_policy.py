@@ -4,7 +4,8 @@ Run by DVC (in scheduling/) as:  python -m stages.evaluate_policy
 Every policy runs on the same test sequences of two workloads: the held-out part of the trace
 (`scheduling.evaluation`) and the generated second workload (`data/second_workload.swf`, `scheduling.second_workload`,
 never trained on); at window `scheduling.window`, without backfilling and with EASY (the policy picks the head job,
-EASY fills around it), in the precision training ran in (`reports/train.json`). The policies: FCFS, SJF, WFP3,
+EASY fills around it), in the precision and on the threads training ran with (`reports/train.json`: the plan's;
+`scheduling.llm.threads` set wins). The policies: FCFS, SJF, WFP3,
 UNICEF, F1, the base model with the adapter in `models/adapter` ("finetuned") and the base model alone ("base",
 when `scheduling.llm.evaluate_base`); the lookahead teacher's own bsld (its ceiling) comes from
 `reports/simulate_baselines.json`. The LLMs choose by constrained choice among the visible jobs' letters, all
@@ -50,11 +51,13 @@ def run(params: Params) -> dict:
     second, second_proto = read_swf(paths.SECOND_WORKLOAD), second_protocol(sp)
     baselines = read_json(paths.report("simulate_baselines"))
     llm = sp.llm
-    # As training ran (the plan's precision, measured faster on this CPU); the train stage records it.
-    bf16 = bool(read_json(paths.PIPELINE_RUN.train_report).get("bf16", False))
+    # As training ran (the plan's precision, measured faster on this CPU, and threads); the train stage records them.
+    trained = read_json(paths.PIPELINE_RUN.train_report)
+    bf16 = bool(trained.get("bf16", False))
     policies = dict(HEURISTICS)
     integrity.verify_outs(paths.BASE_MODEL, paths.ADAPTER_DIR)  # as DVC recorded them (frugaltune/integrity.py)
-    options = {"threads": llm.threads, "batch_size": llm.batch_size, "max_running": sp.sft.max_running,
+    threads = llm.threads or trained.get("threads")  # None: a train report without them, torch's own count
+    options = {"threads": threads, "batch_size": llm.batch_size, "max_running": sp.sft.max_running,
                "bf16": bf16, "order": sp.order}
     policies["finetuned"] = load_llm_policy(paths.BASE_MODEL, paths.ADAPTER_DIR, name="finetuned",
                                             fallback=llm.fallback, **options)
@@ -84,6 +87,7 @@ def run(params: Params) -> dict:
         "sequences": proto.n_sequences, "sequence_length": proto.sequence_length, "window": proto.window,
         "backfill": sp.backfill,
         "precision": "bf16" if bf16 else "fp32",
+        "threads": threads,
         "finetuned_policy": policies["finetuned"].name,  # "F1 (fallback: ...)" when the adapter did not load
         ("finetuned" if loaded else "fallback"): main["finetuned"],
         **({"baseline": main["base"]} if "base" in main else {}),

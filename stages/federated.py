@@ -53,6 +53,7 @@ from frugaltune.config import Params
 from frugaltune.entry import stage_main
 from frugaltune.federated import budget, centralized, federation, keys, plans, plots, results, rounds, rows
 from frugaltune.io import csv_text, read_json, write_json, write_text
+from frugaltune.planner.assembly import PlanError
 
 DATA = paths.FEDERATED_DATA
 REPORT = paths.report("federated")
@@ -64,13 +65,12 @@ CLIENTS_PNG = paths.FIGURES / "federated_clients.png"
 
 
 def run_federation(params: Params, scheme: str, method: str, client_plans: list[dict], labels: list[str],
-                   pad_token_id: int, watch: budget.FirstRounds | None = None) -> Path:
+                   pad_token_id: int, precision: plans.Precision, watch: budget.FirstRounds | None = None) -> Path:
     """One federation of `method` on the `scheme` partition, to its last round; the folder of its rounds. `watch`:
     the budget's replan, after the round it watches for (the server waits for it there)."""
     fp = params.federated
     parts = DATA / f"partitions_{scheme}"
     included = federation.included_clients(fp, client_plans)
-    precision = plans.machine_precision(params)  # every client of this stage trains on this machine
     data = rows.data_fingerprint(parts, DATA / "test.parquet")
     key = keys.run_key(params, scheme, method, data, client_plans, precision)
     out = (paths.FEDERATED_CHECKPOINTS / key).resolve()
@@ -85,6 +85,7 @@ def run(params: Params) -> dict:
     began = time.perf_counter()  # the report's wall_seconds: what this invocation took (resumed runs take less)
     fp, seed = params.federated, params.common.seed
     federation.require_flower()
+    precision = plans.machine_precision(params)  # the plan's, read once: every client trains on this machine
     labels = read_json(paths.LABELS)["labels"]
     tokenized = load_from_disk(str(paths.TOKENIZED_DIR))
     tokenizer = models.load_tokenizer(paths.BASE_MODEL)
@@ -112,11 +113,11 @@ def run(params: Params) -> dict:
             label_rows += [{"partition": scheme, "client": c["client"], "label": labels[int(k)], "count": n}
                            for c in summary["clients"] for k, n in c["label_histogram"].items()]
             report["clients"][scheme] = plans.plan_clients(fp, summary, parts, paths.BASE_MODEL, len(labels),
-                                                           max_length, seed, plans.machine_precision(params))
+                                                           max_length, seed, precision)
         # the rounds that fit federated.budget_minutes, from a client-round measured here; the federations are
         # identified by the rounds they run, not by the budget that chose them
         decision = report["budget"] = budget.decide(params, report["clients"], runs, labels, pad_token_id,
-                                                    plans.machine_precision(params), time.perf_counter() - began,
+                                                    precision, time.perf_counter() - began,
                                                     DATA, paths.BASE_MODEL)
         print(f"federated: budget: {decision['trade']}", flush=True)
         # and once more after the first federation's rounds 1 and 2, from what they took (budget.FirstRounds)
@@ -136,7 +137,8 @@ def run(params: Params) -> dict:
             run_began = time.perf_counter()
             ran = params.model_copy(update={"federated": fp.model_copy(update={"num_rounds": rounds_,
                                                                                "budget_minutes": None})})
-            out = run_federation(ran, scheme, method, report["clients"][scheme], labels, pad_token_id, watch)
+            out = run_federation(ran, scheme, method, report["clients"][scheme], labels, pad_token_id,
+                                 precision, watch)
             if watch is not None:  # the federations after the first run the rounds it ended with
                 decision = report["budget"] = budget.with_replan(decision, watch.found)
                 print(f"federated: budget: {decision.get('replan', {}).get('trade', decision['trade'])}", flush=True)
@@ -163,7 +165,8 @@ def run(params: Params) -> dict:
                 examples = centralized.examples_trained(out, fp.batch_size)
                 print(f"federated: centralized LoRA on {examples} examples (as many as {name}'s clients trained on)",
                       flush=True)
-                central = report["centralized"] = centralized.reference(params, labels, pad_token_id, examples)
+                central = report["centralized"] = centralized.reference(params, labels, pad_token_id, examples,
+                                                                                  precision)
                 central["examples_of"] = name
                 if "reused_from" not in central:  # a reused reference's seconds are another invocation's
                     done.append(budget.reference_took(decision, central["train_seconds"]))
@@ -195,7 +198,8 @@ def write_outputs(report: dict, round_rows: list[dict], label_rows: list[dict], 
 
 
 def main() -> None:
-    stage_main("federated", run, store.StoreError)  # a damaged store, a tracking server that is down: one line
+    # a damaged store, a tracking server that is down, no plan (or one for other settings): one line
+    stage_main("federated", run, store.StoreError, PlanError)
 
 
 if __name__ == "__main__":

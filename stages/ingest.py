@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import shutil
 
+import numpy as np
 import pandas as pd
 
 from frugaltune.entry import stage_main
 from frugaltune.data import (
     DataSourceError,
+    assignment,
     check_split_sizes,
     infer_labels,
+    iter_table,
     normalize_columns,
     normalize_pairs,
     random_split,
@@ -29,6 +32,7 @@ from frugaltune.data import (
     source_sha256,
     stratified_sample,
     stratified_split,
+    write_splits,
 )
 from frugaltune.io import atomic_dir, write_json
 from frugaltune import paths
@@ -47,6 +51,14 @@ def _read(path, params: Params, encoding: str) -> pd.DataFrame:
         return normalize_pairs(frame, path, task.prompt_column, task.response_column, task.messages_column,
                                task.candidates_column)
     return normalize_columns(frame, path, data.text_column, data.label_column, data.confidence_column)
+
+
+def _chunks(path, params: Params, encoding: str):
+    """The file's rows as `normalize_columns` gives them, a chunk (data.CHUNK_ROWS rows) at a time."""
+    data = params.data
+    for chunk in iter_table(path, data.format, encoding):
+        yield normalize_columns(chunk, path, data.text_column, data.label_column, data.confidence_column,
+                                first_row=int(chunk.index[0]))
 
 
 def run_pairs(params: Params) -> dict:
@@ -79,15 +91,24 @@ def run_pairs(params: Params) -> dict:
     return metrics
 
 
-def _write(source, splits: dict[str, pd.DataFrame], labels_json: dict) -> None:
+def _write(source, splits: dict[str, pd.DataFrame], labels_json: dict,
+           stream: tuple[Params, np.ndarray] | None = None) -> None:
+    """`stream` (params, each file row's split as `data.assignment` gives it): the splits hold only source_row and
+    label, and the rows are streamed from the one source file into them."""
     with atomic_dir(paths.RAW_DIR) as raw:
         for split, path in sorted(source.files.items()):
             name = f"{source.name}{path.suffix}" if split == "all" else f"{source.name}/{path.name}"
             (raw / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(path, raw / name)
     with atomic_dir(paths.SPLITS_DIR) as out:
-        for split, frame in splits.items():
-            frame.to_parquet(out / paths.split_path(split).name, index=False)
+        if stream is None:
+            for split, frame in splits.items():
+                frame.to_parquet(out / paths.split_path(split).name, index=False)
+        else:
+            params, where = stream
+            (path,) = source.files.values()
+            write_splits(_chunks(path, params, source.encoding), where,
+                         {split: out / paths.split_path(split).name for split in splits})
         write_json(out / paths.LABELS.name, labels_json)
 
 
@@ -97,17 +118,23 @@ def run(params: Params) -> dict:
     data, seed = params.data, params.common.seed
     source = resolve_source(data.source, data.encoding)
 
-    # Read everything before writing anything: a bad file must not leave new outputs behind.
+    # Read everything before writing anything: a bad file must not leave new outputs behind. One file is read a
+    # chunk at a time, keeping each row's number and label only (the split is drawn from those), then streamed into
+    # the splits: memory is a chunk's, whatever the file's size.
+    stream = None
     if source.presplit:
         splits = {split: _read(path, params, source.encoding) for split, path in source.files.items()}
         if data.max_rows:  # benchmark val/test sets stay as given; only training data is capped
             splits["train"] = stratified_sample(splits["train"], data.max_rows, seed)
     else:
         (path,) = source.files.values()
-        frame = _read(path, params, source.encoding)
+        keys = pd.concat([chunk[["source_row", "label"]] for chunk in _chunks(path, params, source.encoding)],
+                         ignore_index=True)
+        rows = len(keys)
         if data.max_rows:
-            frame = stratified_sample(frame, data.max_rows, seed)
-        splits = stratified_split(frame, data.split.val, data.split.test, seed)
+            keys = stratified_sample(keys, data.max_rows, seed)
+        splits = stratified_split(keys, data.split.val, data.split.test, seed)
+        stream = (params, assignment(splits, rows))
 
     labels = list(data.labels) if data.labels else infer_labels(splits["train"]["label"])
     problem = label_problem(labels)  # labels read from the data (the params check has seen data.labels)
@@ -133,7 +160,7 @@ def run(params: Params) -> dict:
         # causal_lm from labelled rows: the same rows and splits as the classifier; tokenize writes the prompts
         **({"task": "causal_lm", "prompt_template": params.task.prompt_template}
            if params.task.type == "causal_lm" else {}),
-    })
+    }, stream)
 
     metrics = {
         split: {"rows": len(frame), "labels": {lab: int((frame["label"] == lab).sum()) for lab in labels}}

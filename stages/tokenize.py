@@ -3,7 +3,8 @@
 Reads `tokenize.*`, `data/validated/`, the label set and the base model's tokenizer. Writes `data/tokenized/`
 (a `datasets.DatasetDict` saved with `save_to_disk`: input_ids, labels, length) and `reports/tokenize.json`
 (length statistics per split). Truncates at `tokenize.max_length` and pads nothing: batches pad to their own
-longest sequence at training time, so no compute is spent on padding to a fixed length.
+longest sequence at training time, so no compute is spent on padding to a fixed length. A classifier's split is read
+and tokenized a chunk (data.CHUNK_ROWS rows) at a time, so that a million rows need the memory of their token ids.
 
 `task.type: causal_lm`: each row becomes prompt ids (the model's chat template, frugaltune.generation) + response
 ids + EOS, with `labels` -100 over the prompt (the loss is on the response only), plus prompt_length, prompt,
@@ -17,14 +18,19 @@ import json
 
 import numpy as np
 import pandas as pd
-from datasets import Dataset, DatasetDict
+import pyarrow.parquet as pq
+from datasets import Dataset, DatasetDict, concatenate_datasets
 
 from frugaltune import generation
+from frugaltune.data import CHUNK_ROWS
 from frugaltune.entry import stage_main
 from frugaltune.io import atomic_dir, read_json, write_json
 from frugaltune.models import load_tokenizer
 from frugaltune import paths
 from frugaltune.config import Params
+
+
+TOKENIZER_BATCH = 5_000
 
 
 def length_stats(lengths: np.ndarray, max_length: int) -> dict:
@@ -111,6 +117,34 @@ def run_sft(params: Params, labels: list[str]) -> dict:
     return metrics
 
 
+def _tokenize_split(path, tokenizer, label_ids: dict[str, int], labels: list[str], max_length: int,
+                    chunk_rows: int = CHUNK_ROWS) -> tuple[Dataset, np.ndarray]:
+    """One validated split as a Dataset (input_ids, labels, length) and its lengths, read and tokenized a chunk
+    (`chunk_rows` rows) at a time: only a chunk's Python lists are held, the rest is Arrow. A split of at most
+    `chunk_rows` rows is the Dataset `Dataset.from_dict` makes of the whole split."""
+    parts, lengths = [], []
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=chunk_rows, columns=["text", "label"]):
+        frame = batch.to_pandas()
+        unknown = sorted(set(frame["label"]) - set(label_ids))
+        if unknown:
+            raise ValueError(f"{path}: labels {unknown} are not in {paths.LABELS} ({labels}); "
+                             "rerun `dvc repro validate`, which quarantines them.")
+        texts = frame["text"].tolist()
+        # a few thousand texts per call: a fast tokenizer's result holds an Encoding (tokens, offsets, masks) per text
+        encoded = [ids for first in range(0, len(texts), TOKENIZER_BATCH)
+                   for ids in tokenizer(texts[first:first + TOKENIZER_BATCH], truncation=True,
+                                        max_length=max_length)["input_ids"]]
+        lengths.append(np.array([len(ids) for ids in encoded], dtype=np.int64))
+        parts.append(Dataset.from_dict({
+            "input_ids": encoded,
+            "labels": [label_ids[name] for name in frame["label"]],
+            "length": lengths[-1].tolist(),
+        }))
+    if not parts:  # no rows: the Dataset the whole-split path made of an empty frame
+        return Dataset.from_dict({"input_ids": [], "labels": [], "length": []}), np.array([], dtype=np.int64)
+    return (parts[0] if len(parts) == 1 else concatenate_datasets(parts)), np.concatenate(lengths)
+
+
 def run(params: Params) -> dict:
     max_length = params.tokenize.max_length
     labels = read_json(paths.LABELS)["labels"]
@@ -121,18 +155,7 @@ def run(params: Params) -> dict:
 
     splits, metrics = {}, {}
     for split in paths.SPLITS:
-        frame = pd.read_parquet(paths.validated_path(split))
-        unknown = sorted(set(frame["label"]) - set(label_ids))
-        if unknown:
-            raise ValueError(f"{paths.validated_path(split)}: labels {unknown} are not in {paths.LABELS} ({labels}); "
-                             "rerun `dvc repro validate`, which quarantines them.")
-        encoded = tokenizer(frame["text"].tolist(), truncation=True, max_length=max_length)["input_ids"]
-        lengths = np.array([len(ids) for ids in encoded], dtype=np.int64)
-        splits[split] = Dataset.from_dict({
-            "input_ids": encoded,
-            "labels": [label_ids[name] for name in frame["label"]],
-            "length": lengths.tolist(),
-        })
+        splits[split], lengths = _tokenize_split(paths.validated_path(split), tokenizer, label_ids, labels, max_length)
         metrics[split] = length_stats(lengths, max_length)
 
     with atomic_dir(paths.TOKENIZED_DIR) as out:

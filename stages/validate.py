@@ -8,6 +8,8 @@ Writes, when the data passes:
   - `reports/validate.json`: rows/passed/quarantined and failing counts per check, per split and in total, and
     the measured table-level shares (duplicates, missing confidence, mojibake, class shares, bad rows);
   - `reports/data_docs/`: the GX data docs (open index.html), also written when validation fails, to see why.
+    GX validates the rows a chunk (validation.GX_CHUNK_ROWS rows) at a time: beyond one chunk, the docs show the first
+    chunk's run, while the quarantine and the report cover every row.
 
 causal_lm prompt/response pairs (labels.json `"task": "causal_lm"`) get the pair suite: prompt present, not blank
 and within the length bounds, response present and not blank, no duplicate pair (validation.build_suite).
@@ -101,6 +103,7 @@ def run(params: Params) -> dict:
 
     with atomic_dir(paths.DATA_DOCS) as docs:
         outcome = validate_splits(splits, labels, rules, docs_dir=docs, pairs=pairs)
+    del splits  # the outcome holds their rows (a copy): these would stay beside it while the outputs are written
     stored = (lambda frame: frame.rename(columns=AS_STORED)) if pairs else (lambda frame: frame)
     if not outcome.passed:
         raise DataValidationError(
@@ -124,6 +127,10 @@ def run(params: Params) -> dict:
     total = metrics["total"]
     print(outcome.summary(key_prefix="validate."))
     per_split = ", ".join(f"{split} {metrics[split]['passed']}/{metrics[split]['rows']}" for split in paths.SPLITS)
+    if outcome.docs_rows < total["rows"]:
+        print(f"validate: the data docs show GX's run on the first {outcome.docs_rows:,} of the {total['rows']:,} "
+              f"rows; every row was checked, {outcome.docs_rows:,} at a time, and {paths.report('validate')} counts "
+              "them all")
     print(f"validate: {total['passed']} of {total['rows']} rows pass ({per_split}); {total['quarantined']} "
           f"quarantined in {paths.QUARANTINE}; data docs: {paths.DATA_DOCS / 'index.html'}")
     return metrics

@@ -13,7 +13,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from frugaltune.allocator import PROCESS_ENV
-from frugaltune.models import build_tiny_model
+from tests.tiny_model import build_tiny_model
 
 # The tests train tiny models (hidden 32), whose bf16 steps cost less than creating their oneDNN primitives: under
 # the product's cache bounds (frugaltune.allocator.PROCESS_ENV, a win for every model it trains) such steps ran

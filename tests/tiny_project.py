@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 # The kernels stage of a tiny project: the CUDA kernels are compiled and verified by tests/unit/test_kernels.py; the
-# CPU's fp32-vs-bf16 timing runs at the shapes of frugaltune.models.build_tiny_model (hidden 64, 4 heads,
+# CPU's fp32-vs-bf16 timing runs at the shapes of tests.tiny_model.build_tiny_model (hidden 64, 4 heads,
 # intermediate 128), not at params.yaml's SmolLM2 layer (docs/DECISIONS.md, "make test on the CI's machine...").
 KERNELS = {"enabled": False, "bench_batch": 8, "bench_seq_len": 64, "model_hidden": 64, "model_heads": 4,
            "model_intermediate": 128, "timing_repeats": 3}

@@ -167,15 +167,16 @@ def choose_rounds(asked: int, budget_s: float, spent_s: float, fixed_s: float, p
 
 
 def decide(params, plans: dict[str, list[dict]], runs: list[tuple[str, str]], labels: list[str], pad_token_id: int,
-           precision: Precision, spent_s: float, data: Path, model_dir: Path) -> dict:
+           precision: Precision, spent_s: float, data: Path, model_dir: Path, cores: int | None = None) -> dict:
     """How many rounds the stage runs: `federated.num_rounds`, or as many as `federated.budget_minutes` fits (the
     stage's time so far counted in), predicted from a client-round measured here. `plans`: scheme -> the clients'
-    plans; `runs`: (scheme, method) of each federation, in the order the stage runs them."""
+    plans; `runs`: (scheme, method) of each federation, in the order the stage runs them. `cores`: the machine's,
+    as the plan counted them (None: read from reports/plan.json)."""
     fp, tp = params.federated, params.train
     asked = fp.num_rounds
     if fp.budget_minutes is None:
         return {"minutes": None, "rounds_asked": asked, "rounds": asked, "trade": f"no budget: {asked} rounds"}
-    physical = machine_cores(params)
+    physical = cores or machine_cores()
     machine = Machine(threads=fp.threads, workers=max(1, physical // fp.threads), server_threads=physical)
     included = sorted((p for p in plans[runs[0][0]] if p["fits"]), key=lambda p: (p["examples"], p["client"]))
     probe = included[len(included) // 2]  # a client of the median size stands for the others' speed per token

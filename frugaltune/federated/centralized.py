@@ -89,13 +89,14 @@ def reference_key(params: Params, examples: int, pad_token_id: int, precision: P
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def reference(params: Params, labels: list[str], pad_token_id: int, examples: int) -> dict:
+def reference(params: Params, labels: list[str], pad_token_id: int, examples: int,
+              precision: Precision | None = None) -> dict:
     """`baseline`, trained once per reference_key: kept in checkpoints/federated/centralized/<key>.json, so a rerun
     whose federations all resume (a new boot rewrites hardware.json, a dependency) does not train it again. A reused
     result says so (`reused_from`); its seconds are those it was trained in."""
     import torch
 
-    precision = machine_precision(params)
+    precision = precision or machine_precision(params)  # the stage's, read once; a library caller: the plan's
     kept = paths.FEDERATED_CHECKPOINTS / "centralized" / (
         reference_key(params, examples, pad_token_id, precision, torch.get_num_threads()) + ".json")
     if kept.exists():

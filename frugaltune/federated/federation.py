@@ -76,7 +76,7 @@ def run_settings(params: Params, method: str, out: Path, included: list[dict], l
         lr_schedule=fp.lr_schedule, round_eval_rows=fp.round_eval_rows or 0, replan_after=replan_after,
         batch_size=fp.batch_size, seed=params.common.seed,
         # the server evaluates between rounds, while this host's clients wait: it may use every core
-        threads=machine_cores(params),
+        threads=machine_cores(),
         dp_epsilon=fp.dp.epsilon if fp.dp.enabled else 0.0, dp_delta=fp.dp.delta, dp_clip=fp.dp.clipping_norm,
         proximal_mu=fp.proximal_mu, logit_adjustment=fp.logit_adjustment, client_state=fp.client_state,
         transmit_dtype=fp.transmit_dtype, secure_aggregation=fp.secure_aggregation,
@@ -116,7 +116,7 @@ def federate(params: Params, name: str, settings: RunSettings, nodes: list[NodeS
         # Simulation Engine: one Ray worker per `threads` physical cores, so clients train side by side without
         # oversubscribing. Every process on train.allocator, the malloc the plan's calibration ran on.
         with LocalFederation(FLOWER_BIN, workdir, node_configs, PROJECT_ROOT, threads=fp.threads, runtime=fp.runtime,
-                             workers=max(1, machine_cores(params) // fp.threads),
+                             workers=max(1, machine_cores() // fp.threads),
                              allocator=params.train.allocator) as fed:
             watching = Watching(out, watch) if watch is not None else None
             result = fed.submit(APP, config, timeout=None)

@@ -25,18 +25,18 @@ class Precision(NamedTuple):
 
 
 def machine_precision(params: Params) -> Precision:
-    """The clients' precision on this machine: the plan's machine decisions (frugaltune.resolve) for LoRA, or
-    `federated.precision` when it is set; int8 products as the plan decided them for LoRA (`train.int8_products`:
-    the project's one switch for them)."""
+    """The clients' precision on this machine: the plan's machine decisions (frugaltune.resolve) for LoRA, read,
+    never decided again (`federated.precision` set to another precision than the plan's: resolve's PlanError);
+    int8 products as the plan decided them for LoRA (`train.int8_products`: the project's one switch for them)."""
     decided = resolve.machine(params.federated.precision, "lora", params.train.int8_products,
-                              plan=resolve.read_plan(), dims=resolve.model_dims())
+                              keys=("federated.precision", "train.int8_products"))
     return Precision(bool(decided["bf16"]), int(decided["eager_attention_max_len"]), bool(decided["int8"]["on"]))
 
 
-def machine_cores(params: Params) -> int:
+def machine_cores() -> int:
     """The physical cores of this machine, as the plan counted them (its machine decisions): the federation lays out
     its Ray workers (`federated.threads` cores each) and its server's evaluation threads on them."""
-    return int(resolve.machine(params.federated.precision, plan=resolve.read_plan())["cores"])
+    return resolve.cores()
 
 
 def plan_calibration(bf16: bool, int8: bool = False) -> tuple[Constants, int | None, str]:

@@ -87,7 +87,12 @@ def decide_machine(hardware: dict, measured: dict | None, precision_setting: str
     - threads: physical cores, split between the ranks on one host (`cores`: how many this machine has, on which
       the federated stage lays out its clients' workers and its server's evaluation);
     - int8 products, per method in `methods`: `frugaltune.int8.decide`, which times int8 products against the
-      precision's on this machine now (`dims`: the model's hidden and intermediate sizes; None: no int8).
+      precision's on this machine now (`dims`: the model's hidden and intermediate sizes; None: no int8). `int8`
+      holds the decisions for `int8_setting`; `int8_by_setting` those and what `true` and `false` come to here
+      (neither is timed), so that a consumer which sets them explicitly reads its decision too.
+
+    The settings it was decided for (`precision_setting`, `int8_setting`, `threads_setting`, `ranks`) are recorded
+    beside the decisions: frugaltune.resolve refuses a plan made for other settings instead of deciding again.
     """
     import torch
 
@@ -102,18 +107,21 @@ def decide_machine(hardware: dict, measured: dict | None, precision_setting: str
         "threads_why": ("as configured (train.threads)" if threads else
                         "physical cores: a second hyperthread adds contention, not FLOPs, to these matmuls"
                         + (f"; {ranks} processes share them" if ranks > 1 else "")),
+        "threads_setting": threads, "ranks": ranks,
         "int8": {}, "int8_setting": int8_setting_name(int8_setting),
     }
+    settings = dict.fromkeys((decided["int8_setting"], "true", "false"))  # the plan's own first: it alone is timed
+    decided["int8_by_setting"] = by_setting = {setting: {} for setting in settings}
     if dims and methods:
         from frugaltune import int8
 
         ratio: dict = {}  # one timing serves every method: it depends on the precision and shapes alone
-        for method in methods:
-            if method == "none":
-                decided["int8"][method] = {"on": False, "why": "nothing trains"}
-                continue
-            decided["int8"][method] = int8.decide(int8_setting, method, bf16, dims[0], dims[1],
-                                                  bool(gpus) and torch.cuda.is_available(), ratio)
+        for setting in settings:
+            for method in methods:
+                by_setting[setting][method] = {"on": False, "why": "nothing trains"} if method == "none" else (
+                    int8.decide(setting, method, bf16, dims[0], dims[1], bool(gpus) and torch.cuda.is_available(),
+                                ratio))
+    decided["int8"] = by_setting[decided["int8_setting"]]
     return decided
 
 

@@ -27,12 +27,13 @@ def trained_precision(params: Params, out: paths.RunOutputs) -> bool:
     """bf16? The precision the model was trained in (its train report), so that evaluation sees what training did."""
     if out.train_report.exists() and "bf16" in (report := read_json(out.train_report)):
         return bool(report["bf16"])
-    return resolve.machine(params.train.precision, plan=resolve.read_plan())["bf16"]
+    return resolve.machine(params.train.precision)["bf16"]
 
 
 def threads(params: Params) -> int:
     """The plan's thread count (planner.machine.decide_machine), as training used it."""
-    return resolve.machine(params.train.precision, plan=resolve.read_plan(), threads=params.train.threads)["threads"]
+    tp = params.train
+    return resolve.machine(tp.precision, ranks=tp.distributed.nproc_per_node, threads=tp.threads)["threads"]
 
 
 def confusion_csv(actual: list[str], predicted: list[str]) -> str:

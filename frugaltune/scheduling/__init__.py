@@ -8,8 +8,9 @@ The pieces, in the order data flows through them:
     swf.read_swf            a Parallel Workloads Archive trace -> Workload (typed jobs + header)
     synthetic.synthetic_workload   a seeded toy workload for tests
     lublin.lublin_workload  the Lublin-Feitelson workload model for a machine of P processors; load scaling
-    simulator.simulate      Workload jobs + Policy (+ EASY backfilling) -> SimulationResult
-    policies                FCFS, SJF, WFP3, UNICEF, F1 (score functions, lower runs first)
+    users.with_users        users (Zipf-like activity, characteristic job shapes) and their runtime estimates
+    simulator.simulate      Workload jobs + Policy (+ EASY backfilling) -> SimulationResult; policies see JobViews
+    policies                FCFS, SJF, WFP3, UNICEF, F1 (score functions, lower runs first); SJF/F1 on predictions
     metrics                 bounded slowdown, waits, utilisation, queue length over time
     evaluation              N-job sequences from the held-out part of a trace, every policy on the same ones
 """

@@ -25,7 +25,14 @@ from frugaltune.scheduling.llm_policy import LLMPolicy
 from frugaltune.scheduling.metrics import sequence_metrics
 from frugaltune.scheduling.policies import F1, ScorePolicy
 from frugaltune.scheduling.sft import LookaheadTeacher, teacher_episode
-from frugaltune.scheduling.simulator import Policy, SchedulerState, SimulationResult, Simulator, simulate_batch
+from frugaltune.scheduling.simulator import (
+    JobView,
+    Policy,
+    SchedulerState,
+    SimulationResult,
+    Simulator,
+    simulate_batch,
+)
 from frugaltune.scheduling.swf import Job
 
 MODES = {"no_backfill": False, "easy": True}
@@ -55,7 +62,7 @@ class DepartureLog:
         self.teacher_agrees = 0
         self.teacher_seconds = 0.0
 
-    def __call__(self, sim: Simulator, state: SchedulerState, job: Job) -> None:
+    def __call__(self, sim: Simulator, state: SchedulerState, job: JobView) -> None:
         if len(state.queue) < 2:  # a forced choice is no decision
             return
         self.decisions += 1

@@ -40,8 +40,7 @@ from typing import Any
 
 from frugaltune.scheduling.policies import HEURISTICS, ScorePolicy
 from frugaltune.scheduling.sft import encode_state, job_labels, listed
-from frugaltune.scheduling.simulator import SchedulerState
-from frugaltune.scheduling.swf import Job
+from frugaltune.scheduling.simulator import JobView, SchedulerState
 
 
 class LLMPolicy:
@@ -72,14 +71,14 @@ class LLMPolicy:
         self.model_calls = 0
         self.seconds = 0.0
 
-    def choose(self, state: SchedulerState) -> Job:
+    def choose(self, state: SchedulerState) -> JobView:
         return self.choose_many([state])[0]
 
-    def choose_many(self, states: Sequence[SchedulerState]) -> list[Job]:
+    def choose_many(self, states: Sequence[SchedulerState]) -> list[JobView]:
         from frugaltune.generation import choose, prompt_ids
 
         began = time.perf_counter()
-        answers: list[Job | None] = [state.queue[0] if len(state.queue) == 1 else None for state in states]
+        answers: list[JobView | None] = [state.queue[0] if len(state.queue) == 1 else None for state in states]
         asked = [i for i, answer in enumerate(answers) if answer is None]
         if asked:
             ids = [prompt_ids(self.tokenizer, encode_state(states[i], self.max_running, self.order), self.system,

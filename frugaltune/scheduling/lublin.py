@@ -25,7 +25,8 @@ the vendored scheduling/data/lublin_256.swf matches them (25% serial jobs; no jo
   mean 1; each inter-arrival draw buys exp(draw) / 1800 "points", and passing a bucket costs its weight, so busy
   hours get more arrivals. The leftover points and the position inside a bucket carry over between jobs (static
   variables in lublin99.c). The trace starts at midnight.
-- Requested time = run time (the model has no user estimates; lublin_256.swf leaves them -1 too).
+- Requested time = run time (the model has no user estimates; lublin_256.swf leaves them -1 too): a scheduler
+  fed it knows every job's length. `users.with_users` adds users and their estimates to a generated workload.
 
 The random stream is numpy's, not lublin99.c's drand48, so the same seed gives a different (statistically alike)
 trace than the C program; a seed always gives the same trace here.

@@ -1,6 +1,7 @@
 """Heuristic scheduling policies as score functions: the visible job with the lowest score runs first.
 
-Library code: pass `FCFS`, `SJF`, `WFP3`, `UNICEF` or `F1` (or `HEURISTICS[name]`) to `simulator.simulate`.
+Library code: pass `FCFS`, `SJF`, `WFP3`, `UNICEF` or `F1` (or `HEURISTICS[name]`) to `simulator.simulate`;
+`SJF_PRED` and `F1_PRED` score on predictions instead (`BASELINES` holds all seven).
 
 Notation as in Carastan-Santos & de Camargo, "Obtaining Dynamic Scheduling Policies with Simulation and Machine
 Learning" (SC'17), and Zhang et al., "RLScheduler" (SC'20), whose code (DIR-LAB/deep-batch-scheduler,
@@ -15,6 +16,11 @@ w = time waited so far (clock - s).
     F1      log10(r) * n + 870 * log10(s)   (Carastan-Santos & de Camargo 2017, learned by regression)
 
 Ties (equal scores) go to the earlier submit time, then the lower job id, so every policy is deterministic.
+
+On predictions (Tsafrir, Etsion & Feitelson, IEEE TPDS 2007): `SJF-pred` and `F1-pred` put the user's predicted
+run time in place of r (`simulator.predicted_time`: the mean of the user's last two finished run times, capped by
+the estimate; the estimate without history), and EASY, when on, reserves and backfills on the predictions too
+(the policy's `runtime = "prediction"`; see simulator.py, which also kills a backfilled job at its estimate).
 
 Edge cases, decided the way RLScheduler's code decides them so the numbers stay comparable:
 - UNICEF with n = 1: log2(1) = 0. RLScheduler adds 1e-15 to n and to w, so a one-processor job's score is about
@@ -31,49 +37,56 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from frugaltune.scheduling.simulator import SchedulerState
-from frugaltune.scheduling.swf import Job
+from frugaltune.scheduling.simulator import JobView, Runtime, SchedulerState
 
-ScoreFn = Callable[[Job, float], float]
-"""score(job, clock) -> float; lower runs first."""
+ScoreFn = Callable[..., float]
+"""score(job, clock[, r]) -> float; lower runs first. r: the run time assumed (default: the job's requested time)."""
 
 _EPS = 1e-15  # RLScheduler's uni_score epsilon (see the module docstring)
 
 
-def fcfs_score(job: Job, clock: float) -> float:
+def fcfs_score(job: JobView, clock: float, r: float | None = None) -> float:
     return job.submit_time
 
 
-def sjf_score(job: Job, clock: float) -> float:
-    return job.requested_time
+def sjf_score(job: JobView, clock: float, r: float | None = None) -> float:
+    return job.requested_time if r is None else r
 
 
-def wfp3_score(job: Job, clock: float) -> float:
+def wfp3_score(job: JobView, clock: float, r: float | None = None) -> float:
     wait = clock - job.submit_time
-    return -((wait / max(job.requested_time, 1.0)) ** 3) * job.requested_procs
+    r = job.requested_time if r is None else r
+    return -((wait / max(r, 1.0)) ** 3) * job.requested_procs
 
 
-def unicef_score(job: Job, clock: float) -> float:
+def unicef_score(job: JobView, clock: float, r: float | None = None) -> float:
     wait = clock - job.submit_time
-    return -(wait + _EPS) / (math.log2(job.requested_procs + _EPS) * max(job.requested_time, 1.0))
+    r = job.requested_time if r is None else r
+    return -(wait + _EPS) / (math.log2(job.requested_procs + _EPS) * max(r, 1.0))
 
 
-def f1_score(job: Job, clock: float) -> float:
-    r = job.requested_time if job.requested_time > 0 else 0.1
+def f1_score(job: JobView, clock: float, r: float | None = None) -> float:
+    r = job.requested_time if r is None else r
+    r = r if r > 0 else 0.1
     s = job.submit_time if job.submit_time > 0 else 0.1
     return math.log10(r) * job.requested_procs + 870.0 * math.log10(s)
 
 
 @dataclass(frozen=True)
 class ScorePolicy:
-    """A policy that runs the visible job with the lowest `score(job, clock)` (ties: submit time, then job id)."""
+    """A policy that runs the visible job with the lowest `score(job, clock, r)` (ties: submit time, then job id),
+    r being the job's requested time, or its predicted run time when `runtime` is "prediction"."""
 
     name: str
     score: ScoreFn
+    runtime: Runtime = "estimate"
 
-    def choose(self, state: SchedulerState) -> Job:
-        clock, score = state.clock, self.score
-        return min(state.queue, key=lambda job: (score(job, clock), job.submit_time, job.job_id))
+    def choose(self, state: SchedulerState) -> JobView:
+        clock, score, runtime = state.clock, self.score, self.runtime
+        if runtime == "estimate":
+            return min(state.queue, key=lambda job: (score(job, clock), job.submit_time, job.job_id))
+        return min(state.queue, key=lambda job: (score(job, clock, state.runtime(job, runtime)), job.submit_time,
+                                                 job.job_id))
 
 
 FCFS = ScorePolicy("FCFS", fcfs_score)
@@ -84,3 +97,9 @@ F1 = ScorePolicy("F1", f1_score)
 
 HEURISTICS: dict[str, ScorePolicy] = {p.name: p for p in (FCFS, SJF, WFP3, UNICEF, F1)}
 """The five heuristic baselines by name, in the order the tables list them."""
+
+SJF_PRED = ScorePolicy("SJF-pred", sjf_score, "prediction")
+F1_PRED = ScorePolicy("F1-pred", f1_score, "prediction")
+
+BASELINES: dict[str, ScorePolicy] = HEURISTICS | {p.name: p for p in (SJF_PRED, F1_PRED)}
+"""The heuristics on estimates, then SJF and F1 on Tsafrir's predictions: every baseline the tables list."""

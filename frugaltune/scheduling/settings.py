@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from frugaltune.config import SchedulingParams
+from frugaltune.config import SchedulingParams, SchedulingUsersParams
 from frugaltune.scheduling.evaluation import Protocol
 from frugaltune.scheduling.lublin import at_load, lublin_workload
 from frugaltune.scheduling.policies import HEURISTICS
 from frugaltune.scheduling.sft import LookaheadTeacher, SftConfig
 from frugaltune.scheduling.swf import Workload, read_swf
+from frugaltune.scheduling.users import UserModel, with_users
 
 
 def load_workload(path: str | Path, sp: SchedulingParams) -> Workload:
@@ -42,11 +43,27 @@ def teacher(sp: SchedulingParams) -> LookaheadTeacher:
     return LookaheadTeacher([HEURISTICS[name] for name in sp.sft.rollout_policies], sp.sft.horizon)
 
 
+def user_model(users: SchedulingUsersParams) -> UserModel:
+    return UserModel(**{**users.model_dump(), "round_minutes": tuple(users.round_minutes)})
+
+
+def _generate(procs: int, jobs: int, load: float | None, seed: int, users: SchedulingUsersParams) -> Workload:
+    workload = lublin_workload(jobs, procs, seed)
+    workload = at_load(workload, load) if load is not None else workload
+    return with_users(workload, user_model(users), seed)
+
+
+def generate_user_workload(sp: SchedulingParams) -> Workload:
+    """`scheduling.user_workload`: the Lublin-Feitelson model for its machine size and seed, at its load, with
+    users and their runtime estimates (users.py)."""
+    uw = sp.user_workload
+    return _generate(uw.procs, uw.jobs, uw.load, uw.seed, uw.users)
+
+
 def generate_second_workload(sp: SchedulingParams) -> Workload:
-    """`scheduling.second_workload`: the Lublin-Feitelson model for its machine size and seed, at its load."""
+    """`scheduling.second_workload`: the same, for its own machine size, seed, load and users' parameters."""
     sw = sp.second_workload
-    workload = lublin_workload(sw.jobs, sw.procs, sw.seed)
-    return at_load(workload, sw.load) if sw.load is not None else workload
+    return _generate(sw.procs, sw.jobs, sw.load, sw.seed, sw.users)
 
 
 def second_protocol(sp: SchedulingParams) -> Protocol:

@@ -46,7 +46,7 @@ from frugaltune.scheduling.evaluation import Protocol, held_out_start
 from frugaltune.scheduling.lublin import at_load, lublin_workload
 from frugaltune.scheduling.metrics import BSLD_TAU, sequence_metrics
 from frugaltune.scheduling.policies import HEURISTICS, ScorePolicy
-from frugaltune.scheduling.simulator import SchedulerState, SimulationResult, Simulator, simulate
+from frugaltune.scheduling.simulator import JobView, SchedulerState, SimulationResult, Simulator, simulate
 from frugaltune.scheduling.swf import Job, Workload
 
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
@@ -64,7 +64,7 @@ def job_labels(n: int) -> list[str]:
     return list(LETTERS[:n])
 
 
-def listed(state: SchedulerState, order: str = "queue") -> list[Job]:
+def listed(state: SchedulerState, order: str = "queue") -> list[JobView]:
     """The visible jobs in the order a prompt letters them (A first): queue (arrival) order, or best first by the
     score of the heuristic named `order` (its ties as in ScorePolicy), so that "A" is that heuristic's choice."""
     if order == "queue":
@@ -103,7 +103,7 @@ def encode_state(state: SchedulerState, max_running: int = 4, order: str = "queu
     return "\n".join(lines)
 
 
-def rollout_cost(sim: Simulator, first: Job, policy: ScorePolicy, horizon: int, tau: float = BSLD_TAU,
+def rollout_cost(sim: Simulator, first: JobView, policy: ScorePolicy, horizon: int, tau: float = BSLD_TAU,
                  future: Sequence[Job] | None = None) -> float:
     """Summed bounded slowdown of the jobs a rollout schedules: `first` committed now, then `policy`, admitting
     `horizon` more arrivals, or the jobs of `future` instead of the true ones (`Simulator.clone`). Jobs that
@@ -114,7 +114,7 @@ def rollout_cost(sim: Simulator, first: Job, policy: ScorePolicy, horizon: int, 
     n = trial.arrival_limit
     start = trial.start[:n]
     submit = np.fromiter((j.submit_time for j in trial.arrivals[:n]), float, n)
-    run = np.fromiter((j.run_time for j in trial.arrivals[:n]), float, n)
+    run = trial.ran[:n]  # the teacher's privilege: actual run times (a backfilled job's up to its kill)
     return float(np.maximum((start - submit + run) / np.maximum(run, tau), 1.0).sum())
 
 
@@ -138,7 +138,7 @@ class LookaheadTeacher:
     def name(self) -> str:
         return f"lookahead({'/'.join(p.name for p in self.rollout_policies)}, h={self.horizon})"
 
-    def choose(self, sim: Simulator, state: SchedulerState) -> Job:
+    def choose(self, sim: Simulator, state: SchedulerState) -> JobView:
         default = self.rollout_policies[0].choose(state)
         if len(state.queue) == 1:
             return default

@@ -19,6 +19,19 @@ The model (the one RLScheduler's HPCSimPickJobs.py uses, made explicit):
   job ends at its expected end. Then every other waiting job, in arrival order, starts now if it fits in the free
   processors and either its requested time ends by the shadow time or it uses only processors that are still
   spare at the shadow time (the "extra" processors). The pass repeats at every event while the head waits.
+- **What a policy sees** (`SchedulerState`): what a real scheduler has at decision time, nothing more. Waiting
+  and running jobs are `JobView`s: requested processors and time, submit time (so the wait so far), user and group
+  id; a view has no run time. Beside them, the history of each user's *finished* jobs (`state.history(job)`: the
+  last `HISTORY` of them, actual and requested times) and Tsafrir's prediction from it (`state.predicted_time`).
+  The actual run time only ends a job (its completion event).
+- **Run times assumed** (`runtime`): "estimate" (the user's requested time, the default) or "prediction" (Tsafrir,
+  Etsion & Feitelson, IEEE TPDS 2007: the mean of the user's last two actual run times, capped by the estimate;
+  the estimate while the user has none). A running job's expected end is start + that time; once a job runs past
+  a prediction, its expected end becomes start + its estimate (the prediction was wrong; the estimate is the
+  kill limit). EASY's reservations and backfilling decisions use these expected ends.
+- **Kill at the estimate**: a backfilled job runs at most its requested time (the system kills it there, as real
+  ones do and as Tsafrir et al. simulate), so a job backfilled on a short prediction can delay the reservation by
+  at most its estimate.
 - Events at the same time: completions first, then arrivals, then scheduling; ties between jobs go by
   (submit time, job id) everywhere, so a run is a pure function of its inputs.
 - Time never advances during a decision: a policy can be slow (an LLM) without changing the schedule.
@@ -32,7 +45,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -42,16 +55,68 @@ DEFAULT_WINDOW = 128
 """Waiting jobs a policy sees, oldest first. RLScheduler's MAX_QUEUE_SIZE (HPCSimPickJobs.py) is 128; its heuristic
 baselines sort the whole queue, which is the same thing whenever fewer than 128 jobs wait."""
 
+HISTORY = 8
+"""Finished jobs kept per user for `SchedulerState.history` (Tsafrir's prediction reads the last two)."""
+
+Runtime = Literal["estimate", "prediction"]
+RUNTIMES: tuple[Runtime, ...] = ("estimate", "prediction")
+
+
+# eq=False, as for Job: views are compared by identity (one view per job and simulation, shared by its clones).
+@dataclass(frozen=True, slots=True, eq=False)
+class JobView:
+    """A job as a scheduler knows it before it ends: no run time (see the module docstring)."""
+
+    job_id: int
+    submit_time: float
+    requested_procs: int
+    requested_time: float
+    """The user's estimate (wall-clock limit)."""
+    user_id: int
+    group_id: int
+
+    @classmethod
+    def of(cls, job: Job) -> "JobView":
+        return cls(job.job_id, job.submit_time, job.requested_procs, job.requested_time, job.user_id, job.group_id)
+
+    def __repr__(self) -> str:
+        return (f"JobView(id={self.job_id}, submit={self.submit_time}, procs={self.requested_procs}, "
+                f"req_time={self.requested_time}, user={self.user_id})")
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """One finished job in its user's history: what the scheduler learnt when it ended."""
+
+    run_time: float
+    requested_time: float
+    requested_procs: int
+
+    @property
+    def accuracy(self) -> float:
+        """Actual over requested time (1: a perfect estimate)."""
+        return self.run_time / self.requested_time if self.requested_time > 0 else 1.0
+
+
+def predicted_time(requested_time: float, history: Sequence[Finished]) -> float:
+    """Tsafrir, Etsion & Feitelson (TPDS 2007): the mean of the user's last two actual run times (the last one
+    when there is one), capped by the estimate; the estimate without history."""
+    if not history:
+        return requested_time
+    last = history[-2:]
+    return min(sum(f.run_time for f in last) / len(last), requested_time)
+
 
 @dataclass(frozen=True, slots=True)
 class RunningJob:
     """A started job: what a scheduler knows about it (its start and expected end, not its actual end)."""
 
-    job: Job
+    job: JobView | Job
     start: float
     expected_end: float
-    """start + requested time: when a real scheduler would expect the processors back (the job may end earlier,
-    or, in real traces whose runs overshoot the request, later)."""
+    """start + the run time assumed (requested time, or the prediction): when the scheduler expects the processors
+    back (the job may end earlier, or later: past a prediction, or in real traces whose runs overshoot the
+    request)."""
 
 
 class SchedulerState:
@@ -61,56 +126,64 @@ class SchedulerState:
         clock: the current simulated time (seconds, the trace's clock).
         total_procs: processors of the machine.
         free_procs: processors free right now.
-        queue: the visible waiting jobs, oldest first (at most `window` of them; never empty during `choose`).
+        queue: the visible waiting jobs as `JobView`s, oldest first (at most `window` of them; never empty during
+            `choose`).
         queue_length: every waiting job, visible or not.
     """
 
-    __slots__ = ("clock", "total_procs", "free_procs", "queue", "queue_length", "_running")
+    __slots__ = ("clock", "total_procs", "free_procs", "queue", "queue_length", "_running", "_finished")
 
-    def __init__(self, clock: float, total_procs: int, free_procs: int, queue: list[Job], queue_length: int,
-                 running: dict[int, RunningJob]):
+    def __init__(self, clock: float, total_procs: int, free_procs: int, queue: list, queue_length: int,
+                 running: dict[int, RunningJob], finished: dict[int, tuple[Finished, ...]] | None = None):
         self.clock = clock
         self.total_procs = total_procs
         self.free_procs = free_procs
         self.queue = queue
         self.queue_length = queue_length
         self._running = running
+        self._finished = finished if finished is not None else {}
+
+    def history(self, job: JobView) -> tuple[Finished, ...]:
+        """The last `HISTORY` finished jobs of `job`'s user, oldest first (none for an unknown user, id < 0)."""
+        return self._finished.get(job.user_id, ()) if job.user_id >= 0 else ()
+
+    def predicted_time(self, job: JobView) -> float:
+        """Tsafrir's prediction of `job`'s run time from its user's history (`predicted_time`)."""
+        return predicted_time(job.requested_time, self.history(job))
+
+    def runtime(self, job: JobView, runtime: Runtime) -> float:
+        """The run time a scheduler assuming `runtime` ("estimate" or "prediction") expects of `job`."""
+        return job.requested_time if runtime == "estimate" else self.predicted_time(job)
 
     @property
     def running(self) -> list[RunningJob]:
         """The running jobs, soonest expected end first (built on demand: the heuristics never look)."""
         return sorted(self._running.values(), key=lambda r: (r.expected_end, r.job.submit_time, r.job.job_id))
 
-    def start_time(self, job: Job) -> float:
+    def start_time(self, job: JobView) -> float:
         """When `job` could start if it were run next: now when it fits, else when enough processors are back by
         the running jobs' expected ends (EASY's shadow time for it)."""
         if job.requested_procs <= self.free_procs:
             return self.clock
         return _shadow(job, self.free_procs, self._running, self.clock)[0]
 
-    def wait_time(self, job: Job) -> float:
+    def wait_time(self, job: JobView) -> float:
         """How long `job` has waited so far."""
         return self.clock - job.submit_time
-
-    def job_by_id(self, job_id: int) -> Job:
-        """The visible job with this id, for policies that answer with an id (an LLM writes "job 1234")."""
-        for job in self.queue:
-            if job.job_id == job_id:
-                return job
-        raise KeyError(f"job {job_id} is not in the visible queue (ids: {[j.job_id for j in self.queue]})")
 
 
 @runtime_checkable
 class Policy(Protocol):
-    """Anything with a `name` and `choose(state) -> Job` (one of `state.queue`) schedules.
+    """Anything with a `name` and `choose(state) -> JobView` (one of `state.queue`) schedules. A policy may say
+    which run times EASY assumes for it with a `runtime` attribute ("estimate", the default, or "prediction").
 
     The heuristics in `policies.py` are score functions; an LLM policy renders `state` as text, reads a job id
-    from the answer and returns `state.job_by_id(id)`.
+    from the answer and returns that job of `state.queue`.
     """
 
     name: str
 
-    def choose(self, state: SchedulerState) -> Job: ...
+    def choose(self, state: SchedulerState) -> JobView: ...
 
 
 @dataclass
@@ -144,19 +217,28 @@ class SimulationResult:
         return {int(i): float(s) for i, s in zip(self.job_ids, self.start)}
 
 
-def _shadow(head: Job, free: int, running: dict[int, RunningJob], clock: float) -> tuple[float, int]:
+def _shadow(head: Job | JobView, free: int, running: dict[int, RunningJob], clock: float) -> tuple[float, int]:
     """EASY's reservation for `head`: (shadow time, processors spare at that time once head has its share).
 
-    Running jobs are assumed to end at their expected end; one already past it (a run that overshot its request)
-    is assumed to end now, which is the most optimistic guess and the one real EASY implementations make.
+    Running jobs are assumed to end at their expected end; one already past it is assumed to end at its estimate
+    (a prediction that was too short: Tsafrir's correction), and one past that too (a run that overshot its
+    request) to end now, which is the most optimistic guess and the one real EASY implementations make.
     """
     available = free
-    for r in sorted(running.values(), key=lambda r: (r.expected_end, r.job.submit_time, r.job.job_id)):
-        available += r.job.requested_procs
+    ends = sorted((_expected(r, clock), r.job.submit_time, r.job.job_id, r.job.requested_procs)
+                  for r in running.values())
+    for end, _, _, procs in ends:
+        available += procs
         if available >= head.requested_procs:
-            return max(r.expected_end, clock), available - head.requested_procs
+            return end, available - head.requested_procs
     # Unreachable for a job no wider than the machine: all running jobs' processors plus the free ones are P.
     raise RuntimeError(f"job {head.job_id} needs {head.requested_procs} processors, more than the machine has")
+
+
+def _expected(r: RunningJob, clock: float) -> float:
+    if r.expected_end > clock:
+        return r.expected_end
+    return max(r.start + r.job.requested_time, clock)
 
 
 class Simulator:
@@ -177,7 +259,9 @@ class Simulator:
     """
 
     def __init__(self, jobs: Sequence[Job], total_procs: int, *, backfill: bool = False,
-                 window: int = DEFAULT_WINDOW):
+                 window: int = DEFAULT_WINDOW, runtime: Runtime = "estimate"):
+        if runtime not in RUNTIMES:
+            raise ValueError(f"runtime={runtime!r}: use one of {', '.join(RUNTIMES)}.")
         if window < 1:
             raise ValueError(f"window={window}: the policy must see at least one waiting job; use window >= 1.")
         if not jobs:
@@ -190,9 +274,14 @@ class Simulator:
         self.total_procs = total_procs
         self.backfill = backfill
         self.window = window
+        self.runtime = runtime
         self.arrivals = arrivals                       # shared by clones: never modified
         self._index = {id(job): i for i, job in enumerate(arrivals)}  # shared too
+        self.views = [JobView.of(job) for job in arrivals]  # what policies see of each job; shared too
+        self._view_index = {id(view): i for i, view in enumerate(self.views)}
         self.start = np.full(len(arrivals), np.nan)
+        self.ran = np.array([job.run_time for job in arrivals], dtype=float)  # less where killed at the estimate
+        self.finished: dict[int, tuple[Finished, ...]] = {}  # user id -> last HISTORY finished jobs
         self.clock = arrivals[0].submit_time
         self.free = total_procs
         self.waiting: list[Job] = []                   # arrival order, so the visible window is waiting[:window]
@@ -228,28 +317,55 @@ class Simulator:
                 raise ValueError(f"clone(): a future job is submitted at {other.arrivals[len(known)].submit_time}, "
                                  f"before the clock {self.clock}; shift it to the clock or later.")
             other._index = {id(job): i for i, job in enumerate(other.arrivals)}
+            other.views = self.views[:len(known)] + [JobView.of(job) for job in other.arrivals[len(known):]]
+            other._view_index = {id(view): i for i, view in enumerate(other.views)}
             other.start = np.concatenate([self.start[:self.next_arrival], np.full(len(future), np.nan)])
+            other.ran = np.concatenate([self.ran[:self.next_arrival],
+                                        np.array([j.run_time for j in other.arrivals[len(known):]], dtype=float)])
             other.arrival_limit = len(other.arrivals)
         else:
             if future_arrivals is not None:
                 other.arrival_limit = min(self.arrival_limit, self.next_arrival + max(future_arrivals, 0))
             other.start = self.start.copy()
+            other.ran = self.ran.copy()
         other.waiting = list(self.waiting)
         other.running = dict(self.running)
+        other.finished = dict(self.finished)  # its values are tuples, never changed in place
         other._completions = list(self._completions)  # a copied heap is still a heap
         other._queue_times = list(self._queue_times)
         other._queue_lengths = list(self._queue_lengths)
         if self._pending is not None:
-            other._pending = SchedulerState(self.clock, self.total_procs, self.free, other.waiting[:self.window],
-                                            len(other.waiting), other.running)
+            other._pending = other._state()
         return other
 
-    def _start_job(self, job: Job) -> None:
+    def _state(self) -> SchedulerState:
+        return SchedulerState(self.clock, self.total_procs, self.free,
+                              [self.views[self._index[id(job)]] for job in self.waiting[:self.window]],
+                              len(self.waiting), self.running, self.finished)
+
+    def _expected_run(self, view: JobView) -> float:
+        if self.runtime == "estimate" or view.user_id < 0:
+            return view.requested_time
+        return predicted_time(view.requested_time, self.finished.get(view.user_id, ()))
+
+    def _start_job(self, job: Job, kill_at_estimate: bool = False) -> None:
+        index = self._index[id(job)]
+        view = self.views[index]
         self.free -= job.requested_procs
-        self.start[self._index[id(job)]] = self.clock
-        self.running[id(job)] = RunningJob(job, self.clock, self.clock + job.requested_time)
-        heapq.heappush(self._completions, (self.clock + job.run_time, job.submit_time, job.job_id, id(job)))
+        self.start[index] = self.clock
+        if kill_at_estimate and job.run_time > job.requested_time:
+            self.ran[index] = job.requested_time
+        self.running[id(job)] = RunningJob(view, self.clock, self.clock + self._expected_run(view))
+        heapq.heappush(self._completions, (self.clock + self.ran[index], job.submit_time, job.job_id, id(job)))
         self.waiting.remove(job)  # identity comparison (Job has eq=False), and the job is near the front
+
+    def _complete(self, key: int) -> None:
+        """The job `running[key]` ends now: its processors come back and its user's history learns its run."""
+        r = self.running.pop(key)
+        self.free += r.job.requested_procs
+        if r.job.user_id >= 0:
+            done = Finished(self.clock - r.start, r.job.requested_time, r.job.requested_procs)
+            self.finished[r.job.user_id] = (self.finished.get(r.job.user_id, ()) + (done,))[-HISTORY:]
 
     def next_decision(self) -> SchedulerState | None:
         """Advance until the policy must pick a job; that decision's state, or None once every job has started
@@ -259,7 +375,7 @@ class Simulator:
         while not self.done:
             if self._at_events:
                 while self._completions and self._completions[0][0] <= self.clock:
-                    self.free += self.running.pop(heapq.heappop(self._completions)[3]).job.requested_procs
+                    self._complete(heapq.heappop(self._completions)[3])
                 while (self.next_arrival < self.arrival_limit
                        and self.arrivals[self.next_arrival].submit_time <= self.clock):
                     self.waiting.append(self.arrivals[self.next_arrival])
@@ -268,8 +384,7 @@ class Simulator:
 
             while self.waiting:
                 if self.head is None:
-                    self._pending = SchedulerState(self.clock, self.total_procs, self.free,
-                                                   self.waiting[:self.window], len(self.waiting), self.running)
+                    self._pending = self._state()
                     return self._pending
                 if self.head.requested_procs <= self.free:
                     self._start_job(self.head)
@@ -299,18 +414,18 @@ class Simulator:
         for job in list(self.waiting):
             if job is self.head or job.requested_procs > self.free:
                 continue
-            if self.clock + job.requested_time <= shadow:
-                self._start_job(job)
+            if self.clock + self._expected_run(self.views[self._index[id(job)]]) <= shadow:
+                self._start_job(job, kill_at_estimate=True)
             elif job.requested_procs <= extra:
                 extra -= job.requested_procs  # it will still hold these at the shadow time
-                self._start_job(job)
+                self._start_job(job, kill_at_estimate=True)
             else:
                 continue
             self.backfilled += 1
             if self.free == 0:
                 break
 
-    def commit(self, job: Job, policy_name: str = "policy") -> None:
+    def commit(self, job: JobView, policy_name: str = "policy") -> None:
         """Answer the pending decision with `job`, which must be one of its `state.queue`."""
         state = self._pending
         if state is None:
@@ -318,12 +433,13 @@ class Simulator:
         if not any(j is job for j in state.queue):
             raise ValueError(f"policy {policy_name!r} chose {job!r}, which is not in the visible queue; "
                              f"choose() must return one of state.queue.")
-        self.head = job
+        self.head = self.arrivals[self._view_index[id(job)]]
         self.decisions += 1
         self._pending = None
 
     def started(self, job: Job) -> bool:
         return not np.isnan(self.start[self._index[id(job)]])
+
 
     def run_to_end(self, policy: Policy) -> None:
         """Let `policy` make every remaining decision."""
@@ -336,7 +452,7 @@ class Simulator:
             raise RuntimeError("result() before the simulation ended: drive next_decision() until it returns None.")
         arrivals = self.arrivals
         submit = np.array([j.submit_time for j in arrivals], dtype=float)
-        run = np.array([j.run_time for j in arrivals], dtype=float)
+        run = self.ran.copy()
         return SimulationResult(
             policy=policy_name, backfill=self.backfill, total_procs=self.total_procs,
             job_ids=np.array([j.job_id for j in arrivals]), submit=submit, start=self.start.copy(),
@@ -344,6 +460,11 @@ class Simulator:
             queue_times=np.array(self._queue_times, dtype=float), queue_lengths=np.array(self._queue_lengths),
             decisions=self.decisions, backfilled=self.backfilled,
         )
+
+
+def runtime_of(policy: object) -> Runtime:
+    """The run times `policy` schedules on: its `runtime` attribute ("estimate" or "prediction"), else estimates."""
+    return getattr(policy, "runtime", "estimate")
 
 
 def simulate(jobs: Sequence[Job], total_procs: int, policy: Policy, *, backfill: bool = False,
@@ -354,17 +475,17 @@ def simulate(jobs: Sequence[Job], total_procs: int, policy: Policy, *, backfill:
         jobs: the jobs, any order (they are admitted by submit time, then id); each no wider than the machine.
         total_procs: processors of the machine (`Workload.max_procs`).
         policy: picks the next job from the visible queue.
-        backfill: EASY backfilling on or off.
+        backfill: EASY backfilling on or off (on the run times the policy assumes: `runtime_of(policy)`).
         window: how many waiting jobs (oldest first) the policy sees; >= 1.
     """
-    sim = Simulator(jobs, total_procs, backfill=backfill, window=window)
+    sim = Simulator(jobs, total_procs, backfill=backfill, window=window, runtime=runtime_of(policy))
     sim.run_to_end(policy)
     return sim.result(policy.name)
 
 
 def simulate_batch(job_lists: Sequence[Sequence[Job]], total_procs: int, policy: Policy, *, backfill: bool = False,
                    window: int = DEFAULT_WINDOW,
-                   on_decision: Callable[[Simulator, SchedulerState, Job], None] | None = None,
+                   on_decision: Callable[[Simulator, SchedulerState, JobView], None] | None = None,
                    ) -> list[SimulationResult]:
     """`simulate` for several independent job sequences, in lockstep: each round collects the pending decision of
     every unfinished sequence and, when the policy has `choose_many(states) -> jobs`, answers them in one call.
@@ -374,7 +495,8 @@ def simulate_batch(job_lists: Sequence[Sequence[Job]], total_procs: int, policy:
     state, job)` sees every answer before it is committed, with the simulation still at the decision (so an
     observer can `sim.clone()` and look ahead, as `judge.DepartureLog` does) and must not commit itself.
     """
-    sims = [Simulator(jobs, total_procs, backfill=backfill, window=window) for jobs in job_lists]
+    sims = [Simulator(jobs, total_procs, backfill=backfill, window=window, runtime=runtime_of(policy))
+            for jobs in job_lists]
     choose_many = getattr(policy, "choose_many", None)
     while True:
         pending = [(sim, state) for sim in sims if (state := sim.next_decision()) is not None]

@@ -99,7 +99,9 @@ def test_the_stage_runs_three_supernodes_for_two_rounds_sending_only_the_adapter
     from frugaltune.config import parse_params
     from frugaltune.federated import centralized
     from frugaltune.federated.plans import machine_precision
-    from frugaltune.models import build_tiny_model
+    from frugaltune.planner.machine import decide_machine
+    from frugaltune.resolve import machine_facts, model_dims
+    from tests.tiny_model import build_tiny_model
     from stages import federated as stage
 
     project = world / "project"
@@ -118,10 +120,14 @@ def test_the_stage_runs_three_supernodes_for_two_rounds_sending_only_the_adapter
     # server gets no estimate from a CPU's calibration and keeps its 2.
     (project / "reports").mkdir(exist_ok=True)
     (project / "reports/hardware.json").write_text(json.dumps({"cpu": {"model": "Test CPU"}}))
-    precision = "bf16" if machine_precision(parse_params({}))[0] else "fp32"
+    # the machine decisions as the plan stage makes them (its entry point): the clients read them, decide nothing
+    hardware, measured = machine_facts()
+    decided = decide_machine(hardware, measured, "auto", "auto", ("lora",), model_dims())
     (project / "reports/plan.json").write_text(json.dumps({
-        "device": {"kind": "cpu", "name": "Test CPU"}, "threads": 2, "run": {"precision": precision},
+        "device": {"kind": "cpu", "name": "Test CPU"}, "threads": 2, "run": {"precision": decided["precision"]},
+        "machine": decided,
         "constants": {"step_overhead_s": 10.0, "seconds_per_token": 0.0, "source": "test calibration"}}))
+    assert machine_precision(parse_params({})).bf16 == decided["bf16"]
     # global rank 8: the presets give the laptop and the GPU server rank 8, the small CPU box rank 4
     params = parse_params({"common": {"seed": 0}, "tokenize": {"max_length": 16}, "federated": {
         "num_clients": 3, "partition": "iid", "methods": ["fedavg"], "iid_control": False, "num_rounds": 2,

@@ -47,6 +47,7 @@ def project(tmp_path_factory, tiny_model_dir) -> Path:
         "sft": {**params["scheduling"]["sft"], "episodes": 2, "episode_length": 60, "horizon": 16,
                 "generated_episodes": 2, "generated_procs": [16, 32]},
         "llm": {**params["scheduling"]["llm"], "threads": 1},
+        "user_workload": {"procs": 32, "jobs": 400, "load": 1.1, "seed": 8},
         "second_workload": {"procs": 32, "jobs": 300, "load": 1.2, "seed": 9, "n_sequences": 2,
                             "sequence_length": 32},
         "validate": {"min_jobs": 100, "max_overshoot_fraction": 0.5},
@@ -67,7 +68,10 @@ def test_scheduling_repro_builds_sft_trains_judges_registers_then_is_a_no_op(pro
                             "evaluate", "register")}
     assert reports["ingest_trace"]["jobs"] == 400 and reports["ingest_trace"]["max_procs"] == 16
     assert reports["validate_trace"]["failures"] == [] and len(reports["validate_trace"]["checks"]) == 7
-    assert set(reports["simulate_baselines"]["policies"]) == {"FCFS", "SJF", "WFP3", "UNICEF", "F1"}
+    baselines = {"FCFS", "SJF", "WFP3", "UNICEF", "F1", "SJF-pred", "F1-pred"}
+    for workload in (reports["simulate_baselines"], reports["simulate_baselines"]["user_workload"]):
+        assert set(workload["policies"]) == baselines
+    assert (out / "reports/baselines.md").is_file()
     assert reports["simulate_baselines"]["jobs_per_s"] > 0
 
     rows = pd.read_json(out / "data/sft.jsonl", lines=True)

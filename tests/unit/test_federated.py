@@ -242,9 +242,12 @@ def test_the_clients_take_the_plans_int8_decision_unless_int8_products_is_set(mo
     from frugaltune import resolve
     from frugaltune.config import parse_params
     from frugaltune.federated.plans import Precision, machine_precision
+    from frugaltune.planner.machine import decide_machine
 
-    plan = {"machine": {"precision_setting": "auto", "cores": 2, "bf16": False, "eager_attention_max_len": 0,
-                        "int8": {"lora": {"on": True, "why": "measured 3.6x"}}}}
+    decided = decide_machine({"cpu": {"physical_cores": 2}}, None, "auto", "false", ("lora",), (32, 64))
+    auto = {"on": True, "why": "measured 3.6x"}  # what the plan's timing found, as the plan writes it
+    plan = {"machine": {**decided, "int8_setting": "auto",
+                        "int8_by_setting": {**decided["int8_by_setting"], "auto": {"lora": auto}}}}
     monkeypatch.setattr(resolve, "read_plan", lambda: plan)
     assert machine_precision(parse_params({"train": {"int8_products": "auto"}})) == Precision(False, 0, True)
     assert machine_precision(parse_params({"train": {"int8_products": False}})) == Precision(False, 0, False)

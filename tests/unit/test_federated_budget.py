@@ -15,6 +15,7 @@ import pytest
 from frugaltune.config import parse_params
 from frugaltune.federated import budget
 from frugaltune.federated.plans import Precision
+from frugaltune.planner.machine import decide_machine
 
 CLIENTS = 3
 
@@ -45,8 +46,9 @@ def decide(data, model_dir, pad_token_id: int, minutes: float, eval_rows: int | 
         "threads": 1, "budget_minutes": minutes, "round_eval_rows": eval_rows}})
     plans = {"iid": [{"client": c, "fits": True, "lora_rank": 4, "micro_batch_size": None, "local_steps": 3,
                       "examples": 24} for c in range(CLIENTS)]}
+    # no plan here: the cores as the plan's entry point counts them on this machine
     return budget.decide(params, plans, [("iid", "fedavg")], ["a", "b", "c"], pad_token_id, Precision(False, 0), 0.0,
-                         data, model_dir)
+                         data, model_dir, decide_machine({}, None)["cores"])
 
 
 def test_a_smaller_budget_runs_fewer_rounds_and_says_what_was_traded(federation_data, tiny_model_dir,

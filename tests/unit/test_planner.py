@@ -538,32 +538,62 @@ def test_resolve_run_refuses_before_loading_and_reads_every_decision_from_the_pl
 
 
 def test_a_caller_gets_the_int8_products_it_set_whatever_the_plan_was_made_with(tmp_path, monkeypatch):
-    """resolve.machine takes the plan's int8 decision only when the plan was made with the caller's setting;
-    true / false set by a caller (a benchmark's flag, the federated clients) win over a plan made with another."""
-    from frugaltune import resolve
+    """resolve.machine reads the plan's int8 decision for the caller's setting: the plan's own (timed), or what an
+    explicit true / false comes to here, recorded by the plan beside it; nothing is decided at the caller's."""
+    from frugaltune import int8, resolve
 
     monkeypatch.chdir(tmp_path)  # no reports here: the machine's facts are the empty defaults
     made_on = decide_machine(cpu_hardware(24), None, int8_setting=True, dims=(576, 1536))
     assert made_on["int8_setting"] == "true" and made_on["int8"]["lora"]["on"] is True
     plan = {"machine": made_on}
-    assert resolve.machine("auto", "lora", "true", plan, dims=(576, 1536))["int8"]["on"] is True  # the plan's
-    off = resolve.machine("auto", "lora", False, plan, dims=(576, 1536))["int8"]
+    monkeypatch.setattr(int8, "decide", lambda *a, **k: pytest.fail("decided at the consumer's"))
+    assert resolve.machine("auto", "lora", "true", plan)["int8"]["on"] is True  # the plan's
+    off = resolve.machine("auto", "lora", False, plan)["int8"]
     assert off == {"on": False, "why": "train.int8_products is false"}
-    # a plan written before the setting was recorded was made with auto: true asked of it is decided again
-    older = {"machine": {key: value for key, value in decide_machine(
-        cpu_hardware(24), None, int8_setting=False, dims=(576, 1536)).items() if key != "int8_setting"}}
-    assert resolve.machine("auto", "lora", "true", older, dims=(576, 1536))["int8"]["on"] is True
-    assert resolve.machine("auto", "lora", "auto", older, dims=(576, 1536))["int8"]["on"] is False  # the plan's
-    # a caller that does not use int8 products (evaluation, the core count) gets the plan's record, decided once
-    monkeypatch.setattr(resolve, "decide_machine", lambda *a, **k: pytest.fail("decided again for nothing"))
-    assert resolve.machine("auto", "lora", plan=plan)["int8"]["on"] is True
+    assert resolve.machine("auto", "lora", plan=plan)["int8"]["on"] is False  # int8 not asked for: none
+    with pytest.raises(PlanError, match=r"train.int8_products is auto.*dvc repro plan"):  # auto would be timed
+        resolve.machine("auto", "lora", "auto", plan)
+
+
+def test_resolve_decides_nothing_it_reads_the_plan_or_says_to_make_it(tmp_path, monkeypatch):
+    """No plan, a plan from another CPU or an older planner, or one made for another precision or thread setting:
+    one PlanError naming the file or the setting and `dvc repro plan`, never a decision made again here."""
+    from frugaltune import int8, paths, resolve
+    from frugaltune.config import Params
+    from frugaltune.federated.plans import machine_precision
+
+    monkeypatch.chdir(tmp_path)
+    lora = Params.model_validate({"train": {"method": "lora", "int8_products": False}})
+    with pytest.raises(PlanError, match=r"reports/plan.json is missing.*`dvc repro plan`"):
+        resolve.resolve_run(lora)
+    paths.PLAN.parent.mkdir(parents=True)
+    (tmp_path / "reports/hardware.json").write_text(json.dumps(cpu_hardware(24)))
+    decided = decide_machine(cpu_hardware(24), None, "auto", "false", ("lora",), (576, 1536), threads=1)
+    plan = make_plan(run_spec("lora"), cpu_hardware(24), shapes(smollm2_config()), Constants(), decided=decided)
+    monkeypatch.setattr(int8, "decide", lambda *a, **k: pytest.fail("decided at the consumer's"))
+    paths.PLAN.write_text(json.dumps({**plan, "device": {"kind": "cpu", "name": "Another CPU"}}))
+    with pytest.raises(PlanError, match="made on 'Another CPU'.*dvc repro plan"):
+        resolve.resolve_run(lora)
+    older = {**plan, "machine": {k: v for k, v in decided.items() if k != "int8_by_setting"}}
+    paths.PLAN.write_text(json.dumps(older))
+    with pytest.raises(PlanError, match="no machine.int8_by_setting.*dvc repro plan"):
+        resolve.resolve_run(lora)
+    paths.PLAN.write_text(json.dumps(plan))  # made for train.threads = 1, train.precision auto (fp32 here)
+    with pytest.raises(PlanError, match=r"train.threads is null.*train.threads = 1.*dvc repro plan"):
+        resolve.resolve_run(lora)
+    assert resolve.resolve_run(lora.model_copy(update={"train": lora.train.model_copy(update={"threads": 1})}))
+    explicit = Params.model_validate({"train": {"int8_products": False, "threads": 3, "precision": "fp32"}})
+    assert resolve.resolve_run(explicit).threads == 3  # as set: not a decision; fp32 is the plan's precision
+    with pytest.raises(PlanError, match=r"federated.precision is bf16, the plan decided fp32.*dvc repro plan"):
+        machine_precision(Params.model_validate({"train": {"int8_products": False},
+                                                 "federated": {"precision": "bf16"}}))
+    assert machine_precision(Params.model_validate({"train": {"int8_products": False}})) == (False, 0, False)
 
 
 def test_the_federation_lays_out_its_workers_on_the_cores_the_plan_counted(tmp_path, monkeypatch):
     """The plan's machine decisions hold the cores (from the probe's report), and the federated stage reads them
-    there; a plan written before they were decided counts as none and the decision is made again."""
-    from frugaltune import paths, resolve
-    from frugaltune.config import Params
+    there; a plan written before they were decided is made again."""
+    from frugaltune import paths
     from frugaltune.federated.plans import machine_cores
 
     monkeypatch.chdir(tmp_path)
@@ -572,11 +602,11 @@ def test_the_federation_lays_out_its_workers_on_the_cores_the_plan_counted(tmp_p
     assert decided["cores"] == 12 and decided["threads"] == 12
     assert decide_machine(twelve, None, "auto", ranks=4)["cores"] == 12  # ranks share cores, not count them
     paths.PLAN.parent.mkdir(parents=True)
-    paths.PLAN.write_text(json.dumps({"machine": {**decided, "precision_setting": "auto"}}))
-    params = Params.model_validate({"federated": {"threads": 2}})
-    assert machine_cores(params) == 12  # the plan's count, not this machine's
-    old = {key: value for key, value in decided.items() if key != "cores"}
-    assert "cores" in resolve.machine("auto", plan={"machine": old})  # decided now, from this machine's facts
+    paths.PLAN.write_text(json.dumps({"machine": decided}))
+    assert machine_cores() == 12  # the plan's count, not this machine's
+    paths.PLAN.write_text(json.dumps({"machine": {key: value for key, value in decided.items() if key != "cores"}}))
+    with pytest.raises(PlanError, match="no machine.cores.*dvc repro plan"):
+        machine_cores()
 
 
 def test_sdpa_keeps_cudnn_on_a_cpu_only_machine():

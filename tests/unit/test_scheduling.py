@@ -189,24 +189,24 @@ def test_ties_go_to_the_earlier_submit_then_the_lower_id():
     assert SJF.choose(SchedulerState(5, 1, 0, jobs[1:], 2, {})).job_id == 2
 
 
-class PickLastById:
-    """A policy as an LLM would be: read the state, answer with a job id."""
+class PickLast:
+    """A policy of its own: read the state (the running jobs included), answer with one of the queue's jobs."""
 
-    name = "last-by-id"
+    name = "last"
 
     def __init__(self):
         self.seen_running = []
 
     def choose(self, state: SchedulerState):
         self.seen_running.append([(r.job.job_id, r.expected_end) for r in state.running])
-        return state.job_by_id(state.queue[-1].job_id)
+        return state.queue[-1]
 
 
 def test_a_custom_policy_plugs_in_and_sees_the_running_jobs_with_expected_ends():
     # P=2. J1 (2 procs, run 5, requested 10) runs 0..5; J2 and J3 arrive at 1 and 2 but J2 is committed at 1
     # (the only waiting job); after J2 starts at 5 the policy picks J3 and sees J2 expected to end at 5+4 = 9.
     workload = workload_from_rows([(1, 0, 5, 2, 10), (2, 1, 3, 2, 4), (3, 2, 1, 1, 1)], max_procs=2)
-    policy = PickLastById()
+    policy = PickLast()
     result = simulate(workload.jobs, 2, policy)
     assert result.schedule() == {1: 0, 2: 5, 3: 8}
     assert policy.seen_running == [[], [(1, 10)], [(2, 9)]]

@@ -17,7 +17,7 @@ from frugaltune.scheduling import F1, SJF, simulate, synthetic_workload
 from frugaltune.scheduling.judge import MODES, DepartureLog, judge, teacher_results
 from frugaltune.scheduling.llm_policy import load_llm_policy
 from frugaltune.scheduling.metrics import sequence_metrics
-from frugaltune.scheduling.policies import HEURISTICS
+from frugaltune.scheduling.policies import BASELINES, HEURISTICS
 from frugaltune.scheduling.sft import LookaheadTeacher
 from frugaltune.scheduling.simulator import Simulator, simulate_batch
 from frugaltune.scheduling.synthetic import write_swf
@@ -98,6 +98,7 @@ def stage_params(trace: str) -> dict:
         "evaluation": {"sequence_length": 30, "n_sequences": 2, "held_out_fraction": 0.3, "seed": 0},
         "sft": {"rollout_policies": ["F1"], "horizon": 8},
         "llm": {"threads": 1, "batch_size": 4},
+        "user_workload": {"procs": 16, "jobs": 400, "load": 1.1, "seed": 8},
         "second_workload": {"procs": 32, "jobs": 200, "load": 1.2, "seed": 9, "n_sequences": 2,
                             "sequence_length": 30}}}
 
@@ -111,21 +112,30 @@ def test_the_stages_generate_judge_on_both_workloads_and_write_numbers_only_metr
     (tmp_path / "models").mkdir()
     (tmp_path / "models/base").symlink_to(tiny_model_dir)
     (tmp_path / "reports").mkdir()
-    (tmp_path / "reports/train.json").write_text(json.dumps({"bf16": False}))
-    params = parse_params(stage_params("data/trace.swf"))
+    (tmp_path / "reports/train.json").write_text(json.dumps({"bf16": False, "threads": 1}))
+    raw = stage_params("data/trace.swf")
+    raw["scheduling"]["llm"]["threads"] = None  # the plan's, as training ran them (reports/train.json)
+    params = parse_params(raw)
 
     generated = generate_workload.run(params)
-    assert generated["max_procs"] == 32 and generated["jobs"] == 200
-    assert generated["offered_load"] == pytest.approx(1.2, rel=0.01)
+    second = generated["second_workload"]
+    assert second["max_procs"] == 32 and second["jobs"] == 200
+    assert second["offered_load"] == pytest.approx(1.2, rel=0.01)
+    assert generated["user_workload"]["jobs"] == 400 and generated["user_workload"]["users"]["count"] > 1
+    for report in generated.values():  # both have users' estimates, never below the run
+        assert report["estimates"]["run_over_estimate_jobs"] == 0 and report["estimates"]["mean_accuracy"] < 1
 
     baselines = simulate_baselines.run(params)
-    for report in (baselines, baselines["second_workload"]):
-        assert set(report["policies"]) == set(HEURISTICS) and set(report["teacher"]) == set(MODES)
+    for report in (baselines, baselines["user_workload"], baselines["second_workload"]):
+        assert set(report["policies"]) == set(BASELINES) and set(report["teacher"]) == set(MODES)
     assert baselines["second_workload"]["max_procs"] == 32
+    table = (tmp_path / "reports/baselines.md").read_text()
+    assert "| F1-pred |" in table and "CPU: " in table
 
     # No adapter here: the F1 fallback stands in under its own name, and the base model is judged as an LLM
     report = evaluate_policy.run(params)
     assert "finetuned" not in report and report["fallback"]["avg_bsld"] >= 1
+    assert report["threads"] == 1  # the LLMs chose on the threads the train stage read from the plan
     for name in ("trace", "second_workload"):
         for mode in MODES:
             rows = report["workloads"][name][mode]

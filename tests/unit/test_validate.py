@@ -15,7 +15,6 @@ from frugaltune.validation import (
     MOJIBAKE_PATTERN,
     DataValidationError,
     ValidationRules,
-    has_mojibake,
     validate_splits,
 )
 from frugaltune import paths
@@ -23,6 +22,11 @@ from stages import validate as stage
 from frugaltune.config import parse_params
 
 LABELS = ["negative", "neutral", "positive"]
+
+
+def has_mojibake(text: str) -> bool:
+    """Python's reading of `MOJIBAKE_PATTERN` (GX runs it through pandas: the last test below checks they agree)."""
+    return re.search(MOJIBAKE_PATTERN, text) is not None
 RULES = dict(
     min_text_chars=3, max_text_chars=50, min_confidence=0.5, max_bad_fraction=0.35, max_duplicate_fraction=0.2,
     max_missing_confidence_fraction=0.25, max_mojibake_fraction=0.2, min_class_fraction=0.1, drop_duplicates=True,
