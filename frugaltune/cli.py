@@ -105,7 +105,7 @@ def _predict(args: argparse.Namespace) -> int:
         raise CommandError(f"cannot load {model_uri}{default} from {mlflow.get_tracking_uri()}: {exc.message}\n"
                            f"{hint}") from None
     except (OSError, ValueError) as exc:
-        # its files damaged (serving.verify_model_files), the base model's cache or files (serving.resolve_base)
+        # its files damaged (serving.files.verify_model_files), the base model's cache or files (base.resolve_base)
         raise CommandError(f"cannot load {_describe_loaded(model_uri).removeprefix('loaded ')}{default}: {exc}") from None
     # Which model answered, on stderr: stdout stays one prediction per line for whatever parses it.
     print(f"frugaltune predict: {_describe_loaded(model_uri)}{default}", file=sys.stderr)
@@ -169,7 +169,10 @@ def _registered_adapter(model_uri: str, into: Path) -> tuple[Path, Path]:
     from mlflow.exceptions import MlflowException
     from mlflow.models import Model
 
-    from frugaltune import serving, store, tracking
+    from frugaltune import store, tracking
+    from frugaltune.serving.base import BASE_ARTIFACT, resolve_base
+    from frugaltune.serving.files import verify_model_files
+    from frugaltune.serving.pyfunc import ADAPTER_ARTIFACT
 
     uri = tracking.tracking_uri()
     try:
@@ -185,19 +188,19 @@ def _registered_adapter(model_uri: str, into: Path) -> tuple[Path, Path]:
     # MLmodel maps each artifact name to where it lies in the model (the source dir's name, not the artifact's).
     artifacts = {name: local / entry["path"] for name, entry in (flavor.get("artifacts") or {}).items()}
     config = flavor.get("config") or {}
-    if serving.ADAPTER_ARTIFACT not in artifacts:
-        raise CommandError(f"{model_uri} is not a frugaltune model: it has no `{serving.ADAPTER_ARTIFACT}` artifact.")
-    if serving.BASE_ARTIFACT in artifacts:  # versions logged before the base was stored once
-        return artifacts[serving.BASE_ARTIFACT], artifacts[serving.ADAPTER_ARTIFACT]
+    if ADAPTER_ARTIFACT not in artifacts:
+        raise CommandError(f"{model_uri} is not a frugaltune model: it has no `{ADAPTER_ARTIFACT}` artifact.")
+    if BASE_ARTIFACT in artifacts:  # versions logged before the base was stored once
+        return artifacts[BASE_ARTIFACT], artifacts[ADAPTER_ARTIFACT]
     try:
-        base = serving.resolve_base(config["base_model_sha256"], config["base_model_uri"])
+        base = resolve_base(config["base_model_sha256"], config["base_model_uri"])
     except (KeyError, OSError, ValueError) as exc:
         raise CommandError(f"{model_uri}: its base model cannot be found: {exc}") from None
     try:  # the files it was logged with, as loading it checks them
-        serving.verify_model_files(base, artifacts[serving.ADAPTER_ARTIFACT], config)
+        verify_model_files(base, artifacts[ADAPTER_ARTIFACT], config)
     except ValueError as exc:
         raise CommandError(f"{model_uri}: {exc}") from None
-    return base, artifacts[serving.ADAPTER_ARTIFACT]
+    return base, artifacts[ADAPTER_ARTIFACT]
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -213,7 +216,7 @@ def _export(args: argparse.Namespace) -> int:
         raise CommandError("give --model-uri (a registered model) or --adapter/--base (files), not both.")
     from peft import PeftModel
 
-    from frugaltune import serving
+    from frugaltune.serving import files, load_classifier, load_generator
 
     with tempfile.TemporaryDirectory(prefix="frugaltune-export-") as download:
         if args.model_uri:
@@ -221,12 +224,12 @@ def _export(args: argparse.Namespace) -> int:
         else:
             base, adapter = Path(args.base or paths.BASE_MODEL), Path(args.adapter or paths.ADAPTER_DIR)
         try:
-            task = serving.read_task(adapter)
-            if task == serving.CAUSAL_LM:
-                generator = serving.load_generator(base, adapter)
+            task = files.read_task(adapter)
+            if task == files.CAUSAL_LM:
+                generator = load_generator(base, adapter)
                 model, tokenizer = generator.model, generator.tokenizer
             else:
-                classifier = serving.load_classifier(base, adapter)
+                classifier = load_classifier(base, adapter)
                 model, tokenizer = classifier.model, classifier.tokenizer
         except (FileNotFoundError, ValueError) as exc:
             raise CommandError(str(exc)) from None
@@ -234,7 +237,7 @@ def _export(args: argparse.Namespace) -> int:
         # adapter matmuls at inference.
         if isinstance(model, PeftModel):
             model = model.merge_and_unload()
-        if task == serving.CAUSAL_LM:
+        if task == files.CAUSAL_LM:
             # pipeline("text-generation") then decodes as serving does: greedy (or the trained temperature), the
             # trained length, stopping at the EOS the responses were trained to end with.
             config = generator.config
@@ -249,7 +252,7 @@ def _export(args: argparse.Namespace) -> int:
     written = sorted(p.name for p in out.iterdir())
     source = args.model_uri or f"base {base} + adapter {adapter}"
     print(f"wrote {out}/ ({', '.join(written)}): {type(model).__name__}, {source} merged.")
-    if task != serving.CAUSAL_LM:
+    if task != files.CAUSAL_LM:
         print(f'Load it with transformers.pipeline("text-classification", model="{out}").')
     elif generator.config.get("templated"):
         # The model was trained on chat-templated prompts: the pipeline applies the template to chat messages only;

@@ -9,7 +9,7 @@ tokenized one way everywhere:
     generate(model, tokenizer, [ids], max_new_tokens=32)                 # -> ["4"]
     choose(model, tokenizer, [ids], [["4", "5"]])                        # -> ([0], [[-1.2, -7.9]])
 
-This module must import nothing from the rest of the project: `frugaltune.serving.log_model` pickles it by value
+This module must import nothing from the rest of the project: `frugaltune.serving.pyfunc.log_model` pickles it by value
 into the logged model, like serving itself, so a registered version loads without `frugaltune` installed.
 """
 

@@ -1,7 +1,7 @@
 """A classifier's input template: the same text around every input, e.g. `{text}\\nSentiment:`.
 
 Not run on its own. The train stage reads it from `train.input_template` and records it in the adapter's labels.json
-("input_template"); the evaluate stage and serving (`frugaltune.serving.Classifier`) read it from there, so every
+("input_template"); the evaluate stage and serving (`serving.classifier.Classifier`) read it from there, so every
 consumer wraps its inputs exactly as the model was trained, whatever params.yaml says later.
 
 Why: a sequence classifier reads its features at each row's last token, which for a bare tweet is whatever the tweet

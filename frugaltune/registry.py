@@ -21,7 +21,8 @@ from mlflow.entities import LoggedModel, LoggedModelStatus
 from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 
-from frugaltune import paths, serving, tracking
+from frugaltune import paths, tracking
+from frugaltune.serving import files, pyfunc
 from frugaltune.config import RegisterParams
 from frugaltune.io import read_json
 
@@ -53,8 +54,8 @@ def read_report(stage: str) -> dict:
 
 def model_hash(base_dir: Path, adapter_dir: Path) -> str:
     """sha256 of the adapter files (names + bytes) and the base model's config: what makes this model this one.
-    The logged model carries it too, and its loading checks it (serving.model_files)."""
-    return serving.model_files(base_dir, adapter_dir)[0]
+    The logged model carries it too, and its loading checks it (serving.files.model_files)."""
+    return files.model_files(base_dir, adapter_dir)[0]
 
 
 def eval_data_tags(split: str) -> dict[str, str]:
@@ -76,7 +77,7 @@ def eval_data_tags(split: str) -> dict[str, str]:
 
 def log_model_task(adapter_dir: Path) -> dict:
     """The task and, for a generative model, two prompts of the evaluation data as the logged input example."""
-    task = serving.read_task(adapter_dir)
+    task = files.read_task(adapter_dir)
     if task != "causal_lm":
         return {}
     from datasets import load_from_disk
@@ -298,7 +299,7 @@ def register_adapter(client: MlflowClient, reg: RegisterParams, run_id: str, bas
         model_uri, model_id = logged.model_uri, logged.model_id
     else:
         with _resumed(run_id):
-            info = serving.log_model(
+            info = pyfunc.log_model(
                 base_dir, adapter_dir, name=LOGGED_MODEL_NAME, tags={MODEL_HASH_TAG: content_hash},
                 **log_model_task(adapter_dir)
             )

@@ -70,7 +70,7 @@ def client_rows(name: str, out: Path, plans: list[dict]) -> list[dict]:
 def export_adapter(out: Path, params: Params, labels: list[str], pad_token_id: int, dest: Path,
                    template: str | None = None) -> None:
     """The run's last global adapter + head as a PEFT dir with the tokenizer and labels.json: what serving loads
-    (frugaltune/serving.py), the same layout the train stage writes to models/adapter/. labels.json records the input
+    (frugaltune/serving/), the same layout the train stage writes to models/adapter/. labels.json records the input
     `template` the clients trained with, from where serving wraps its inputs."""
     from frugaltune.io import atomic_dir
     from frugaltune.models import load_tokenizer

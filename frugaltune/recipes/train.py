@@ -108,8 +108,133 @@ def loss_curve_csv(history: list[dict]) -> str:
     return buffer.getvalue()
 
 
-def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN, use_plan: bool = True) -> dict:
+def run_key(params: Params, bf16: bool, int8_on: bool, train_set) -> str:
+    """The key of the run's checkpoints: they resume only a run of the same configuration, data and base model."""
     tp, seed = params.train, params.common.seed
+    base_sha = read_json(paths.report("import_model")).get("weights_sha256") if paths.report(
+        "import_model").exists() else None
+    volatile = {"resume", "checkpoint_every", "keep_checkpoints", "log_every", "threads", "experiment",
+                "micro_batch_size", "micro_batch_tokens", "gradient_checkpointing", "allocator",
+                "distributed"}  # how a step is computed
+    return checkpoint.run_key({k: v for k, v in tp.model_dump().items() if k not in volatile}
+                              | {"int8_products": int8_on}, seed, bf16, base_sha,
+                              checkpoint.data_fingerprint(train_set["input_ids"], train_set["labels"]))
+
+
+def say_setup(params: Params, resolved, world, examples: int, trainable: int, total: int, int8_products: dict) -> None:
+    """The run's lines on what it trains, and how (rank 0)."""
+    tp, bf16, threads = params.train, resolved.bf16, resolved.threads
+    if tp.input_template is not None and params.task.type == "classification":  # `auto` derives it: say what it is
+        print(f"train: each input wrapped as train.input_template {tp.input_template!r}")
+    print(f"train: {tp.method} on {examples} examples, {trainable:,} of {total:,} parameters "
+          f"trainable ({100 * trainable / total:.2f}%), precision {'bf16 autocast' if bf16 else 'fp32'}, "
+          f"{threads} threads, micro-batch {resolved.micro_batch_size} of {tp.batch_size}, gradient checkpointing "
+          f"{'on' if resolved.gradient_checkpointing else 'off'}, malloc {allocator.active()}, int8 products "
+          f"{'on' if int8_products['on'] else 'off'} ({int8_products['why']})"
+          + (f", {world.size} ranks (data parallel, {threads} threads each)" if world.distributed else ""))
+
+
+def setup_params(params: Params, resolved, int8_products: dict, train_rows: int) -> dict:
+    """The run's MLflow params: its train settings and what was resolved for them."""
+    return (flatten("train", params.train.model_dump())
+            | {"resolved.precision": "bf16" if resolved.bf16 else "fp32", "resolved.threads": resolved.threads,
+               "resolved.micro_batch_size": resolved.micro_batch_size,
+               "resolved.gradient_checkpointing": resolved.gradient_checkpointing,
+               "resolved.allocator": allocator.active(), "resolved.int8_products": int8_products["on"],
+               "data.train_rows": train_rows, "model.source": params.model.source})
+
+
+def train_with_telemetry(params: Params, out: paths.RunOutputs, run_id: str, threads: int, model, rows, train_set,
+                         pad_token_id: int, cfg, world, first_event: int) -> tuple[TrainResult, dict, float, list[str]]:
+    """Train inside the telemetry sampler, each logged step and event into the MLflow run; then the sampler's
+    summary, logged too. Returns the result, that summary, the ranks' summed peak RSS and the run's events."""
+    tp = params.train
+    events: list[str] = []
+    timer = StepTimer(sync=torch.cuda.synchronize if torch.cuda.is_available() else None,
+                      extra_phases=("all_reduce",) if world.distributed else ())
+    sampler = TelemetrySampler(tp.telemetry_interval_s, out.telemetry_csv, run_id,
+                               cores=threads, use_nvml=params.probe.nvml)
+    try:
+        with sampler:
+            result = untrained() if tp.method == "none" else train_classifier(
+                model, rows, train_set["labels"], cfg, pad_token_id,
+                on_log=lambda rec: mlflow.log_metrics(step_metrics(rec), step=rec["step"]),
+                on_event=lambda message: mlflow.set_tag(f"event.{first_event + len(events)}", message)
+                or events.append(message),
+                timer=timer, world=world,
+            )
+            peak_all_ranks = world.sum([peak_rss_mb()])[0]
+    except TrainingInterrupted:
+        # SIGINT/SIGTERM (a killed DVC included): a checkpoint was written, so the run is stopped rather than
+        # failed, and the next `dvc repro` reopens it to log the rest of its steps
+        mlflow.end_run("KILLED")
+        raise
+    distributed.shutdown(world)
+    telemetry = sampler.summary(timer)
+    sampler.log_summary(telemetry)
+    return result, telemetry, peak_all_ranks, events
+
+
+def run_metrics(params: Params, result: TrainResult, resolved, world, trainable: int, total: int,
+                int8_products: dict, telemetry: dict, peak_all_ranks: float) -> dict:
+    """reports/train.json's numbers: what the run measured, and what it was set up with."""
+    metrics = {
+        "final_loss": round(result.final_loss, 6),
+        "mean_loss": round(result.mean_loss, 6),
+        "steps": result.steps,
+        "micro_batches": result.micro_batches,
+        "sequences": result.sequences,
+        "tokens": result.tokens,
+        "padding_fraction": round(1 - result.tokens / max(result.padded_tokens, 1), 4),
+        # causal_lm: prompt tokens every row of a batch starts with, read once instead of once per row
+        "shared_prefix_tokens": result.shared_prefix_tokens,
+        "tokens_per_s": round(result.tokens_per_second, 1),
+        "wall_seconds": round(result.wall_seconds, 1),
+        "peak_rss_mb": round(result.peak_rss_mb, 1),
+        "ranks": world.size,
+        "trainable_params": trainable,
+        "total_params": total,
+        "trainable_percent": round(100 * trainable / total, 4),
+        "bf16": int(resolved.bf16),
+        "threads": resolved.threads,
+        "resumed_from_step": result.resumed_from_step,
+        "micro_batch_size": result.micro_batch_size,
+        "gradient_checkpointing": int(resolved.gradient_checkpointing),
+        "int8_products": int8_products,
+        "plan": {k: getattr(resolved, k) for k in ("predicted_peak_mb", "eta_seconds")
+                 if getattr(resolved, k) is not None},
+        "telemetry": {k: v for k, v in telemetry.items() if isinstance(v, int | float) and not isinstance(v, bool)},
+    }
+    if world.distributed:  # every rank holds its own copy of the model: what the host held at most, all ranks
+        metrics["peak_rss_all_ranks_mb"] = round(peak_all_ranks, 1)
+    if torch.cuda.is_available():  # the GPU's own peaks: what tensors held, and what the caching allocator kept
+        metrics["cuda_peak_allocated_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
+        metrics["cuda_peak_reserved_mb"] = round(torch.cuda.max_memory_reserved() / 2**20, 1)
+    if params.train.method == "none":  # nothing trained: no loss to report rather than a made-up one
+        metrics = {k: v for k, v in metrics.items() if k not in ("final_loss", "mean_loss")}
+    return metrics
+
+
+def log_and_write(out: paths.RunOutputs, metrics: dict, result: TrainResult, telemetry: dict, events: list[str],
+                  run_id: str) -> None:
+    """The run's summary into MLflow (params and metrics) and its reports, logged as artifacts too."""
+    # What the run measured is a metric (charted, sortable); what it was set up with is a param, so the run page
+    # opens on the loss curve rather than on a single-point chart per configuration value.
+    mlflow.log_params({f"run.{k}": metrics[k] for k in RUN_CONFIG_KEYS if k in metrics}
+                      | {f"plan.{k}": v for k, v in metrics["plan"].items()})
+    mlflow.log_metrics(summary_metrics(metrics))  # once, at the end: what the runs table shows
+    if out.train_metrics is not None:
+        write_metrics(out.train_metrics, {k: metrics[k] for k in TRAIN_METRICS if k in metrics})
+    write_text(out.loss_csv, loss_curve_csv(result.history))
+    write_json(out.train_report, {**metrics, "allocator": allocator.active(),
+                                  "bottlenecks": telemetry["findings"], "events": events,
+                                       "mlflow_run_id": run_id})
+    mlflow.log_artifact(str(out.train_report))
+    mlflow.log_artifact(str(out.loss_csv))
+
+
+def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN, use_plan: bool = True) -> dict:
+    tp = params.train
     resolved = resolve.resolve_run(params, use_plan)  # before any loading: a run that cannot fit stops here
     bf16 = resolved.bf16
     world = distributed.init(tp.distributed.backend)  # World() unless torchrun started this process
@@ -127,15 +252,7 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN, use_plan: bo
     model = setup.build_model(params, labels, tokenizer.pad_token_id, bf16, resolved.gradient_checkpointing)
     int8_products = setup.apply_int8(model, resolved.int8, tp.method, world)
     trainable, total = count_parameters(model)
-    # Checkpoints resume only a run of the same configuration, data and base model.
-    base_sha = read_json(paths.report("import_model")).get("weights_sha256") if paths.report(
-        "import_model").exists() else None
-    volatile = {"resume", "checkpoint_every", "keep_checkpoints", "log_every", "threads", "experiment",
-                "micro_batch_size", "micro_batch_tokens", "gradient_checkpointing", "allocator",
-                "distributed"}  # how a step is computed
-    key = checkpoint.run_key({k: v for k, v in tp.model_dump().items() if k not in volatile}
-                             | {"int8_products": int8_products["on"]}, seed, bf16, base_sha,
-                             checkpoint.data_fingerprint(train_set["input_ids"], train_set["labels"]))
+    key = run_key(params, bf16, int8_products["on"], train_set)
     checkpoint_dir = paths.CHECKPOINTS_DIR / "train" / key
     cfg = setup.loop_config(params, method=tp.method, bf16=bf16, micro_batch_size=resolved.micro_batch_size,
                             eager_attention_max_len=resolved.eager_attention_max_len, checkpoint_dir=checkpoint_dir)
@@ -148,14 +265,7 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN, use_plan: bo
         finally:
             distributed.shutdown(world)
         return {}
-    if tp.input_template is not None and params.task.type == "classification":  # `auto` derives it: say what it is
-        print(f"train: each input wrapped as train.input_template {tp.input_template!r}")
-    print(f"train: {tp.method} on {len(train_set)} examples, {trainable:,} of {total:,} parameters "
-          f"trainable ({100 * trainable / total:.2f}%), precision {'bf16 autocast' if bf16 else 'fp32'}, "
-          f"{threads} threads, micro-batch {resolved.micro_batch_size} of {tp.batch_size}, gradient checkpointing "
-          f"{'on' if resolved.gradient_checkpointing else 'off'}, malloc {allocator.active()}, int8 products "
-          f"{'on' if int8_products['on'] else 'off'} ({int8_products['why']})"
-          + (f", {world.size} ranks (data parallel, {threads} threads each)" if world.distributed else ""))
+    say_setup(params, resolved, world, len(train_set), trainable, total, int8_products)
 
     experiment_id = tracking.setup(tracking.experiment_name(params))
     # A run resumed from a checkpoint logs into the MLflow run it began (its id is kept beside the checkpoints):
@@ -167,88 +277,19 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN, use_plan: bo
                           tags={**tracking.run_tags(), **tracking.process_tags()}) as mlrun:
         checkpoint.remember_run(checkpoint_dir, mlrun.info.run_id)
         logged = mlflow.MlflowClient().get_run(mlrun.info.run_id).data if reopened else None
-        events: list[str] = []
         # a reopened run keeps its first attempt's events: this attempt's are numbered after them
         first_event = sum(k.startswith("event.") for k in logged.tags) if logged else 0
-        log_params_once(logged, flatten("train", tp.model_dump())
-                        | {"resolved.precision": "bf16" if bf16 else "fp32", "resolved.threads": threads,
-                           "resolved.micro_batch_size": resolved.micro_batch_size,
-                           "resolved.gradient_checkpointing": resolved.gradient_checkpointing,
-                           "resolved.allocator": allocator.active(), "resolved.int8_products": int8_products["on"],
-                           "data.train_rows": len(train_set), "model.source": params.model.source})
-        timer = StepTimer(sync=torch.cuda.synchronize if torch.cuda.is_available() else None,
-                          extra_phases=("all_reduce",) if world.distributed else ())
-        sampler = TelemetrySampler(tp.telemetry_interval_s, out.telemetry_csv, mlrun.info.run_id,
-                                   cores=threads, use_nvml=params.probe.nvml)
-        try:
-            with sampler:
-                result = untrained() if tp.method == "none" else train_classifier(
-                    model, rows, train_set["labels"], cfg, tokenizer.pad_token_id,
-                    on_log=lambda rec: mlflow.log_metrics(step_metrics(rec), step=rec["step"]),
-                    on_event=lambda message: mlflow.set_tag(f"event.{first_event + len(events)}", message)
-                    or events.append(message),
-                    timer=timer, world=world,
-                )
-                peak_all_ranks = world.sum([peak_rss_mb()])[0]
-        except TrainingInterrupted:
-            # SIGINT/SIGTERM (a killed DVC included): a checkpoint was written, so the run is stopped rather than
-            # failed, and the next `dvc repro` reopens it to log the rest of its steps
-            mlflow.end_run("KILLED")
-            raise
-        distributed.shutdown(world)
-        telemetry = sampler.summary(timer)
-        sampler.log_summary(telemetry)
+        log_params_once(logged, setup_params(params, resolved, int8_products, len(train_set)))
+        result, telemetry, peak_all_ranks, events = train_with_telemetry(
+            params, out, mlrun.info.run_id, threads, model, rows, train_set, tokenizer.pad_token_id, cfg, world,
+            first_event)
         with atomic_dir(out.adapter_dir) as tmp:
             save_trained(model, tp.method, tmp)
             tokenizer.save_pretrained(tmp)
             write_json(tmp / "labels.json", adapter_manifest(params, labels, tokenizer))
-        metrics = {
-            "final_loss": round(result.final_loss, 6),
-            "mean_loss": round(result.mean_loss, 6),
-            "steps": result.steps,
-            "micro_batches": result.micro_batches,
-            "sequences": result.sequences,
-            "tokens": result.tokens,
-            "padding_fraction": round(1 - result.tokens / max(result.padded_tokens, 1), 4),
-            # causal_lm: prompt tokens every row of a batch starts with, read once instead of once per row
-            "shared_prefix_tokens": result.shared_prefix_tokens,
-            "tokens_per_s": round(result.tokens_per_second, 1),
-            "wall_seconds": round(result.wall_seconds, 1),
-            "peak_rss_mb": round(result.peak_rss_mb, 1),
-            "ranks": world.size,
-            "trainable_params": trainable,
-            "total_params": total,
-            "trainable_percent": round(100 * trainable / total, 4),
-            "bf16": int(bf16),
-            "threads": threads,
-            "resumed_from_step": result.resumed_from_step,
-            "micro_batch_size": result.micro_batch_size,
-            "gradient_checkpointing": int(resolved.gradient_checkpointing),
-            "int8_products": int8_products,
-            "plan": {k: getattr(resolved, k) for k in ("predicted_peak_mb", "eta_seconds")
-                     if getattr(resolved, k) is not None},
-            "telemetry": {k: v for k, v in telemetry.items() if isinstance(v, int | float) and not isinstance(v, bool)},
-        }
-        if world.distributed:  # every rank holds its own copy of the model: what the host held at most, all ranks
-            metrics["peak_rss_all_ranks_mb"] = round(peak_all_ranks, 1)
-        if torch.cuda.is_available():  # the GPU's own peaks: what tensors held, and what the caching allocator kept
-            metrics["cuda_peak_allocated_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
-            metrics["cuda_peak_reserved_mb"] = round(torch.cuda.max_memory_reserved() / 2**20, 1)
-        if tp.method == "none":  # nothing trained: no loss to report rather than a made-up one
-            metrics = {k: v for k, v in metrics.items() if k not in ("final_loss", "mean_loss")}
-        # What the run measured is a metric (charted, sortable); what it was set up with is a param, so the run page
-        # opens on the loss curve rather than on a single-point chart per configuration value.
-        mlflow.log_params({f"run.{k}": metrics[k] for k in RUN_CONFIG_KEYS if k in metrics}
-                          | {f"plan.{k}": v for k, v in metrics["plan"].items()})
-        mlflow.log_metrics(summary_metrics(metrics))  # once, at the end: what the runs table shows
-        if out.train_metrics is not None:
-            write_metrics(out.train_metrics, {k: metrics[k] for k in TRAIN_METRICS if k in metrics})
-        write_text(out.loss_csv, loss_curve_csv(result.history))
-        write_json(out.train_report, {**metrics, "allocator": allocator.active(),
-                                      "bottlenecks": telemetry["findings"], "events": events,
-                                           "mlflow_run_id": mlrun.info.run_id})
-        mlflow.log_artifact(str(out.train_report))
-        mlflow.log_artifact(str(out.loss_csv))
+        metrics = run_metrics(params, result, resolved, world, trainable, total, int8_products, telemetry,
+                              peak_all_ranks)
+        log_and_write(out, metrics, result, telemetry, events, mlrun.info.run_id)
     shutil.rmtree(checkpoint_dir, ignore_errors=True)  # the run finished: its checkpoints have served
     for finding in telemetry["findings"]:
         print(f"train: telemetry: {finding}")

@@ -320,7 +320,8 @@ def adapter_dir(lm_dir, tmp_path_factory) -> Path:
 def test_generator_formats_prompts_as_trained_and_answers_with_the_adapter(lm_dir, adapter_dir, smol_tokenizer):
     from peft import PeftModel
 
-    from frugaltune.serving import load_generator, read_labels, read_task
+    from frugaltune.serving import load_generator
+    from frugaltune.serving.files import read_labels, read_task
 
     generator = load_generator(lm_dir, adapter_dir)
     assert isinstance(generator.model, PeftModel) and read_task(adapter_dir) == "causal_lm"
@@ -359,15 +360,15 @@ def test_logged_generative_model_loads_without_frugaltune_and_generates(lm_dir, 
     import mlflow
     import pandas as pd
 
-    from frugaltune import serving
+    from frugaltune.serving import load_generator, pyfunc
 
     uri = _local_store(monkeypatch, tmp_path)
     try:
         mlflow.set_experiment("gen")
         with mlflow.start_run():
-            info = serving.log_model(lm_dir, adapter_dir, task="causal_lm", example_texts=PROMPTS[:2])
+            info = pyfunc.log_model(lm_dir, adapter_dir, task="causal_lm", example_texts=PROMPTS[:2])
         model = mlflow.pyfunc.load_model(info.model_uri)
-        expected = serving.load_generator(lm_dir, adapter_dir).predict(PROMPTS[:3])
+        expected = load_generator(lm_dir, adapter_dir).predict(PROMPTS[:3])
         assert model.predict(pd.DataFrame({"prompt": PROMPTS[:3]})) == expected
         chosen = model.predict(pd.DataFrame({"prompt": PROMPTS[:2], "candidates": [["red", "blue"], ["hi", "yo"]]}))
         assert chosen[0] in ("red", "blue") and chosen[1] in ("hi", "yo")
@@ -410,7 +411,7 @@ def test_export_merged_writes_a_plain_model_with_the_adapters_logits(lm_dir, ada
     from transformers import pipeline
 
     from frugaltune import cli
-    from frugaltune.serving import load_causal_lm
+    from frugaltune.serving.generator import load_causal_lm
 
     out = tmp_path / "merged"
     assert cli.main(["export", "--merged", str(out), "--adapter", str(adapter_dir), "--base", str(lm_dir)]) == 0
@@ -478,13 +479,15 @@ def test_predict_says_which_version_it_loaded_and_chooses_among_candidates(lm_di
 
     import mlflow
 
-    from frugaltune import cli, serving
+    from frugaltune import cli
+    from frugaltune.serving import pyfunc
+    from frugaltune.serving.generator import load_causal_lm
 
     _local_store(monkeypatch, tmp_path)
     try:
         mlflow.set_experiment("gen")
         with mlflow.start_run():
-            info = serving.log_model(lm_dir, adapter_dir, task="causal_lm", example_texts=PROMPTS[:2])
+            info = pyfunc.log_model(lm_dir, adapter_dir, task="causal_lm", example_texts=PROMPTS[:2])
         version = mlflow.register_model(info.model_uri, "gen")
         mlflow.MlflowClient().set_registered_model_alias("gen", "champion", version.version)
         capsys.readouterr()
@@ -499,7 +502,7 @@ def test_predict_says_which_version_it_loaded_and_chooses_among_candidates(lm_di
         out = tmp_path / "merged"
         assert cli.main(["export", "--model-uri", "models:/gen@champion", "--merged", str(out)]) == 0
         merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64).eval()
-        peft_model, tokenizer = serving.load_causal_lm(lm_dir, adapter_dir)
+        peft_model, tokenizer = load_causal_lm(lm_dir, adapter_dir)
         tokens = torch.tensor([prompt_ids(tokenizer, PROMPTS[0], None, templated=True)])
         with torch.no_grad():
             torch.testing.assert_close(merged(input_ids=tokens).logits,

@@ -14,7 +14,9 @@ import mlflow
 import pytest
 from mlflow import MlflowClient
 
-from frugaltune import registry, serving
+from frugaltune import registry
+from frugaltune.serving import base as serving
+from frugaltune.serving.files import dir_sha256
 from frugaltune.recipes import train
 
 
@@ -55,7 +57,7 @@ def test_the_base_models_experiment_is_named_internal_and_a_stores_old_one_is_re
     base = tmp_path / "base"
     base.mkdir()
     (base / "config.json").write_text("{}")
-    sha = serving.dir_sha256(base)
+    sha = dir_sha256(base)
     old = client.create_experiment("frugaltune-base-models")  # a store from before: one base stored there
     stored = client.create_run(old, tags={serving.BASE_SHA_TAG: sha, serving.BASE_COMPLETE_TAG: "1"})
 

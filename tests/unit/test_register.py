@@ -23,7 +23,9 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from frugaltune import cli, serving, tracking
+from frugaltune import cli, tracking
+from frugaltune.serving import load_classifier, pyfunc
+from frugaltune.serving.base import BASE_EXPERIMENT
 from frugaltune import paths
 from frugaltune import registry
 from stages import register as register_stage
@@ -266,7 +268,7 @@ def test_the_base_model_is_stored_once_whatever_the_number_of_versions(project: 
     assert [r["version"] for r in reports] == [1, 2, 3]
     assert before == weight_copies() == 1  # the fixture's version stored it; three more versions added no copy
     base_runs = MlflowClient().search_runs(
-        [MlflowClient().get_experiment_by_name(serving.BASE_EXPERIMENT).experiment_id])
+        [MlflowClient().get_experiment_by_name(BASE_EXPERIMENT).experiment_id])
     assert len(base_runs) == 1 and base_runs[0].data.tags["frugaltune.base_complete"] == "1"
 
 
@@ -320,14 +322,12 @@ def test_cli_predict_without_a_store_says_what_to_do(tmp_path: Path, capsys: pyt
 def test_an_adapter_without_a_trained_head_is_refused(project: Path, tmp_path: Path) -> None:
     import shutil
 
-    from frugaltune import serving
-
     adapter = tmp_path / "adapter"
     shutil.copytree(project / paths.ADAPTER_DIR, adapter)
     config = json.loads((adapter / "adapter_config.json").read_text())
     (adapter / "adapter_config.json").write_text(json.dumps({**config, "modules_to_save": None}))
     with pytest.raises(ValueError, match="does not save a classification head"):
-        serving.load_classifier(project / paths.BASE_MODEL, adapter)
+        load_classifier(project / paths.BASE_MODEL, adapter)
 
 
 def test_evaluation_metrics_are_run_metrics_and_the_experiment_is_model_development(project: Path) -> None:
@@ -389,14 +389,12 @@ def test_the_runs_table_view_shows_the_headline_metric_and_key_params(project: P
 
 def test_logging_a_version_prints_no_cloudpickle_notice_and_other_mlflow_warnings_still_show(
         project: Path, capfd: pytest.CaptureFixture[str]) -> None:
-    from frugaltune import serving
-
     with mlflow_project(project), pytest.MonkeyPatch.context() as patch:
         patch.setenv("FRUGALTUNE_BASE_CACHE", str(project / "base-cache"))
         tracking.setup(EXPERIMENT)
         capfd.readouterr()
         with mlflow.start_run():
-            serving.log_model(project / paths.BASE_MODEL, project / paths.ADAPTER_DIR)
+            pyfunc.log_model(project / paths.BASE_MODEL, project / paths.ADAPTER_DIR)
         logged = capfd.readouterr()
         logging.getLogger("mlflow.pyfunc").warning("another MLflow warning")
         after = capfd.readouterr()
@@ -464,11 +462,9 @@ def test_a_registered_version_with_a_damaged_file_is_refused_on_load(project: Pa
 def test_a_damaged_safetensors_header_is_one_line_naming_the_file(project: Path, tmp_path: Path) -> None:
     import shutil
 
-    from frugaltune import serving
-
     adapter = tmp_path / "adapter"
     shutil.copytree(project / paths.ADAPTER_DIR, adapter)
     tensors = adapter / "adapter_model.safetensors"
     _flip(tensors, 12)  # inside the JSON header that follows the 8-byte length
     with pytest.raises(ValueError, match=rf"^{re.escape(str(tensors))}: its safetensors header cannot be read"):
-        serving.load_classifier(project / paths.BASE_MODEL, adapter)
+        load_classifier(project / paths.BASE_MODEL, adapter)

@@ -15,8 +15,11 @@ import pynvml
 import pytest
 from mlflow import MlflowClient
 
-from frugaltune import hardware, telemetry
-from frugaltune.telemetry import HOST_METRICS, StepTimer, TelemetrySampler, bottleneck_findings
+from frugaltune import hardware
+from frugaltune.telemetry import StepTimer, TelemetrySampler
+from frugaltune.telemetry.findings import bottleneck_findings
+from frugaltune.telemetry.nvml import GPU_FIELDS
+from frugaltune.telemetry.sampler import HOST_METRICS, MLFLOW_ATTEMPTS
 
 FAST = 0.05  # seconds between samples in these tests
 
@@ -132,7 +135,7 @@ def test_a_failing_mlflow_run_costs_the_metrics_not_the_csv(tmp_path, mlflow_sto
         deadline = time.monotonic() + 10
         while "no more MLflow system metrics" not in caplog.text and time.monotonic() < deadline:
             time.sleep(FAST)
-    assert len(read_csv(tmp_path / "t.csv")[1]) == sampler.samples >= telemetry.MLFLOW_ATTEMPTS
+    assert len(read_csv(tmp_path / "t.csv")[1]) == sampler.samples >= MLFLOW_ATTEMPTS
     assert "no more MLflow system metrics this run" in caplog.text
 
 
@@ -200,7 +203,7 @@ class FakeClock:
 
 def test_step_timer_splits_each_step_into_phases(monkeypatch):
     clock = FakeClock()
-    monkeypatch.setattr(telemetry.time, "perf_counter", clock)
+    monkeypatch.setattr(time, "perf_counter", clock)
     timer = StepTimer()
     clock.now += 5.0  # model loading before the first step: not part of any step
     for _ in range(2):  # two optimizer steps, each with two accumulated micro-batches
@@ -346,7 +349,7 @@ def test_nvml_gpus_are_sampled_into_csv_and_summary(tmp_path, monkeypatch):
     run_for(sampler, 0.2)
 
     columns, rows = read_csv(out)
-    assert columns[len(HOST_METRICS) + 1:] == [f"gpu_{i}_{field}" for i in (0, 1) for field in telemetry.GPU_FIELDS]
+    assert columns[len(HOST_METRICS) + 1:] == [f"gpu_{i}_{field}" for i in (0, 1) for field in GPU_FIELDS]
     first = rows[0]
     assert (first["gpu_0_utilization_percent"], first["gpu_0_memory_used_mb"], first["gpu_0_power_w"],
             first["gpu_0_temperature_c"], first["gpu_0_sm_clock_mhz"]) == ("25.00", "10240.00", "150.00", "61.00",

@@ -1,27 +1,7 @@
-"""Live training telemetry: a background sampler, a per-step phase timer, and the bottleneck summary they give.
+"""The background sampler (`TelemetrySampler`): one row of machine readings every interval, into a CSV and MLflow's
+system metrics; the run's summary and its logging to MLflow.
 
-Library code; the `train` stage wraps its training loop in it. Not run directly.
-
-    sampler = TelemetrySampler(interval_s=1.0, csv_path=paths.plot("train", "telemetry"),
-                               mlflow_run_id=run.info.run_id, cores=threads)
-    timer = StepTimer()
-    with sampler:                                   # start() ... stop()
-        for step in ...:
-            with timer.phase("data"): batch = ...   # batch building, collate, host-to-device copy
-            with timer.phase("fwd_bwd"): ...        # forward + backward
-            with timer.phase("optimizer"): ...      # clip, step, scheduler, zero_grad
-            timer.end_step()                        # timer.window(): mean ms per phase, for the periodic log
-    summary = sampler.summary(timer)                # numbers + summary["findings"], plain sentences
-    sampler.log_summary(summary)                    # MLflow: telemetry/<number> metrics, findings tag + text
-
-The sampler reads psutil counters (process and system CPU, RSS, system memory, swap, disk and network rates) and,
-where NVML finds an NVIDIA GPU, per-GPU utilisation, memory, power, temperature and SM clock: /proc files and
-NVML calls, no subprocesses. Each sample becomes one row of a CSV (written and flushed as it is taken, so a crash
-leaves a readable prefix) and `system/<name>` metrics of the MLflow run (the UI's System metrics tab), with step =
-sample index. MLflow gets the samples in batches every `mlflow_flush_s` through `MlflowClient.log_batch`, never
-through the fluent API (its active-run state belongs to the main thread). Every summary states what the telemetry
-itself cost: `telemetry_cpu_percent` (its thread's CPU time) and `telemetry_busy_percent` (the wall time it was at
-work), as percentages of the run.
+Library code, not run directly: the train recipe wraps its training loop in it (see `frugaltune.telemetry`).
 """
 
 from __future__ import annotations
@@ -38,11 +18,12 @@ from typing import Any
 
 import psutil
 
-from frugaltune import hardware
+from frugaltune.telemetry.findings import bottleneck_findings
+from frugaltune.telemetry.nvml import MB, _NvmlReader
+from frugaltune.telemetry.steps import StepTimer
 
 logger = logging.getLogger(__name__)
 
-MB = 2**20  # "MB" here is MiB, as in `frugaltune.training.loop.peak_rss_mb`
 METRIC_PREFIX = "system/"  # what MLflow's UI groups under "System metrics"
 MLFLOW_BATCH_LIMIT = 1000  # metrics per log_batch call (mlflow.utils.validation.MAX_METRICS_PER_BATCH)
 MLFLOW_ATTEMPTS = 3  # consecutive failed flushes before MLflow logging is given up for the run
@@ -61,208 +42,6 @@ HOST_METRICS = (
     "net_recv_mb_per_s",
     "net_sent_mb_per_s",
 )
-GPU_FIELDS = ("utilization_percent", "memory_used_mb", "power_w", "temperature_c", "sm_clock_mhz")
-
-# The thresholds of the findings, in one visible place.
-DATA_STARVED_SHARE = 0.10  # data wait above this share of step time: the loader starves the model
-GPU_BUSY_LOW_PERCENT = 40.0
-CPU_BUSY_LOW_SHARE = 0.60  # process CPU below this share of 100% x cores (CPU training only)
-SWAP_GROWTH_MB = 32.0  # system swap grew by more than this during training
-NO_GPU_FINDING = "no NVIDIA GPU: telemetry covers CPU and RAM only"
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Step timer
-
-
-class _Phase:
-    """The context manager `StepTimer.phase(name)` returns; one per phase, reused every step (no allocation)."""
-
-    __slots__ = ("_timer", "_name", "_start")
-
-    def __init__(self, timer: StepTimer, name: str):
-        self._timer, self._name, self._start = timer, name, 0.0
-
-    def __enter__(self) -> None:
-        self._start = time.perf_counter()
-        if self._timer._step_start is None:
-            self._timer._step_start = self._start
-
-    def __exit__(self, *exc_info: object) -> None:
-        timer = self._timer
-        if timer._sync is not None:
-            timer._sync()
-        timer._step[self._name] += time.perf_counter() - self._start
-
-
-class StepTimer:
-    """Where each optimizer step's time goes: data wait, forward-backward, optimizer, and the untimed rest.
-
-    Phases add up within a step (with gradient accumulation each micro-batch enters "data" and "fwd_bwd" once);
-    `end_step()` closes the step. A step's wall time runs from the previous `end_step()` (or the first phase of
-    the first step) to this one, so logging, progress bars and checkpoints between steps show up as "other".
-
-    On a GPU, kernels run asynchronously: without `sync` the time of queued kernels lands in whichever phase
-    waits for them next (the optimizer's kernels in the next step's host-to-device copy, which would read as data
-    wait). Pass `sync=torch.cuda.synchronize` on CUDA: it is called as each phase ends, so each phase owns its
-    kernels, at the cost of one synchronisation per phase.
-    """
-
-    PHASES = ("data", "fwd_bwd", "optimizer")
-
-    def __init__(self, sync: Callable[[], None] | None = None, extra_phases: tuple[str, ...] = ()):
-        # extra_phases: e.g. "all_reduce" in a data-parallel run, timed only where it exists
-        self.PHASES = StepTimer.PHASES + tuple(extra_phases)
-        self._sync = sync
-        self._phases = {name: _Phase(self, name) for name in self.PHASES}
-        self._step = dict.fromkeys(self.PHASES, 0.0)
-        self._step_start: float | None = None
-        self._total = dict.fromkeys(self.PHASES, 0.0)
-        self._total_wall = 0.0
-        self._window = dict.fromkeys(self.PHASES, 0.0)
-        self._window_wall = 0.0
-        self._window_steps = 0
-        self.steps = 0
-
-    def phase(self, name: str) -> _Phase:
-        """`with timer.phase("data"): ...` adds the block's wall time to this step's `name` phase."""
-        try:
-            return self._phases[name]
-        except KeyError:
-            raise ValueError(f"unknown step phase {name!r}; StepTimer times {', '.join(self.PHASES)}") from None
-
-    def end_step(self) -> dict[str, float]:
-        """Close the step; return its seconds per phase and in all (`step`)."""
-        now = time.perf_counter()
-        wall = now - self._step_start if self._step_start is not None else sum(self._step.values())
-        step = {**self._step, "step": wall}
-        for name in self.PHASES:
-            self._total[name] += self._step[name]
-            self._window[name] += self._step[name]
-            self._step[name] = 0.0
-        self._total_wall += wall
-        self._window_wall += wall
-        self._window_steps += 1
-        self.steps += 1
-        self._step_start = now
-        return step
-
-    def window(self) -> dict[str, float]:
-        """Mean milliseconds per step of each phase since the last call, then start a new window.
-
-        For the training loop's periodic log (the train recipe sends it to MLflow as `step/step_time_ms`, ...,
-        beside the step's loss: recipes.train.step_metrics). Empty when no step ended since the last call.
-        """
-        steps = self._window_steps
-        if not steps:
-            return {}
-        out = {"step_time_ms": 1000 * self._window_wall / steps}
-        out.update({f"step_{name}_ms": 1000 * self._window[name] / steps for name in self.PHASES})
-        self._window = dict.fromkeys(self.PHASES, 0.0)
-        self._window_wall, self._window_steps = 0.0, 0
-        return out
-
-    def summary(self) -> dict[str, float]:
-        """Steps, mean step time and each phase's share of the total step time (`other_share`: untimed)."""
-        if not self.steps:
-            return {"steps": 0}
-        wall = max(self._total_wall, 1e-12)
-        out: dict[str, float] = {"steps": self.steps, "step_time_mean_ms": round(1000 * wall / self.steps, 3)}
-        for name in self.PHASES:
-            out[f"{name}_mean_ms"] = round(1000 * self._total[name] / self.steps, 3)
-        for name in self.PHASES:
-            out[f"{name}_share"] = round(self._total[name] / wall, 4)
-        out["other_share"] = round(max(0.0, 1 - sum(self._total.values()) / wall), 4)
-        return out
-
-
-# --------------------------------------------------------------------------------------------------------------
-# NVML
-
-
-class _NvmlReader:
-    """Open NVML handles for the life of a sampler; one read of every GPU field per sample.
-
-    Which GPUs exist, and why there are none, comes from `hardware.nvml_gpus` (the probe stage's logic). A field a
-    GPU does not report (power on some virtual GPUs, clocks on MIG slices) is dropped after its first error
-    rather than asked for again every second.
-    """
-
-    def __init__(self, use_nvml: bool = True):
-        self.gpus: list[dict[str, Any]] = []
-        self.handles: list[Any] = []
-        self._nvml: Any = None
-        self._dropped: set[tuple[int, str]] = set()
-        self._temperature_v = True
-        if not use_nvml:
-            self.note: str | None = "no NVIDIA GPU: not sampled (use_nvml=False)"
-            return
-        gpus, self.note, _driver = hardware.nvml_gpus()
-        if not gpus:
-            return
-        import pynvml
-
-        try:
-            pynvml.nvmlInit()
-            self.handles = [pynvml.nvmlDeviceGetHandleByIndex(gpu["index"]) for gpu in gpus]
-        except pynvml.NVMLError as exc:
-            self.handles = []
-            self.note = f"no NVIDIA GPU: NVML failed when opening the devices ({exc})"
-            return
-        self._nvml, self.gpus = pynvml, gpus
-
-    @property
-    def names(self) -> list[str]:
-        return [f"gpu_{gpu['index']}_{field}" for gpu in self.gpus for field in GPU_FIELDS]
-
-    def read(self) -> dict[str, float | None]:
-        nvml, row = self._nvml, {}
-        for gpu, handle in zip(self.gpus, self.handles):
-            index = gpu["index"]
-            for field in GPU_FIELDS:
-                key = f"gpu_{index}_{field}"
-                if (index, field) in self._dropped:
-                    row[key] = None
-                    continue
-                try:
-                    row[key] = float(self._read_field(nvml, handle, field))
-                except Exception as exc:  # noqa: BLE001 an NVMLError, or a binding that does not fit this driver
-                    self._dropped.add((index, field))
-                    row[key] = None
-                    logger.warning("telemetry: GPU %d does not report %s (%s); not sampled any more", index, field,
-                                   exc)
-        return row
-
-    def _read_field(self, nvml: Any, handle: Any, field: str) -> float:
-        if field == "utilization_percent":
-            return nvml.nvmlDeviceGetUtilizationRates(handle).gpu
-        if field == "memory_used_mb":
-            return nvml.nvmlDeviceGetMemoryInfo(handle).used / MB
-        if field == "power_w":
-            return nvml.nvmlDeviceGetPowerUsage(handle) / 1000  # NVML reports milliwatts
-        if field == "temperature_c":
-            # nvmlDeviceGetTemperature is deprecated (gone with CUDA 14 drivers); older drivers lack the V form.
-            if self._temperature_v:
-                try:
-                    return nvml.nvmlDeviceGetTemperatureV(handle, nvml.NVML_TEMPERATURE_GPU)
-                except (AttributeError, nvml.NVMLError):
-                    self._temperature_v = False
-            return nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU)
-        if field == "sm_clock_mhz":
-            return nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_SM)
-        raise KeyError(field)
-
-    def close(self) -> None:
-        if self._nvml is not None:
-            try:
-                self._nvml.nvmlShutdown()
-            except self._nvml.NVMLError:
-                pass
-            self._nvml = None
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Sampler
 
 
 class _Stat:
@@ -614,54 +393,3 @@ class TelemetrySampler:
         client.log_text(self.mlflow_run_id, text + "\n", "telemetry/findings.txt")
         if self.csv_path is not None and self.csv_path.is_file():
             client.log_artifact(self.mlflow_run_id, str(self.csv_path), "telemetry")
-
-
-def bottleneck_findings(summary: dict[str, Any], gpu_note: str | None = None) -> list[str]:
-    """Plain-sentence findings from summary numbers (the keys `TelemetrySampler.summary` writes).
-
-    Rules: data wait above 10% of step time; system swap grew; a GPU under 40% busy; with no GPU, the process
-    keeping under 60% of its cores busy; no GPU at all. When none of the first four fire, one line says so.
-    """
-    findings: list[str] = []
-    data_share = summary.get("data_share")
-    if data_share is not None and data_share > DATA_STARVED_SHARE:
-        findings.append(
-            f"data loader starved the model {data_share:.0%} of the time "
-            f"({summary.get('data_mean_ms', 0):.1f} ms of {summary.get('step_time_mean_ms', 0):.1f} ms per step "
-            "building batches): pre-tokenize, cache or simplify the collate, or use DataLoader workers"
-        )
-    swap_growth = summary.get("swap_growth_mb")
-    if swap_growth is not None and swap_growth > SWAP_GROWTH_MB:
-        findings.append(
-            f"swapping: {swap_growth:.0f} MB of swap used during training (peak {summary.get('swap_peak_mb', 0):.0f} "
-            "MB): memory is short; lower the micro-batch or sequence length, or use gradient checkpointing"
-        )
-    gpu_count = summary.get("gpu_count", 0)
-    for i in range(gpu_count):
-        busy = summary.get(f"gpu_{i}_busy_mean_percent")
-        if busy is not None and busy < GPU_BUSY_LOW_PERCENT:
-            findings.append(f"GPU {i} under {GPU_BUSY_LOW_PERCENT:.0f}% busy (mean {busy:.0f}% utilisation): "
-                            "it waits on the CPU or the data; a larger micro-batch usually helps")
-    cpu_share = summary.get("cpu_busy_share")
-    if not gpu_count and cpu_share is not None and summary.get("samples", 0) > 0 and cpu_share < CPU_BUSY_LOW_SHARE:
-        cores = summary.get("cores", 1)
-        findings.append(
-            f"CPU under {CPU_BUSY_LOW_SHARE:.0%} of available cores busy: the process kept {cpu_share * cores:.1f} "
-            f"of {cores} cores busy on average ({cpu_share:.0%}); other load on the machine, too few torch threads "
-            "or single-threaded Python (data, logging) hold it back"
-        )
-    if not findings:
-        parts = []
-        if cpu_share is not None:
-            parts.append(f"CPU {cpu_share:.0%} of {summary.get('cores', 1)} cores busy")
-        if summary.get("gpu_busy_mean_percent") is not None:
-            parts.append(f"GPU {summary['gpu_busy_mean_percent']:.0f}% busy")
-        if data_share is not None:
-            parts.append(f"data wait {data_share:.0%} of step time")
-        if swap_growth is not None:
-            parts.append("no swapping")
-        findings.append("no bottleneck found" + (": " + ", ".join(parts) if parts else ""))
-    if not gpu_count:
-        reason = (gpu_note or "").removeprefix("no NVIDIA GPU:").strip()
-        findings.append(NO_GPU_FINDING + (f"; {reason}" if reason else ""))
-    return findings
