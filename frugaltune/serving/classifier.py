@@ -15,7 +15,7 @@ import pandas as pd
 
 from frugaltune import generation, input_template
 from frugaltune.input_template import InputTemplate
-from frugaltune.serving.files import LABELS_FILE, TENSORS_FILE, check_tensor_files, read_labels
+from frugaltune.serving.files import LABELS_FILE, TENSORS_FILE, check_model_dirs, read_labels
 
 TEXT_COLUMN = "text"
 DEFAULT_MAX_LENGTH = 128
@@ -119,15 +119,7 @@ def load_classifier(
 
     hf_logging.disable_progress_bar()  # keep `frugaltune predict` output to the predictions
     base_dir, adapter_dir = Path(base_dir), Path(adapter_dir)
-    peft_adapter = (adapter_dir / "adapter_config.json").is_file()
-    for what, path, fix in (
-        ("base model", base_dir, "the import_model stage"),
-        ("adapter", adapter_dir / ("adapter_config.json" if peft_adapter else TENSORS_FILE), "the train stage"),
-    ):
-        if not path.exists():
-            raise FileNotFoundError(f"{path}: {what} not found. Run {fix} first.")
-    for directory in (adapter_dir, base_dir):
-        check_tensor_files(directory)
+    peft_adapter = check_model_dirs(base_dir, adapter_dir)
     labels = read_labels(adapter_dir)
     tokenizer_dir = adapter_dir if (adapter_dir / "tokenizer_config.json").is_file() else base_dir
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)

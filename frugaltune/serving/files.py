@@ -108,3 +108,18 @@ def check_tensor_files(directory: str | Path) -> None:
             raise ValueError(f"{path}: its safetensors header cannot be read ({exc}): the file is damaged or cut "
                              "short. Put an intact copy back (for models/: `rm` it, then `dvc checkout`), or "
                              "retrain.") from None
+
+
+def check_model_dirs(base_dir: Path, adapter_dir: Path) -> bool:
+    """That the base model and the adapter a loader needs are there and their safetensors headers intact, each a
+    one-line error naming the path and the stage that makes it. Whether the adapter is a PEFT dir."""
+    peft_adapter = (adapter_dir / "adapter_config.json").is_file()
+    for what, path, fix in (
+        ("base model", base_dir, "the import_model stage"),
+        ("adapter", adapter_dir / ("adapter_config.json" if peft_adapter else TENSORS_FILE), "the train stage"),
+    ):
+        if not path.exists():
+            raise FileNotFoundError(f"{path}: {what} not found. Run {fix} first.")
+    for directory in (adapter_dir, base_dir):
+        check_tensor_files(directory)
+    return peft_adapter

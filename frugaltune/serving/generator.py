@@ -16,7 +16,7 @@ import pandas as pd
 
 from frugaltune import generation
 from frugaltune.serving.classifier import texts_from
-from frugaltune.serving.files import CAUSAL_LM, CLASSIFICATION, LABELS_FILE, TENSORS_FILE, check_tensor_files
+from frugaltune.serving.files import CAUSAL_LM, CLASSIFICATION, LABELS_FILE, TENSORS_FILE, check_model_dirs
 
 PROMPT_COLUMN, CANDIDATES_COLUMN = "prompt", "candidates"
 DEFAULT_MAX_NEW_TOKENS = 64
@@ -119,15 +119,7 @@ def load_causal_lm(base_dir: str | Path, adapter_dir: str | Path) -> tuple[Any, 
 
     hf_logging.disable_progress_bar()  # keep `frugaltune predict` output to the predictions
     base_dir, adapter_dir = Path(base_dir), Path(adapter_dir)
-    peft_adapter = (adapter_dir / "adapter_config.json").is_file()
-    for what, path, fix in (
-        ("base model", base_dir, "the import_model stage"),
-        ("adapter", adapter_dir / ("adapter_config.json" if peft_adapter else TENSORS_FILE), "the train stage"),
-    ):
-        if not path.exists():
-            raise FileNotFoundError(f"{path}: {what} not found. Run {fix} first.")
-    for directory in (adapter_dir, base_dir):
-        check_tensor_files(directory)
+    peft_adapter = check_model_dirs(base_dir, adapter_dir)
     tokenizer_dir = adapter_dir if (adapter_dir / "tokenizer_config.json").is_file() else base_dir
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
     if tokenizer.pad_token is None:
