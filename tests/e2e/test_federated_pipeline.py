@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import subprocess
 import time
 from collections import Counter
 from pathlib import Path
@@ -82,6 +83,12 @@ def wait_for(predicate, timeout: float, what: str, fed: LocalFederation) -> None
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}:\n{fed.log('superlink')[-4000:]}")
         time.sleep(0.5)
+
+
+def submit_async(fed: LocalFederation, app_dir: Path, run_config: dict) -> subprocess.Popen:
+    """`flwr run APP local --stream` as `fed.submit` runs it, without waiting: the test kills processes meanwhile."""
+    args = fed.run_args(run_config)
+    return fed._spawn("flwr_run", args[:2] + [str(app_dir), "local", "--stream"] + args[2:])
 
 
 def leftovers(root: Path) -> list[list[str]]:
@@ -250,7 +257,7 @@ def test_a_killed_supernode_does_not_stop_the_round_and_a_killed_server_resumes(
     fed = federation(world, "ffa", FRUGALTUNE_TEST_STEP_DELAY_S="1")
     try:
         fed.start()
-        fed.submit_async(APP, config)
+        submit_async(fed, APP, config)
         # its first ClientApp answers the server's query.identify; the second trains
         wait_for(lambda: fed.log("supernode_2").count("Start `flwr-clientapp`") >= 2, 300,
                  "supernode_2 to start training", fed)

@@ -98,7 +98,7 @@ def champion(client, name: str = MODEL_NAME) -> str:
 def test_pipeline_registry_and_champion_on_the_server_and_the_model_loads_through_it(server, repo, tmp_path):
     from mlflow import MlflowClient
 
-    from frugaltune.serving import BASE_EXPERIMENT
+    from frugaltune.serving.base import BASE_EXPERIMENT
 
     on_server = {"MLFLOW_TRACKING_URI": server.url}
     first = tiny_project.run([*DVC, "repro"], repo, **on_server)
