@@ -10,8 +10,10 @@ renamed into place only when complete). Without it a training whose `dvc repro` 
 went on for hours at full CPU, writing into a workspace nobody would collect.
 
 DVC runs a stage as `$SHELL -c '<cmd>'`, and bash, dash and zsh exec a single command, so a stage's parent is DVC
-itself; DVC starts it from its main thread (the signal follows the parent thread, not the process). The library's
-own workers are started from the stage's main thread for the same reason. Elsewhere than Linux there is no such
+itself; DVC starts it from its main thread (the signal follows the parent thread, not the process). A shell that does
+not exec it (fish, an old dash, a `cmd` of two commands) stays between them and outlives DVC: there a thread of the
+stage watches the shell's parent instead, once a second. The library's own workers are started from the stage's main
+thread for the same reason. Elsewhere than Linux there is no such
 call: `die_with_parent` does nothing and `frugaltune exp-clean` (frugaltune/exp_clean.py) stops what is left.
 
 `started(pid)` and `alive(pid, started)`: a process recorded by its pid and start time (a pid alone may be reused),
@@ -24,6 +26,7 @@ import contextlib
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 
@@ -34,6 +37,8 @@ PARENT_ENV = "FRUGALTUNE_PARENT_PID"  # a worker's expected parent: see die_with
 # psutil's start times are the kernel's boot-relative ticks: a little jitter, never seconds
 _START_TOLERANCE_S = 1.0
 _armed: list[bool] = []  # whether die_with_parent succeeded in this process
+_SHELLS = {"sh", "ash", "bash", "dash", "zsh", "ksh", "mksh", "fish", "csh", "tcsh", "busybox"}
+_WATCH_EVERY_S = 1.0
 
 
 def _prctl() -> Callable[..., int] | None:
@@ -66,7 +71,30 @@ def die_with_parent(parent: int | None = None) -> bool:
     if prctl is None or not _arm(prctl, parent):
         return False
     _armed.append(True)
+    _watch_past_a_shell()
     return True
+
+
+def _watch_past_a_shell() -> None:
+    """When this process's parent is a shell running `-c` (see the module's docstring), SIGTERM this process once
+    the shell's own parent has died, as the kernel would have had the shell exec'd."""
+    try:
+        shell = psutil.Process().parent()
+        if shell is None or os.path.basename(shell.name()) not in _SHELLS or "-c" not in shell.cmdline():
+            return
+        above = shell.parent()
+        if above is None or above.pid == 1:
+            return
+        pid, start = above.pid, above.create_time()
+    except psutil.Error:  # the parent is gone already or not ours to read: the kernel's signal is all there is
+        return
+
+    def watch() -> None:
+        while alive(pid, start):
+            time.sleep(_WATCH_EVERY_S)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="frugaltune-parent-watch", daemon=True).start()
 
 
 def dies_with_parent() -> bool:

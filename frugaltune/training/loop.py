@@ -256,6 +256,13 @@ def _test_step_delay() -> float:
     return float(os.environ.get("FRUGALTUNE_TEST_STEP_DELAY_S", "0") or 0)
 
 
+def _test_sleep(seconds: float, stop: dict) -> None:
+    """The test hook's delay, cut short by a stop signal: a stopped run then takes as long as a real one to end."""
+    end = time.monotonic() + seconds
+    while not stop and time.monotonic() < end:
+        time.sleep(min(0.05, max(end - time.monotonic(), 0.0)))
+
+
 def _is_oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
@@ -550,7 +557,7 @@ def train_classifier(
             if timer is not None:
                 timer.end_step()
             if step_delay:
-                time.sleep(step_delay)
+                _test_sleep(step_delay, stop)
             _add_step(state, sums, cfg)
             window_tokens += sums.tokens
             bar.update(1)

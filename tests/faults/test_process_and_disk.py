@@ -147,30 +147,33 @@ def test_dvc_and_the_stage_killed_together(project):
        "the experiment's temp workspace removed, `dvc exp show` lists nothing running, its MLflow run KILLED, not "
        "RUNNING")
 def test_kill9_of_dvc_exp_run_leaves_no_orphan_and_exp_clean_removes_it(project):
-    # train.lr: a param train reads and the plan does not (no recalibration); 5 s a step: 4 steps of 6 left to run
-    # after the first checkpoint, longer than the stage may take to stop
+    # train.lr: a param train reads and the plan does not (no recalibration); 10 s a step: 4 steps of 6 (40 s) left
+    # to run after the first checkpoint, longer than the stage may take to stop (the delay ends at the signal)
     # The output goes to a file: a pipe would stay open while the stage (which inherits it) runs
     log = project.parent / "exp-run.log"
     with log.open("w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "dvc", "exp", "run", "--temp", "-n", "killed", "-S",
                                  "train.lr=0.000321"], cwd=project, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True, env=env(FRUGALTUNE_TEST_STEP_DELAY_S="5"))
+                                start_new_session=True, env=env(FRUGALTUNE_TEST_STEP_DELAY_S="10"))
     workspaces = project / ".dvc" / "tmp" / "exps" / "standalone"
     deadline = time.monotonic() + 600
     while not list(workspaces.glob("tmp*/checkpoints/train/*/step-2")):
         assert proc.poll() is None, f"the experiment ended before its first checkpoint:\n{log.read_text()}"
         assert time.monotonic() < deadline, "no checkpoint within 10 minutes"
         time.sleep(0.1)
-    stage = next(p for p in psutil.Process(proc.pid).children(recursive=True) if "stages.train" in p.cmdline())
+    tree = psutil.Process(proc.pid).children(recursive=True)
+    stage = next(p for p in tree if p.cmdline()[1:3] == ["-m", "stages.train"])
+    family = "\n".join(f"{p.pid} (parent {p.ppid()}): {' '.join(p.cmdline())}" for p in tree)
     os.kill(proc.pid, signal.SIGKILL)  # DVC alone, as `kill -9 <pid>` does; the stage is its child
     proc.wait(timeout=60)
-    # the step under way (up to 5 s), a checkpoint, exit; then it is a zombie until its new parent reaps it, which
-    # a container's init may never do: psutil's wait() would wait for the reaping
-    stopped_by = time.monotonic() + 12
+    # the step under way, a checkpoint, exit; then it is a zombie until its new parent reaps it, which a container's
+    # init may never do: psutil's wait() would wait for the reaping
+    stopped_by = time.monotonic() + 30
     while processes.alive(stage.pid, stage.create_time()):
         if time.monotonic() > stopped_by:
             os.killpg(proc.pid, signal.SIGKILL)
-            pytest.fail("the training outlived `kill -9` of its `dvc exp run`")
+            pytest.fail(f"the training outlived `kill -9` of its `dvc exp run` by 30 s; the processes under DVC "
+                        f"were:\n{family}\nits output:\n{log.read_text()[-3000:]}")
         time.sleep(0.2)
     assert list(workspaces.glob("tmp*")), "DVC removed the temp workspace itself"  # DVC: Running, until cleaned
 

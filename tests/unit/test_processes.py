@@ -1,5 +1,5 @@
-"""No orphans: a stage (any process in `faults.stage_errors`) and a program the library starts with
-`processes.child_dies_with_parent()` die when their parent is killed -9; `frugaltune exp-clean` marks the MLflow runs
+"""No orphans: a stage (any process in `faults.stage_errors`, also behind a shell that does not exec it) and a program
+the library starts with `processes.child_dies_with_parent()` die when their parent is killed -9; `frugaltune exp-clean` marks the MLflow runs
 of processes that are gone KILLED and leaves the others.
 
 Run with `pytest tests/unit/test_processes.py` (seconds; Linux: elsewhere there is no parent-death signal).
@@ -24,11 +24,12 @@ linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR
 
 # The grandchild, started by the parent below: a stage-like process, or a program that is not Python's
 STAGE = textwrap.dedent("""
-    import sys, time
+    import os, sys, time
     from pathlib import Path
     from frugaltune.faults import stage_errors
     with stage_errors("test"):
-        Path(sys.argv[1]).write_text("armed")
+        Path(sys.argv[1] + ".tmp").write_text(str(os.getpid()))
+        os.replace(sys.argv[1] + ".tmp", sys.argv[1])
         time.sleep(120)
 """)
 PARENT = textwrap.dedent("""
@@ -38,8 +39,10 @@ PARENT = textwrap.dedent("""
     kind, marker = sys.argv[1], sys.argv[2]
     if kind == "stage":
         child = subprocess.Popen([sys.executable, "-c", sys.argv[3], marker])
+    elif kind == "stage behind a shell":  # two commands: the shell cannot exec the first, as fish never does
+        child = subprocess.Popen(["sh", "-c", '"$0" -c "$1" "$2"; true', sys.executable, sys.argv[3], marker])
     else:  # a program: armed before exec, so the marker is written once it runs
-        child = subprocess.Popen(["sh", "-c", 'echo armed > "$0"; exec sleep 120', marker],
+        child = subprocess.Popen(["sh", "-c", 'echo $$ > "$0.tmp"; mv "$0.tmp" "$0"; exec sleep 120', marker],
                                  preexec_fn=processes.child_dies_with_parent())
     print(child.pid, flush=True)
     time.sleep(120)
@@ -47,18 +50,19 @@ PARENT = textwrap.dedent("""
 
 
 @linux_only
-@pytest.mark.parametrize("kind", ["stage", "program"])
+@pytest.mark.parametrize("kind", ["stage", "stage behind a shell", "program"])
 def test_a_child_dies_when_its_parent_is_killed(tmp_path, kind):
     marker = tmp_path / "armed"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     parent = subprocess.Popen([sys.executable, "-c", PARENT, kind, str(marker), STAGE], stdout=subprocess.PIPE,
                               text=True, env=env, cwd=ROOT)
     try:
-        child = int(parent.stdout.readline())
+        parent.stdout.readline()  # started
         deadline = time.monotonic() + 60
         while not marker.exists():
             assert time.monotonic() < deadline and parent.poll() is None, "the child never started"
             time.sleep(0.05)
+        child = int(marker.read_text())  # the armed process itself, not the shell before it
         started = processes.started(child)
         parent.kill()
         parent.wait()
