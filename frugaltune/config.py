@@ -250,9 +250,14 @@ class ProbeParams(Section):
         None, gt=0, description="Memory the plan may use (GiB); null = the cgroup limit or the machine's RAM "
         "(a GPU's own memory when training runs on one). The plan keeps 10% of it free."
     )
-    calibrate: bool = Field(
-        True, description="Run the train stage's own loop over a few of the run's own micro-batches to fit this "
-        "machine's memory and time constants (an ETA needs it); false = analytic estimates only."
+    calibrate: bool | Literal["auto"] = Field(
+        "auto", description="Run the train stage's own loop over a few of the run's own micro-batches to fit this "
+        "machine's memory and time constants (an ETA within 10 %); false = analytic estimates only; auto = calibrate "
+        "unless the analytic ETA is under calibration_min_run_s."
+    )
+    calibration_min_run_s: float = Field(
+        120, ge=0, description="With calibrate: auto, a run the analytic model predicts shorter than this is not "
+        "calibrated: a calibration would cost more than a tenth of it."
     )
     calibration_steps: int = Field(
         3, ge=2, le=20, description="Micro-batches of the run the calibration times: the smallest (its first step "

@@ -3,7 +3,8 @@
 Writes `reports/plan.json` (frugaltune.planner): for every method, fits or not in `probe.memory_limit_gb` (default:
 the machine's RAM, or the GPU's memory), the predicted peak, the micro-batch / accumulation / gradient
 checkpointing / precision / threads it recommends and the ETA, calibrated by a few real steps of `train.method`
-on this machine (`probe.calibrate`) in the precision the plan chose.
+on this machine (`probe.calibrate`; not for a run the analytic ETA puts under `probe.calibration_min_run_s`) in the
+precision the plan chose.
 
 The precision is decided once, here, from what this machine measured: the root pipeline's `reports/kernels.json`
 `cpu` section (the kernels stage times a decoder layer in fp32 and bf16, once per machine; the scheduling

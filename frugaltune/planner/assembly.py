@@ -15,10 +15,10 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from frugaltune.planner.calibration import calibrate
-from frugaltune.planner.machine import decide_machine, memory_limit
+from frugaltune.planner.machine import decide_machine, layer_flops_per_s, memory_limit
 from frugaltune.planner.memory import (ADAPTER_METHODS, FLOPS_FACTOR, TRAINED_METHODS, Constants, GiB, MethodKnobs,
                                        MiB, ModelShape, memory_estimate, model_shape, planned_batches,
-                                       planned_order)
+                                       planned_order, training_flops_per_token)
 from frugaltune.planner.worker import CalibrationWorker
 
 if TYPE_CHECKING:
@@ -132,7 +132,9 @@ def plan_method(method: str, run: RunSpec, hardware: dict, shape: ModelShape, co
     if run.shared_prefix and not ckpt:  # each part computes the shared prefix once, not once per row
         parts = split * run.ranks
         padded -= sum(max(rows - parts, 0) * run.shared_prefix for rows, _ in batches)
-    eta, eta_note = _eta(method, constants, steps, padded, ckpt)
+    rows = sum(r for r, _ in batches)
+    flops = padded * training_flops_per_token(shape, method, padded / rows) if rows else 0.0
+    eta, eta_note = _eta(method, constants, steps, padded, ckpt, flops)
     calibrated, ratio = constants.calibrated_method, constants.measured_ratio(method, ckpt)
     peak_note = None
     if ratio is not None:
@@ -168,15 +170,22 @@ def plan_method(method: str, run: RunSpec, hardware: dict, shape: ModelShape, co
     }
 
 
-def _eta(method: str, constants: Constants, steps: int, padded: int, ckpt: bool) -> tuple[float | None, str]:
+def _eta(method: str, constants: Constants, steps: int, padded: int, ckpt: bool,
+         flops: float) -> tuple[float | None, str]:
     """(ETA seconds, where it comes from) of `method`'s run: `steps` optimizer steps over `padded` tokens at the
-    calibrated speed, scaled to `method` by its measured cost or its training FLOPs (None: not calibrated)."""
+    calibrated speed, scaled to `method` by its measured cost or its training FLOPs; not calibrated, the run's
+    training `flops` at the kernels stage's measured layer speed (None: neither)."""
     eta, eta_note = None, "no calibration: run `frugaltune plan` with calibration for an ETA"
-    if constants.seconds_per_token is not None and method != "none":
+    recompute = 4 / 3 if ckpt else 1.0  # checkpointing reruns the forward pass: +1 forward per 3 passes
+    if constants.seconds_per_token is None and constants.flops_per_s and method != "none":
+        eta = flops * recompute / constants.flops_per_s
+        eta_note = (f"analytic, not calibrated: {flops * recompute / 1e12:.2f} TFLOP at the "
+                    f"{constants.flops_per_s / 1e9:.0f} GFLOP/s the kernels stage measured through a decoder layer "
+                    "(the steps' overhead, the optimizer and the start-up not counted)")
+    elif constants.seconds_per_token is not None and method != "none":
         factor, calibrated = 1.0, constants.calibrated_method
         if calibrated and calibrated != method:
             factor = constants.method_cost.get(method) or FLOPS_FACTOR[method] / FLOPS_FACTOR[calibrated]
-        recompute = 4 / 3 if ckpt else 1.0  # checkpointing reruns the forward pass: +1 forward per 3 passes
         eta = (constants.startup_s + (steps * constants.step_overhead_s
                                       + padded * constants.seconds_per_token * recompute) * factor)
         if not calibrated or calibrated == method:
@@ -338,7 +347,7 @@ def common_prompt_prefix(input_ids: list[list[int]], labels: list[list[int]]) ->
 
 
 def build_plan(params: "Params", hardware: dict[str, Any], measured_precision: dict | None = None,
-               run_calibration: bool | None = None, memory_limit_gb: float | None = None,
+               run_calibration: bool | str | None = None, memory_limit_gb: float | None = None,
                methods: tuple[str, ...] | None = None, log=print, model=None) -> dict[str, Any]:
     """The plan for this project's model, data and params on `hardware` (the `plan` stage and `frugaltune plan`).
 
@@ -366,7 +375,19 @@ def build_plan(params: "Params", hardware: dict[str, Any], measured_precision: d
             worker.close()
 
 
-def _build_plan(params: "Params", hardware: dict[str, Any], measured_precision: dict | None, run_calibration: bool,
+def _too_short_to_calibrate(analytic_eta: float | None, probe) -> str | None:
+    """Why a run is not worth calibrating (`probe.calibrate: auto`), or None: its analytic ETA is under
+    `probe.calibration_min_run_s`, where a calibration (a model loaded, a few steps timed, more than once) would
+    cost more than a tenth of the run."""
+    if analytic_eta is None or analytic_eta >= probe.calibration_min_run_s:
+        return None
+    return (f"not calibrating: the run is predicted at {analytic_eta:.0f} s by the analytic model, under "
+            f"probe.calibration_min_run_s ({probe.calibration_min_run_s:.0f} s), where a calibration would cost more "
+            "than a tenth of it; its ETA is analytic (probe.calibrate: true calibrates anyway)")
+
+
+def _build_plan(params: "Params", hardware: dict[str, Any], measured_precision: dict | None,
+                run_calibration: bool | str,
                 memory_limit_gb: float | None, methods: tuple[str, ...] | None, log,
                 worker: CalibrationWorker | None, model=None) -> dict[str, Any]:
     from datasets import load_from_disk
@@ -393,12 +414,18 @@ def _build_plan(params: "Params", hardware: dict[str, Any], measured_precision: 
     some_shape = next(iter(shapes.values()))
     decided = decide_machine(hardware, measured_precision, spec.precision, params.train.int8_products, methods,
                              (some_shape.hidden, some_shape.intermediate), spec.threads, spec.ranks)
-    draft = make_plan(spec, hardware, shapes, Constants(), limit_gb, measured_precision=measured_precision,
+    analytic = Constants(flops_per_s=layer_flops_per_s(measured_precision, decided["bf16"]))
+    draft = make_plan(spec, hardware, shapes, analytic, limit_gb, measured_precision=measured_precision,
                       decided=decided)
     method = spec.method
     if not run_calibration or method == "none" or not draft["methods"][method]["fits"]:
         if run_calibration and method != "none":
             log(f"plan: not calibrating: {method} does not fit by the analytic model")
+        return draft
+    short = _too_short_to_calibrate(draft["methods"][method]["eta_seconds"], params.probe)
+    if run_calibration == "auto" and short:
+        log(f"plan: {short}")
+        draft["calibration"] = {"skipped": short}
         return draft
     entry = draft["methods"][method]
     loop = setup.loop_config(params, method=method, bf16=decided["bf16"], micro_batch_size=entry["micro_batch_size"],

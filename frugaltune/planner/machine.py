@@ -23,6 +23,27 @@ def measured_on(hardware: dict, kernels_report: dict | None) -> dict | None:
     return None
 
 
+def layer_flops_per_s(measured: dict | None, bf16: bool) -> float | None:
+    """This CPU's measured speed (FLOP/s) through one decoder layer's forward ops in the plan's precision: the
+    kernels stage's timed linear layers and attention (reports/kernels.json `cpu`), their FLOPs over their
+    milliseconds. The plan's ETA before (or without) a calibration; None without that measurement."""
+    if not measured or "ops" not in measured or "layer_counts" not in measured:
+        return None
+    precision = "bf16" if bf16 else "fp32"
+    flops = seconds = 0.0
+    for name, count in measured["layer_counts"].items():
+        op = measured["ops"].get(name, {})
+        shape, ms = op.get("shape", {}), op.get(precision, {}).get("ms")
+        if not ms:
+            return None
+        if "tokens" in shape:
+            flops += count * 2 * shape["tokens"] * shape["in_features"] * shape["out_features"]
+        else:  # attention: the scores and their weighted sum
+            flops += count * 4 * shape["batch"] * shape["heads"] * shape["seq_len"] ** 2 * shape["head_dim"]
+        seconds += count * ms / 1000
+    return flops / seconds if seconds > 0 else None
+
+
 def recommend_precision(hardware: dict, requested: str, measured: dict | None = None) -> tuple[bool, str]:
     """(bf16?, why) for this machine: what the plan calibrates and training uses.
 

@@ -45,6 +45,13 @@ ADAPTER_METHODS = ("lora", "qlora", "dora")
 FLOPS_FACTOR = {"full": 6.0, "lora": 4.0, "qlora": 4.0, "dora": 4.0, "prelayer": 4.0, "none": 2.0}
 
 
+def training_flops_per_token(shape: ModelShape, method: str, mean_length: float) -> float:
+    """A padded token's training FLOPs: its matmuls (FLOPS_FACTOR x the matmul parameters) and its attention over
+    the batch's `mean_length` positions (scores and weighted sum, forward and the two backward products)."""
+    attention = 4 * shape.layers * shape.hidden * mean_length * (3 if method != "none" else 1)
+    return FLOPS_FACTOR[method] * shape.matmul_params + attention
+
+
 # ---------------------------------------------------------------------------------------------- model shapes
 @dataclass(frozen=True)
 class MethodKnobs:
@@ -141,6 +148,9 @@ class Constants:
     seconds_per_token: float | None = None  # per padded token through forward + backward
     # once per run: the first step at the peak shape faults in the memory the run keeps (and picks kernels)
     startup_s: float = 0.0
+    # the kernels stage's measured FLOP/s through a decoder layer (machine.layer_flops_per_s): the analytic ETA, a
+    # run's training FLOPs at that speed, where there is no calibration
+    flops_per_s: float | None = None
     calibrated_method: str | None = None
     # Each other method's step time relative to the calibrated one's, timed on the same micro-batch in the same
     # process (calibrate's `others`); a method missing here is scaled by its training FLOPs per token instead.

@@ -666,3 +666,66 @@ def test_the_table_marks_an_eta_the_calibration_did_not_time():
     assert plan["methods"]["qlora"]["eta_seconds"] and marked(rows["qlora"])
     assert not marked(rows["lora*"]) and not marked(rows["dora"]) and marked(rows["qlora"].replace("~", "")) is None
     assert "~ not timed here (qlora: the calibration's budget is spent)" in render(plan)
+
+
+def measured_layer_speed() -> dict:
+    """The kernels stage's `cpu` section for a small layer, measured here (frugaltune.kernels.cpu)."""
+    from frugaltune.kernels import cpu
+
+    ops = cpu.measure_precisions(cpu.ModelShapes(batch=2, seq_len=32, hidden=64, heads=4, intermediate=128), repeats=3)
+    return {**cpu.choose_precision(ops, 1.1), "ops": ops}
+
+
+def test_without_calibration_the_eta_is_the_runs_flops_at_the_layer_speed_the_kernels_stage_measured():
+    from frugaltune.planner.machine import layer_flops_per_s
+    from frugaltune.planner.memory import training_flops_per_token
+
+    measured = measured_layer_speed()
+    ops = measured["ops"]
+    layer_flops = 4 * 2 * 64 * 64 * 64 + 3 * 2 * 64 * 64 * 128 + 4 * 2 * 4 * 32**2 * 16  # q/k/v/o, mlp, attention
+    layer_ms = 4 * ops["linear_hidden"]["fp32"]["ms"] + 3 * ops["linear_mlp"]["fp32"]["ms"] + \
+        ops["attention"]["fp32"]["ms"]
+    rate = layer_flops_per_s(measured, bf16=False)
+    assert rate == pytest.approx(layer_flops / (layer_ms / 1000))
+    assert layer_flops_per_s(None, bf16=False) is None
+    model = shapes(smollm2_config(), ("lora", "full"))
+    plan = make_plan(run_spec("lora"), cpu_hardware(), model, Constants(flops_per_s=rate))
+    for method, entry in plan["methods"].items():
+        rows = 64 + 16
+        expected = entry["padded_tokens"] * training_flops_per_token(model[method], method,
+                                                                     entry["padded_tokens"] / rows) / rate
+        assert entry["eta_seconds"] == pytest.approx(expected, rel=1e-3)
+        assert entry["eta_note"].startswith("analytic, not calibrated") and "GFLOP/s" in entry["eta_note"]
+    assert plan["methods"]["full"]["eta_seconds"] > 1.4 * plan["methods"]["lora"]["eta_seconds"]  # 6N against 4N
+    assert make_plan(run_spec("lora"), cpu_hardware(), model, Constants())["methods"]["lora"]["eta_seconds"] is None
+
+
+def test_a_run_too_short_to_be_worth_a_calibration_is_planned_analytically_and_says_so(tmp_path, monkeypatch,
+                                                                                    tiny_model_dir):
+    """probe.calibrate: auto (the default) skips the calibration of a run the analytic model puts under
+    probe.calibration_min_run_s: it would cost more than a tenth of the run. The plan says so and keeps the
+    analytic ETA; a calibration is what `true` (the tests' projects) or a longer run gets."""
+    from datasets import Dataset, DatasetDict
+
+    from frugaltune.config import load_params
+    from frugaltune.planner.assembly import build_plan
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "base").symlink_to(tiny_model_dir)
+    (tmp_path / "data" / "splits").mkdir(parents=True)
+    (tmp_path / "data" / "splits" / "labels.json").write_text(json.dumps({"labels": LABELS}))
+    rows = [[5 + (i * 3 + j) % 400 for j in range(6 + i % 20)] for i in range(48)]
+    DatasetDict({"train": Dataset.from_dict({"input_ids": rows, "labels": [i % 3 for i in range(48)]})}) \
+        .save_to_disk(str(tmp_path / "data" / "tokenized"))
+    (tmp_path / "params.yaml").write_text("train: {batch_size: 8, method: lora, threads: 1}\nprobe: {nvml: false}\n")
+    params = load_params(tmp_path / "params.yaml")
+    assert params.probe.calibrate == "auto"
+    lines = []
+    plan = build_plan(params, cpu_hardware(), measured_layer_speed(), log=lines.append)
+    lora = plan["methods"]["lora"]
+    assert 0 < lora["eta_seconds"] < params.probe.calibration_min_run_s
+    assert lora["eta_note"].startswith("analytic, not calibrated")
+    assert plan["calibration"] == {"skipped": lines[-1].removeprefix("plan: ")}
+    assert "not calibrating: the run is predicted at" in lines[-1] and "probe.calibrate: true" in lines[-1]
+    assert plan["constants"]["seconds_per_token"] is None
