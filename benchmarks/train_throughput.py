@@ -111,7 +111,7 @@ def run_recipe(recipe: str, steps: int, batch_size: int, lr: float, threads: int
                 "steps": len(records) - warmup, "cold_seconds": result.wall_seconds,
                 "cold_useful_tokens": result.tokens, "padded_tokens": result.padded_tokens, **common.peak_memory(),
                 "bf16": bf16_ours, "final_loss": result.final_loss, "allocator": allocator.active(),
-                "int8_products": int8_products}
+                "int8_products": int8_products, "events": result.events}
 
     from datasets import Dataset
     from transformers import DataCollatorWithPadding, Trainer, TrainerCallback, TrainingArguments

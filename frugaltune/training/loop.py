@@ -29,6 +29,7 @@ from frugaltune.training import checkpoint
 from frugaltune.training.batching import (IGNORE_INDEX, collate, collate_targets, epoch_batches, parts,
                                           sorted_batches, target_counts)
 from frugaltune.training.distributed import World
+from frugaltune.training.sharing import CoreShare
 from frugaltune.training.fast import short_sequence_attention
 from frugaltune.training.int8_lora import fused_int8_lora
 
@@ -506,6 +507,8 @@ def train_classifier(
              "elapsed": 0.0, "last_window": [], "shared": 0}
     first_step, last_good = _resume(cfg, model, optimizer, scheduler, state, world, total_steps, event)
     oom_steps, step_delay = _injected_oom_steps(), _test_step_delay()
+    # a run of its own (not the calibration's timed steps, not a rank among others) yields cores to other work
+    sharing = CoreShare(event) if batches is None and not world.distributed else None
     checkpointing = any(getattr(module, "gradient_checkpointing", False) for module in model.modules())
     share_from = 0 if checkpointing else cfg.shared_prefix_min  # a KV cache cannot cross a checkpointed layer
     phase = timer.phase if timer is not None else (lambda name: contextlib.nullcontext())
@@ -519,7 +522,7 @@ def train_classifier(
     lines = _ProgressLines(cfg.progress_every_s, total_steps, first_step, start) if (
         shown and not console.is_terminal(sys.stdout)) else None
     with (_stop_on_signals(stop), short_sequence_attention(model, cfg.eager_attention_max_len),
-          fused_int8_lora(model, cfg.fused_int8_lora)):
+          fused_int8_lora(model, cfg.fused_int8_lora), sharing or contextlib.nullcontext()):
         step = first_step
         while step <= total_steps:
             sums, out_of_memory = _StepSums(), None
@@ -556,6 +559,8 @@ def train_classifier(
                 optimizer.zero_grad(set_to_none=True)
             if timer is not None:
                 timer.end_step()
+            if sharing is not None:
+                sharing.after_step()
             if step_delay:
                 _test_sleep(step_delay, stop)
             _add_step(state, sums, cfg)

@@ -109,3 +109,39 @@ def test_a_calibration_beside_cpu_bound_jobs_stops_early_and_says_the_machine_wa
     assert seconds < 2 * WATCH_S + 15, seconds
     assert plan["fits"] and ("stopped early" in constants.source or "analytic" in constants.source)
 
+
+
+@fault("process", "a training beside CPU-bound work that takes its cores (a second training, `while True` loops)",
+       "the training gives up a thread while the others crowd its cores (an event says what the others used), instead "
+       "of both collapsing: two default trainings at once train together at >= 0.8x one alone "
+       "(`python benchmarks/shared_machine.py`)",
+       "recovered: the plan's threads again once a core stays idle, and after the run")
+def test_a_training_beside_cpu_bound_jobs_gives_up_a_thread(tiny_model_dir, monkeypatch):
+    import torch
+
+    from frugaltune.training import sharing
+    from frugaltune.training.methods import prepare_model
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one core: no thread to give up")
+    monkeypatch.setattr(sharing, "WINDOW_S", 1.0)  # the tiny model's steps are milliseconds
+    tokenizer = load_tokenizer(tiny_model_dir)
+    model = prepare_model(tiny_model_dir, LABELS, tokenizer.pad_token_id, 0, "lora", MethodKnobs(r=4))
+    rows = [[5 + (i + j) % 300 for j in range(64)] for i in range(64)]
+    events: list[str] = []
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * (os.cpu_count() or 1))]
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        from frugaltune.training.loop import train_classifier
+
+        train_classifier(model, rows, [i % 3 for i in range(64)], LoopConfig(lr=1e-3, batch_size=8, max_steps=200),
+                         tokenizer.pad_token_id, progress=False, on_event=events.append)
+        assert torch.get_num_threads() == 2, "the run left its threads changed"
+    finally:
+        torch.set_num_threads(before)
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    drops = [e for e in events if e.startswith("threads 2 -> 1: other processes use")]
+    assert drops, events
