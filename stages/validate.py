@@ -16,7 +16,7 @@ and within the length bounds, response present and not blank, no duplicate pair 
 
 The stage fails, naming the check, the measured value, the threshold and the `validate.*` key to change, when
 more than `validate.max_bad_fraction` of the rows are quarantined or a table-level check fails. It then leaves no
-validated splits, quarantine or report behind. The checks themselves live in `frugaltune/validation.py`.
+validated splits, quarantine or report behind. The checks themselves live in `frugaltune/validation/`.
 """
 
 from __future__ import annotations

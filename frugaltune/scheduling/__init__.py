@@ -10,6 +10,7 @@ The pieces, in the order data flows through them:
     lublin.lublin_workload  the Lublin-Feitelson workload model for a machine of P processors; load scaling
     users.with_users        users (Zipf-like activity, characteristic job shapes) and their runtime estimates
     simulator.simulate      Workload jobs + Policy (+ EASY backfilling) -> SimulationResult; policies see JobViews
+    state                   what a policy sees (JobView, SchedulerState, Policy), re-exported by simulator
     policies                FCFS, SJF, WFP3, UNICEF, F1 (score functions, lower runs first); SJF/F1 on predictions
     metrics                 bounded slowdown, waits, utilisation, queue length over time
     evaluation              N-job sequences from the held-out part of a trace, every policy on the same ones
