@@ -74,7 +74,7 @@ def numerics(batch_size: int, method: str) -> dict:
     """Relative errors of logits and LoRA gradients on one batch against fp32 products (dropout off)."""
     from frugaltune.training.batching import collate
     from frugaltune.training.fast import frozen_weights_in
-    from frugaltune.training.loop import autocast
+    from frugaltune.training.inference import autocast
 
     ids, labels = common.training_examples(1000 + batch_size)
     reference, tokenizer = common.lora_model(True, method, True)

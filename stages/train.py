@@ -37,7 +37,9 @@ from frugaltune.config import ParamsError, load_params
 from frugaltune.faults import stage_errors
 from frugaltune.recipes.train import run
 from frugaltune.training import checkpoint, distributed
-from frugaltune.training.loop import DivergenceError, OutOfMemoryAtBatchOne, TrainingInterrupted
+from frugaltune.training.loop import DivergenceError
+from frugaltune.training.oom import OutOfMemoryAtBatchOne
+from frugaltune.training.signals import TrainingInterrupted
 
 __all__ = ["main", "run"]
 

@@ -17,7 +17,8 @@ import torch
 from frugaltune.federated import aggregation
 from frugaltune.metrics import classification_metrics
 from frugaltune.training.batching import collate, sorted_batches
-from frugaltune.training.loop import LoopConfig, TrainResult, autocast, train_classifier
+from frugaltune.training.inference import autocast
+from frugaltune.training.loop import LoopConfig, TrainResult, train_classifier
 from frugaltune.training.methods import prepare_model
 
 

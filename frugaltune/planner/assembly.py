@@ -330,7 +330,7 @@ def run_spec(params: "Params", lengths: list[int]) -> RunSpec:
 
 def common_prompt_prefix(input_ids: list[list[int]], labels: list[list[int]]) -> int:
     """How many leading tokens every causal_lm example has in common before its first scored prediction (the
-    training loop reads them once per batch: `frugaltune.training.loop.shared_prefix_length`); 0 when fewer than
+    training loop reads them once per batch: `frugaltune.training.inference.shared_prefix_length`); 0 when fewer than
     the loop's minimum. Every batch shares at least these; the ETA still comes out low, because a token read once
     for the batch saves less than a row's token costs (docs/DECISIONS.md)."""
     from frugaltune.generation import _common_prefix_length

@@ -144,7 +144,7 @@ def _calibration_point(spec: dict) -> dict:
     phases["steps_s"] = time.perf_counter() - wall_start
     inference = []
     if data.get("inference") and not spec.get("batches"):  # forward passes, as evaluation runs them
-        from frugaltune.training.loop import predict
+        from frugaltune.training.inference import predict
 
         # evaluation runs the plain model (int8 products are training's): a model as loaded, when they were on
         evaluated = build() if int8["on"] else model

@@ -14,7 +14,7 @@ from frugaltune.input_template import from_manifest, wrapped
 from frugaltune.io import csv_text, read_json, write_json, write_metrics, write_text
 from frugaltune.metrics import classification_metrics
 from frugaltune.models import load_for_classification, load_tokenizer
-from frugaltune.training.loop import predict
+from frugaltune.training.inference import predict
 from frugaltune.training.methods import load_trained
 from frugaltune import paths
 from frugaltune.config import Params
@@ -52,7 +52,7 @@ def generative_metrics(model, tokenizer, data, params: Params, bf16: bool, label
     import time
 
     from frugaltune import generation
-    from frugaltune.training.loop import lm_loss
+    from frugaltune.training.inference import lm_loss
 
     task, ep = params.task, params.evaluate
     loss, tokens = lm_loss(model, data["input_ids"], data["labels"], tokenizer.pad_token_id, ep.batch_size, bf16)

@@ -23,9 +23,9 @@ from frugaltune.planner.machine import keep_sdpa_off_cudnn
 from frugaltune.models import load_tokenizer
 from frugaltune.telemetry import StepTimer, TelemetrySampler
 from frugaltune.training import checkpoint, distributed, setup
-from frugaltune.training.loop import (TrainingInterrupted, TrainResult, count_parameters, peak_rss_mb,
-                                      train_classifier)
+from frugaltune.training.loop import TrainResult, count_parameters, peak_rss_mb, train_classifier
 from frugaltune.training.methods import save_trained
+from frugaltune.training.signals import TrainingInterrupted
 from frugaltune import paths
 from frugaltune.config import Params
 

@@ -10,7 +10,8 @@ from frugaltune.config import Params, TrainParams
 from frugaltune.input_template import InputTemplate, from_manifest, sides, wrapped
 from frugaltune.models import load_for_classification, load_tokenizer
 from frugaltune.serving import load_classifier
-from frugaltune.training.loop import LoopConfig, predict, train_classifier
+from frugaltune.training.inference import predict
+from frugaltune.training.loop import LoopConfig, train_classifier
 from frugaltune.training.methods import freeze_for, save_trained
 from frugaltune.recipes.train import adapter_manifest
 

@@ -17,7 +17,8 @@ import pytest
 import yaml
 
 from frugaltune.models import load_for_classification, load_tokenizer
-from frugaltune.training.loop import LoopConfig, TrainingInterrupted, train_classifier
+from frugaltune.training.loop import LoopConfig, train_classifier
+from frugaltune.training.signals import TrainingInterrupted
 from frugaltune.training.methods import apply_lora
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -56,7 +56,7 @@ import sys
 from datasets import Dataset
 from frugaltune.faults import stage_errors
 from frugaltune.models import load_for_classification
-from frugaltune.training.loop import predict
+from frugaltune.training.inference import predict
 with stage_errors("bars"):
     rows = Dataset.from_dict({"x": list(range(50))}).map(lambda row: {"y": row["x"] + 1})
     rows.save_to_disk(sys.argv[2] + "/rows")

@@ -4,7 +4,8 @@ import json
 
 from frugaltune.models import load_for_classification, load_tokenizer
 from frugaltune.serving import load_classifier
-from frugaltune.training.loop import LoopConfig, predict, train_classifier
+from frugaltune.training.inference import predict
+from frugaltune.training.loop import LoopConfig, train_classifier
 from frugaltune.training.methods import freeze_for, save_trained
 
 LABELS = ["negative", "positive"]

@@ -20,7 +20,8 @@ from frugaltune.models import load_for_causal_lm
 from frugaltune.sft_data import arithmetic_rows, chat_rows
 from frugaltune.training.batching import IGNORE_INDEX, collate_targets, target_counts
 from frugaltune.training.batching import collate
-from frugaltune.training.loop import LoopConfig, lm_loss, model_loss, shared_prefix_length, train_classifier
+from frugaltune.training.inference import lm_loss, model_loss, shared_prefix_length
+from frugaltune.training.loop import LoopConfig, train_classifier
 from frugaltune.training.methods import METHODS, prepare_model, save_trained, load_trained
 from frugaltune.validation import ValidationRules, validate_splits
 

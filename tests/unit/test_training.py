@@ -7,9 +7,10 @@ import torch
 from frugaltune.metrics import classification_metrics
 from frugaltune.models import load_for_classification, load_tokenizer
 from frugaltune.training.batching import collate, length_grouped_batches, sorted_batches
-from frugaltune.training.loop import (DivergenceError, LoopConfig, _param_groups, count_parameters, plan_steps, predict,
-                                      train_classifier)
+from frugaltune.training.inference import predict
+from frugaltune.training.loop import DivergenceError, LoopConfig, count_parameters, plan_steps, train_classifier
 from frugaltune.training.methods import apply_lora
+from frugaltune.training.optimizer import param_groups
 
 LABELS = ["negative", "positive"]
 
@@ -144,14 +145,14 @@ def test_lora_plus_gives_b_its_own_rate_and_leaves_a_and_the_head_alone(tiny_mod
     model = apply_lora(load_for_classification(tiny_model_dir, LABELS, tokenizer.pad_token_id, seed=0),
                        4, 8, 0.0, ["q_proj", "v_proj"])
     names = {id(p): n for n, p in model.named_parameters()}
-    groups = _param_groups(model, LoopConfig(lr=1e-3, head_lr=5e-3, lora_plus_ratio=16))
+    groups = param_groups(model, LoopConfig(lr=1e-3, head_lr=5e-3, lora_plus_ratio=16))
     assert [g["lr"] for g in groups] == [1e-3, pytest.approx(1.6e-2), 5e-3]
     assert [names[id(p)] for p in groups[2]["params"]] == ["base_model.model.score.modules_to_save.default.weight"]
     a_names = [names[id(p)] for p in groups[0]["params"]]
     b_names = [names[id(p)] for p in groups[1]["params"]]
     assert a_names and all(".lora_A." in n for n in a_names)
     assert b_names and all(".lora_B." in n for n in b_names) and len(a_names) == len(b_names)
-    plain = _param_groups(model, LoopConfig(lr=1e-3, head_lr=5e-3))
+    plain = param_groups(model, LoopConfig(lr=1e-3, head_lr=5e-3))
     assert [g["lr"] for g in plain] == [1e-3, 5e-3]
 
 
@@ -172,7 +173,7 @@ def test_sigterm_checkpoints_and_resume_matches_uninterrupted_run(tiny_model_dir
     import os
     import signal
 
-    from frugaltune.training.loop import TrainingInterrupted
+    from frugaltune.training.signals import TrainingInterrupted
 
     tokenizer = load_tokenizer(tiny_model_dir)
     ids, labels = toy_task(tokenizer, 48)
@@ -238,7 +239,7 @@ def test_injected_oom_halves_micro_batch_and_keeps_the_effective_batch(tiny_mode
 
 
 def test_oom_at_batch_one_fails_clearly(tiny_model_dir, monkeypatch):
-    from frugaltune.training.loop import OutOfMemoryAtBatchOne
+    from frugaltune.training.oom import OutOfMemoryAtBatchOne
 
     tokenizer = load_tokenizer(tiny_model_dir)
     ids, labels = toy_task(tokenizer, 8)
