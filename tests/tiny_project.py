@@ -67,3 +67,21 @@ def build(repo: Path, model_dir: Path, calibrate: bool = True, **train) -> Path:
     run(["git", "add", "-A"], repo)
     run(["git", "commit", "-qm", "project"], repo)
     return repo
+
+
+def plan_inputs(root: Path, model_dir: Path, labels: list[str], params_yaml: str) -> Path:
+    """What the planner reads, and nothing else, in `root`: models/base (a link to `model_dir`), the labels, 48
+    tokenized rows of 6-25 tokens and `params_yaml` (for `build_plan` or `frugaltune plan` run with cwd `root`)."""
+    import json
+
+    from datasets import Dataset, DatasetDict
+
+    (root / "models").mkdir()
+    (root / "models" / "base").symlink_to(model_dir)
+    (root / "data" / "splits").mkdir(parents=True)
+    (root / "data" / "splits" / "labels.json").write_text(json.dumps({"labels": labels}))
+    rows = [[5 + (i * 3 + j) % 400 for j in range(6 + i % 20)] for i in range(48)]
+    DatasetDict({"train": Dataset.from_dict({"input_ids": rows, "labels": [i % len(labels) for i in range(48)]})}) \
+        .save_to_disk(str(root / "data" / "tokenized"))
+    (root / "params.yaml").write_text(params_yaml)
+    return root

@@ -705,20 +705,13 @@ def test_a_run_too_short_to_be_worth_a_calibration_is_planned_analytically_and_s
     """probe.calibrate: auto (the default) skips the calibration of a run the analytic model puts under
     probe.calibration_min_run_s: it would cost more than a tenth of the run. The plan says so and keeps the
     analytic ETA; a calibration is what `true` (the tests' projects) or a longer run gets."""
-    from datasets import Dataset, DatasetDict
-
     from frugaltune.config import load_params
     from frugaltune.planner.assembly import build_plan
+    from tests import tiny_project
 
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "models").mkdir()
-    (tmp_path / "models" / "base").symlink_to(tiny_model_dir)
-    (tmp_path / "data" / "splits").mkdir(parents=True)
-    (tmp_path / "data" / "splits" / "labels.json").write_text(json.dumps({"labels": LABELS}))
-    rows = [[5 + (i * 3 + j) % 400 for j in range(6 + i % 20)] for i in range(48)]
-    DatasetDict({"train": Dataset.from_dict({"input_ids": rows, "labels": [i % 3 for i in range(48)]})}) \
-        .save_to_disk(str(tmp_path / "data" / "tokenized"))
-    (tmp_path / "params.yaml").write_text("train: {batch_size: 8, method: lora, threads: 1}\nprobe: {nvml: false}\n")
+    tiny_project.plan_inputs(tmp_path, tiny_model_dir, LABELS,
+                             "train: {batch_size: 8, method: lora, threads: 1}\nprobe: {nvml: false}\n")
     params = load_params(tmp_path / "params.yaml")
     assert params.probe.calibrate == "auto"
     lines = []

@@ -118,18 +118,11 @@ def test_plan_by_shape_calibrates_a_random_model_of_that_shape_on_the_projects_r
                                                                                     tiny_model_dir, capsys):
     """`frugaltune plan --model CONFIG` in a project whose models/base is another model: the shape planned is the
     config's (Qwen2: q/k/v biases), the calibration runs on random weights of it, the output says so."""
-    from datasets import Dataset, DatasetDict
+    from tests import tiny_project
 
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "models").mkdir()
-    (tmp_path / "models" / "base").symlink_to(tiny_model_dir)
-    (tmp_path / "data" / "splits").mkdir(parents=True)
-    (tmp_path / "data" / "splits" / "labels.json").write_text(json.dumps({"labels": LABELS}))
-    rows = [[5 + (i * 3 + j) % 400 for j in range(6 + i % 20)] for i in range(48)]
-    DatasetDict({"train": Dataset.from_dict({"input_ids": rows, "labels": [i % 3 for i in range(48)]})}) \
-        .save_to_disk(str(tmp_path / "data" / "tokenized"))
-    (tmp_path / "params.yaml").write_text("train: {batch_size: 8, method: lora, threads: 1}\n"
-                                          "probe: {calibration_steps: 2, nvml: false}\n")
+    tiny_project.plan_inputs(tmp_path, tiny_model_dir, LABELS, "train: {batch_size: 8, method: lora, threads: 1}\n"
+                             "probe: {calibration_steps: 2, nvml: false}\n")
     (tmp_path / "qwen.json").write_text(json.dumps(TINY_QWEN2))
     assert cli.main(["plan", "--model", "qwen.json", "--memory-limit-gb", "4", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
