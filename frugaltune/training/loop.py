@@ -449,8 +449,9 @@ def train_classifier(
     state = _new_state(cfg)
     first_step, last_good = _resume(cfg, model, optimizer, scheduler, state, world, total_steps, event)
     oom_steps, step_delay = injected_oom_steps(), _test_step_delay()
-    # a run of its own (not the calibration's timed steps, not a rank among others) yields cores to other work
-    sharing = CoreShare(event) if batches is None and not world.distributed else None
+    # a run of its own (not the calibration's timed steps, not a rank among others) on more than one thread yields
+    # cores to other work: on one there is nothing to give up, and no /proc/stat to read every step
+    sharing = CoreShare(event) if batches is None and not world.distributed and torch.get_num_threads() > 1 else None
     checkpointing = any(getattr(module, "gradient_checkpointing", False) for module in model.modules())
     share_from = 0 if checkpointing else cfg.shared_prefix_min  # a KV cache cannot cross a checkpointed layer
     phase = timer.phase if timer is not None else (lambda name: contextlib.nullcontext())
