@@ -6,7 +6,7 @@
     frugaltune predict --max-new-tokens 32 "What is 2+2?"          # a causal_lm model: prints its response
     frugaltune predict --candidates 3,4,5 "What is 2+2?"            # ...or the likeliest of these answers
     frugaltune export --merged exported/                    # base + adapter as one plain Hugging Face model
-    frugaltune export --model-uri models:/frugaltune-arithmetic@champion --merged exported/   # a registered one
+    frugaltune export --model-uri models:/frugaltune-dates@champion --merged exported/   # a registered one
     frugaltune plan                                         # will train.method fit here, and how long will it take?
     frugaltune plan --memory-limit-gb 4 --no-calibrate --json
     frugaltune plan --model SmolLM2-1.7B --memory-limit-gb 8      # a bigger model, before its weights
@@ -245,6 +245,13 @@ def _export(args: argparse.Namespace) -> int:
                 max_new_tokens=int(config["max_new_tokens"]), do_sample=float(config["temperature"]) > 0,
                 temperature=float(config["temperature"]) or None, top_p=None, top_k=None,
                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+            if config.get("templated"):
+                from frugaltune.generation import template_plain_strings
+
+                try:
+                    template_plain_strings(tokenizer, config.get("system"))
+                except ValueError as exc:  # still a model that answers chat messages: say so, write it
+                    print(f"export: {exc}", file=sys.stderr)
         # A temp dir beside DIR renamed into place: an interrupted export leaves no half-written model behind.
         with atomic_dir(out) as tmp:
             model.save_pretrained(tmp)
@@ -255,10 +262,11 @@ def _export(args: argparse.Namespace) -> int:
     if task != files.CAUSAL_LM:
         print(f'Load it with transformers.pipeline("text-classification", model="{out}").')
     elif generator.config.get("templated"):
-        # The model was trained on chat-templated prompts: the pipeline applies the template to chat messages only;
-        # a plain string goes in raw, a prompt format the model never saw.
         print(f'Load it with pipe = transformers.pipeline("text-generation", model="{out}") and ask in chat messages, '
-              'as it was trained: pipe([{"role": "user", "content": "..."}])[0]["generated_text"][-1]["content"].')
+              'as it was trained: pipe([{"role": "user", "content": "..."}])[0]["generated_text"][-1]["content"], '
+              'or a plain string: pipe("...", return_full_text=False)[0]["generated_text"] (its tokenizer puts a '
+              'string in the chat template it was trained with; tokenizer(text, add_special_tokens=False) gives the '
+              'raw tokens).')
     else:
         print(f'Load it with pipe = transformers.pipeline("text-generation", model="{out}"): '
               'pipe("...", return_full_text=False)[0]["generated_text"].')

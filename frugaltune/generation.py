@@ -82,6 +82,32 @@ def format_prompt(tokenizer: Any, prompt: str, system: str | None, templated: bo
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
+def template_plain_strings(tokenizer: Any, system: str | None) -> None:
+    """Make `tokenizer(prompt)` give exactly `prompt_ids(tokenizer, prompt, system, templated=True)`: the chat
+    template's text before and after the user's prompt become the fast tokenizer's post-processor. A model trained
+    on templated prompts then answers a plain string too (transformers' text-generation pipeline applies the chat
+    template to chat messages only and tokenizes a string with the tokenizer's special tokens); without this, the
+    string goes in raw and the model, which learned to answer only after the template's assistant turn, ends at
+    once with an empty answer. The chat-template path is unchanged (it tokenizes without special tokens).
+
+    Raises ValueError when the template does not put the prompt in one place or the tokenizer is not a fast one.
+    """
+    from tokenizers.processors import TemplateProcessing
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    marker = "\x00frugaltune-prompt\x00"
+    parts = format_prompt(tokenizer, marker, system, templated=True).split(marker)
+    if backend is None or len(parts) != 2:
+        raise ValueError(f"the tokenizer ({getattr(tokenizer, 'name_or_path', '')}) is not a fast tokenizer whose "
+                         "chat template holds the prompt once: plain strings cannot be templated; pass chat messages.")
+    before, after = (list(tokenizer(part, add_special_tokens=False)["input_ids"]) for part in parts)
+    # TemplateProcessing's "special tokens" may be many ids each: the whole text around the prompt
+    pieces = {name: ids for name, ids in (("[PROMPT_BEFORE]", before), ("[PROMPT_AFTER]", after)) if ids}
+    single = (["[PROMPT_BEFORE]"] if before else []) + ["$A"] + (["[PROMPT_AFTER]"] if after else [])
+    backend.post_processor = TemplateProcessing(single=" ".join(single), special_tokens=[
+        {"id": name, "ids": ids, "tokens": tokenizer.convert_ids_to_tokens(ids)} for name, ids in pieces.items()])
+
+
 def _encode_prompt(tokenizer: Any, text: str, templated: bool) -> list[int]:
     # Chat-templated text already holds the special tokens (<|im_start|> ...); adding a BOS again would put a
     # token there that the model never saw in that place.

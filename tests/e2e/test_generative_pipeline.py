@@ -1,7 +1,7 @@
 """End to end: `task.type: causal_lm` through `dvc repro`, on a tiny random llama and 300 synthetic pairs.
 
 Run with `make test` (or `pytest -m slow tests/e2e/test_generative_pipeline.py`). The README's "Generative fine-tuning" example
-in a temp git+DVC project: `python -m frugaltune.sft_data arithmetic` writes prompt/response/candidates JSONL,
+in a temp git+DVC project: `python -m frugaltune.sft_data dates` writes prompt/response/candidates JSONL,
 every stage runs (pair validation, prompt masking, the planner calibrating the LM head's cost, LoRA on the LM,
 generative evaluation with the base model beside it, a generative pyfunc registered), the registered model
 generates in a fresh process, with and without candidates, and a second `dvc repro` runs only the probe.
@@ -21,22 +21,23 @@ from tests import tiny_project
 from tests.e2e.test_pipeline import ran_stages
 
 pytestmark = pytest.mark.slow
-MODEL_NAME = "frugaltune-arithmetic"
+MODEL_NAME = "frugaltune-dates"
+PROMPT = "Write this date as YYYY-MM-DD: the 9th of July, 2031"
 
 
 @pytest.fixture(scope="module")
 def project(tmp_path_factory, tiny_model_dir) -> Path:
     repo = tiny_project.build(tmp_path_factory.mktemp("sft"), tiny_model_dir)
-    tiny_project.run([sys.executable, "-m", "frugaltune.sft_data", "arithmetic", "data/arithmetic.jsonl",
+    tiny_project.run([sys.executable, "-m", "frugaltune.sft_data", "dates", "data/dates.jsonl",
                       "--rows", "300", "--candidates", "4"], repo)
-    with (repo / "data/arithmetic.jsonl").open("a") as fh:  # bad pairs the validation must quarantine
-        fh.write(json.dumps({"prompt": "What is 1 + 1?", "response": "   ", "candidates": ["2", "3"]}) + "\n")
-        fh.write(json.dumps({"prompt": "", "response": "4", "candidates": ["4", "5"]}) + "\n")
+    with (repo / "data/dates.jsonl").open("a") as fh:  # bad pairs the validation must quarantine
+        fh.write(json.dumps({"prompt": PROMPT, "response": "   ", "candidates": ["2031-07-09", "2031-07-10"]}) + "\n")
+        fh.write(json.dumps({"prompt": "", "response": "2031-07-09", "candidates": ["2031-07-09"]}) + "\n")
     params = yaml.safe_load((repo / "params.yaml").read_text())
     params["task"].update({"type": "causal_lm", "candidates_column": "candidates", "max_new_tokens": 4})
-    params["data"].update({"source": "data/arithmetic.jsonl", "max_rows": None})
+    params["data"].update({"source": "data/dates.jsonl", "max_rows": None})
     params["validate"].update({"min_text_chars": 1, "min_class_fraction": 0.0})
-    params["tokenize"]["max_length"] = 64
+    params["tokenize"]["max_length"] = 96
     params["register"].update({"model_name": MODEL_NAME, "metric": "exact_match"})
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     return repo
@@ -83,13 +84,13 @@ def test_causal_lm_repro_trains_evaluates_registers_and_serves_then_is_a_no_op(p
     served = tiny_project.run([sys.executable, "-c", (
         "import json, mlflow, pandas as pd\n"
         f"m = mlflow.pyfunc.load_model('models:/{MODEL_NAME}@champion')\n"
-        "free = m.predict(pd.DataFrame({'prompt': ['What is 2 + 3?']}))\n"
-        "chosen = m.predict(pd.DataFrame({'prompt': ['What is 2 + 3?'], 'candidates': [['5', '6']]}))\n"
+        f"free = m.predict(pd.DataFrame({{'prompt': ['{PROMPT}']}}))\n"
+        f"chosen = m.predict(pd.DataFrame({{'prompt': ['{PROMPT}'], 'candidates': [['2031-07-09', '2031-09-07']]}}))\n"
         "print(json.dumps({'free': list(free), 'chosen': list(chosen)}))")], project)
     # the output is stdout + stderr: find the printed line rather than trusting it to come last
     answers = json.loads(next(line for line in served.splitlines() if line.startswith('{"free"')))
     assert len(answers["free"]) == 1 and isinstance(answers["free"][0], str)
-    assert answers["chosen"][0] in ("5", "6")
+    assert answers["chosen"][0] in ("2031-07-09", "2031-09-07")
     # bitsandbytes' offline notice (avx512_bf16 CPUs) is silenced in a process that never imports frugaltune too
     assert "kernels-community" not in served, served[-2000:]
 

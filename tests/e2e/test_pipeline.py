@@ -236,16 +236,16 @@ README_NOT_RUN_HERE = {
     "torchrun --nnodes 2 --node_rank 1 --nproc_per_node 4 --rdzv_backend c10d --rdzv_endpoint hostA:29500 -m "
     "stages.train": "needs two hosts",
     "dvc commit train && dvc repro": "after a two-host run only (the line above)",
-    "python -m frugaltune.sft_data arithmetic data/arithmetic.jsonl --rows 400 --candidates 4":
-        "tests/e2e/test_generative_pipeline.py writes the same set (300 rows) with this module",
-    "git add data/arithmetic.jsonl": "so that `dvc exp run --temp` copies the set; tests/unit/test_tracking.py runs a --temp experiment for real",
-    "dvc exp run --temp -S task.type=causal_lm -S data.source=data/arithmetic.jsonl -S data.max_rows=null -S "
-    "task.candidates_column=candidates -S validate.min_text_chars=1 -S register.model_name=frugaltune-arithmetic -S "
-    "register.metric=exact_match": "tests/e2e/test_generative_pipeline.py runs these params through dvc repro on a tiny model",
-    'frugaltune predict --model-uri models:/frugaltune-arithmetic@champion --candidates 17,19,21,29 "What is 12 + 7?"':
-        "tests/e2e/test_generative_pipeline.py loads that registered model in a fresh process; tests/unit/test_generation.py runs "
-        "predict with --candidates on a registered generative model",
-    "frugaltune export --model-uri models:/frugaltune-arithmetic@champion --merged models/merged":
+    "python -m frugaltune.sft_data dates data/dates.jsonl --rows 800":
+        "tests/e2e/test_generative_pipeline.py writes the same kind of set (300 rows) with this module",
+    "git add data/dates.jsonl": "so that `dvc exp run --temp` copies the set; tests/unit/test_tracking.py runs a --temp experiment for real",
+    "dvc exp run --temp -S task.type=causal_lm -S data.source=data/dates.jsonl -S data.max_rows=null -S "
+    "register.model_name=frugaltune-dates -S register.metric=exact_match":
+        "tests/e2e/test_generative_pipeline.py runs these params through dvc repro on a tiny model",
+    'frugaltune predict --model-uri models:/frugaltune-dates@champion "Write this date as YYYY-MM-DD: the 9th of July, '
+    '2031"': "tests/e2e/test_generative_pipeline.py loads that registered model in a fresh process; "
+             "tests/unit/test_generation.py runs predict on a registered generative model",
+    "frugaltune export --model-uri models:/frugaltune-dates@champion --merged models/merged":
         "tests/unit/test_generation.py exports a registered generative model and compares the merged model's logits",
     "make sft": "the tweets as prompts on SmolLM2-135M (about an hour here); tests/e2e/test_generative_pipeline.py runs the task",
     "make mlflow-server": "tests/e2e/test_scale_out.py starts it (python -m flows.ui --mlflow-server --no-prefect)",

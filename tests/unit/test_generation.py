@@ -449,7 +449,13 @@ def test_the_merged_export_answers_in_transformers_pipeline_as_frugaltune_does(l
     pipe = pipeline("text-generation", model=str(out), device="cpu")
     answers = [pipe([{"role": "user", "content": p}])[0]["generated_text"][-1]["content"] for p in PROMPTS[:3]]
     # the same tokens; serving strips the decoded text's surrounding whitespace
-    assert [a.strip() for a in answers] == load_generator(lm_dir, adapter_dir).predict(PROMPTS[:3])
+    served = load_generator(lm_dir, adapter_dir).predict(PROMPTS[:3])
+    assert [a.strip() for a in answers] == served
+    # A plain string: the exported tokenizer wraps it in the template it was trained with (it went in raw, and the
+    # model, trained to answer after the assistant turn, ended at once with an empty answer)
+    plain = [pipe(p, return_full_text=False)[0]["generated_text"] for p in PROMPTS[:3]]
+    assert [a.strip() for a in plain] == served
+    assert pipe.tokenizer(PROMPTS[0])["input_ids"] == prompt_ids(pipe.tokenizer, PROMPTS[0], None, templated=True)
 
 
 def test_a_model_trained_on_a_label_set_answers_with_one_of_its_labels(lm_dir, adapter_dir, tmp_path):

@@ -17,7 +17,7 @@ from frugaltune import generation
 from frugaltune.config import parse_params
 from frugaltune.data import DataSourceError, normalize_pairs, random_split
 from frugaltune.models import load_for_causal_lm
-from frugaltune.sft_data import arithmetic_rows, chat_rows
+from frugaltune.sft_data import arithmetic_rows, chat_rows, date_rows
 from frugaltune.training.batching import IGNORE_INDEX, collate_targets, target_counts
 from frugaltune.training.batching import collate
 from frugaltune.training.inference import lm_loss, model_loss, shared_prefix_length
@@ -39,6 +39,27 @@ def sft_examples(tokenizer, n=24):
         ids.append(prompt + response)
         labels.append([IGNORE_INDEX] * len(prompt) + response)
     return ids, labels
+
+
+def test_the_readmes_dates_are_distinct_iso_answers_of_their_prompts_with_valid_near_misses():
+    """The README's example set: each answer is the prompt's date in ISO form (its year, its month's name or number,
+    its day), the prompts are distinct, and the candidates are real dates, the answer among them."""
+    import calendar
+    import datetime
+
+    rows = date_rows(300, seed=3, candidates=4)
+    assert len({row["prompt"] for row in rows}) == 300 and rows == date_rows(300, seed=3, candidates=4)
+    styles = set()
+    for row in rows:
+        date = datetime.date.fromisoformat(row["response"])
+        text = row["prompt"].removeprefix("Write this date as YYYY-MM-DD: ")
+        assert str(date.year) in text and str(date.day) in text, row
+        assert (calendar.month_name[date.month] in text or calendar.month_abbr[date.month] in text
+                or f"{date.day:02d}.{date.month:02d}.{date.year}" == text), row
+        assert row["response"] in row["candidates"] and len(set(row["candidates"])) == 4, row
+        assert all(datetime.date.fromisoformat(c) for c in row["candidates"])
+        styles.add("".join("9" if ch.isdigit() else ch for ch in text if not ch.isalpha()))
+    assert len(styles) >= 6  # the styles are all drawn
 
 
 def test_pairs_from_columns_and_from_chat_messages_and_their_errors(tmp_path):
