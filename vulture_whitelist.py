@@ -12,6 +12,7 @@ _.on_step_end  # unused method (benchmarks/train_throughput.py:208)
 control  # unused variable (benchmarks/train_throughput.py:135): transformers' TrainerCallback argument
 qlora  # unused variable (frugaltune/config/training.py:124)
 none  # unused variable (frugaltune/config/training.py:127)
+prelayer  # unused variable (frugaltune/config/training.py:133): read as train.<method> (training/setup.py body_lr)
 stage_timeout_s  # unused variable (frugaltune/config/release.py:50)
 train_timeout_s  # unused variable (frugaltune/config/release.py:53)
 _.initialize_parameters  # unused method (frugaltune/federated/secure.py:55)

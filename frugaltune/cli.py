@@ -27,6 +27,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from frugaltune import methods  # the method registry: no import beyond the standard library
+
 
 DEFAULT_PARAMS = "params.yaml"
 
@@ -431,7 +433,7 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpointing / precision / threads it recommends and the ETA. Exit status 1 when train.method cannot fit.",
     )
     plan.add_argument("--params", help=f"params file (default: {DEFAULT_PARAMS})")
-    plan.add_argument("--method", choices=["none", "full", "lora", "qlora", "prelayer", "dora"],
+    plan.add_argument("--method", choices=methods.NAMES,
                       help="plan (and calibrate) this method instead of train.method")
     plan.add_argument("--model", metavar="NAME|CONFIG|DIR",
                       help="plan this model instead of models/base: a shape the repository holds (SmolLM2-360M, "

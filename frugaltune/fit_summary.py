@@ -7,6 +7,8 @@ gradient checkpointing, int8 products and NF4 per method) and decides nothing it
 
 from __future__ import annotations
 
+from frugaltune.methods import get as method_named
+
 GiB = 2**30
 
 
@@ -26,15 +28,16 @@ def fit_line(plan: dict) -> str:
     for it)."""
     said = []
     for method, entry in plan["methods"].items():
-        if method == "none":
+        spec = method_named(method)
+        if not spec.trained:
             continue
-        name = f"{method} (NF4)" if method == "qlora" else method
+        name = f"{method} (NF4)" if spec.quantized_base else method
         peak = entry["predicted_peak_bytes"] / GiB
         if entry["fits"]:
             said.append(f"{name} fits at {_how(entry)} ({peak:.1f} GiB)")
         else:
             said.append(f"{name} needs {peak:.1f} GiB even at {_how(entry)}")
-    fitting = [m for m, e in plan["methods"].items() if e["fits"] and m != "none"]
+    fitting = [m for m, e in plan["methods"].items() if e["fits"] and method_named(m).trained]
     if not fitting:
         said.append("nothing trains here: lower tokenize.max_length or train.batch_size, or use a larger machine")
     return (f"At {plan['memory_limit_bytes'] / GiB:.3g} GiB ({plan['budget_bytes'] / GiB:.1f} usable): "

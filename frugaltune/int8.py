@@ -33,14 +33,16 @@ import time
 
 import torch
 
+from frugaltune import methods
+
 # int8 must multiply at least this much faster than the products it replaces before `auto` turns it on: the rest of
 # a step (quantizing, rescaling, everything that is not a product) does not speed up, so a GEMM ratio shrinks to
 # much less per step (docs/DECISIONS.md, "int8 products").
 MIN_GEMM_RATIO = 1.5
-# `auto` covers the methods where it was measured to keep their quality (DECISIONS, "int8 products": the loop and
-# the method table); QLoRA's NF4 values quantized again to int8 lost 0.0125 macro-F1 there, so QLoRA needs `true`.
-# `true` applies it to any method with frozen nn.Linear (or bitsandbytes Linear4bit) weights.
-AUTO_METHODS = ("lora", "dora")
+# `auto` covers the methods where it was measured to keep their quality (`Method.int8_auto` in frugaltune/methods.py:
+# DECISIONS, "int8 products": the loop and the method table); QLoRA's NF4 values quantized again to int8 lost
+# quality there, so QLoRA needs `true`. `true` applies it to any method with frozen nn.Linear (or bitsandbytes
+# Linear4bit) weights.
 # Children of one parent module that read the same input tensor (Llama-family names: SmolLM2, Llama, Qwen, Mistral)
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
@@ -332,7 +334,7 @@ def apply(model: torch.nn.Module, decision: dict, method: str, grouped: bool = T
     many modules changed, how many sibling groups and whether it compiled."""
     if not decision["on"]:
         return decision
-    modules = to_int8(model, keep_weights=method == "dora")
+    modules = to_int8(model, keep_weights=methods.get(method).dora)
     return {**decision, "modules": modules, "groups": group_siblings(model) if grouped else 0,
             "compiled": status()["compiled"]}
 
@@ -371,11 +373,11 @@ def gemm_ratio(hidden: int, intermediate: int, bf16: bool, rows: int = 512, roun
 
 def decide(setting: str | bool, method: str, bf16: bool, hidden: int, intermediate: int, on_gpu: bool,
            measured: dict | None = None) -> dict:
-    """Whether to train with int8 products: `true`/`false` as set; `auto` on a CPU, for AUTO_METHODS, under bf16,
-    where int8 multiplies at least MIN_GEMM_RATIO x faster than bf16, measured here and now. Not under fp32: their
-    quality was measured against bf16 training, and against fp32 training they lost it (docs/DECISIONS.md, "The
-    federation on this CPU"). Called by the plan alone (planner.machine.decide_machine); `measured`, when given,
-    keeps the timing for the next call."""
+    """Whether to train with int8 products: `true`/`false` as set; `auto` on a CPU, for the methods whose registry
+    entry allows it (`Method.int8_auto`), under bf16, where int8 multiplies at least MIN_GEMM_RATIO x faster than
+    bf16, measured here and now. Not under fp32: their quality was measured against bf16 training, and against fp32
+    training they lost it (docs/DECISIONS.md, "The federation on this CPU"). Called by the plan alone
+    (planner.machine.decide_machine); `measured`, when given, keeps the timing for the next call."""
     if setting is False or setting == "false":
         return {"on": False, "why": "train.int8_products is false"}
     if on_gpu:
@@ -384,8 +386,9 @@ def decide(setting: str | bool, method: str, bf16: bool, hidden: int, intermedia
         return {"on": False, "why": "this torch has no torch._int_mm"}
     if setting is True or setting == "true":
         return {"on": True, "why": "train.int8_products is true"}
-    if method not in AUTO_METHODS:
-        return {"on": False, "why": f"auto covers {', '.join(AUTO_METHODS)} (measured there), not {method}"}
+    if not methods.get(method).int8_auto:
+        covered = ", ".join(name for name, m in methods.METHODS.items() if m.int8_auto)
+        return {"on": False, "why": f"auto covers {covered} (measured there), not {method}"}
     if not bf16:
         return {"on": False, "why": "auto covers bf16 training (measured there); in fp32 training int8 products "
                                     "lost quality (docs/DECISIONS.md)"}

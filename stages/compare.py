@@ -21,12 +21,11 @@ from frugaltune.faults import stage_errors
 from frugaltune import paths, store
 from frugaltune.recipes import evaluate, train
 from frugaltune.config import ParamsError, load_params
-from frugaltune.training.methods import METHODS
+from frugaltune.methods import NAMES, get as method_named
 
 
 def run(params, method: str) -> dict:
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; methods: {', '.join(METHODS)}")
+    method_named(method)  # an unknown name: ValueError naming the methods
     budget = {"method": method}
     if params.compare.max_steps:
         budget["max_steps"] = params.compare.max_steps
@@ -41,7 +40,7 @@ def run(params, method: str) -> dict:
 def main() -> None:
     with stage_errors("compare"):  # a full disk: one clear line, not a traceback
         if len(sys.argv) != 2:
-            sys.exit(f"usage: python -m stages.compare <method>   (methods: {', '.join(METHODS)})")
+            sys.exit(f"usage: python -m stages.compare <method>   (methods: {', '.join(NAMES)})")
         try:
             run(load_params(), sys.argv[1])  # on train.allocator's malloc already: see the first lines
         except (ParamsError, ValueError, FileNotFoundError, store.StoreError) as exc:  # a server that is down too

@@ -11,6 +11,9 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from frugaltune.config.base import AUTO, Section, check_name
+from frugaltune.methods import NAMES as METHOD_NAMES, MethodKnobs, get as method_named
+
+MethodName = Literal[METHOD_NAMES]  # the registry's methods (frugaltune/methods.py)
 
 
 class ProbeParams(Section):
@@ -86,6 +89,10 @@ class LoraParams(Section):
         None, ge=1, description="Adapt only the last N decoder layers; null = all. The layers below get no "
         "backward pass (nothing under them trains), so a step costs about forward + N/L of the backward.")
 
+    def knobs(self) -> MethodKnobs:
+        """These settings in the shape the code passes around (QLoRA's quantization included)."""
+        return MethodKnobs(**(self.model_dump() | {"target_modules": tuple(self.target_modules)}))
+
 
 class QloraParams(LoraParams):
     quant_type: Literal["nf4", "fp4"] = Field("nf4", description="4-bit data type of the frozen base weights.")
@@ -114,7 +121,7 @@ class DistributedParams(Section):
 
 
 class TrainParams(Section):
-    method: Literal["none", "full", "lora", "qlora", "prelayer", "dora"] = Field(
+    method: MethodName = Field(
         "lora",
         description="none: evaluate the base model; full: every weight; lora/dora: adapters (peft); qlora: LoRA on "
         "a 4-bit NF4 base (bitsandbytes); prelayer: only the embeddings and the head.",
@@ -193,6 +200,10 @@ class TrainParams(Section):
         default_factory=DistributedParams, description="Data-parallel training over several processes (torchrun)."
     )
 
+    def knobs(self, method: str) -> MethodKnobs:
+        """`train.<method>`'s LoRA settings; a method without adapters reads none (the defaults)."""
+        return getattr(self, method).knobs() if method_named(method).adapters else MethodKnobs()
+
     @field_validator("experiment")
     @classmethod
     def _experiment_is_a_name(cls, experiment: str | None) -> str | None:
@@ -217,8 +228,8 @@ class TrainParams(Section):
 
 
 class CompareParams(Section):
-    methods: list[Literal["none", "full", "lora", "qlora", "prelayer", "dora"]] = Field(
-        ["none", "full", "lora", "qlora", "prelayer", "dora"],
+    methods: list[MethodName] = Field(
+        list(METHOD_NAMES),
         description="Methods in the comparison table (keep in step with the matrix in dvc.yaml).",
     )
     max_steps: int | None = Field(

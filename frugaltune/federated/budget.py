@@ -38,7 +38,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from frugaltune.planner.calibration import calibrate
@@ -63,7 +63,7 @@ class Machine:
 
 
 def measure_client_round(model_dir: Path, labels: list[str], pad_token_id: int, parts: Path, plan: dict, *,
-                         lora: local.LoraSpec, batch_size: int, lr: float, seed: int, precision: Precision,
+                         lora: MethodKnobs, batch_size: int, lr: float, seed: int, precision: Precision,
                          threads: int, allocator: str, test_ids: list[list[int]]) -> tuple[Constants, dict]:
     """The planner's calibration of the clients' loop on this machine, over client `plan`'s own rows and steps, with
     their precision and int8 products, and of the server's evaluation over a few of the test split's batches
@@ -72,8 +72,7 @@ def measure_client_round(model_dir: Path, labels: list[str], pad_token_id: int, 
 
     input_ids, targets = local.read_examples(rows.client_file(parts, plan["client"]))
     rank = plan["lora_rank"]
-    knobs = MethodKnobs(r=rank, alpha=aggregation.client_alpha(lora.alpha, lora.r, rank),
-                        dropout=lora.dropout, target_modules=tuple(lora.target_modules))
+    knobs = replace(lora, r=rank, alpha=aggregation.client_alpha(lora.alpha, lora.r, rank))
     shape = model_shape(str(model_dir), len(labels), "lora", knobs)
     steps, order = planned_order([len(r) for r in input_ids], batch_size, 1, 1.0, plan["local_steps"], seed)
     loop = asdict(LoopConfig(lr=lr, max_steps=steps, batch_size=batch_size, micro_batch_size=plan["micro_batch_size"],
@@ -180,7 +179,7 @@ def decide(params, plans: dict[str, list[dict]], runs: list[tuple[str, str]], la
     machine = Machine(threads=fp.threads, workers=max(1, physical // fp.threads), server_threads=physical)
     included = sorted((p for p in plans[runs[0][0]] if p["fits"]), key=lambda p: (p["examples"], p["client"]))
     probe = included[len(included) // 2]  # a client of the median size stands for the others' speed per token
-    lora = local.LoraSpec(fp.lora.r, fp.lora.alpha, fp.lora.dropout, tuple(fp.lora.target_modules))
+    lora = fp.lora.knobs()
     test_ids, test_labels = local.read_examples(data / "test.parquet")
     try:
         constants, calibration = measure_client_round(

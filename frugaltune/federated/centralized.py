@@ -47,7 +47,7 @@ def baseline(params: Params, labels: list[str], pad_token_id: int, examples: int
     per_step = tp.batch_size * tp.grad_accum
     steps = max(1, round(examples / per_step))
     threads = torch.get_num_threads()
-    spec = local.LoraSpec(fp.lora.r, fp.lora.alpha, fp.lora.dropout, tuple(fp.lora.target_modules))
+    spec = fp.lora.knobs()
     bf16, eager, int8 = precision or machine_precision(params)  # as the clients train
     model = local.build_model(paths.BASE_MODEL, labels, pad_token_id, seed, spec, bf16=bf16, int8=int8)
     input_ids, targets = local.read_examples(paths.FEDERATED_DATA / "train.parquet")

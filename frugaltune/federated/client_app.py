@@ -47,6 +47,7 @@ from frugaltune import allocator
 from frugaltune.federated import aggregation, local, rounds, secure, wire
 from frugaltune.federated.privacy import privatize
 from frugaltune.federated.settings import NodeSettings, RoundSettings, RunSettings
+from frugaltune.methods import MethodKnobs
 from frugaltune.training.loop import peak_rss_mb, reset_peak_rss
 
 # SecAgg+'s protocol messages go through Flower's secaggplus_mod; the others straight to `train`
@@ -86,7 +87,7 @@ def node_settings(context: Context) -> NodeSettings:
     return NodeSettings.from_flower(node)
 
 
-def cached_model(model_dir: str, labels: list[str], pad_token_id: int, seed: int, spec: local.LoraSpec,
+def cached_model(model_dir: str, labels: list[str], pad_token_id: int, seed: int, spec: MethodKnobs,
                  rank: int, bf16: bool = False, int8: bool = False) -> tuple[torch.nn.Module, bool]:
     """The LoRA model for `rank`, built once per process, and whether this call reused it. Every trainable tensor
     (A, B, head) is overwritten by the round's global before training, so a reused model trains exactly as a fresh

@@ -7,7 +7,7 @@ training itself is `frugaltune.training.loop.train_classifier`, the same loop th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 import torch
 
 from frugaltune.federated import aggregation
+from frugaltune.methods import MethodKnobs
 from frugaltune.metrics import classification_metrics
 from frugaltune.training.batching import collate, sorted_batches
 from frugaltune.training.inference import autocast
@@ -22,34 +23,17 @@ from frugaltune.training.loop import LoopConfig, TrainResult, train_classifier
 from frugaltune.training.methods import prepare_model
 
 
-@dataclass(frozen=True)
-class LoraSpec:
-    """The global adapter's shape: every client uses these target modules and alpha/r; its own rank <= r."""
-    r: int
-    alpha: int
-    dropout: float
-    target_modules: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class _Knobs:  # what prepare_model reads from `train.lora`
-    r: int
-    alpha: int
-    dropout: float
-    target_modules: tuple[str, ...]
-    last_layers: None = None  # every layer adapts (config refuses federated.lora.last_layers)
-
-
-def build_model(model_dir: Path | str, labels: list[str], pad_token_id: int, seed: int, lora: LoraSpec,
+def build_model(model_dir: Path | str, labels: list[str], pad_token_id: int, seed: int, lora: MethodKnobs,
                 rank: int | None = None, bf16: bool = False, int8: bool = False) -> torch.nn.Module:
-    """The base model with the seeded head and LoRA of `rank` (default: the global rank), alpha scaled to keep
-    alpha/r (see aggregation.client_alpha). `bf16`: the model will train or evaluate under bf16 autocast, so its
+    """The base model with the seeded head and LoRA of `rank` (default: the global adapter's, `lora`: every client
+    uses its target modules and alpha/r, its own rank <= r), alpha scaled to keep alpha/r (see
+    aggregation.client_alpha); every layer adapts (config refuses federated.lora.last_layers). `bf16`: the model will train or evaluate under bf16 autocast, so its
     frozen projections are stored in bf16 once, as the train stage's are (`prepare_model`): the same products,
     without a cast of every frozen weight at every use and with half their memory. `int8`: a model that trains
     with the plan's int8 products (frugaltune/int8.py, as the train stage's LoRA): its frozen Linears in int8; the
     tensors that train and travel (A, B, head) are the same, so it takes and gives the same globals."""
     rank = rank or lora.r
-    knobs = _Knobs(rank, aggregation.client_alpha(lora.alpha, lora.r, rank), lora.dropout, lora.target_modules)
+    knobs = replace(lora, r=rank, alpha=aggregation.client_alpha(lora.alpha, lora.r, rank))
     model = prepare_model(model_dir, labels, pad_token_id, seed, "lora", knobs, bf16=bf16)
     if int8:
         from frugaltune import int8 as products

@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 from frugaltune import paths, resolve
 from frugaltune.planner.assembly import RunSpec
-from frugaltune.planner.memory import Constants, MethodKnobs
+from frugaltune.planner.memory import Constants
 from frugaltune.config import FederatedParams, Params
 from frugaltune.federated import profiles, rows
 from frugaltune.io import read_json
@@ -64,17 +64,12 @@ def plan_calibration(bf16: bool, int8: bool = False) -> tuple[Constants, int | N
     return Constants(), None, why + ": no time estimate"
 
 
-def method_knobs(fp: FederatedParams) -> MethodKnobs:
-    return MethodKnobs(r=fp.lora.r, alpha=fp.lora.alpha, dropout=fp.lora.dropout,
-                       target_modules=tuple(fp.lora.target_modules))
-
-
 def plan_clients(fp: FederatedParams, summary: dict, parts: Path, model_dir: Path, num_labels: int, max_length: int,
                  seed: int, precision: Precision) -> list[dict]:
     """Each client's plan on its declared hardware (frugaltune/federated/profiles.py): method, rank, micro-batch and
     local steps, with the time the plan stage's calibration of this CPU predicts (`round_budget_s` caps the steps by
     it) and the memory the planner's model predicts."""
-    knobs = method_knobs(fp)
+    knobs = fp.lora.knobs()
     constants, calibrated_cores, source = plan_calibration(precision.bf16, precision.int8)
     plans = []
     for entry in summary["clients"]:

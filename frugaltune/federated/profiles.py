@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 
+from frugaltune.methods import get as method_named
 from frugaltune.planner.assembly import RunSpec, plan_method
 from frugaltune.planner.memory import Constants, MethodKnobs, model_shape
 
@@ -62,8 +63,8 @@ def plan_client(profile: HardwareProfile, run: RunSpec, model_config, num_labels
     limit = int((profile.gpu_memory_gb if on_gpu else profile.ram_gb) * GiB)
     reasons = []
     for method in ("lora", "qlora"):
-        if method == "qlora" and not on_gpu:
-            reasons.append("qlora: 4-bit training needs a CUDA GPU here")
+        if method_named(method).quantized_base and not on_gpu:
+            reasons.append(f"{method}: 4-bit training needs a CUDA GPU here")
             continue
         shape = model_shape(model_config, num_labels, method, knobs)
         spec = replace(run, method=method, max_steps=local_steps, knobs={method: knobs})

@@ -79,7 +79,7 @@ def export_adapter(out: Path, params: Params, labels: list[str], pad_token_id: i
     fp = params.federated
     number = rounds.last_completed_round(out)  # a round exists when its JSON does, not the folder's last file
     last = rounds.round_path(out, number, "safetensors")
-    spec = local.LoraSpec(fp.lora.r, fp.lora.alpha, fp.lora.dropout, tuple(fp.lora.target_modules))
+    spec = fp.lora.knobs()
     model = local.build_model(paths.BASE_MODEL, labels, pad_token_id, params.common.seed, spec)
     local.load_tensors(model, load_file(str(last)))
     with atomic_dir(dest) as tmp:

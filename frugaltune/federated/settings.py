@@ -23,7 +23,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from frugaltune.federated import aggregation
-from frugaltune.federated.local import LoraSpec
+from frugaltune.methods import MethodKnobs
 
 Scalar = str | int | float | bool
 
@@ -79,8 +79,9 @@ class ClientTraining(FlowerRecord):
 
     _lists = field_validator("labels", "lora_target_modules", mode="before")(_json_list)
 
-    def lora(self) -> LoraSpec:
-        return LoraSpec(self.lora_r, self.lora_alpha, self.lora_dropout, tuple(self.lora_target_modules))
+    def lora(self) -> MethodKnobs:
+        """The global adapter's LoRA settings (the flat `lora-*` keys are what Flower's run config carries)."""
+        return MethodKnobs(self.lora_r, self.lora_alpha, self.lora_dropout, tuple(self.lora_target_modules))
 
 
 class RoundSettings(ClientTraining):

@@ -14,11 +14,11 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from frugaltune.methods import METHODS, NAMES, get as method_named, timing_order
 from frugaltune.planner.calibration import calibrate
 from frugaltune.planner.machine import decide_machine, layer_flops_per_s, memory_limit
-from frugaltune.planner.memory import (ADAPTER_METHODS, FLOPS_FACTOR, TRAINED_METHODS, Constants, GiB, MethodKnobs,
-                                       MiB, ModelShape, memory_estimate, model_shape, planned_batches,
-                                       planned_order, training_flops_per_token)
+from frugaltune.planner.memory import (Constants, GiB, MethodKnobs, MiB, ModelShape, memory_estimate, model_shape,
+                                       planned_batches, planned_order, training_flops_per_token)
 from frugaltune.planner.worker import CalibrationWorker
 
 if TYPE_CHECKING:
@@ -26,10 +26,6 @@ if TYPE_CHECKING:
 
 
 HEADROOM = 0.9  # plan to use at most this share of the memory limit: the OS and page cache need the rest
-# The order the calibration times the methods it was not configured with, while its budget lasts: those whose
-# training FLOPs (the fallback) are furthest from their measured cost first (docs/DECISIONS.md, "A calibration
-# under a tenth of the run").
-TIMING_ORDER = ("full", "prelayer", "qlora", "dora", "lora")
 
 
 class PlanError(ValueError):
@@ -79,7 +75,7 @@ def plan_method(method: str, run: RunSpec, hardware: dict, shape: ModelShape, co
     knobs = run.knobs.get(method, MethodKnobs())
     steps, batches = schedule or planned_batches(list(run.lengths), run.batch_size, run.grad_accum, run.epochs,
                                                  run.max_steps, run.seed, run.group_by_length)
-    if method == "none":
+    if not method_named(method).trained:
         steps, batches = 0, []
     from frugaltune.training.batching import part_rows
 
@@ -140,7 +136,7 @@ def plan_method(method: str, run: RunSpec, hardware: dict, shape: ModelShape, co
     if ratio is not None:
         peak_note = (f"activations: {calibrated}'s x {ratio:.2f}, the bytes {method} saved for backward against "
                      f"{calibrated}'s on the same rows here")
-    elif calibrated and method not in (calibrated, "none"):
+    elif calibrated and method != calibrated and method_named(method).trained:
         peak_note = f"activations: {method}'s analytic bytes per token at {calibrated}'s measured scale"
     grad_accum = run.grad_accum * split
     reasons = _reasons(method, run, fits, split, micro, grad_accum, ckpt)
@@ -176,16 +172,18 @@ def _eta(method: str, constants: Constants, steps: int, padded: int, ckpt: bool,
     calibrated speed, scaled to `method` by its measured cost or its training FLOPs; not calibrated, the run's
     training `flops` at the kernels stage's measured layer speed (None: neither)."""
     eta, eta_note = None, "no calibration: run `frugaltune plan` with calibration for an ETA"
+    trained = method_named(method).trained
     recompute = 4 / 3 if ckpt else 1.0  # checkpointing reruns the forward pass: +1 forward per 3 passes
-    if constants.seconds_per_token is None and constants.flops_per_s and method != "none":
+    if constants.seconds_per_token is None and constants.flops_per_s and trained:
         eta = flops * recompute / constants.flops_per_s
         eta_note = (f"analytic, not calibrated: {flops * recompute / 1e12:.2f} TFLOP at the "
                     f"{constants.flops_per_s / 1e9:.0f} GFLOP/s the kernels stage measured through a decoder layer "
                     "(the steps' overhead, the optimizer and the start-up not counted)")
-    elif constants.seconds_per_token is not None and method != "none":
+    elif constants.seconds_per_token is not None and trained:
         factor, calibrated = 1.0, constants.calibrated_method
         if calibrated and calibrated != method:
-            factor = constants.method_cost.get(method) or FLOPS_FACTOR[method] / FLOPS_FACTOR[calibrated]
+            factor = (constants.method_cost.get(method)
+                      or method_named(method).flops_factor / method_named(calibrated).flops_factor)
         eta = (constants.startup_s + (steps * constants.step_overhead_s
                                       + padded * constants.seconds_per_token * recompute) * factor)
         if not calibrated or calibrated == method:
@@ -197,7 +195,7 @@ def _eta(method: str, constants: Constants, steps: int, padded: int, ckpt: bool,
             why = constants.not_timed.get(method, "not asked for")
             eta_note = (f"the {calibrated} calibration x {factor:.2f} (training FLOPs per token: {method} not timed: "
                         f"{why})")
-    elif method == "none":
+    elif not trained:
         eta, eta_note = 0.0, "nothing to train"
     return eta, eta_note
 
@@ -205,7 +203,7 @@ def _eta(method: str, constants: Constants, steps: int, padded: int, ckpt: bool,
 def _reasons(method: str, run: RunSpec, fits: bool, split: int, micro: int, grad_accum: int, ckpt: bool) -> list[str]:
     """Why the plan of a method that fits is what it is: accumulation, checkpointing, or as configured."""
     reasons = []
-    if method == "none":
+    if not method_named(method).trained:
         reasons.append("inference only: weights and one batch of hidden states")
     elif fits:
         if split > 1:
@@ -251,7 +249,7 @@ def make_plan(run: RunSpec, hardware: dict, shapes: dict[str, ModelShape], const
     for method, entry in methods.items():
         entry["int8_products"] = bool(decided["int8"].get(method, {}).get("on", False))
     configured = methods.get(run.method)
-    fitting = [m for m, p in methods.items() if p["fits"] and m != "none"]
+    fitting = [m for m, p in methods.items() if p["fits"] and method_named(m).trained]
     return {
         "configured_method": run.method,
         "fits": bool(configured and configured["fits"]),
@@ -286,11 +284,11 @@ def check_fits(plan: dict, method: str | None = None) -> dict:
     entry = plan["methods"].get(method)
     if entry is None:
         raise PlanError(f"reports/plan.json has no plan for train.method = {method}: run `dvc repro plan`.")
-    if entry["fits"] or method == "none":
+    if entry["fits"] or not method_named(method).trained:
         return entry
     # The fastest fitting method first: the largest micro-batch, then the fewest training FLOPs, then the least memory.
-    others = sorted((-p["micro_batch_size"], FLOPS_FACTOR[m], p["predicted_peak_bytes"], m)
-                    for m, p in plan["methods"].items() if p["fits"] and m != "none")
+    others = sorted((-p["micro_batch_size"], method_named(m).flops_factor, p["predicted_peak_bytes"], m)
+                    for m, p in plan["methods"].items() if p["fits"] and method_named(m).trained)
     if others:
         best = plan["methods"][others[0][3]]
         suggestion = (f"train.method: {others[0][3]} fits (predicted peak {best['predicted_peak_bytes'] / GiB:.2f} GiB "
@@ -307,14 +305,8 @@ def check_fits(plan: dict, method: str | None = None) -> dict:
 
 
 def method_knobs(params: "Params") -> dict[str, MethodKnobs]:
-    """`train.<method>` as the planner sees it (adapter rank, targets, quantization)."""
-    knobs = {}
-    for method in ADAPTER_METHODS:
-        k = getattr(params.train, method)
-        extra = {"quant_type": k.quant_type, "double_quant": k.double_quant} if method == "qlora" else {}
-        knobs[method] = MethodKnobs(r=k.r, alpha=k.alpha, dropout=k.dropout,
-                                    target_modules=tuple(k.target_modules), last_layers=k.last_layers, **extra)
-    return knobs
+    """`train.<method>` as the planner sees it (adapter rank, targets, quantization), for the methods with adapters."""
+    return {name: params.train.knobs(name) for name, m in METHODS.items() if m.adapters}
 
 
 def run_spec(params: "Params", lengths: list[int]) -> RunSpec:
@@ -366,7 +358,8 @@ def build_plan(params: "Params", hardware: dict[str, Any], measured_precision: d
     run_calibration = params.probe.calibrate if run_calibration is None else run_calibration
     # The calibration's process starts now: its imports run beside this function's own work (the data, the shapes,
     # the machine's decisions) instead of after it. Closed unused when the run is not calibrated.
-    worker = CalibrationWorker(params.train.allocator) if run_calibration and params.train.method != "none" else None
+    worker = (CalibrationWorker(params.train.allocator)
+              if run_calibration and method_named(params.train.method).trained else None)
     try:
         return _build_plan(params, hardware, measured_precision, run_calibration, memory_limit_gb, methods, log, worker,
                            model)
@@ -405,7 +398,7 @@ def _build_plan(params: "Params", hardware: dict[str, Any], measured_precision: 
     if params.task.type == "causal_lm":
         spec = replace(spec, shared_prefix=common_prompt_prefix(train_split["input_ids"], train_split["labels"]))
     knobs = spec.knobs
-    methods = methods or ("none", *TRAINED_METHODS)
+    methods = methods or NAMES
     task = params.task.type
     config_dir = model.config_dir if model else paths.BASE_MODEL  # --model: its config, weights or not
     shapes = {m: model_shape(config_dir, max(len(labels), 1), m, knobs.get(m, MethodKnobs()), task)
@@ -418,8 +411,9 @@ def _build_plan(params: "Params", hardware: dict[str, Any], measured_precision: 
     draft = make_plan(spec, hardware, shapes, analytic, limit_gb, measured_precision=measured_precision,
                       decided=decided)
     method = spec.method
-    if not run_calibration or method == "none" or not draft["methods"][method]["fits"]:
-        if run_calibration and method != "none":
+    trained = method_named(method).trained
+    if not run_calibration or not trained or not draft["methods"][method]["fits"]:
+        if run_calibration and trained:
             log(f"plan: not calibrating: {method} does not fit by the analytic model")
         return draft
     short = _too_short_to_calibrate(draft["methods"][method]["eta_seconds"], params.probe)
@@ -445,8 +439,8 @@ def _build_plan(params: "Params", hardware: dict[str, Any], measured_precision: 
         # every other method the plan lists and memory allows, timed on one micro-batch: each gets its own ETA
         others=[{"method": m, "knobs": knobs.get(m, MethodKnobs()),
                  "int8": decided["int8"].get(m, {"on": False, "why": "not decided"})}
-                for m in sorted(methods, key=lambda m: TIMING_ORDER.index(m) if m in TIMING_ORDER else 0)
-                if m not in ("none", method) and draft["methods"][m]["fits"]],
+                for m in timing_order(methods)
+                if m != method and method_named(m).trained and draft["methods"][m]["fits"]],
         worker=worker, planned=(entry["steps"], entry["padded_tokens"]), stop_when_busy=True)
     if calibration["busy_note"]:
         log(f"plan: {calibration['busy_note']}")

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import os
 
-from frugaltune.planner.memory import GiB, TRAINED_METHODS
+from frugaltune.methods import TRAINED, get as method_named
+from frugaltune.planner.memory import GiB
 
 
 def measured_on(hardware: dict, kernels_report: dict | None) -> dict | None:
@@ -98,7 +99,7 @@ def keep_sdpa_off_cudnn() -> bool:
 
 
 def decide_machine(hardware: dict, measured: dict | None, precision_setting: str = "auto",
-                   int8_setting: str | bool = "auto", methods: tuple[str, ...] = TRAINED_METHODS,
+                   int8_setting: str | bool = "auto", methods: tuple[str, ...] = TRAINED,
                    dims: tuple[int, int] | None = None, threads: int | None = None, ranks: int = 1) -> dict:
     """Every machine-dependent setting of a run, decided here and only here (the plan stage writes the result to
     reports/plan.json's `machine` section; frugaltune.resolve reads it for every consumer).
@@ -139,7 +140,7 @@ def decide_machine(hardware: dict, measured: dict | None, precision_setting: str
         ratio: dict = {}  # one timing serves every method: it depends on the precision and shapes alone
         for setting in settings:
             for method in methods:
-                by_setting[setting][method] = {"on": False, "why": "nothing trains"} if method == "none" else (
+                by_setting[setting][method] = {"on": False, "why": "nothing trains"} if not method_named(method).trained else (
                     int8.decide(setting, method, bf16, dims[0], dims[1], bool(gpus) and torch.cuda.is_available(),
                                 ratio))
     decided["int8"] = by_setting[decided["int8_setting"]]

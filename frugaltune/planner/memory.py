@@ -32,40 +32,26 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from frugaltune import methods
+from frugaltune.methods import MethodKnobs
 
 GiB = 2**30
 MiB = 2**20
 CPU_RUNTIME_BYTES = int(0.55 * GiB)  # python + torch + transformers + peft imported, before calibration
 CUDA_CONTEXT_BYTES = int(0.5 * GiB)
 NF4_BLOCK = 64
-TRAINED_METHODS = ("full", "lora", "qlora", "prelayer", "dora")
-ADAPTER_METHODS = ("lora", "qlora", "dora")
-# Training FLOPs per token relative to the matmul parameter count N: forward 2N, backward 2N for the input
-# gradients, +2N for weight gradients when every weight trains.
-FLOPS_FACTOR = {"full": 6.0, "lora": 4.0, "qlora": 4.0, "dora": 4.0, "prelayer": 4.0, "none": 2.0}
 
 
 def training_flops_per_token(shape: ModelShape, method: str, mean_length: float) -> float:
-    """A padded token's training FLOPs: its matmuls (FLOPS_FACTOR x the matmul parameters) and its attention over
-    the batch's `mean_length` positions (scores and weighted sum, forward and the two backward products)."""
-    attention = 4 * shape.layers * shape.hidden * mean_length * (3 if method != "none" else 1)
-    return FLOPS_FACTOR[method] * shape.matmul_params + attention
+    """A padded token's training FLOPs: its matmuls (the method's `flops_factor` x the matmul parameters) and its
+    attention over the batch's `mean_length` positions (scores and weighted sum, forward and, when it trains, the
+    two backward products)."""
+    spec = methods.get(method)
+    attention = 4 * shape.layers * shape.hidden * mean_length * (3 if spec.trained else 1)
+    return spec.flops_factor * shape.matmul_params + attention
 
 
 # ---------------------------------------------------------------------------------------------- model shapes
-@dataclass(frozen=True)
-class MethodKnobs:
-    """What the planner needs of `train.<method>`: adapter rank and targets (ignored by full/prelayer/none)."""
-
-    r: int = 8
-    alpha: int = 16
-    dropout: float = 0.05
-    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
-    quant_type: str = "nf4"
-    double_quant: bool = True
-    last_layers: int | None = None
-
-
 @dataclass(frozen=True)
 class ModelShape:
     total_params: int
@@ -107,6 +93,7 @@ def model_shape(model_dir_or_config, num_labels: int, method: str, knobs: Method
 
     from frugaltune.training.methods import apply_lora, freeze_for, is_head
 
+    spec = methods.get(method)
     config = _config(model_dir_or_config, num_labels)
     if task == "causal_lm":
         num_labels = config.vocab_size  # every position scores the whole vocabulary
@@ -117,23 +104,21 @@ def model_shape(model_dir_or_config, num_labels: int, method: str, knobs: Method
         matmul = sum(m.weight.numel() for n, m in linear)
         total = sum(p.numel() for p in model.parameters())
         adapted = sum(1 for n, _ in linear if n.rsplit(".", 1)[-1] in knobs.target_modules)
-        if method in ADAPTER_METHODS:
-            model = apply_lora(model, knobs.r, 2 * knobs.r, 0.0, list(knobs.target_modules), use_dora=method == "dora",
+        if spec.adapters:
+            model = apply_lora(model, knobs.r, 2 * knobs.r, 0.0, list(knobs.target_modules), use_dora=spec.dora,
                                task=task, last_layers=knobs.last_layers)
             trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
             total = sum(p.numel() for p in model.parameters())
-        elif method in ("full", "prelayer", "none"):
-            trainable = sum(p.numel() for p in freeze_for(method, model).parameters() if p.requires_grad)
         else:
-            raise ValueError(f"unknown method {method!r}; methods: none, {', '.join(TRAINED_METHODS)}")
+            trainable = sum(p.numel() for p in freeze_for(method, model).parameters() if p.requires_grad)
     layers = config.num_hidden_layers
     return ModelShape(
         total_params=total, trainable_params=trainable, quantizable_params=quantizable, matmul_params=matmul,
         layers=layers, hidden=config.hidden_size,
         intermediate=getattr(config, "intermediate_size", 4 * config.hidden_size),
         heads=config.num_attention_heads, kv_heads=getattr(config, "num_key_value_heads", config.num_attention_heads),
-        num_labels=num_labels, adapted_modules_per_layer=adapted // max(layers, 1) if method in ADAPTER_METHODS else 0,
-        adapter_rank=knobs.r if method in ADAPTER_METHODS else 0, dora=method == "dora",
+        num_labels=num_labels, adapted_modules_per_layer=adapted // max(layers, 1) if spec.adapters else 0,
+        adapter_rank=knobs.r if spec.adapters else 0, dora=spec.dora,
     )
 
 
@@ -174,7 +159,7 @@ class Constants:
     def measured_ratio(self, method: str, gradient_checkpointing: bool) -> float | None:
         """`method`'s measured activation ratio where it applies: a trained method other than the calibrated one,
         planned with the calibration's checkpointing (None: its analytic bytes at the calibrated scale)."""
-        if (method in (self.calibrated_method, "none") or self.calibrated_per_token <= 0
+        if (method == self.calibrated_method or not methods.get(method).trained or self.calibrated_per_token <= 0
                 or gradient_checkpointing != self.calibrated_checkpointing):
             return None
         return self.activation_ratio.get(method)
@@ -187,7 +172,7 @@ def weight_bytes(shape: ModelShape, method: str, knobs: MethodKnobs = MethodKnob
 
     if frozen_projections_in_bf16(method, bf16):
         return 2 * shape.quantizable_params + 4 * (shape.total_params - shape.quantizable_params)
-    if method != "qlora":
+    if not methods.get(method).quantized_base:
         return 4 * shape.total_params
     blocks = shape.quantizable_params / NF4_BLOCK
     constants = blocks * 1 + (blocks / 256) * 4 if knobs.double_quant else blocks * 4
@@ -224,7 +209,7 @@ def memory_estimate(shape: ModelShape, method: str, *, bf16: bool, micro_batch: 
     layer's weight gradients: the peak holds the larger of the two, not their sum, and `gradients` counts only what
     they add beyond the activations and logits (full fine-tuning's 4 bytes per weight; an adapter's are small).
     Otherwise a later part's backward runs with the whole step's gradients already allocated."""
-    trains = method != "none"
+    trains = methods.get(method).trained
     tokens = micro_batch * seq_len
     ratio = constants.measured_ratio(method, gradient_checkpointing)
     parts = {

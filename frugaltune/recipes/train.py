@@ -16,7 +16,7 @@ import mlflow
 import torch
 from datasets import load_from_disk
 
-from frugaltune import allocator, integrity, tracking
+from frugaltune import allocator, integrity, methods, tracking
 from frugaltune.io import atomic_dir, read_json, write_json, write_metrics, write_text
 from frugaltune import resolve
 from frugaltune.planner.machine import keep_sdpa_off_cudnn
@@ -156,7 +156,7 @@ def train_with_telemetry(params: Params, out: paths.RunOutputs, run_id: str, thr
                                cores=threads, use_nvml=params.probe.nvml)
     try:
         with sampler:
-            result = untrained() if tp.method == "none" else train_classifier(
+            result = untrained() if not methods.get(tp.method).trained else train_classifier(
                 model, rows, train_set["labels"], cfg, pad_token_id,
                 on_log=lambda rec: mlflow.log_metrics(step_metrics(rec), step=rec["step"]),
                 on_event=lambda message: mlflow.set_tag(f"event.{first_event + len(events)}", message)
@@ -210,7 +210,7 @@ def run_metrics(params: Params, result: TrainResult, resolved, world, trainable:
     if torch.cuda.is_available():  # the GPU's own peaks: what tensors held, and what the caching allocator kept
         metrics["cuda_peak_allocated_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
         metrics["cuda_peak_reserved_mb"] = round(torch.cuda.max_memory_reserved() / 2**20, 1)
-    if params.train.method == "none":  # nothing trained: no loss to report rather than a made-up one
+    if not methods.get(params.train.method).trained:  # no loss to report rather than a made-up one
         metrics = {k: v for k, v in metrics.items() if k not in ("final_loss", "mean_loss")}
     return metrics
 
@@ -258,7 +258,7 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN, use_plan: bo
                             eager_attention_max_len=resolved.eager_attention_max_len, checkpoint_dir=checkpoint_dir)
     if not world.is_main:  # the other ranks train their shares; rank 0 logs and writes everything
         try:
-            if tp.method != "none":
+            if methods.get(tp.method).trained:
                 train_classifier(model, rows, train_set["labels"], cfg, tokenizer.pad_token_id,
                                  progress=False, world=world)
             world.sum([peak_rss_mb()])  # rank 0 adds up the ranks' peaks

@@ -35,6 +35,8 @@ from collections.abc import Iterator
 
 import torch
 
+from frugaltune import methods
+
 SHORT_ATTENTION = "frugaltune_short"
 _BITS = 15  # random bits per element used: the low 15 of each 16-bit lane (the top lane of an int64 has only 15)
 
@@ -99,9 +101,10 @@ def fast_lora_dropout(model: torch.nn.Module) -> int:
 
 
 def frozen_projections_in_bf16(method: str, bf16: bool) -> bool:
-    """Whether `method`'s training stores its frozen projections in bf16 (`frozen_weights_in`): LoRA trained in
-    bf16. The one place this is decided: prepare_model applies it, the planner counts the weights' bytes by it."""
-    return bf16 and method == "lora"
+    """Whether `method`'s training stores its frozen projections in bf16 (`frozen_weights_in`): a method whose
+    registry entry says so (`Method.frozen_bf16`: LoRA) trained in bf16. The one place this is decided:
+    prepare_model applies it, the planner counts the weights' bytes by it."""
+    return bf16 and methods.get(method).frozen_bf16
 
 
 def frozen_weights_in(model: torch.nn.Module, dtype: torch.dtype) -> int:

@@ -3,7 +3,9 @@
 For `task.type: causal_lm` the same methods wrap the base model with its own LM head (no new head): LoRA/DoRA/QLoRA
 adapt the attention projections, prelayer trains the (tied) embeddings, none evaluates the base model as it is.
 
-Library code used by the `train` and `evaluate` stages.
+Library code used by the `train` and `evaluate` stages. What each method is (what trains, whether its adapters
+are DoRA's, whether its base is 4-bit) is its entry in the method registry (frugaltune/methods.py): the functions
+here carry those facts out and never ask for a method by name.
 
 | method     | what trains                                             | saved as                                   |
 | ---------- | ------------------------------------------------------- | ------------------------------------------ |
@@ -24,6 +26,7 @@ import torch
 from peft import LoraConfig, PeftModel, TaskType, get_peft_model, prepare_model_for_kbit_training
 from safetensors.torch import load_file, save_file
 
+from frugaltune import methods
 from frugaltune.training.checkpoint import copy_named_tensors
 from frugaltune.training.fast import fast_lora_dropout, frozen_projections_in_bf16, frozen_weights_in
 
@@ -32,8 +35,6 @@ from frugaltune.training.fast import fast_lora_dropout, frozen_projections_in_bf
 # here can avoid. Only that message is ignored.
 warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
 
-METHODS = ("none", "full", "lora", "qlora", "prelayer", "dora")
-PEFT_METHODS = ("lora", "qlora", "dora")
 TENSORS_FILE = "trainable.safetensors"
 HEAD_NAMES = ("score", "classifier")
 POSITION_EMBEDDINGS = ("embed_positions", "wpe", "position_embeddings")
@@ -132,25 +133,34 @@ def is_head(name: str) -> bool:
     return name.split(".")[0] in HEAD_NAMES
 
 
+def _embeddings_and_head(model: torch.nn.Module):
+    embeddings = model.get_input_embeddings()
+    embedding_names = {n for n, p in model.named_parameters() if any(p is q for q in embeddings.parameters())}
+    return lambda name: (name in embedding_names or is_head(name)
+                         or any(f".{pos}." in f".{name}" for pos in POSITION_EMBEDDINGS))
+
+
+# What trains, for the methods without adapters (`Method.trains`): a predicate on parameter names, given the model
+_TRAINABLE = {
+    "everything": lambda model: lambda name: True,
+    "nothing": lambda model: lambda name: False,
+    "embeddings": _embeddings_and_head,
+}
+
+
 def freeze_for(method: str, model: torch.nn.Module) -> torch.nn.Module:
-    """The non-PEFT methods: choose which plain parameters train."""
-    if method == "full":
-        _set_trainable(model, lambda name: True)
-    elif method == "none":
-        _set_trainable(model, lambda name: False)
-    elif method == "prelayer":
-        embeddings = model.get_input_embeddings()
-        embedding_names = {n for n, p in model.named_parameters() if any(p is q for q in embeddings.parameters())}
-        _set_trainable(model, lambda name: name in embedding_names or is_head(name)
-                       or any(f".{pos}." in f".{name}" for pos in POSITION_EMBEDDINGS))
-    else:
-        raise ValueError(f"freeze_for: {method!r} is a PEFT method or unknown; methods: {', '.join(METHODS)}")
+    """The methods without adapters: choose which plain parameters train."""
+    trainable = _TRAINABLE.get(methods.get(method).trains)
+    if trainable is None:
+        raise ValueError(f"freeze_for: {method!r} trains adapters (peft chooses what trains); methods without: "
+                         f"{', '.join(m.name for m in methods.METHODS.values() if not m.adapters)}")
+    _set_trainable(model, trainable(model))
     return model
 
 
 def save_trained(model: torch.nn.Module, method: str, out_dir: Path) -> None:
-    """PEFT methods save their adapter; the others the tensors they changed (the head included)."""
-    if method in PEFT_METHODS:
+    """Methods with adapters save them (peft); the others the tensors they changed (the head included)."""
+    if methods.get(method).adapters:
         model.save_pretrained(out_dir)
         return
     trained = {n: p.detach().contiguous() for n, p in model.named_parameters() if p.requires_grad or is_head(n)}
@@ -169,36 +179,38 @@ def load_trained(model: torch.nn.Module, trained_dir: Path) -> torch.nn.Module:
     return model
 
 
-def prepare_model(model_dir: Path | str, labels: list[str], pad_token_id: int, seed: int, method: str, knobs,
-                  bf16: bool = False, gradient_checkpointing: bool = False,
+def prepare_model(model_dir: Path | str, labels: list[str], pad_token_id: int, seed: int, method: str,
+                  knobs: methods.MethodKnobs, bf16: bool = False, gradient_checkpointing: bool = False,
                   task: str = "classification") -> torch.nn.Module:
-    """The base model with a fresh head (seeded), wrapped for `method`; `knobs` = `train.<method>` (r, alpha, ...).
+    """The base model with a fresh head (seeded), wrapped for `method`; `knobs`: its LoRA settings
+    (`params.train.knobs(method)`; a method without adapters reads none).
     `task` causal_lm: the base model with its own LM head instead (no new head; `labels` unused).
 
     Shared by the `train` stage and the planner's calibration, so that what is measured is what trains.
     """
     from frugaltune.models import load_for_causal_lm, load_for_classification, qlora_quantization
 
+    spec = methods.get(method)
     quantization = None
-    if method == "qlora":
+    if spec.quantized_base:
         quantization = qlora_quantization(knobs.quant_type, knobs.double_quant,
                                           torch.bfloat16 if bf16 else torch.float32)
     if task == "causal_lm":
         model = load_for_causal_lm(model_dir, pad_token_id, seed, quantization_config=quantization)
     else:
         model = load_for_classification(model_dir, labels, pad_token_id, seed, quantization_config=quantization)
-    if method != "qlora" and torch.cuda.is_available():
+    if not spec.quantized_base and torch.cuda.is_available():  # bitsandbytes places a 4-bit model itself
         model = model.to("cuda")
     if gradient_checkpointing:
         # Non-reentrant: works with frozen embeddings (no input gradients needed) and with peft.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
-    if method == "qlora":
+    if spec.adapters and spec.quantized_base:
         model = prepare_qlora(model, knobs.r, knobs.alpha, knobs.dropout, list(knobs.target_modules),
                               gradient_checkpointing, task, knobs.last_layers)
-    elif method in ("lora", "dora"):
+    elif spec.adapters:
         model = apply_lora(model, knobs.r, knobs.alpha, knobs.dropout, list(knobs.target_modules),
-                           use_dora=method == "dora", task=task, last_layers=knobs.last_layers)
+                           use_dora=spec.dora, task=task, last_layers=knobs.last_layers)
     else:
         return freeze_for(method, model)
     fast_lora_dropout(model)  # 4x fewer random draws, one dropout per input shared by q/k/v (training/fast.py)

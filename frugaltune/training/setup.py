@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from frugaltune import paths
+from frugaltune import methods, paths
 
 if TYPE_CHECKING:
     import torch
@@ -20,10 +20,11 @@ if TYPE_CHECKING:
 
 
 def body_lr(params: "Params", method: str | None = None) -> float:
-    """The learning rate of the trained body: full and prelayer have their own."""
+    """The learning rate of the trained body: `train.<method>.lr` for a method with its own (`Method.own_lr`: full,
+    prelayer; null = `train.lr`), else `train.lr`."""
     tp = params.train
     method = method or tp.method
-    return {"full": tp.full.lr, "prelayer": tp.prelayer.lr or tp.lr}.get(method, tp.lr)
+    return (getattr(tp, method).lr or tp.lr) if methods.get(method).own_lr else tp.lr
 
 
 def build_model(params: "Params", labels: list[str], pad_token_id: int, bf16: bool,
@@ -32,7 +33,7 @@ def build_model(params: "Params", labels: list[str], pad_token_id: int, bf16: bo
     from frugaltune.training.methods import prepare_model
 
     tp = params.train
-    return prepare_model(model_dir, labels, pad_token_id, params.common.seed, tp.method, getattr(tp, tp.method), bf16,
+    return prepare_model(model_dir, labels, pad_token_id, params.common.seed, tp.method, tp.knobs(tp.method), bf16,
                          gradient_checkpointing, task=params.task.type)
 
 

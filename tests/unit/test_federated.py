@@ -265,7 +265,7 @@ from frugaltune.federated import local  # noqa: E402
 def distance_after_local_training(model_dir, pad_token_id: int, mu: float) -> tuple[float, float]:
     """||w - w_global|| over the trainable tensors after 4 local steps, and the last task loss."""
     model = local.build_model(model_dir, ["a", "b", "c"], pad_token_id, seed=0,
-                              lora=local.LoraSpec(4, 8, 0.0, ("q_proj", "v_proj")))
+                              lora=MethodKnobs(4, 8, 0.0, ("q_proj", "v_proj")))
     start = local.trainable_tensors(model)
     g = torch.Generator().manual_seed(1)
     ids = [torch.randint(5, 500, (6,), generator=g).tolist() for _ in range(16)]
@@ -292,7 +292,7 @@ def test_a_bf16_client_stores_its_frozen_projections_in_bf16_and_trains_as_autoc
     does: the products see the same bf16 operands as autocast's casts, so the local update is the same; the
     trainable tensors (what travels) stay fp32."""
     pad = smol_tokenizer.pad_token_id
-    spec = local.LoraSpec(4, 8, 0.0, ("q_proj", "v_proj"))
+    spec = MethodKnobs(4, 8, 0.0, ("q_proj", "v_proj"))
     g = torch.Generator().manual_seed(5)
     ids = [torch.randint(5, 500, (6,), generator=g).tolist() for _ in range(16)]
     labels = [i % 3 for i in range(16)]
@@ -316,7 +316,7 @@ def test_an_int8_client_trains_the_same_tensors_and_keeps_ffas_a(tiny_model_dir,
     from frugaltune import int8
 
     pad = smol_tokenizer.pad_token_id
-    spec = local.LoraSpec(4, 8, 0.0, ("q_proj", "v_proj"))
+    spec = MethodKnobs(4, 8, 0.0, ("q_proj", "v_proj"))
     g = torch.Generator().manual_seed(7)
     ids = [torch.randint(5, 500, (6,), generator=g).tolist() for _ in range(16)]
     labels = [i % 3 for i in range(16)]
@@ -382,7 +382,7 @@ def test_a_kept_client_state_continues_adamw_and_changes_the_update(tiny_model_d
     """federated.client_state: kept. Round 1 fills the dict with AdamW's state; round 2 starts from it (its step
     count goes on from 3 to 6) and so takes another step than a fresh optimizer from the same weights would."""
     pad = smol_tokenizer.pad_token_id
-    spec = local.LoraSpec(4, 8, 0.0, ("q_proj", "v_proj"))
+    spec = MethodKnobs(4, 8, 0.0, ("q_proj", "v_proj"))
     g = torch.Generator().manual_seed(3)
     ids = [torch.randint(5, 500, (6,), generator=g).tolist() for _ in range(16)]
     labels = [i % 3 for i in range(16)]
@@ -428,7 +428,7 @@ def test_logit_adjustment_trains_on_logits_plus_the_clients_log_prior_and_leaves
     """The first step's loss with adjustment is the cross-entropy of (logits + log prior); after training the
     model's forward is its own again (the hook is gone)."""
     pad = smol_tokenizer.pad_token_id
-    spec = local.LoraSpec(4, 8, 0.0, ("q_proj", "v_proj"))
+    spec = MethodKnobs(4, 8, 0.0, ("q_proj", "v_proj"))
     g = torch.Generator().manual_seed(2)
     ids = [torch.randint(5, 500, (6,), generator=g).tolist() for _ in range(8)]
     labels = [0] * 6 + [1, 2]  # one client's skewed rows

@@ -22,7 +22,8 @@ from frugaltune.training.batching import IGNORE_INDEX, collate_targets, target_c
 from frugaltune.training.batching import collate
 from frugaltune.training.inference import lm_loss, model_loss, shared_prefix_length
 from frugaltune.training.loop import LoopConfig, train_classifier
-from frugaltune.training.methods import METHODS, prepare_model, save_trained, load_trained
+from frugaltune.methods import NAMES as METHODS
+from frugaltune.training.methods import prepare_model, save_trained, load_trained
 from frugaltune.validation import ValidationRules, validate_splits
 
 RULES = ValidationRules(min_text_chars=1, max_text_chars=200, min_confidence=0.0, max_bad_fraction=0.5,
