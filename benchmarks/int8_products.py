@@ -72,7 +72,7 @@ def gemm_table(rows: int, hidden: int, mlp: int) -> list[dict]:
 
 def numerics(batch_size: int, method: str) -> dict:
     """Relative errors of logits and LoRA gradients on one batch against fp32 products (dropout off)."""
-    from frugaltune.training.batching import collate
+    from frugaltune.classify import collate
     from frugaltune.training.fast import frozen_weights_in
     from frugaltune.training.inference import autocast
 

@@ -36,7 +36,7 @@ from mlflow import MlflowClient
 from transformers import LlamaConfig, LlamaForSequenceClassification
 
 from frugaltune.telemetry import StepTimer, TelemetrySampler
-from frugaltune.training.batching import collate
+from frugaltune.classify import collate
 from frugaltune.training.methods import apply_lora
 
 VOCAB = 4096

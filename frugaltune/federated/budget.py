@@ -110,7 +110,7 @@ def evaluation_seconds(inference: dict, test_ids: list[list[int]], machine: Mach
     """The server's evaluation of the test split (local.evaluate's batches), from the calibration's timed forward
     passes (`inference`: on the clients' threads) scaled to the server's threads."""
     lengths = [len(ids) for ids in test_ids]
-    from frugaltune.training.batching import sorted_batches
+    from frugaltune.classify import sorted_batches
 
     batches = [(len(b), max(lengths[i] for i in b)) for b in sorted_batches(lengths, EVAL_BATCH)]
     timed = Constants(step_overhead_s=inference["overhead_s"], seconds_per_token=inference["seconds_per_token"])

@@ -14,11 +14,10 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
+from frugaltune.classify import classify
 from frugaltune.federated import aggregation
 from frugaltune.methods import MethodKnobs
 from frugaltune.metrics import classification_metrics
-from frugaltune.training.batching import collate, sorted_batches
-from frugaltune.training.inference import autocast
 from frugaltune.training.loop import LoopConfig, TrainResult, train_classifier
 from frugaltune.training.methods import prepare_model
 
@@ -172,22 +171,11 @@ def evaluation_split(test: tuple[list, list], number: int, num_rounds: int, rows
     return [test[0][i] for i in chosen], [test[1][i] for i in chosen]
 
 
-@torch.no_grad()
 def evaluate(model: torch.nn.Module, input_ids: list[list[int]], labels: list[int], label_names: list[str],
              pad_token_id: int, batch_size: int = 32, bf16: bool = False) -> dict:
-    """Accuracy, macro-F1 (frugaltune.metrics, as the evaluate stage) and the mean cross-entropy on a split;
-    `bf16`: under autocast, as the evaluate stage does where training ran in bf16."""
-    model.eval()
-    device = next(model.parameters()).device
-    predictions = np.zeros(len(input_ids), dtype=np.int64)
-    loss_sum = 0.0
-    for batch in sorted_batches([len(ids) for ids in input_ids], batch_size):
-        inputs = {k: v.to(device) for k, v in collate([input_ids[i] for i in batch], pad_token_id).items()}
-        with autocast(bf16, device):
-            logits = model(**inputs).logits.float()
-        target = torch.tensor([labels[i] for i in batch], device=device)
-        loss_sum += float(torch.nn.functional.cross_entropy(logits, target, reduction="sum"))
-        predictions[batch] = logits.argmax(-1).cpu().numpy()
-    metrics = classification_metrics(np.asarray(labels), predictions, label_names)
-    return {"accuracy": metrics["accuracy"], "macro_f1": metrics["macro_f1"],
-            "loss": round(loss_sum / max(1, len(labels)), 6)}
+    """Accuracy, macro-F1 (frugaltune.metrics, as the evaluate stage) and the mean cross-entropy on a split, scored by
+    the evaluate stage's evaluator (`frugaltune.classify`); `bf16`: under autocast, as the evaluate stage does where
+    training ran in bf16."""
+    scores = classify(model, input_ids, pad_token_id, batch_size, bf16, labels=labels)
+    metrics = classification_metrics(np.asarray(labels), scores.predictions, label_names)
+    return {"accuracy": metrics["accuracy"], "macro_f1": metrics["macro_f1"], "loss": round(scores.loss, 6)}

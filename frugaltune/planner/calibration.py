@@ -131,7 +131,7 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
     when given (a CalibrationWorker started early, its imports done beside the caller's work), else a new one.
 
     With `inference_rows` (an evaluation split) the same process then times the model's forward passes, as
-    evaluation runs them (without int8 products), over a few of that split's evaluation batches (inference.predict,
+    evaluation runs them (without int8 products), over a few of that split's evaluation batches (classify.classify,
     `inference_batch` rows each): a warm-up, the smallest, the median and the largest, which fit
     `batch = overhead + per_token x padded tokens` in `calibration["inference"]` (the federated budget's
     evaluation rounds).
@@ -217,7 +217,7 @@ def _prepare(model_dir: Path | str, labels: list[str], pad_token_id: int, method
     index = {old: new for new, old in enumerate(used)}
     inference = None
     if inference_rows:
-        from frugaltune.training.batching import sorted_batches
+        from frugaltune.classify import sorted_batches
 
         widths = [len(r) for r in inference_rows]
         batches = sorted_batches(widths, inference_batch)[::-1]  # shortest first

@@ -144,14 +144,13 @@ def _calibration_point(spec: dict) -> dict:
     phases["steps_s"] = time.perf_counter() - wall_start
     inference = []
     if data.get("inference") and not spec.get("batches"):  # forward passes, as evaluation runs them
-        from frugaltune.training.inference import predict
+        from frugaltune.classify import classify
 
         # evaluation runs the plain model (int8 products are training's): a model as loaded, when they were on
         evaluated = build() if int8["on"] else model
         for batch in data["inference"]["batches"]:  # each batch: its rows' token ids
             begin = time.perf_counter()
-            predict(evaluated, batch, spec["pad_token_id"], batch_size=len(batch), bf16=spec["loop"]["bf16"],
-                    progress=False)
+            classify(evaluated, batch, spec["pad_token_id"], batch_size=len(batch), bf16=spec["loop"]["bf16"])
             inference.append(time.perf_counter() - begin)
     steps = _marked_steps(marks)
     others = {}

@@ -10,11 +10,12 @@ import numpy as np
 import torch
 from datasets import load_from_disk
 
+from frugaltune.classify import classify
 from frugaltune.input_template import from_manifest, wrapped
 from frugaltune.io import csv_text, read_json, write_json, write_metrics, write_text
 from frugaltune.metrics import classification_metrics
 from frugaltune.models import load_for_classification, load_tokenizer
-from frugaltune.training.inference import predict
+from frugaltune.training.inference import bar
 from frugaltune.training.methods import load_trained
 from frugaltune import paths
 from frugaltune.config import Params
@@ -149,9 +150,11 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN) -> dict:
     manifest = read_json(out.adapter_dir / "labels.json")
     rows = wrapped(data["input_ids"], from_manifest(manifest, tokenizer), int(manifest.get("max_length") or 0)
                    or params.tokenize.max_length)
-    baseline_pred = predict(model, rows, tokenizer.pad_token_id, ep.batch_size, bf16)
+    baseline_pred = classify(model, rows, tokenizer.pad_token_id, ep.batch_size, bf16,
+                             progress=bar("predict")).predictions
     model = load_trained(model, out.adapter_dir)
-    finetuned_pred = predict(model, rows, tokenizer.pad_token_id, ep.batch_size, bf16)
+    finetuned_pred = classify(model, rows, tokenizer.pad_token_id, ep.batch_size, bf16,
+                              progress=bar("predict")).predictions
 
     report = {
         "baseline": classification_metrics(y_true, baseline_pred, labels),

@@ -24,9 +24,10 @@ Its rooms, each importing only those listed before it: `files` (labels.json, the
 `base` (the base model stored once and found again), `classifier` (`load_classifier`), `generator`
 (`load_generator`), `pyfunc` (the two pyfunc models, `log_model`).
 
-This package must import nothing from the rest of the project but `frugaltune.generation` and
-`frugaltune.input_template` (which import nothing from it either): `pyfunc.log_model` pickles the package and both
-of them by value into the logged model, so a registered version loads with MLflow, torch, transformers and peft
+This package must import nothing from the rest of the project but `frugaltune.generation`, `frugaltune.classify` (the
+one classification evaluator, which the evaluate stage and the federation score with too) and
+`frugaltune.input_template` (which import nothing from it either): `pyfunc.log_model` pickles the package and those
+three by value into the logged model, so a registered version loads with MLflow, torch, transformers and peft
 alone, and keeps working after these files change (no logged version names a class path here: every one, since the
 first, was pickled by value).
 """

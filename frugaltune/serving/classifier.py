@@ -14,6 +14,7 @@ from typing import Any
 import pandas as pd
 
 from frugaltune import generation, input_template
+from frugaltune.classify import classify
 from frugaltune.input_template import InputTemplate
 from frugaltune.serving.files import LABELS_FILE, TENSORS_FILE, check_model_dirs, read_labels
 
@@ -64,37 +65,17 @@ class Classifier:
 
     def predict(self, texts: Sequence[str]) -> list[str]:
         """Label name per text, in input order."""
-        import torch
-
         texts = list(texts)
         for i, text in enumerate(texts):
             if not isinstance(text, str):
                 raise TypeError(f"text #{i} is {type(text).__name__} ({text!r}), expected a string.")
-        # Batches of similar length pad less; the results go back to input order.
-        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
-        predictions: list[str] = [""] * len(texts)
-        with torch.inference_mode():
-            for start in range(0, len(order), self.batch_size):
-                batch = order[start:start + self.batch_size]
-                if self.template is None:
-                    encoded = self.tokenizer(
-                        [texts[i] for i in batch],
-                        truncation=True,
-                        max_length=self.max_length,
-                        padding=True,
-                        return_tensors="pt",
-                    )
-                else:  # the ids the tokenize stage gives a text, then wrapped exactly as the training rows were
-                    ids = self.tokenizer([texts[i] for i in batch], truncation=True, max_length=self.max_length)
-                    encoded = self.tokenizer.pad(
-                        {"input_ids": self.template.wrap_all(ids["input_ids"], self.max_length)},
-                        padding=True,
-                        return_tensors="pt",
-                    )
-                class_ids = self.model(**encoded).logits.argmax(dim=-1).tolist()
-                for i, class_id in zip(batch, class_ids):
-                    predictions[i] = self.labels[class_id]
-        return predictions
+        # the ids the tokenize stage gives a text, wrapped exactly as the training rows were where they were, then
+        # scored by the evaluate stage's evaluator (its length-sorted, right-padded batches)
+        ids = self.tokenizer(texts, truncation=True, max_length=self.max_length)["input_ids"] if texts else []
+        if self.template is not None:
+            ids = self.template.wrap_all(ids, self.max_length)
+        scores = classify(self.model, ids, self.tokenizer.pad_token_id, self.batch_size)
+        return [self.labels[class_id] for class_id in scores.predictions]
 
 
 def load_classifier(

@@ -15,9 +15,10 @@ from typing import Any
 import mlflow.pyfunc
 import pandas as pd
 
-# The only project imports outside this package: both are pickled by value with it (see log_model), so a function
-# here that calls `generation.generate` carries it along, and nothing imports `frugaltune` when the model loads.
-from frugaltune import generation, input_template
+# The only project imports outside this package: all three are pickled by value with it (see log_model), so a
+# function here that calls `generation.generate` or `classify.classify` carries it along, and nothing imports
+# `frugaltune` when the model loads.
+from frugaltune import classify, generation, input_template
 from frugaltune.serving.base import _LOCAL_BASE_ENV, BASE_ARTIFACT, log_base_model, resolve_base
 from frugaltune.serving.classifier import DEFAULT_BATCH_SIZE, TEXT_COLUMN, load_classifier, texts_from
 from frugaltune.serving.files import (
@@ -114,8 +115,8 @@ def signature() -> Any:
 def _not_the_cloudpickle_notice(record: logging.LogRecord) -> bool:
     """False for MLflow's notice that a `python_model` object is serialized with CloudPickle, true for anything else.
 
-    The notice is harmless here: what is pickled is this module's own model class (with `generation` and
-    `input_template`), by value on purpose so that a version loads without frugaltune installed, and it is unpickled
+    The notice is harmless here: what is pickled is this module's own model class (with `generation`, `classify`
+    and `input_template`), by value on purpose so that a version loads without frugaltune installed, and it is unpickled
     only from this project's own tracking store, which holds the adapter weights loaded with the same trust. The
     "models from code" it suggests would need this project's source beside every load.
     """
@@ -142,8 +143,8 @@ def log_model(
     `task` "classification" logs a `SequenceClassifierModel` (`text` in), "causal_lm" a `GenerativeModel`
     (`prompt` in, `example_texts` as the example prompts). The base model is stored once per sha256
     (`log_base_model`), not per version. The model carries its own copy of this package, of
-    `frugaltune.generation` and of `frugaltune.input_template` (pickled by value), so loading it never imports
-    `frugaltune`. MLflow loads it once after saving to check that the input example predicts: that load reads the
+    `frugaltune.generation`, `frugaltune.classify` and `frugaltune.input_template` (pickled by value), so loading it
+    never imports `frugaltune`. MLflow loads it once after saving to check that the input example predicts: that load reads the
     local base dir.
     """
     import os
@@ -153,7 +154,7 @@ def log_model(
     if task not in (CLASSIFICATION, CAUSAL_LM):
         raise ValueError(f"task = {task!r}: expected {CLASSIFICATION!r} or {CAUSAL_LM!r}.")
     # the whole package: cloudpickle pickles its submodules by value with it
-    modules = (sys.modules[__package__], generation, input_template)
+    modules = (sys.modules[__package__], generation, classify, input_template)
     sha256 = dir_sha256(base_dir)
     content_hash, files = model_files(base_dir, adapter_dir)
     config = {"batch_size": DEFAULT_BATCH_SIZE, "base_model_sha256": sha256,

@@ -1,6 +1,7 @@
-"""Length-grouped batches with dynamic padding: no compute is spent on padding to a fixed length.
+"""Training's length-grouped batches, their parts, and per-token targets; rows are padded by `frugaltune.classify.collate`
+(each batch to its own longest row: no compute is spent on padding to a fixed length).
 
-Library code used by `frugaltune.training.loop` and evaluation.
+Library code used by `frugaltune.training.loop` and the plan; evaluation's batches are `frugaltune.classify`'s.
 """
 
 from __future__ import annotations
@@ -69,23 +70,6 @@ def parts(batch: Sequence[int], lengths: Sequence[int], micro_split: int,
     """A micro-batch's examples in the parts the training loop runs them in (`part_rows` rows each, in order)."""
     chunk = part_rows(len(batch), max((lengths[i] for i in batch), default=0), micro_split, micro_batch_tokens)
     return [batch[c:c + chunk] for c in range(0, len(batch), chunk)]
-
-
-def sorted_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
-    """Deterministic inference batches, longest first (least padding, and an early OOM if any)."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True)
-    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
-
-
-def collate(input_ids: Sequence[Sequence[int]], pad_token_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad a batch to its own longest sequence."""
-    width = max(len(ids) for ids in input_ids)
-    ids = torch.full((len(input_ids), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(input_ids), width), dtype=torch.long)
-    for row, seq in enumerate(input_ids):
-        ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-        mask[row, : len(seq)] = 1
-    return {"input_ids": ids, "attention_mask": mask}
 
 
 IGNORE_INDEX = -100  # label of a token the loss skips (prompt and padding): transformers' convention

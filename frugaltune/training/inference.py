@@ -1,21 +1,22 @@
 """What a model computes on tokenized batches, in training and out: the loss of a batch (`model_loss`, reading a
-shared prefix once: `shared_prefix_length`), class ids (`predict`), the mean loss per response token (`lm_loss`).
+shared prefix once: `shared_prefix_length`), the mean loss per response token (`lm_loss`), and the progress bar
+evaluation draws (`bar`). Class scores are `frugaltune.classify`'s, the one classification evaluator.
 
 Library code, not run directly: the training loop (`frugaltune.training.loop`) calls `model_loss` every step; the
-`evaluate` stage (`frugaltune.recipes.evaluate`) calls `predict` or `lm_loss`, the plan's calibration
-(`frugaltune.planner.measure`) times `predict`.
+`evaluate` stage (`frugaltune.recipes.evaluate`) calls `lm_loss`, and passes `bar` to `frugaltune.classify.classify`.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterable
 
-import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from frugaltune import console
-from frugaltune.training.batching import IGNORE_INDEX, collate, collate_targets, sorted_batches
+from frugaltune.classify import collate, sorted_batches
+from frugaltune.training.batching import IGNORE_INDEX, collate_targets
 
 # causal_lm: a batch whose rows start with at least this many equal tokens reads them once (LoopConfig's default)
 SHARED_PREFIX_MIN = 8
@@ -75,21 +76,9 @@ def model_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], target: t
                                              reduction=reduction)
 
 
-@torch.no_grad()
-def predict(model: torch.nn.Module, input_ids: list[list[int]], pad_token_id: int, batch_size: int = 32,
-            bf16: bool = False, progress: bool = True) -> np.ndarray:
-    """Class ids for every example, in input order."""
-    device = next(model.parameters()).device
-    model.eval()
-    predictions = np.zeros(len(input_ids), dtype=np.int64)
-    batches = sorted_batches([len(ids) for ids in input_ids], batch_size)
-    for batch_index in tqdm(batches, desc="predict", disable=not (progress and console.progress_bars_on()),
-                            dynamic_ncols=True):
-        batch = {k: v.to(device) for k, v in collate([input_ids[i] for i in batch_index], pad_token_id).items()}
-        with autocast(bf16, device):
-            logits = model(**batch).logits
-        predictions[batch_index] = logits.float().argmax(-1).cpu().numpy()
-    return predictions
+def bar(desc: str) -> Callable[[Iterable], Iterable]:
+    """A progress bar over an evaluation's batches, drawn only where the project's loops draw one."""
+    return lambda batches: tqdm(batches, desc=desc, disable=not console.progress_bars_on(), dynamic_ncols=True)
 
 
 @torch.no_grad()
@@ -100,8 +89,8 @@ def lm_loss(model: torch.nn.Module, input_ids: list[list[int]], labels: list[lis
     device = next(model.parameters()).device
     model.eval()
     total, count = 0.0, 0
-    for batch_index in tqdm(sorted_batches([len(ids) for ids in input_ids], batch_size), desc="loss",
-                            disable=not (progress and console.progress_bars_on()), dynamic_ncols=True):
+    batches = sorted_batches([len(ids) for ids in input_ids], batch_size)
+    for batch_index in bar("loss")(batches) if progress else batches:
         batch = {k: v.to(device) for k, v in collate([input_ids[i] for i in batch_index], pad_token_id).items()}
         target = collate_targets([labels[i] for i in batch_index], batch["input_ids"].shape[1]).to(device)
         shared = shared_prefix_length(batch["input_ids"], target, SHARED_PREFIX_MIN)

@@ -26,7 +26,8 @@ from tqdm.auto import tqdm
 from frugaltune import console
 from frugaltune.telemetry import StepTimer
 from frugaltune.training import checkpoint
-from frugaltune.training.batching import collate, collate_targets, epoch_batches, parts, target_counts
+from frugaltune.classify import collate
+from frugaltune.training.batching import collate_targets, epoch_batches, parts, target_counts
 from frugaltune.training.distributed import World
 from frugaltune.training.sharing import CoreShare
 from frugaltune.training.fast import short_sequence_attention

@@ -10,7 +10,7 @@ from frugaltune.config import Params, TrainParams
 from frugaltune.input_template import InputTemplate, from_manifest, sides, wrapped
 from frugaltune.models import load_for_classification, load_tokenizer
 from frugaltune.serving import load_classifier
-from frugaltune.training.inference import predict
+from frugaltune.classify import classify
 from frugaltune.training.loop import LoopConfig, train_classifier
 from frugaltune.training.methods import freeze_for, save_trained
 from frugaltune.recipes.train import adapter_manifest
@@ -90,4 +90,4 @@ def test_serving_wraps_inputs_as_the_adapter_was_trained(tiny_model_dir, tmp_pat
         {"labels": LABELS, "max_length": max_length, "method": "prelayer", "input_template": TEMPLATE}))
     classifier = load_classifier(tiny_model_dir, tmp_path)
     assert classifier.template == template
-    assert classifier.predict(texts) == [LABELS[i] for i in predict(model, rows, pad, progress=False)]
+    assert classifier.predict(texts) == [LABELS[i] for i in classify(model, rows, pad).predictions]

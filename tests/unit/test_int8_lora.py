@@ -10,7 +10,7 @@ import torch
 
 from frugaltune import int8
 from frugaltune.planner.memory import MethodKnobs
-from frugaltune.training.batching import collate
+from frugaltune.classify import collate
 from frugaltune.training.int8_lora import fused_int8_lora
 from frugaltune.training.methods import prepare_model
 

@@ -56,13 +56,14 @@ import sys
 from datasets import Dataset
 from frugaltune.faults import stage_errors
 from frugaltune.models import load_for_classification
-from frugaltune.training.inference import predict
+from frugaltune.classify import classify
+from frugaltune.training.inference import bar
 with stage_errors("bars"):
     rows = Dataset.from_dict({"x": list(range(50))}).map(lambda row: {"y": row["x"] + 1})
     rows.save_to_disk(sys.argv[2] + "/rows")
     model = load_for_classification(sys.argv[1], ["neg", "pos"], 0, seed=0)
     model.save_pretrained(sys.argv[2] + "/model")
-    predict(model, [[1, 2, 3]] * 40, 0, batch_size=4)
+    classify(model, [[1, 2, 3]] * 40, 0, batch_size=4, progress=bar("predict"))
 print("done")
 """
 

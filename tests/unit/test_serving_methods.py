@@ -4,7 +4,7 @@ import json
 
 from frugaltune.models import load_for_classification, load_tokenizer
 from frugaltune.serving import load_classifier
-from frugaltune.training.inference import predict
+from frugaltune.classify import classify
 from frugaltune.training.loop import LoopConfig, train_classifier
 from frugaltune.training.methods import freeze_for, save_trained
 
@@ -22,5 +22,5 @@ def test_prelayer_tensors_load_for_serving_with_the_same_predictions(tiny_model_
     save_trained(model, "prelayer", tmp_path)
     tokenizer.save_pretrained(tmp_path)
     (tmp_path / "labels.json").write_text(json.dumps({"labels": LABELS, "max_length": 64, "method": "prelayer"}))
-    expected = [LABELS[i] for i in predict(model, ids, pad, progress=False)]
+    expected = [LABELS[i] for i in classify(model, ids, pad).predictions]
     assert load_classifier(tiny_model_dir, tmp_path).predict(texts) == expected

@@ -19,7 +19,7 @@ from frugaltune.data import DataSourceError, normalize_pairs, random_split
 from frugaltune.models import load_for_causal_lm
 from frugaltune.sft_data import arithmetic_rows, chat_rows, date_rows
 from frugaltune.training.batching import IGNORE_INDEX, collate_targets, target_counts
-from frugaltune.training.batching import collate
+from frugaltune.classify import collate
 from frugaltune.training.inference import lm_loss, model_loss, shared_prefix_length
 from frugaltune.training.loop import LoopConfig, train_classifier
 from frugaltune.methods import NAMES as METHODS

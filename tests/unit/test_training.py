@@ -6,8 +6,8 @@ import torch
 
 from frugaltune.metrics import classification_metrics
 from frugaltune.models import load_for_classification, load_tokenizer
-from frugaltune.training.batching import collate, length_grouped_batches, sorted_batches
-from frugaltune.training.inference import predict
+from frugaltune.classify import classify, collate, sorted_batches
+from frugaltune.training.batching import length_grouped_batches
 from frugaltune.training.loop import DivergenceError, LoopConfig, count_parameters, plan_steps, train_classifier
 from frugaltune.training.methods import apply_lora
 from frugaltune.training.optimizer import param_groups
@@ -68,7 +68,7 @@ def test_lora_training_lowers_the_loss_and_trains_only_adapters_and_head(tiny_mo
     assert result.steps == 48 and result.sequences == 6 * 64
     assert result.tokens == 6 * sum(len(i) for i in ids)
     assert result.history[-1]["loss"] < 0.5 * result.history[0]["loss"]
-    predictions = predict(model, ids, tokenizer.pad_token_id, batch_size=16, progress=False)
+    predictions = classify(model, ids, tokenizer.pad_token_id, batch_size=16).predictions
     assert (predictions == np.array(labels)).mean() > 0.9
 
 
@@ -283,9 +283,9 @@ def test_every_method_trains_what_it_should_and_reloads_identically(method, tiny
         train_classifier(model, ids, labels, LoopConfig(lr=1e-3, batch_size=8, max_steps=2, seed=0), pad,
                          progress=False)
     save_trained(model, method, tmp_path)
-    expected = predict(model, ids, pad, progress=False) if method != "qlora" else None
+    expected = classify(model, ids, pad).predictions if method != "qlora" else None
     reloaded = load_trained(load_for_classification(tiny_model_dir, LABELS, pad, seed=99), tmp_path)
-    got = predict(reloaded, ids, pad, progress=False)
+    got = classify(reloaded, ids, pad).predictions
     if expected is not None:  # qlora's adapter is applied to the full-precision base, so outputs differ slightly
         np.testing.assert_array_equal(got, expected)
 
