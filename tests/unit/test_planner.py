@@ -696,7 +696,8 @@ def test_without_calibration_the_eta_is_the_runs_flops_at_the_layer_speed_the_ke
         rows = 64 + 16
         expected = entry["padded_tokens"] * training_flops_per_token(model[method], method,
                                                                      entry["padded_tokens"] / rows) / rate
-        assert entry["eta_seconds"] == pytest.approx(expected, rel=1e-3)
+        # the plan rounds its ETA to 0.1 s (43.2 for 43.244 with a slower measurement: over rel=1e-3 alone)
+        assert entry["eta_seconds"] == pytest.approx(expected, rel=1e-3, abs=0.051)
         assert entry["eta_note"].startswith("analytic, not calibrated") and "GFLOP/s" in entry["eta_note"]
     assert plan["methods"]["full"]["eta_seconds"] > 1.4 * plan["methods"]["lora"]["eta_seconds"]  # 6N against 4N
     assert make_plan(run_spec("lora"), cpu_hardware(), model, Constants())["methods"]["lora"]["eta_seconds"] is None
