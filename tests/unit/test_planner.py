@@ -138,7 +138,7 @@ def test_weight_bytes_are_the_bytes_of_the_model_each_method_trains(tiny_model_d
 
 def test_planned_batches_are_the_training_loops_batches():
     lengths = [5 + (i * 37) % 120 for i in range(300)]
-    cfg = LoopConfig(lr=1e-3, batch_size=8, grad_accum=2, epochs=1.5, seed=7)
+    cfg = LoopConfig.build(lr=1e-3, batch_size=8, grad_accum=2, epochs=1.5, seed=7)
     steps, batches = planned_batches(lengths, 8, 2, 1.5, None, 7)
     assert steps == plan_steps(len(lengths), cfg)
     order = _EpochOrder(lengths, cfg)
@@ -256,7 +256,7 @@ def test_cpu_precision_follows_this_machines_measurement_never_its_flags():
 def train_tiny_lora(model_dir, tokenizer, ids, labels, **loop):
     """A rank-4 LoRA without dropout (no masks drawn per part) on the tiny model, batches of 8, seed 1."""
     model = prepare_model(model_dir, LABELS, tokenizer.pad_token_id, 0, "lora", MethodKnobs(r=4, dropout=0.0))
-    return train_classifier(model, ids, labels, LoopConfig(lr=1e-2, batch_size=8, seed=1, log_every=1, **loop),
+    return train_classifier(model, ids, labels, LoopConfig.build(lr=1e-2, batch_size=8, seed=1, log_every=1, **loop),
                             tokenizer.pad_token_id, progress=False)
 
 
@@ -311,7 +311,6 @@ def test_calibration_times_the_runs_own_loop_and_gives_an_eta(tiny_model_dir):
     """The calibration runs training's own loop (LoopConfig, token cap) over the run's own micro-batches: the sampled
     sizes smallest first (the smallest's first step is the warm-up) and the part that sets the peak last; then again
     under the peak, all but the largest (the dearest step; two sizes are left for the time fit)."""
-    from dataclasses import asdict
 
     from frugaltune.training.loop import LoopConfig
 
@@ -320,7 +319,7 @@ def test_calibration_times_the_runs_own_loop_and_gives_an_eta(tiny_model_dir):
     lengths = [8 + (i * 7) % 25 for i in range(64)]
     rows = [[5 + j % 50 for j in range(n)] for n in lengths]
     steps, order = planned_order(lengths, 8, 1, 1.0, None, seed=0)
-    loop = asdict(LoopConfig(lr=1e-3, batch_size=8, micro_batch_tokens=96))
+    loop = LoopConfig.build(lr=1e-3, batch_size=8, micro_batch_tokens=96)
     constants, calibration = calibrate(
         tiny_model_dir, LABELS, tokenizer.pad_token_id, "lora", MethodKnobs(), shape, rows=rows,
         targets=[i % 3 for i in range(64)], order=order, loop=loop, int8={"on": False, "why": "test"},
@@ -358,7 +357,6 @@ def test_every_method_the_plan_lists_gets_its_own_timed_estimate(tiny_model_dir)
     """The methods the plan does not calibrate are each built and timed on one of the run's micro-batches in the
     calibration's process: their ETA is the calibrated step times their own measured cost, not a copy of lora's; a
     method that cannot be built keeps the FLOPs estimate and says so."""
-    from dataclasses import asdict
 
     tokenizer = load_tokenizer(tiny_model_dir)
     shape = model_shape(tiny_model_dir, len(LABELS), "lora")
@@ -368,7 +366,7 @@ def test_every_method_the_plan_lists_gets_its_own_timed_estimate(tiny_model_dir)
     off = {"on": False, "why": "test"}
     constants, calibration = calibrate(
         tiny_model_dir, LABELS, tokenizer.pad_token_id, "lora", MethodKnobs(), shape, rows=rows,
-        targets=[i % 3 for i in range(48)], order=order, loop=asdict(LoopConfig(lr=1e-3, batch_size=8)),
+        targets=[i % 3 for i in range(48)], order=order, loop=LoopConfig.build(lr=1e-3, batch_size=8),
         int8=off, gradient_checkpointing=False, threads=1, time_samples=3,
         others=[{"method": "prelayer", "knobs": MethodKnobs(), "int8": off},
                 {"method": "full", "knobs": MethodKnobs(), "int8": off},
@@ -417,7 +415,7 @@ def test_every_method_the_plan_lists_gets_its_own_timed_estimate(tiny_model_dir)
     # a calibration that already cost more than its share of this (tiny) run times no other method, and says so
     constants, calibration = calibrate(
         tiny_model_dir, LABELS, tokenizer.pad_token_id, "lora", MethodKnobs(), shape, rows=rows,
-        targets=[i % 3 for i in range(48)], order=order, loop=asdict(LoopConfig(lr=1e-3, batch_size=8)),
+        targets=[i % 3 for i in range(48)], order=order, loop=LoopConfig.build(lr=1e-3, batch_size=8),
         int8=off, gradient_checkpointing=False, threads=1, time_samples=2,
         others=[{"method": "prelayer", "knobs": MethodKnobs(), "int8": off}])
     assert constants.method_cost == {} and "budget" in calibration["others"]["methods"]["prelayer"]["skipped"]
@@ -622,7 +620,6 @@ def test_sdpa_keeps_cudnn_on_a_cpu_only_machine():
 def test_a_cold_compile_is_timed_again_warm_as_the_run_will_find_it(tiny_model_dir, tmp_path, monkeypatch):
     """Graphs compiled afresh during the calibration's first step are cached on disk; the run finds them there. The
     calibration says so per step and takes the start-up from a second process, which finds them too."""
-    from dataclasses import asdict
 
     from frugaltune.training.loop import LoopConfig
 
@@ -636,7 +633,7 @@ def test_a_cold_compile_is_timed_again_warm_as_the_run_will_find_it(tiny_model_d
     def calibrate_once():  # one call: a second would find the cache warm
         return calibrate(
             tiny_model_dir, LABELS, tokenizer.pad_token_id, "lora", MethodKnobs(), shape, rows=rows,
-            targets=[i % 3 for i in range(32)], order=order, loop=asdict(LoopConfig(lr=1e-3, batch_size=8)),
+            targets=[i % 3 for i in range(32)], order=order, loop=LoopConfig.build(lr=1e-3, batch_size=8),
             int8={"on": True, "why": "test"}, gradient_checkpointing=False, threads=1, time_samples=2)
 
     constants, cold = calibrate_once()
