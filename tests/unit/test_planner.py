@@ -307,6 +307,27 @@ def test_gradient_checkpointing_gives_the_same_loss(tiny_model_dir):
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-6)
 
 
+def test_the_calibrations_process_receives_the_runs_loop_config_whole(tmp_path):
+    """What calibrate hands its process names the run's LoopConfig in its serialized form, JSON-safe, and
+    LoopConfig.build takes it back to the same settings (the process then sets only its own: steps, logging,
+    no checkpoints or warm-up)."""
+    from pathlib import Path
+
+    from frugaltune.planner.calibration import _prepare
+
+    loop = LoopConfig.build(lr=3e-3, head_lr=6e-3, lora_plus_ratio=4.0, batch_size=8, micro_batch_size=4,
+                            micro_batch_tokens=64, bf16=True, eager_attention_max_len=48, checkpoint_dir=tmp_path,
+                            scheduler="cosine", seed=9)
+    lengths = [6 + i % 9 for i in range(24)]
+    prepared = _prepare("models/none", LABELS, 0, "lora", MethodKnobs(), rows=[[5] * n for n in lengths],
+                        targets=[i % 3 for i in range(24)], order=[list(range(i, i + 8)) for i in range(0, 24, 8)],
+                        loop=loop, int8={"on": False, "why": "test"}, gradient_checkpointing=False, threads=1,
+                        seed=0, time_samples=3, allocator="system", task="classification", inference_rows=None,
+                        inference_batch=8, others=None, others_share=None, planned=None)
+    Path(prepared.spec["rows_file"]).unlink()
+    assert LoopConfig.build(**json.loads(json.dumps(prepared.spec))["loop"]) == loop
+
+
 def test_calibration_times_the_runs_own_loop_and_gives_an_eta(tiny_model_dir):
     """The calibration runs training's own loop (LoopConfig, token cap) over the run's own micro-batches: the sampled
     sizes smallest first (the smallest's first step is the warm-up) and the part that sets the peak last; then again

@@ -55,6 +55,53 @@ def test_plan_steps_counts_accumulation_and_epochs():
     assert plan_steps(100, LoopConfig.build(lr=1e-3, batch_size=10, max_steps=3)) == 3
 
 
+def test_loop_config_is_built_by_its_one_builder_only():
+    """Every LoopConfig in the library, stages, flows and benchmarks comes from `LoopConfig.build` (through
+    training.setup.loop_config or federated.local.client_loop): none is assembled by hand, so a setting added to
+    the loop reaches every caller the same way."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    builder = root / "frugaltune" / "training" / "loop_config.py"
+    kinds = {"LoopConfig", "Optimization", "Batching", "Checkpoints", "Speed", "Reporting"}
+    by_hand = []
+    for folder in ("frugaltune", "stages", "flows", "benchmarks"):
+        for path in sorted((root / folder).rglob("*.py")):
+            if path == builder:
+                continue
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.Call):
+                    name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
+                    if name in kinds:
+                        by_hand.append(f"{path.relative_to(root)}:{node.lineno} {name}(...)")
+    assert not by_hand, "built by hand, not by LoopConfig.build: " + "; ".join(by_hand)
+
+
+def test_loop_config_groups_its_settings_and_round_trips_its_serialized_form(tmp_path):
+    """Each setting lands in its group; `to_dict` names every setting once, and `build` takes that form back after
+    JSON (what the calibration's process receives) to an equal LoopConfig; an unknown setting is refused by name."""
+    import dataclasses
+    import json
+
+    cfg = LoopConfig.build(lr=2e-3, head_lr=4e-3, weight_decay=0.01, batch_size=12, micro_batch_size=4,
+                           micro_batch_tokens=96, max_steps=30, checkpoint_dir=tmp_path, checkpoint_every=5,
+                           resume=False, bf16=True, eager_attention_max_len=64, fused_optimizer=False,
+                           log_every=3, head_names=("score", "lm_head"), seed=7)
+    assert (cfg.optim.lr, cfg.optim.head_names, cfg.batching.micro_batch_tokens, cfg.checkpoints.checkpoint_dir,
+            cfg.speed.bf16, cfg.speed.fused_optimizer, cfg.reporting.log_every, cfg.seed) == (
+        2e-3, ("score", "lm_head"), 96, tmp_path, True, False, 3, 7)
+    serialized = cfg.to_dict()
+    groups = [f.name for f in dataclasses.fields(LoopConfig) if f.name != "seed"]
+    names = [f.name for group in groups for f in dataclasses.fields(getattr(cfg, group))] + ["seed"]
+    assert sorted(serialized) == sorted(names) and len(set(names)) == len(names)
+    again = LoopConfig.build(**json.loads(json.dumps(serialized)))
+    assert again == cfg and isinstance(again.checkpoints.checkpoint_dir, type(tmp_path))
+    assert LoopConfig.build(lr=1e-3) == LoopConfig.build(**LoopConfig.build(lr=1e-3).to_dict())
+    with pytest.raises(TypeError, match="no setting learning_rate"):
+        LoopConfig.build(lr=1e-3, learning_rate=1e-3)
+
+
 def test_lora_training_lowers_the_loss_and_trains_only_adapters_and_head(tiny_model_dir):
     tokenizer = load_tokenizer(tiny_model_dir)
     model = load_for_classification(tiny_model_dir, LABELS, tokenizer.pad_token_id, seed=0)
