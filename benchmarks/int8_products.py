@@ -113,7 +113,7 @@ def numerics(batch_size: int, method: str) -> dict:
 
 
 def loop_ab(rounds: int, steps: int, batch_size: int, method: str) -> dict:
-    from frugaltune.training.loop import LoopConfig
+    from frugaltune.training.loop_config import LoopConfig
 
     ids, labels = common.training_examples(steps * batch_size * rounds)
     models = {}
@@ -125,8 +125,8 @@ def loop_ab(rounds: int, steps: int, batch_size: int, method: str) -> dict:
 
     def measure(number: int, name: str) -> float:
         part = slice(number * steps * batch_size, (number + 1) * steps * batch_size)
-        cfg = LoopConfig(lr=1e-3, head_lr=2e-3, batch_size=batch_size, epochs=1, seed=42, bf16=True,
-                         log_every=10**6, eager_attention_max_len=512)
+        cfg = LoopConfig.build(lr=1e-3, head_lr=2e-3, batch_size=batch_size, epochs=1, seed=42, bf16=True,
+                               log_every=10**6, eager_attention_max_len=512)
         return loop_round(models[name], ids[part], labels[part], cfg, tokenizer.pad_token_id, number, name)
 
     rates = alternated(list(models), rounds, measure)

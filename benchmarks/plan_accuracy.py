@@ -33,7 +33,6 @@ import argparse
 import json
 import resource
 import sys
-from dataclasses import asdict
 from pathlib import Path
 from statistics import median
 
@@ -127,7 +126,7 @@ def predict(method: str, length: int, steps: int, threads: int, hw: dict, others
                   "int8": _decided(params, m, threads)["int8"][m]} for m in others]
         constants, calibration = calibrate(
             BASE, names, load_tokenizer(BASE).pad_token_id, method, knobs, shape, rows=ids, targets=labels,
-            order=order, loop=asdict(_loop(params, method, decided, draft["micro_batch_size"])),
+            order=order, loop=_loop(params, method, decided, draft["micro_batch_size"]),
             int8=decided["int8"][method], gradient_checkpointing=False, threads=threads, seed=run.seed,
             time_samples=params.probe.calibration_steps, allocator=params.train.allocator, others=timed,
             others_share=None)  # every method timed: the 20-step runs are shorter than any calibration

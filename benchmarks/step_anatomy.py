@@ -188,7 +188,7 @@ def ab_switch(switch: str, rounds: int, steps: int, batch_size: int, bf16: bool,
     on. `paired` > 0: instead, both loops over the same `paired` batches, taking turns step by step (paired_steps)."""
     from frugaltune import int8
     from frugaltune.training.fast import frozen_weights_in
-    from frugaltune.training.loop import LoopConfig
+    from frugaltune.training.loop_config import LoopConfig
 
     ids, labels = common.training_examples(max(steps * rounds, paired) * batch_size)
     if torch.cuda.is_available():  # as the train stage and train_throughput's frugaltune recipe do on a GPU
@@ -226,10 +226,10 @@ def ab_switch(switch: str, rounds: int, steps: int, batch_size: int, bf16: bool,
         print(f"{name}: frozen Linear weights in {', '.join(sorted(kinds))}")
 
     def config(name: str, log_every: int) -> LoopConfig:
-        return LoopConfig(lr=1e-3, head_lr=2e-3, batch_size=batch_size, epochs=1, seed=42, bf16=bf16,
-                          log_every=log_every, eager_attention_max_len=eager,
-                          fused_optimizer=name != "AdamW, torch's default",
-                          fused_int8_lora=name != "peft's LoRA layers")
+        return LoopConfig.build(lr=1e-3, head_lr=2e-3, batch_size=batch_size, epochs=1, seed=42, bf16=bf16,
+                                log_every=log_every, eager_attention_max_len=eager,
+                                fused_optimizer=name != "AdamW, torch's default",
+                                fused_int8_lora=name != "peft's LoRA layers")
 
     if paired:
         from frugaltune.training.loop import train_classifier
@@ -296,7 +296,8 @@ def layer_compile(batch_size: int, bf16: bool, repeats: int = 20) -> None:
 
 def step_floor(batch_size: int, bf16: bool, eager: int, steps: int = 12, rounds: int = 4) -> None:
     """Seconds per step of the loop for 1 x 8-token steps against steps of the batch (see the module docstring)."""
-    from frugaltune.training.loop import LoopConfig, train_classifier
+    from frugaltune.training.loop import train_classifier
+    from frugaltune.training.loop_config import LoopConfig
 
     model, tokenizer = common.lora_model(bf16, "lora", True)
     ids, labels = common.training_examples(steps * batch_size)
@@ -306,8 +307,8 @@ def step_floor(batch_size: int, bf16: bool, eager: int, steps: int = 12, rounds:
 
     def measure(number: int, name: str) -> float:
         rows, marks, batch = shapes[name]
-        cfg = LoopConfig(lr=1e-3, head_lr=2e-3, batch_size=batch, epochs=1, seed=42, bf16=bf16,
-                         log_every=10**6, eager_attention_max_len=eager)
+        cfg = LoopConfig.build(lr=1e-3, head_lr=2e-3, batch_size=batch, epochs=1, seed=42, bf16=bf16,
+                               log_every=10**6, eager_attention_max_len=eager)
         result = train_classifier(model, rows, marks, cfg, tokenizer.pad_token_id, progress=False)
         tokens[name] = result.tokens / steps
         return result.wall_seconds / steps

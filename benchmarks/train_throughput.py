@@ -83,7 +83,8 @@ def run_recipe(recipe: str, steps: int, batch_size: int, lr: float, threads: int
     ids, labels = common.training_examples((warmup + steps) * batch_size)
     useful = sum(len(x) for x in ids)
     if recipe.startswith("frugaltune"):  # frugaltune[-off]:<method>
-        from frugaltune.training.loop import LoopConfig, train_classifier
+        from frugaltune.training.loop import train_classifier
+        from frugaltune.training.loop_config import LoopConfig
 
         kind, method = recipe.split(":")
         switches = kind == "frugaltune"
@@ -97,9 +98,9 @@ def run_recipe(recipe: str, steps: int, batch_size: int, lr: float, threads: int
             from frugaltune.training.setup import apply_int8
 
             int8_products = apply_int8(model, common.machine(method=method, int8=True)["int8"], method)
-        cfg = LoopConfig(lr=lr, head_lr=2 * lr, batch_size=batch_size, epochs=1, seed=42, bf16=bf16_ours,
-                         log_every=1, eager_attention_max_len=eager_max if switches else 0,
-                         fused_optimizer=switches, fused_int8_lora=switches)
+        cfg = LoopConfig.build(lr=lr, head_lr=2 * lr, batch_size=batch_size, epochs=1, seed=42, bf16=bf16_ours,
+                               log_every=1, eager_attention_max_len=eager_max if switches else 0,
+                               fused_optimizer=switches, fused_int8_lora=switches)
         # One record per step: its end (elapsed_s) and its useful tokens/s, from which its tokens follow (the loop's
         # records carry no token count, and frugaltune/training is part of every federation's run key).
         records: list[dict] = []

@@ -3,8 +3,9 @@ every round of every federation the stage runs (and its centralized reference), 
 
 Library code, used by the federated stage; never run. The measurement is the planner's own calibration
 (planner.calibration.calibrate): one fresh process runs the clients' loop (training.loop.train_classifier with the
-LoopConfig local.train_locally builds: constant lr, the plan's micro-batch, the clients' precision and int8 products)
-over a few of a client's own micro-batches, and fits `step = overhead + per_token x padded tokens`. From it:
+LoopConfig local.client_loop builds, as for train_locally: constant lr, the plan's micro-batch, the clients'
+precision and int8 products) over a few of a client's own micro-batches, and fits
+`step = overhead + per_token x padded tokens`. From it:
 
 - a client-round is the sum of its planned steps (its own rows, batched as its loop will batch them);
 - a round runs the clients the ServerApp samples for it (aggregation.sample_clients, by client id: the same clients
@@ -68,16 +69,13 @@ def measure_client_round(model_dir: Path, labels: list[str], pad_token_id: int, 
     """The planner's calibration of the clients' loop on this machine, over client `plan`'s own rows and steps, with
     their precision and int8 products, and of the server's evaluation over a few of the test split's batches
     (`test_ids`)."""
-    from frugaltune.training.loop import LoopConfig
-
     input_ids, targets = local.read_examples(rows.client_file(parts, plan["client"]))
     rank = plan["lora_rank"]
     knobs = replace(lora, r=rank, alpha=aggregation.client_alpha(lora.alpha, lora.r, rank))
     shape = model_shape(str(model_dir), len(labels), "lora", knobs)
     steps, order = planned_order([len(r) for r in input_ids], batch_size, 1, 1.0, plan["local_steps"], seed)
-    loop = asdict(LoopConfig(lr=lr, max_steps=steps, batch_size=batch_size, micro_batch_size=plan["micro_batch_size"],
-                             seed=seed, warmup_ratio=0.0, scheduler="constant", log_every=1, checkpoint_dir=None,
-                             bf16=precision.bf16, eager_attention_max_len=precision.eager))
+    loop = local.client_loop(steps=steps, lr=lr, batch_size=batch_size, micro_batch_size=plan["micro_batch_size"],
+                             seed=seed, bf16=precision.bf16, eager_attention_max_len=precision.eager)
     return calibrate(model_dir, labels, pad_token_id, "lora", knobs, shape, rows=input_ids, targets=targets,
                      order=order, loop=loop,
                      int8={"on": precision.int8, "why": "the plan's int8 decision for the clients' LoRA"},

@@ -40,7 +40,8 @@ def baseline(params: Params, labels: list[str], pad_token_id: int, examples: int
     "The centralized reference is the train stage's recipe"."""
     import torch
 
-    from frugaltune.training.loop import LoopConfig, peak_rss_mb, train_classifier
+    from frugaltune.training import setup
+    from frugaltune.training.loop import peak_rss_mb, train_classifier
 
     fp, tp = params.federated, params.train
     seed = params.common.seed if seed is None else seed
@@ -51,11 +52,10 @@ def baseline(params: Params, labels: list[str], pad_token_id: int, examples: int
     bf16, eager, int8 = precision or machine_precision(params)  # as the clients train
     model = local.build_model(paths.BASE_MODEL, labels, pad_token_id, seed, spec, bf16=bf16, int8=int8)
     input_ids, targets = local.read_examples(paths.FEDERATED_DATA / "train.parquet")
-    cfg = LoopConfig(lr=tp.lr, head_lr=tp.head_lr, lora_plus_ratio=tp.lora_plus_ratio, weight_decay=tp.weight_decay,
-                     scheduler=tp.scheduler, warmup_ratio=tp.warmup_ratio, max_steps=steps, batch_size=tp.batch_size,
-                     grad_accum=tp.grad_accum, max_grad_norm=tp.max_grad_norm, bf16=bf16,
-                     group_by_length=tp.group_by_length, log_every=steps, seed=seed, checkpoint_dir=None,
-                     eager_attention_max_len=eager)
+    # the train stage's recipe for `steps` steps, each batch in one pass (the plan's micro-batch and
+    # train.micro_batch_tokens bound the train stage's own run), no checkpoints
+    cfg = setup.loop_config(params, method="lora", bf16=bf16, micro_batch_size=None, eager_attention_max_len=eager,
+                            micro_batch_tokens=None, max_steps=steps, log_every=steps, seed=seed)
     began = time.perf_counter()
     train_classifier(model, input_ids, targets, cfg, pad_token_id, progress=False)
     seconds = time.perf_counter() - began

@@ -18,7 +18,8 @@ from frugaltune.classify import classify
 from frugaltune.federated import aggregation
 from frugaltune.methods import MethodKnobs
 from frugaltune.metrics import classification_metrics
-from frugaltune.training.loop import LoopConfig, TrainResult, train_classifier
+from frugaltune.training.loop import TrainResult, train_classifier
+from frugaltune.training.loop_config import LoopConfig
 from frugaltune.training.methods import prepare_model
 
 
@@ -101,6 +102,17 @@ def head_module(model: torch.nn.Module) -> torch.nn.Module:
     return model.get_submodule(names[0])
 
 
+def client_loop(*, steps: int, lr: float, batch_size: int, micro_batch_size: int | None, seed: int,
+                head_lr: float | None = None, bf16: bool = False, eager_attention_max_len: int = 0,
+                scheduler: str = "constant", warmup_ratio: float = 0.0) -> LoopConfig:
+    """A client's round as the loop's settings (train_locally's; the budget's calibration times the same): `steps`
+    steps, no checkpoints, one logged record at the end; the rest the loop's defaults."""
+    return LoopConfig.build(lr=lr, head_lr=head_lr, max_steps=steps, batch_size=batch_size,
+                            micro_batch_size=micro_batch_size, seed=seed, warmup_ratio=warmup_ratio,
+                            scheduler=scheduler, log_every=max(1, steps), checkpoint_dir=None, bf16=bf16,
+                            eager_attention_max_len=eager_attention_max_len)
+
+
 def train_locally(model: torch.nn.Module, input_ids: list[list[int]], labels: list[int], pad_token_id: int, *,
                   steps: int, lr: float, batch_size: int, micro_batch_size: int | None, seed: int,
                   head_lr: float | None = None, proximal_mu: float = 0.0, bf16: bool = False,
@@ -123,10 +135,9 @@ def train_locally(model: torch.nn.Module, input_ids: list[list[int]], labels: li
 
     `optimizer_state`: AdamW's moments from this client's previous round, continued instead of restarted, and
     replaced by this round's on return (`federated.client_state: kept`; train_classifier says how)."""
-    cfg = LoopConfig(lr=lr, head_lr=head_lr, max_steps=steps, batch_size=batch_size,
-                     micro_batch_size=micro_batch_size, seed=seed, warmup_ratio=warmup_ratio, scheduler=scheduler,
-                     log_every=max(1, steps), checkpoint_dir=None, bf16=bf16,
-                     eager_attention_max_len=eager_attention_max_len)
+    cfg = client_loop(steps=steps, lr=lr, head_lr=head_lr, batch_size=batch_size, micro_batch_size=micro_batch_size,
+                      seed=seed, bf16=bf16, eager_attention_max_len=eager_attention_max_len, scheduler=scheduler,
+                      warmup_ratio=warmup_ratio)
     regularizer = proximal_term(model, proximal_mu) if proximal_mu > 0 else None
     hook = None
     if logit_adjustment:

@@ -53,7 +53,7 @@ class RunSpec:
     ranks: int = 1  # train.distributed.nproc_per_node: data-parallel processes on this host
     micro_batch_tokens: int | None = None  # train.micro_batch_tokens: the loop splits wider batches (part_rows)
     # causal_lm: leading tokens every training row has in common (its prompt template), read once per micro-batch
-    # part by the training loop (LoopConfig.shared_prefix_min): the ETA does not count them per row
+    # part by the training loop (LoopConfig.speed.shared_prefix_min): the ETA does not count them per row
     shared_prefix: int = 0
 
 
@@ -327,7 +327,7 @@ def common_prompt_prefix(input_ids: list[list[int]], labels: list[list[int]]) ->
     for the batch saves less than a row's token costs (docs/DECISIONS.md)."""
     from frugaltune.generation import _common_prefix_length
     from frugaltune.training.batching import IGNORE_INDEX
-    from frugaltune.training.loop import LoopConfig
+    from frugaltune.training.loop_config import Speed
 
     if len(input_ids) < 2:
         return 0
@@ -335,7 +335,7 @@ def common_prompt_prefix(input_ids: list[list[int]], labels: list[list[int]]) ->
     for targets in labels:  # the logit before a row's first target token is its own
         scored = next((i for i, t in enumerate(targets) if t != IGNORE_INDEX), len(targets))
         length = min(length, max(scored - 1, 0))
-    return length if length >= LoopConfig.shared_prefix_min else 0
+    return length if length >= Speed.shared_prefix_min else 0
 
 
 def build_plan(params: "Params", hardware: dict[str, Any], measured_precision: dict | None = None,
@@ -432,7 +432,7 @@ def _build_plan(params: "Params", hardware: dict[str, Any], measured_precision: 
     weights = model.weights_dir() if model else paths.BASE_MODEL
     constants, calibration = calibrate(
         weights, labels, tokenizer.pad_token_id, method, knobs.get(method, MethodKnobs()), shapes[method],
-        rows=rows, targets=list(train_split["labels"]), order=order, loop=asdict(loop),
+        rows=rows, targets=list(train_split["labels"]), order=order, loop=loop,
         int8=decided["int8"].get(method, {"on": False, "why": "not decided"}),
         gradient_checkpointing=entry["gradient_checkpointing"], threads=decided["threads"], seed=params.common.seed,
         time_samples=params.probe.calibration_steps, allocator=params.train.allocator, task=task,

@@ -25,12 +25,15 @@ import math
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from frugaltune.planner.measure import _cpu_share, _fit_line, _marked_steps, _step_line
 from frugaltune.planner.memory import (Constants, MethodKnobs, ModelShape, activation_bytes_per_token,
                                        logits_bytes_per_token, memory_estimate)
 from frugaltune.planner.worker import BUSY_SHARE, WATCH_S, CalibrationStopped, CalibrationWorker
+
+if TYPE_CHECKING:
+    from frugaltune.training.loop_config import LoopConfig
 
 
 def calibration_batches(order: list[list[int]], lengths: list[int], part_tokens, time_samples: int) -> list[int]:
@@ -108,7 +111,7 @@ class _Measured(NamedTuple):
 
 
 def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, method: str, knobs: MethodKnobs,
-              shape: ModelShape, *, rows: list[list[int]], targets: list, order: list[list[int]], loop: dict,
+              shape: ModelShape, *, rows: list[list[int]], targets: list, order: list[list[int]], loop: LoopConfig,
               int8: dict, gradient_checkpointing: bool, threads: int, seed: int = 0, time_samples: int = 6,
               timeout_s: float = 900, allocator: str = "auto", task: str = "classification",
               inference_rows: list[list[int]] | None = None, inference_batch: int = 32,
@@ -119,15 +122,15 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
     """Time the train stage's own loop on this machine over a few of the run's own micro-batches and fit the
     memory and time constants.
 
-    `order` is the run's micro-batches (planned_order), `loop` the run's LoopConfig fields
-    (frugaltune.training.setup.loop_config) and `int8` the plan's int8 decision, so the steps timed are the steps
-    that train: the same int8 products and fused LoRA, micro-batch and token cap, attention crossover and malloc
-    (`allocator`). One fresh process runs them (calibration_batches): its first step is the run's one-time
-    warm-up (timed again in a second process when it compiled graphs afresh: the run finds them in inductor's
-    cache); the sampled sizes, smallest first, give the peak RSS after each step, which fits
-    `peak = static + per_token x part tokens`; run a second time under that peak (all but the largest, when two or
-    more are left) they fit `step = overhead + per_token x padded tokens`, and what the first pass paid beyond that
-    is the run's start-up. The peak the plan keeps is the process's over both passes. The process is `worker`
+    `order` is the run's micro-batches (planned_order), `loop` the run's LoopConfig
+    (frugaltune.training.setup.loop_config; its process receives `loop.to_dict()`) and `int8` the plan's int8
+    decision, so the steps timed are the steps that train: the same int8 products and fused LoRA, micro-batch and
+    token cap, attention crossover and malloc (`allocator`). One fresh process runs them (calibration_batches): its
+    first step is the run's one-time warm-up (timed again in a second process when it compiled graphs afresh: the
+    run finds them in inductor's cache); the sampled sizes, smallest first, give the peak RSS after each step, which
+    fits `peak = static + per_token x part tokens`; run a second time under that peak (all but the largest, when two
+    or more are left) they fit `step = overhead + per_token x padded tokens`, and what the first pass paid beyond
+    that is the run's start-up. The peak the plan keeps is the process's over both passes. The process is `worker`
     when given (a CalibrationWorker started early, its imports done beside the caller's work), else a new one.
 
     With `inference_rows` (an evaluation split) the same process then times the model's forward passes, as
@@ -170,7 +173,7 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
 
 
 def _prepare(model_dir: Path | str, labels: list[str], pad_token_id: int, method: str, knobs: MethodKnobs, *,
-             rows: list[list[int]], targets: list, order: list[list[int]], loop: dict, int8: dict,
+             rows: list[list[int]], targets: list, order: list[list[int]], loop: LoopConfig, int8: dict,
              gradient_checkpointing: bool, threads: int, seed: int, time_samples: int, allocator: str, task: str,
              inference_rows: list[list[int]] | None, inference_batch: int, others: list[dict] | None,
              others_share: float | None, planned: tuple[int, int] | None) -> _Prepared:
@@ -182,11 +185,12 @@ def _prepare(model_dir: Path | str, labels: list[str], pad_token_id: int, method
     from frugaltune.training.batching import parts
 
     lengths = [len(r) for r in rows]
-    split = math.ceil(loop["batch_size"] / (loop.get("micro_batch_size") or loop["batch_size"]))
+    batching = loop.batching
+    split = math.ceil(batching.batch_size / (batching.micro_batch_size or batching.batch_size))
 
     def tokens(batch: list[int]) -> dict[str, int]:
         """A micro-batch's padded tokens, and its largest part's (rows x the batch's longest), as the loop splits it."""
-        pieces = parts(batch, lengths, split, loop.get("micro_batch_tokens"))
+        pieces = parts(batch, lengths, split, batching.micro_batch_tokens)
         return {"padded_tokens": sum(len(p) * max(lengths[i] for i in p) for p in pieces),
                 "part_tokens": len(pieces[0]) * max(lengths[i] for i in batch)}
 
@@ -230,7 +234,7 @@ def _prepare(model_dir: Path | str, labels: list[str], pad_token_id: int, method
     spec = {"model_dir": str(model_dir), "labels": labels, "pad_token_id": pad_token_id, "seed": seed,
             "method": method, "knobs": asdict(knobs), "gradient_checkpointing": gradient_checkpointing,
             "threads": threads, "allocator": allocator, "task": task, "int8": int8, "rows_file": handle.name,
-            "loop": {k: v for k, v in loop.items() if k != "checkpoint_dir"}}
+            "loop": loop.to_dict()}
     if others:
         spec["others"] = [{"method": o["method"], "knobs": asdict(o["knobs"]), "int8": o["int8"]} for o in others]
         spec["others_batch"] = [index[i] for i in timed_rows]
@@ -290,7 +294,7 @@ def _measure(prepared: _Prepared, method: str, worker: CalibrationWorker | None,
 
 
 def _fit_peaks(steps: list[dict], growing: list[dict], shape: ModelShape, method: str, knobs: MethodKnobs,
-               loop: dict, gradient_checkpointing: bool, loaded_rss: int) -> tuple[list, float, float, float]:
+               loop: LoopConfig, gradient_checkpointing: bool, loaded_rss: int) -> tuple[list, float, float, float]:
     """(memory points, analytic bytes per token, activation scale, runtime bytes): the peaks of the first pass,
     smallest part first, fitted against the memory model (fit_memory)."""
     # Memory: the peak after the warm-up step, then after each larger part (the first pass runs smallest first).
@@ -301,9 +305,9 @@ def _fit_peaks(steps: list[dict], growing: list[dict], shape: ModelShape, method
             top = s["part_tokens"]
     points[-1] = (top, max(s["peak_rss_bytes"] for s in steps))  # the largest part again, after smaller ones
     # what grows with a part's tokens: the activations saved for backward and the logits (a causal LM's are large)
-    per_token = (activation_bytes_per_token(shape, bool(loop["bf16"]), gradient_checkpointing)
+    per_token = (activation_bytes_per_token(shape, bool(loop.speed.bf16), gradient_checkpointing)
                  + logits_bytes_per_token(shape))
-    fixed = memory_estimate(shape, method, bf16=bool(loop["bf16"]), micro_batch=0, seq_len=1,
+    fixed = memory_estimate(shape, method, bf16=bool(loop.speed.bf16), micro_batch=0, seq_len=1,
                             gradient_checkpointing=gradient_checkpointing, knobs=knobs,
                             constants=Constants(runtime_bytes=0))
     # Each calibration step is one part (no accumulation): its gradients overlap the activations backward frees
@@ -317,7 +321,7 @@ def _fit_peaks(steps: list[dict], growing: list[dict], shape: ModelShape, method
 
 
 def _fitted(measured: _Measured, prepared: _Prepared, seconds: float, shape: ModelShape, method: str,
-            knobs: MethodKnobs, loop: dict, gradient_checkpointing: bool, threads: int,
+            knobs: MethodKnobs, loop: LoopConfig, gradient_checkpointing: bool, threads: int,
             others: list[dict] | None) -> Calibration:
     """calibrate's last step: the measured steps fitted into Constants (memory, time, each other method's cost and
     saved bytes), and the calibration's report, with what a busy machine or an early stop means for the plan."""
@@ -369,7 +373,7 @@ def _fitted(measured: _Measured, prepared: _Prepared, seconds: float, shape: Mod
                          "methods": point["others"]}
               if others else None,
               "seconds": round(seconds, 1),
-              "loaded_rss_bytes": point["loaded_rss_bytes"], "bf16": bool(loop["bf16"]),
+              "loaded_rss_bytes": point["loaded_rss_bytes"], "bf16": bool(loop.speed.bf16),
               "allocator": point["allocator"], "gradient_checkpointing": gradient_checkpointing,
               "int8_products": point["int8_products"], "cpu_share": point["cpu_share"],
               "startup_s": round(startup, 2), "startup_cold_s": round(startup_cold, 2),

@@ -92,7 +92,8 @@ def _calibration_point(spec: dict) -> dict:
     from torch._dynamo.utils import counters
 
     from frugaltune import allocator, faults
-    from frugaltune.training.loop import LoopConfig, train_classifier
+    from frugaltune.training.loop import train_classifier
+    from frugaltune.training.loop_config import LoopConfig
     from frugaltune.training.methods import prepare_model
     from frugaltune.training.setup import apply_int8
 
@@ -115,8 +116,10 @@ def _calibration_point(spec: dict) -> dict:
     # What the planner keeps of a calibration it stops early (CalibrationWorker.run): this line, then one per step
     _report({"built": {"loaded_rss_bytes": loaded_rss, "int8_products": bool(int8["on"]),
                        "allocator": allocator.active(), "build_s": round(phases["build_s"], 2)}})
-    cfg = LoopConfig(**{**spec["loop"], "checkpoint_dir": None, "resume": False, "max_steps": None, "grad_accum": 1,
-                        "log_every": 1, "warmup_ratio": 0.0})
+    # the run's LoopConfig back from its serialized form (LoopConfig.to_dict), over the steps `batches` names: one
+    # micro-batch a step, each logged, no checkpoints, no warm-up
+    cfg = LoopConfig.build(**{**spec["loop"], "checkpoint_dir": None, "resume": False, "max_steps": None,
+                              "grad_accum": 1, "log_every": 1, "warmup_ratio": 0.0})
     # Graphs inductor compiles afresh here (not found in its on-disk cache) are found there by every later process
     # on this machine, the run's among them: counted per step so that the plan can tell a cold start from a warm one.
     compiled = lambda: counters["inductor"].get("fxgraph_cache_miss", 0)  # noqa: E731

@@ -1,6 +1,6 @@
 """LoRA over int8 frozen products as one autograd node per sibling group: `fused_int8_lora(model)`.
 
-Library code: the training loop enters `fused_int8_lora(model, cfg.fused_int8_lora)` around its steps; nothing to
+Library code: the training loop enters `fused_int8_lora(model, cfg.speed.fused_int8_lora)` around its steps; nothing to
 run on its own (tests/unit/test_int8_lora.py, `benchmarks/step_anatomy.py --ab int8lora`).
 
 Why: with int8 frozen products (frugaltune/int8.py), what is left of a LoRA step beside its products is small ops.

@@ -31,8 +31,9 @@ from frugaltune.training.batching import collate_targets, epoch_batches, parts, 
 from frugaltune.training.distributed import World
 from frugaltune.training.sharing import CoreShare
 from frugaltune.training.fast import short_sequence_attention
-from frugaltune.training.inference import SHARED_PREFIX_MIN, autocast, model_loss, shared_prefix_length
+from frugaltune.training.inference import autocast, model_loss, shared_prefix_length
 from frugaltune.training.int8_lora import fused_int8_lora
+from frugaltune.training.loop_config import LoopConfig
 from frugaltune.training.oom import halve_micro_batch, injected_oom_steps, is_oom
 from frugaltune.training.optimizer import build_optimizer, build_scheduler
 from frugaltune.training.progress import ProgressLines
@@ -41,55 +42,6 @@ from frugaltune.training.signals import interrupted, stop_on_signals
 
 class DivergenceError(RuntimeError):
     """The loss became NaN or infinite; the message names the step and the last good checkpoint."""
-
-
-@dataclass(frozen=True)
-class LoopConfig:
-    lr: float
-    head_lr: float | None = None
-    # LoRA+ (Hayou et al. 2024): B's rate = ratio x lr; B starts at zero and its gradient is A-scaled, so at one
-    # shared rate it moves too slowly for its role (peft's create_loraplus_optimizer does the same grouping)
-    lora_plus_ratio: float = 1.0
-    weight_decay: float = 0.0
-    scheduler: str = "linear"
-    warmup_ratio: float = 0.05
-    epochs: float = 1.0
-    max_steps: int | None = None
-    batch_size: int = 16
-    grad_accum: int = 1
-    max_grad_norm: float = 1.0
-    bf16: bool = False
-    group_by_length: bool = True
-    log_every: int = 10
-    seed: int = 42
-    head_names: tuple[str, ...] = ("score",)
-    checkpoint_dir: Path | None = None  # None: no checkpoints
-    checkpoint_every: int = 50
-    keep_checkpoints: int = 2
-    resume: bool = True
-    micro_batch_size: int | None = None  # None = batch_size; smaller: each batch runs in parts (same gradient)
-    # A part's padded tokens at most (rows x the batch's longest row): a wider batch runs in as few equal parts as
-    # keep under it, accumulated like micro_batch_size's. None: no cap. Length-grouped batches are mostly short, so
-    # this bounds the peak memory that the few long ones set, at the cost of splitting only those.
-    micro_batch_tokens: int | None = None
-    # Batches padded to at most this many tokens use eager attention, longer ones SDPA (0: SDPA always); the
-    # crossover is measured by the kernels stage and resolved by the plan (frugaltune.training.fast)
-    eager_attention_max_len: int = 0
-    # causal_lm: a batch whose rows start with at least this many equal tokens reads them once (model_loss's
-    # `shared`); 0: never. Off by itself under gradient checkpointing, which cannot carry a KV cache.
-    shared_prefix_min: int = SHARED_PREFIX_MIN
-    # AdamW as one fused kernel over every trainable tensor (torch's `fused=True`, CPU and CUDA) instead of the
-    # per-tensor loop: LoRA has ~240 small tensors, so the loop is dispatch, not arithmetic. Same update to
-    # rounding; measured faster on every machine tried (docs/DECISIONS.md, benchmarks/step_anatomy.py --ab optimizer)
-    fused_optimizer: bool = True
-    # LoRA layers over int8 frozen products run as one autograd node per product (q/k/v, gate/up, o, down): one
-    # dropout, one cast, A's products stacked, B's added in addmm (frugaltune.training.int8_lora); a model without
-    # int8 products has nothing it takes. Measured faster in paired steps (docs/DECISIONS.md,
-    # benchmarks/step_anatomy.py --ab-paired 60 --ab int8lora)
-    fused_int8_lora: bool = True
-    # Where the output is not a terminal (a log file, a pipe), one progress line every this many seconds of wall
-    # time (step/total, loss, tokens/s, ETA), flushed: a bar there is `\r` redraws, or nothing when bars are off
-    progress_every_s: float = 30.0
 
 
 @dataclass
@@ -149,9 +101,9 @@ def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
 
 
 def plan_steps(num_examples: int, cfg: LoopConfig) -> int:
-    micro_per_epoch = math.ceil(num_examples / cfg.batch_size)
-    steps_per_epoch = math.ceil(micro_per_epoch / cfg.grad_accum)
-    return cfg.max_steps or max(1, math.ceil(cfg.epochs * steps_per_epoch))
+    micro_per_epoch = math.ceil(num_examples / cfg.batching.batch_size)
+    steps_per_epoch = math.ceil(micro_per_epoch / cfg.batching.grad_accum)
+    return cfg.batching.max_steps or max(1, math.ceil(cfg.batching.epochs * steps_per_epoch))
 
 
 class _EpochOrder:
@@ -159,13 +111,13 @@ class _EpochOrder:
 
     def __init__(self, lengths: list[int], cfg: LoopConfig):
         self.lengths, self.cfg, self._epoch, self._batches = lengths, cfg, -1, []
-        self.per_epoch = math.ceil(len(lengths) / cfg.batch_size)
+        self.per_epoch = math.ceil(len(lengths) / cfg.batching.batch_size)
 
     def __getitem__(self, position: int) -> list[int]:
         epoch, index = divmod(position, self.per_epoch)
         if epoch != self._epoch:
-            self._batches = epoch_batches(self.lengths, self.cfg.batch_size, self.cfg.seed, epoch,
-                                          self.cfg.group_by_length)
+            self._batches = epoch_batches(self.lengths, self.cfg.batching.batch_size, self.cfg.seed, epoch,
+                                          self.cfg.batching.group_by_length)
             self._epoch = epoch
         return self._batches[index]
 
@@ -231,7 +183,7 @@ def _accumulate(model: torch.nn.Module, data: _Data, batch_index: list[int], min
     (`part_rows`: `micro_split` after out-of-memory halvings, and the token cap); gradients accumulate, each part
     weighted by what it adds to the whole batch's mean loss, so splits and ranks add up to the one-process loss."""
     device = next(model.parameters()).device
-    for part in parts(mine, data.lengths, micro_split, cfg.micro_batch_tokens):
+    for part in parts(mine, data.lengths, micro_split, cfg.batching.micro_batch_tokens):
         sums.micros += 1
         if inject_oom:
             raise torch.OutOfMemoryError("injected by FRUGALTUNE_TEST_OOM_AT_STEPS")
@@ -240,9 +192,10 @@ def _accumulate(model: torch.nn.Module, data: _Data, batch_index: list[int], min
             target = collate_targets([data.labels[i] for i in part], batch["input_ids"].shape[1]).to(device)
             shared = shared_prefix_length(batch["input_ids"], target, share_from)
         with phase("fwd_bwd"):
-            with autocast(cfg.bf16, device):
+            with autocast(cfg.speed.bf16, device):
                 loss = model_loss(model, batch, target, shared=shared)
-            weight = sum(data.counts[i] for i in part) / sum(data.counts[i] for i in batch_index) / cfg.grad_accum
+            weight = (sum(data.counts[i] for i in part) / sum(data.counts[i] for i in batch_index)
+                      / cfg.batching.grad_accum)
             (loss * weight).backward()
             sums.loss += loss.item() * weight
         sums.tokens += sum(data.lengths[i] for i in part)
@@ -254,9 +207,9 @@ def _accumulate(model: torch.nn.Module, data: _Data, batch_index: list[int], min
 def _resume(cfg: LoopConfig, model, optimizer, scheduler, state: dict, world: World, total_steps: int,
             event) -> tuple[int, Path | None]:
     """(first step, last good checkpoint): where the newest complete checkpoint of this run leaves off, if any."""
-    if not (cfg.checkpoint_dir and cfg.resume):
+    if not (cfg.checkpoints.checkpoint_dir and cfg.checkpoints.resume):
         return 1, None
-    found = checkpoint.latest_complete(cfg.checkpoint_dir)
+    found = checkpoint.latest_complete(cfg.checkpoints.checkpoint_dir)
     if not found:
         return 1, None
     saved = checkpoint.load_checkpoint(found, model, optimizer, scheduler)
@@ -268,7 +221,7 @@ def _resume(cfg: LoopConfig, model, optimizer, scheduler, state: dict, world: Wo
 
 
 def _add_step(state: dict, sums: _StepSums, cfg: LoopConfig) -> None:
-    state["position"] += cfg.grad_accum
+    state["position"] += cfg.batching.grad_accum
     for key, value in (("tokens", sums.tokens), ("padded", sums.padded), ("sequences", sums.sequences),
                        ("shared", sums.shared), ("micros", sums.micros)):
         state[key] += value
@@ -278,8 +231,9 @@ def _add_step(state: dict, sums: _StepSums, cfg: LoopConfig) -> None:
 
 def _new_state(cfg: LoopConfig) -> dict:
     """What a checkpoint keeps of the loop's progress (besides weights, optimizer and schedule), at the start."""
+    batch, micro = cfg.batching.batch_size, cfg.batching.micro_batch_size
     return {"position": 0, "history": [], "losses": [], "window": [], "tokens": 0, "padded": 0, "sequences": 0,
-            "micros": 0, "micro_split": math.ceil(cfg.batch_size / (cfg.micro_batch_size or cfg.batch_size)),
+            "micros": 0, "micro_split": math.ceil(batch / (micro or batch)),
             "elapsed": 0.0, "last_window": [], "shared": 0}
 
 
@@ -300,7 +254,7 @@ def _displays(shown: bool, cfg: LoopConfig, total_steps: int, first_step: int, s
     """(tqdm's bar, shown on a terminal's stderr; progress lines where stdout is not a terminal, else None)."""
     bar = tqdm(total=total_steps, initial=first_step - 1, desc="train", unit="step", dynamic_ncols=True,
                disable=not (shown and console.progress_bars_on() and console.is_terminal(sys.stderr)))
-    lines = ProgressLines(cfg.progress_every_s, total_steps, first_step, start) if (
+    lines = ProgressLines(cfg.reporting.progress_every_s, total_steps, first_step, start) if (
         shown and not console.is_terminal(sys.stdout)) else None
     return bar, lines
 
@@ -312,7 +266,7 @@ def _gradients(model: torch.nn.Module, data: _Data, order: Sequence[list[int]], 
     rank: every rank then halves its parts, its gradients dropped, and runs the step again."""
     sums, out_of_memory = _StepSums(), None
     try:
-        for micro in range(cfg.grad_accum):
+        for micro in range(cfg.batching.grad_accum):
             batch_index = order[state["position"] + micro]
             _accumulate(model, data, batch_index, world.shard(batch_index), cfg, state["micro_split"],
                         share_from, phase, sums, inject_oom=step in oom_steps)
@@ -323,7 +277,7 @@ def _gradients(model: torch.nn.Module, data: _Data, order: Sequence[list[int]], 
         out_of_memory = exc
     if world.any(out_of_memory is not None):  # every rank halves together, or the others would wait
         optimizer.zero_grad(set_to_none=True)
-        halve_micro_batch(state, cfg, step, out_of_memory, event)
+        halve_micro_batch(state, cfg.batching, step, out_of_memory, event)
         return None
     return sums
 
@@ -342,9 +296,9 @@ def _optimizer_step(sums: _StepSums, step: int, cfg: LoopConfig, world: World, t
     if not math.isfinite(sums.loss):
         where = f"the last good checkpoint is {last_good}" if last_good else "no checkpoint was written yet"
         raise DivergenceError(f"loss is {sums.loss} at step {step}: training diverged ({where}). Lower "
-                              f"train.lr (now {cfg.lr}) or use train.precision: fp32.")
+                              f"train.lr (now {cfg.optim.lr}) or use train.precision: fp32.")
     with phase("optimizer"):
-        torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm)
+        torch.nn.utils.clip_grad_norm_(trainable, cfg.optim.max_grad_norm)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
@@ -372,12 +326,13 @@ def _checkpoint_or_stop(stop: dict, step: int, total_steps: int, cfg: LoopConfig
     returns the last good checkpoint."""
     if world.distributed and world.any(bool(stop)):  # a signal on one rank stops all at the same step
         stop.setdefault("signal", "SIGTERM")
-    if cfg.checkpoint_dir and step < total_steps and (step % cfg.checkpoint_every == 0 or stop):
+    saving = cfg.checkpoints
+    if saving.checkpoint_dir and step < total_steps and (step % saving.checkpoint_every == 0 or stop):
         # every rank holds the same weights and optimizer state: one writes them
         last_good = checkpoint.save_checkpoint(
-            cfg.checkpoint_dir, step, model, optimizer, scheduler,
-            {**state, "elapsed": state["elapsed"] + time.perf_counter() - start}, cfg.keep_checkpoints,
-        ) if world.is_main else cfg.checkpoint_dir / f"step-{step}"
+            saving.checkpoint_dir, step, model, optimizer, scheduler,
+            {**state, "elapsed": state["elapsed"] + time.perf_counter() - start}, saving.keep_checkpoints,
+        ) if world.is_main else saving.checkpoint_dir / f"step-{step}"
     if stop:
         world.barrier()  # the checkpoint is on disk before any rank exits (torchrun then stops them all)
         bar.close()
@@ -392,7 +347,7 @@ def _result(state: dict, cfg: LoopConfig, total_steps: int, start: float, first_
         padded_tokens=state["padded"], wall_seconds=state["elapsed"] + time.perf_counter() - start,
         final_loss=float(np.mean(state.get("last_window") or state["losses"][-1:])),
         mean_loss=float(np.mean(state["losses"])), peak_rss_mb=peak_rss_mb(), history=state["history"],
-        resumed_from_step=first_step - 1, micro_batch_size=math.ceil(cfg.batch_size / state["micro_split"]),
+        resumed_from_step=first_step - 1, micro_batch_size=math.ceil(cfg.batching.batch_size / state["micro_split"]),
         events=events, shared_prefix_tokens=state["shared"],
     )
 
@@ -414,8 +369,8 @@ def train_classifier(
 ) -> TrainResult:
     """Train `model` (already wrapped by its method) on tokenized examples; return counts, losses and timings.
 
-    With `cfg.checkpoint_dir`, writes a checkpoint every `cfg.checkpoint_every` steps and on SIGINT/SIGTERM, and
-    (`cfg.resume`) continues from the newest complete one: same data order, RNG, optimizer and schedule, so the
+    With `cfg.checkpoints.checkpoint_dir`, writes a checkpoint every `checkpoint_every` steps and on SIGINT/SIGTERM,
+    and (`resume`) continues from the newest complete one: same data order, RNG, optimizer and schedule, so the
     resumed run ends where an uninterrupted one would.
 
     Under torchrun (`world.size` > 1) every rank runs this same loop on its share of each batch and the gradients
@@ -426,8 +381,8 @@ def train_classifier(
     batch's gradients, so micro-batch splits and ranks do not scale it); the reported loss stays the task loss.
     The federated client uses it for FedProx's proximal term (frugaltune/federated/local.py).
 
-    `batches`, when given, are the micro-batches (example indices) to run in that order, `cfg.grad_accum` a step,
-    instead of the seeded length-grouped epochs: the planner's calibration runs the run's own batches it picked.
+    `batches`, when given, are the micro-batches (example indices) to run in that order, `cfg.batching.grad_accum` a
+    step, instead of the seeded length-grouped epochs: the planner's calibration runs the run's own batches it picked.
 
     `optimizer_state`, when given, is AdamW's per-parameter state (moments and step counts, keyed as
     `optimizer.state_dict()["state"]`): a non-empty one is where this run's optimizer starts instead of zero
@@ -437,7 +392,7 @@ def train_classifier(
     _unpack_4bit_inference_layout(model)
     lengths = [len(ids) for ids in input_ids]
     data = _Data(input_ids, labels, lengths, target_counts(labels), pad_token_id)
-    total_steps = len(batches) // cfg.grad_accum if batches is not None else plan_steps(len(input_ids), cfg)
+    total_steps = len(batches) // cfg.batching.grad_accum if batches is not None else plan_steps(len(input_ids), cfg)
     optimizer = build_optimizer(model, cfg, optimizer_state)
     scheduler = build_scheduler(cfg, optimizer, total_steps)
     order = batches if batches is not None else _EpochOrder(lengths, cfg)
@@ -454,15 +409,15 @@ def train_classifier(
     # cores to other work: on one there is nothing to give up, and no /proc/stat to read every step
     sharing = CoreShare(event) if batches is None and not world.distributed and torch.get_num_threads() > 1 else None
     checkpointing = any(getattr(module, "gradient_checkpointing", False) for module in model.modules())
-    share_from = 0 if checkpointing else cfg.shared_prefix_min  # a KV cache cannot cross a checkpointed layer
+    share_from = 0 if checkpointing else cfg.speed.shared_prefix_min  # a KV cache cannot cross a checkpointed layer
     phase = timer.phase if timer is not None else (lambda name: contextlib.nullcontext())
     model.train()
     window_tokens, window_start = 0, time.perf_counter()
     start = time.perf_counter()
     stop: dict = {}
     bar, lines = _displays(progress and world.is_main, cfg, total_steps, first_step, start)
-    with (stop_on_signals(stop), short_sequence_attention(model, cfg.eager_attention_max_len),
-          fused_int8_lora(model, cfg.fused_int8_lora), sharing or contextlib.nullcontext()):
+    with (stop_on_signals(stop), short_sequence_attention(model, cfg.speed.eager_attention_max_len),
+          fused_int8_lora(model, cfg.speed.fused_int8_lora), sharing or contextlib.nullcontext()):
         step = first_step
         while step <= total_steps:
             sums = _gradients(model, data, order, state, cfg, world, share_from, phase, step, oom_steps, optimizer,
@@ -481,7 +436,7 @@ def train_classifier(
             bar.update(1)
             if lines is not None:
                 lines.step(step, sums.loss, sums.tokens)
-            if step % cfg.log_every == 0 or step == total_steps:
+            if step % cfg.reporting.log_every == 0 or step == total_steps:
                 window_start = _log_window(state, step, scheduler, window_tokens, window_start, start, timer, bar,
                                            on_log)
                 window_tokens = 0

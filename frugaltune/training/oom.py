@@ -1,8 +1,8 @@
 """Out of memory during a step: the loop halves every part of every batch from then on and runs the step again.
 
 Library code, not run directly: `frugaltune.training.loop.train_classifier` catches the error (`is_oom`) and calls
-`halve_micro_batch` (`cfg` is its `LoopConfig`). `FRUGALTUNE_TEST_OOM_AT_STEPS` (`injected_oom_steps`) is the
-tests' way to cause one.
+`halve_micro_batch` (`batching` is its `LoopConfig.batching`). `FRUGALTUNE_TEST_OOM_AT_STEPS`
+(`injected_oom_steps`) is the tests' way to cause one.
 """
 
 from __future__ import annotations
@@ -27,15 +27,15 @@ def is_oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
 
-def halve_micro_batch(state: dict, cfg, step: int, cause: BaseException | None, event) -> None:
+def halve_micro_batch(state: dict, batching, step: int, cause: BaseException | None, event) -> None:
     """Out of memory: every part of every batch from now on is half as wide (the effective batch is unchanged)."""
-    size = math.ceil(cfg.batch_size / state["micro_split"])
+    size = math.ceil(batching.batch_size / state["micro_split"])
     if size <= 1:
         raise OutOfMemoryAtBatchOne(
             f"out of memory at step {step} with one sequence per micro-batch. Lower tokenize.max_length, use a "
             "lighter train.method (lora/qlora) or a machine with more memory.") from cause
     state["micro_split"] *= 2
-    new_size = math.ceil(cfg.batch_size / state["micro_split"])
+    new_size = math.ceil(batching.batch_size / state["micro_split"])
     event(f"out of memory at step {step}: micro-batch {size} -> {new_size}, gradient accumulation "
-          f"{cfg.grad_accum * state['micro_split'] // 2} -> {cfg.grad_accum * state['micro_split']} "
-          f"(effective batch {cfg.batch_size * cfg.grad_accum} unchanged)")
+          f"{batching.grad_accum * state['micro_split'] // 2} -> {batching.grad_accum * state['micro_split']} "
+          f"(effective batch {batching.batch_size * batching.grad_accum} unchanged)")

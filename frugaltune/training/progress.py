@@ -1,7 +1,7 @@
 """The training loop's progress as a line every so many seconds, where the output is a log file or a pipe.
 
 Library code, not run directly: `frugaltune.training.loop.train_classifier` feeds a `ProgressLines` each step when
-its stdout is not a terminal (`LoopConfig.progress_every_s`); a terminal gets tqdm's bar instead.
+its stdout is not a terminal (`LoopConfig.reporting.progress_every_s`); a terminal gets tqdm's bar instead.
 """
 
 from __future__ import annotations

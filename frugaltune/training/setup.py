@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
     from frugaltune.config import Params
     from frugaltune.training.distributed import World
-    from frugaltune.training.loop import LoopConfig
+    from frugaltune.training.loop_config import LoopConfig
 
 
 def body_lr(params: "Params", method: str | None = None) -> float:
@@ -57,15 +57,16 @@ def training_rows(params: "Params", input_ids: list[list[int]], tokenizer) -> li
     return wrapped(input_ids, template, params.tokenize.max_length)
 
 
-def loop_config(params: "Params", *, method: str, bf16: bool, micro_batch_size: int, eager_attention_max_len: int,
-                checkpoint_dir: Path | None = None, **overrides: Any) -> "LoopConfig":
-    """The LoopConfig of `params.train` on the plan's decisions for `method` (frugaltune.resolve.Run): the one
-    builder for the train and compare stages and the planner's calibration, so that what the plan times is what
-    trains."""
-    from frugaltune.training.loop import LoopConfig
+def loop_config(params: "Params", *, method: str, bf16: bool, micro_batch_size: int | None,
+                eager_attention_max_len: int, checkpoint_dir: Path | None = None, **overrides: Any) -> "LoopConfig":
+    """The LoopConfig of `params.train` on the plan's decisions for `method` (frugaltune.resolve.Run), built by
+    `LoopConfig.build`: the train and compare stages, the planner's calibration and the federated centralized
+    reference (the train stage's recipe), so that what the plan times is what trains. `overrides`: settings (by
+    their `LoopConfig.build` names) in place of what params gives."""
+    from frugaltune.training.loop_config import LoopConfig
 
     tp = params.train
-    fields = dict(
+    settings = dict(
         checkpoint_dir=checkpoint_dir, checkpoint_every=tp.checkpoint_every, keep_checkpoints=tp.keep_checkpoints,
         resume=tp.resume == "auto", lr=body_lr(params, method), head_lr=tp.head_lr,
         lora_plus_ratio=tp.lora_plus_ratio, weight_decay=tp.weight_decay, scheduler=tp.scheduler,
@@ -74,4 +75,4 @@ def loop_config(params: "Params", *, method: str, bf16: bool, micro_batch_size: 
         log_every=tp.log_every, seed=params.common.seed, micro_batch_size=micro_batch_size,
         micro_batch_tokens=tp.micro_batch_tokens, eager_attention_max_len=eager_attention_max_len,
     )
-    return LoopConfig(**(fields | overrides))
+    return LoopConfig.build(**(settings | overrides))

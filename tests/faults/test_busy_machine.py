@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict
 
 import pytest
 
@@ -42,7 +41,7 @@ def calibrate_tiny(model_dir, worker=None, **kw):
     constants, calibration = calibrate(
         model_dir, LABELS, load_tokenizer(model_dir).pad_token_id, "lora", MethodKnobs(), shape,
         rows=[[5 + j % 50 for j in range(n)] for n in lengths], targets=[i % 3 for i in range(48)], order=order,
-        loop=asdict(LoopConfig(lr=1e-3, batch_size=8)), int8=OFF, gradient_checkpointing=False, threads=1,
+        loop=LoopConfig.build(lr=1e-3, batch_size=8), int8=OFF, gradient_checkpointing=False, threads=1,
         time_samples=4, others=[{"method": "prelayer", "knobs": MethodKnobs(), "int8": OFF}],
         others_share=None, worker=worker, watch_s=WATCH_S, **kw)
     seconds = time.monotonic() - began
@@ -135,8 +134,9 @@ def test_a_training_beside_cpu_bound_jobs_gives_up_a_thread(tiny_model_dir, monk
     try:
         from frugaltune.training.loop import train_classifier
 
-        train_classifier(model, rows, [i % 3 for i in range(64)], LoopConfig(lr=1e-3, batch_size=8, max_steps=200),
-                         tokenizer.pad_token_id, progress=False, on_event=events.append)
+        train_classifier(model, rows, [i % 3 for i in range(64)],
+                         LoopConfig.build(lr=1e-3, batch_size=8, max_steps=200), tokenizer.pad_token_id,
+                         progress=False, on_event=events.append)
         assert torch.get_num_threads() == 2, "the run left its threads changed"
     finally:
         torch.set_num_threads(before)

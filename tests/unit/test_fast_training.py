@@ -131,7 +131,7 @@ def test_lora_in_bf16_stores_the_frozen_projections_in_bf16_and_trains_exactly_a
         assert frozen == {torch.bfloat16 if stored_bf16 else torch.float32}
         assert all(p.dtype == torch.float32 for p in model.parameters() if p.requires_grad)
         assert model.get_input_embeddings().weight.dtype == torch.float32
-        cfg = LoopConfig(lr=1e-2, head_lr=2e-2, batch_size=8, epochs=1, seed=0, bf16=True, log_every=1)
+        cfg = LoopConfig.build(lr=1e-2, head_lr=2e-2, batch_size=8, epochs=1, seed=0, bf16=True, log_every=1)
         result = train_classifier(model, ids, labels, cfg, pad, progress=False)
         runs[stored_bf16] = ([h["loss"] for h in result.history],
                              {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad})

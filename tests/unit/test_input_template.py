@@ -82,7 +82,7 @@ def test_serving_wraps_inputs_as_the_adapter_was_trained(tiny_model_dir, tmp_pat
     ids = tokenizer(texts, truncation=True, max_length=max_length)["input_ids"]
     rows = template.wrap_all(ids, max_length)
     assert all(len(row) == max_length for row in rows)  # each text is longer than the room: the cut is exercised
-    train_classifier(model, rows, [i % 2 for i in range(16)], LoopConfig(lr=1e-2, batch_size=8, max_steps=2), pad,
+    train_classifier(model, rows, [i % 2 for i in range(16)], LoopConfig.build(lr=1e-2, batch_size=8, max_steps=2), pad,
                      progress=False)
     save_trained(model, "prelayer", tmp_path)
     tokenizer.save_pretrained(tmp_path)

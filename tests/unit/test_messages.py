@@ -37,8 +37,9 @@ def interrupted_training(model_dir: Path, checkpoints: Path) -> TrainingInterrup
 
     with pytest.raises(TrainingInterrupted) as caught:
         train_classifier(model, ids, [i % 2 for i in range(16)],
-                         LoopConfig(lr=1e-2, batch_size=4, epochs=2, log_every=1, seed=0, checkpoint_every=2,
-                                    checkpoint_dir=checkpoints), tokenizer.pad_token_id, on_log=kill, progress=False)
+                         LoopConfig.build(lr=1e-2, batch_size=4, epochs=2, log_every=1, seed=0, checkpoint_every=2,
+                                          checkpoint_dir=checkpoints), tokenizer.pad_token_id, on_log=kill,
+                         progress=False)
     return caught.value
 
 

@@ -138,7 +138,7 @@ def test_weight_bytes_are_the_bytes_of_the_model_each_method_trains(tiny_model_d
 
 def test_planned_batches_are_the_training_loops_batches():
     lengths = [5 + (i * 37) % 120 for i in range(300)]
-    cfg = LoopConfig(lr=1e-3, batch_size=8, grad_accum=2, epochs=1.5, seed=7)
+    cfg = LoopConfig.build(lr=1e-3, batch_size=8, grad_accum=2, epochs=1.5, seed=7)
     steps, batches = planned_batches(lengths, 8, 2, 1.5, None, 7)
     assert steps == plan_steps(len(lengths), cfg)
     order = _EpochOrder(lengths, cfg)
@@ -256,7 +256,7 @@ def test_cpu_precision_follows_this_machines_measurement_never_its_flags():
 def train_tiny_lora(model_dir, tokenizer, ids, labels, **loop):
     """A rank-4 LoRA without dropout (no masks drawn per part) on the tiny model, batches of 8, seed 1."""
     model = prepare_model(model_dir, LABELS, tokenizer.pad_token_id, 0, "lora", MethodKnobs(r=4, dropout=0.0))
-    return train_classifier(model, ids, labels, LoopConfig(lr=1e-2, batch_size=8, seed=1, log_every=1, **loop),
+    return train_classifier(model, ids, labels, LoopConfig.build(lr=1e-2, batch_size=8, seed=1, log_every=1, **loop),
                             tokenizer.pad_token_id, progress=False)
 
 
@@ -307,11 +307,31 @@ def test_gradient_checkpointing_gives_the_same_loss(tiny_model_dir):
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-6)
 
 
+def test_the_calibrations_process_receives_the_runs_loop_config_whole(tmp_path):
+    """What calibrate hands its process names the run's LoopConfig in its serialized form, JSON-safe, and
+    LoopConfig.build takes it back to the same settings (the process then sets only its own: steps, logging,
+    no checkpoints or warm-up)."""
+    from pathlib import Path
+
+    from frugaltune.planner.calibration import _prepare
+
+    loop = LoopConfig.build(lr=3e-3, head_lr=6e-3, lora_plus_ratio=4.0, batch_size=8, micro_batch_size=4,
+                            micro_batch_tokens=64, bf16=True, eager_attention_max_len=48, checkpoint_dir=tmp_path,
+                            scheduler="cosine", seed=9)
+    lengths = [6 + i % 9 for i in range(24)]
+    prepared = _prepare("models/none", LABELS, 0, "lora", MethodKnobs(), rows=[[5] * n for n in lengths],
+                        targets=[i % 3 for i in range(24)], order=[list(range(i, i + 8)) for i in range(0, 24, 8)],
+                        loop=loop, int8={"on": False, "why": "test"}, gradient_checkpointing=False, threads=1,
+                        seed=0, time_samples=3, allocator="system", task="classification", inference_rows=None,
+                        inference_batch=8, others=None, others_share=None, planned=None)
+    Path(prepared.spec["rows_file"]).unlink()
+    assert LoopConfig.build(**json.loads(json.dumps(prepared.spec))["loop"]) == loop
+
+
 def test_calibration_times_the_runs_own_loop_and_gives_an_eta(tiny_model_dir):
     """The calibration runs training's own loop (LoopConfig, token cap) over the run's own micro-batches: the sampled
     sizes smallest first (the smallest's first step is the warm-up) and the part that sets the peak last; then again
     under the peak, all but the largest (the dearest step; two sizes are left for the time fit)."""
-    from dataclasses import asdict
 
     from frugaltune.training.loop import LoopConfig
 
@@ -320,7 +340,7 @@ def test_calibration_times_the_runs_own_loop_and_gives_an_eta(tiny_model_dir):
     lengths = [8 + (i * 7) % 25 for i in range(64)]
     rows = [[5 + j % 50 for j in range(n)] for n in lengths]
     steps, order = planned_order(lengths, 8, 1, 1.0, None, seed=0)
-    loop = asdict(LoopConfig(lr=1e-3, batch_size=8, micro_batch_tokens=96))
+    loop = LoopConfig.build(lr=1e-3, batch_size=8, micro_batch_tokens=96)
     constants, calibration = calibrate(
         tiny_model_dir, LABELS, tokenizer.pad_token_id, "lora", MethodKnobs(), shape, rows=rows,
         targets=[i % 3 for i in range(64)], order=order, loop=loop, int8={"on": False, "why": "test"},
@@ -358,7 +378,6 @@ def test_every_method_the_plan_lists_gets_its_own_timed_estimate(tiny_model_dir)
     """The methods the plan does not calibrate are each built and timed on one of the run's micro-batches in the
     calibration's process: their ETA is the calibrated step times their own measured cost, not a copy of lora's; a
     method that cannot be built keeps the FLOPs estimate and says so."""
-    from dataclasses import asdict
 
     tokenizer = load_tokenizer(tiny_model_dir)
     shape = model_shape(tiny_model_dir, len(LABELS), "lora")
@@ -368,7 +387,7 @@ def test_every_method_the_plan_lists_gets_its_own_timed_estimate(tiny_model_dir)
     off = {"on": False, "why": "test"}
     constants, calibration = calibrate(
         tiny_model_dir, LABELS, tokenizer.pad_token_id, "lora", MethodKnobs(), shape, rows=rows,
-        targets=[i % 3 for i in range(48)], order=order, loop=asdict(LoopConfig(lr=1e-3, batch_size=8)),
+        targets=[i % 3 for i in range(48)], order=order, loop=LoopConfig.build(lr=1e-3, batch_size=8),
         int8=off, gradient_checkpointing=False, threads=1, time_samples=3,
         others=[{"method": "prelayer", "knobs": MethodKnobs(), "int8": off},
                 {"method": "full", "knobs": MethodKnobs(), "int8": off},
@@ -417,7 +436,7 @@ def test_every_method_the_plan_lists_gets_its_own_timed_estimate(tiny_model_dir)
     # a calibration that already cost more than its share of this (tiny) run times no other method, and says so
     constants, calibration = calibrate(
         tiny_model_dir, LABELS, tokenizer.pad_token_id, "lora", MethodKnobs(), shape, rows=rows,
-        targets=[i % 3 for i in range(48)], order=order, loop=asdict(LoopConfig(lr=1e-3, batch_size=8)),
+        targets=[i % 3 for i in range(48)], order=order, loop=LoopConfig.build(lr=1e-3, batch_size=8),
         int8=off, gradient_checkpointing=False, threads=1, time_samples=2,
         others=[{"method": "prelayer", "knobs": MethodKnobs(), "int8": off}])
     assert constants.method_cost == {} and "budget" in calibration["others"]["methods"]["prelayer"]["skipped"]
@@ -622,7 +641,6 @@ def test_sdpa_keeps_cudnn_on_a_cpu_only_machine():
 def test_a_cold_compile_is_timed_again_warm_as_the_run_will_find_it(tiny_model_dir, tmp_path, monkeypatch):
     """Graphs compiled afresh during the calibration's first step are cached on disk; the run finds them there. The
     calibration says so per step and takes the start-up from a second process, which finds them too."""
-    from dataclasses import asdict
 
     from frugaltune.training.loop import LoopConfig
 
@@ -636,7 +654,7 @@ def test_a_cold_compile_is_timed_again_warm_as_the_run_will_find_it(tiny_model_d
     def calibrate_once():  # one call: a second would find the cache warm
         return calibrate(
             tiny_model_dir, LABELS, tokenizer.pad_token_id, "lora", MethodKnobs(), shape, rows=rows,
-            targets=[i % 3 for i in range(32)], order=order, loop=asdict(LoopConfig(lr=1e-3, batch_size=8)),
+            targets=[i % 3 for i in range(32)], order=order, loop=LoopConfig.build(lr=1e-3, batch_size=8),
             int8={"on": True, "why": "test"}, gradient_checkpointing=False, threads=1, time_samples=2)
 
     constants, cold = calibrate_once()

@@ -17,7 +17,7 @@ def test_prelayer_tensors_load_for_serving_with_the_same_predictions(tiny_model_
     model = freeze_for("prelayer", load_for_classification(tiny_model_dir, LABELS, pad, seed=0))
     texts = [f"{'great lovely' if i % 2 else 'awful bad'} thing {i}" for i in range(16)]
     ids = tokenizer(texts)["input_ids"]
-    train_classifier(model, ids, [i % 2 for i in range(16)], LoopConfig(lr=1e-2, batch_size=8, max_steps=2), pad,
+    train_classifier(model, ids, [i % 2 for i in range(16)], LoopConfig.build(lr=1e-2, batch_size=8, max_steps=2), pad,
                      progress=False)
     save_trained(model, "prelayer", tmp_path)
     tokenizer.save_pretrained(tmp_path)

@@ -121,7 +121,7 @@ def test_micro_batches_weigh_by_response_tokens_so_splitting_a_batch_changes_not
     for micro in (8, 3):
         knobs = parse_params({"train": {"lora": {"dropout": 0.0}}}).train.lora  # no masks drawn per chunk
         model = prepare_model(tiny_model_dir, [], smol_tokenizer.pad_token_id, 0, "lora", knobs, task="causal_lm")
-        cfg = LoopConfig(lr=1e-2, batch_size=8, max_steps=3, log_every=1, seed=0, micro_batch_size=micro)
+        cfg = LoopConfig.build(lr=1e-2, batch_size=8, max_steps=3, log_every=1, seed=0, micro_batch_size=micro)
         result = train_classifier(model, ids, labels, cfg, smol_tokenizer.pad_token_id, progress=False)
         losses.append([record["loss"] for record in result.history])
     assert losses[0] == pytest.approx(losses[1], abs=1e-5)
@@ -142,7 +142,7 @@ def test_every_method_trains_the_lm_and_reloads_to_the_same_loss(method, tiny_mo
         # 5e-2 is at the edge for DoRA on this tiny model: over seeds 0-3, 4 steps raised the loss once with our
         # shared dropout masks (10.756 -> 10.820), never with peft's nn.Dropout; at 2e-2 all eight runs went down.
         lr = {"full": 1e-3, "dora": 2e-2}.get(method, 5e-2)
-        train_classifier(model, ids, labels, LoopConfig(lr=lr, batch_size=8, max_steps=4, seed=0), pad,
+        train_classifier(model, ids, labels, LoopConfig.build(lr=lr, batch_size=8, max_steps=4, seed=0), pad,
                          progress=False)
     after, _ = lm_loss(model, ids, labels, pad, progress=False)
     assert (after < before) if method != "none" else after == pytest.approx(before)

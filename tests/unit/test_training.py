@@ -50,9 +50,56 @@ def test_sorted_batches_longest_first():
 
 
 def test_plan_steps_counts_accumulation_and_epochs():
-    assert plan_steps(100, LoopConfig(lr=1e-3, batch_size=10, grad_accum=2, epochs=1)) == 5
-    assert plan_steps(100, LoopConfig(lr=1e-3, batch_size=10, epochs=2.5)) == 25
-    assert plan_steps(100, LoopConfig(lr=1e-3, batch_size=10, max_steps=3)) == 3
+    assert plan_steps(100, LoopConfig.build(lr=1e-3, batch_size=10, grad_accum=2, epochs=1)) == 5
+    assert plan_steps(100, LoopConfig.build(lr=1e-3, batch_size=10, epochs=2.5)) == 25
+    assert plan_steps(100, LoopConfig.build(lr=1e-3, batch_size=10, max_steps=3)) == 3
+
+
+def test_loop_config_is_built_by_its_one_builder_only():
+    """Every LoopConfig in the library, stages, flows and benchmarks comes from `LoopConfig.build` (through
+    training.setup.loop_config or federated.local.client_loop): none is assembled by hand, so a setting added to
+    the loop reaches every caller the same way."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    builder = root / "frugaltune" / "training" / "loop_config.py"
+    kinds = {"LoopConfig", "Optimization", "Batching", "Checkpoints", "Speed", "Reporting"}
+    by_hand = []
+    for folder in ("frugaltune", "stages", "flows", "benchmarks"):
+        for path in sorted((root / folder).rglob("*.py")):
+            if path == builder:
+                continue
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.Call):
+                    name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
+                    if name in kinds:
+                        by_hand.append(f"{path.relative_to(root)}:{node.lineno} {name}(...)")
+    assert not by_hand, "built by hand, not by LoopConfig.build: " + "; ".join(by_hand)
+
+
+def test_loop_config_groups_its_settings_and_round_trips_its_serialized_form(tmp_path):
+    """Each setting lands in its group; `to_dict` names every setting once, and `build` takes that form back after
+    JSON (what the calibration's process receives) to an equal LoopConfig; an unknown setting is refused by name."""
+    import dataclasses
+    import json
+
+    cfg = LoopConfig.build(lr=2e-3, head_lr=4e-3, weight_decay=0.01, batch_size=12, micro_batch_size=4,
+                           micro_batch_tokens=96, max_steps=30, checkpoint_dir=tmp_path, checkpoint_every=5,
+                           resume=False, bf16=True, eager_attention_max_len=64, fused_optimizer=False,
+                           log_every=3, head_names=("score", "lm_head"), seed=7)
+    assert (cfg.optim.lr, cfg.optim.head_names, cfg.batching.micro_batch_tokens, cfg.checkpoints.checkpoint_dir,
+            cfg.speed.bf16, cfg.speed.fused_optimizer, cfg.reporting.log_every, cfg.seed) == (
+        2e-3, ("score", "lm_head"), 96, tmp_path, True, False, 3, 7)
+    serialized = cfg.to_dict()
+    groups = [f.name for f in dataclasses.fields(LoopConfig) if f.name != "seed"]
+    names = [f.name for group in groups for f in dataclasses.fields(getattr(cfg, group))] + ["seed"]
+    assert sorted(serialized) == sorted(names) and len(set(names)) == len(names)
+    again = LoopConfig.build(**json.loads(json.dumps(serialized)))
+    assert again == cfg and isinstance(again.checkpoints.checkpoint_dir, type(tmp_path))
+    assert LoopConfig.build(lr=1e-3) == LoopConfig.build(**LoopConfig.build(lr=1e-3).to_dict())
+    with pytest.raises(TypeError, match="no setting learning_rate"):
+        LoopConfig.build(lr=1e-3, learning_rate=1e-3)
 
 
 def test_lora_training_lowers_the_loss_and_trains_only_adapters_and_head(tiny_model_dir):
@@ -63,7 +110,7 @@ def test_lora_training_lowers_the_loss_and_trains_only_adapters_and_head(tiny_mo
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     assert all("lora_" in n or "score" in n for n in names) and trainable < total
     ids, labels = toy_task(tokenizer)
-    cfg = LoopConfig(lr=5e-3, head_lr=5e-2, batch_size=8, epochs=6, log_every=4, seed=0, warmup_ratio=0.0)
+    cfg = LoopConfig.build(lr=5e-3, head_lr=5e-2, batch_size=8, epochs=6, log_every=4, seed=0, warmup_ratio=0.0)
     result = train_classifier(model, ids, labels, cfg, tokenizer.pad_token_id, progress=False)
     assert result.steps == 48 and result.sequences == 6 * 64
     assert result.tokens == 6 * sum(len(i) for i in ids)
@@ -79,7 +126,7 @@ def test_same_seed_same_losses(tiny_model_dir):
     for _ in range(2):
         model = apply_lora(load_for_classification(tiny_model_dir, LABELS, tokenizer.pad_token_id, seed=3),
                            4, 8, 0.1, ["q_proj"])
-        cfg = LoopConfig(lr=1e-2, batch_size=8, max_steps=6, log_every=2, seed=3)
+        cfg = LoopConfig.build(lr=1e-2, batch_size=8, max_steps=6, log_every=2, seed=3)
         runs.append([h["loss"] for h in train_classifier(model, ids, labels, cfg, tokenizer.pad_token_id,
                                                          progress=False).history])
     torch.testing.assert_close(runs[0], runs[1])
@@ -92,7 +139,7 @@ def test_divergence_stops_with_the_step(tiny_model_dir):
         model.score.weight.fill_(float("nan"))
     ids, labels = toy_task(tokenizer, 16)
     with pytest.raises(DivergenceError, match="at step 1"):
-        train_classifier(model, ids, labels, LoopConfig(lr=1e-3, batch_size=8), tokenizer.pad_token_id,
+        train_classifier(model, ids, labels, LoopConfig.build(lr=1e-3, batch_size=8), tokenizer.pad_token_id,
                          progress=False)
 
 
@@ -107,7 +154,7 @@ def test_training_into_a_log_prints_progress_lines_at_its_cadence_and_no_bar(tin
     for every_s in (0.0, 30.0):  # 0: a line after every step
         model = _fresh(tiny_model_dir, tokenizer)
         capsys.readouterr()  # the loop's output alone (loading the weights draws transformers' bar)
-        train_classifier(model, ids, labels, LoopConfig(lr=1e-3, batch_size=8, progress_every_s=every_s),
+        train_classifier(model, ids, labels, LoopConfig.build(lr=1e-3, batch_size=8, progress_every_s=every_s),
                          tokenizer.pad_token_id)
         out, err = capsys.readouterr()
         assert "\r" not in out + err and "train" not in err, err
@@ -134,7 +181,7 @@ def test_last_layers_adapts_only_the_top_layers_and_the_ones_below_run_forward_o
             lambda module, args, out, index=index: seen.__setitem__(index, (out[0] if isinstance(out, tuple)
                                                                              else out).requires_grad))
     ids, labels = toy_task(tokenizer, 8)
-    cfg = LoopConfig(lr=1e-2, batch_size=8, max_steps=1, seed=0)
+    cfg = LoopConfig.build(lr=1e-2, batch_size=8, max_steps=1, seed=0)
     train_classifier(model, ids, labels, cfg, tokenizer.pad_token_id, progress=False)
     # nothing below the adapted layer needs a gradient: autograd records no backward for it
     assert seen == {0: False, layers - 1: True}
@@ -145,14 +192,14 @@ def test_lora_plus_gives_b_its_own_rate_and_leaves_a_and_the_head_alone(tiny_mod
     model = apply_lora(load_for_classification(tiny_model_dir, LABELS, tokenizer.pad_token_id, seed=0),
                        4, 8, 0.0, ["q_proj", "v_proj"])
     names = {id(p): n for n, p in model.named_parameters()}
-    groups = param_groups(model, LoopConfig(lr=1e-3, head_lr=5e-3, lora_plus_ratio=16))
+    groups = param_groups(model, LoopConfig.build(lr=1e-3, head_lr=5e-3, lora_plus_ratio=16).optim)
     assert [g["lr"] for g in groups] == [1e-3, pytest.approx(1.6e-2), 5e-3]
     assert [names[id(p)] for p in groups[2]["params"]] == ["base_model.model.score.modules_to_save.default.weight"]
     a_names = [names[id(p)] for p in groups[0]["params"]]
     b_names = [names[id(p)] for p in groups[1]["params"]]
     assert a_names and all(".lora_A." in n for n in a_names)
     assert b_names and all(".lora_B." in n for n in b_names) and len(a_names) == len(b_names)
-    plain = param_groups(model, LoopConfig(lr=1e-3, head_lr=5e-3))
+    plain = param_groups(model, LoopConfig.build(lr=1e-3, head_lr=5e-3).optim)
     assert [g["lr"] for g in plain] == [1e-3, 5e-3]
 
 
@@ -179,7 +226,8 @@ def test_sigterm_checkpoints_and_resume_matches_uninterrupted_run(tiny_model_dir
     ids, labels = toy_task(tokenizer, 48)
     base = dict(lr=1e-2, batch_size=8, epochs=3, log_every=2, seed=5, checkpoint_every=4)
     full = train_classifier(_fresh(tiny_model_dir, tokenizer), ids, labels,
-                            LoopConfig(**base, checkpoint_dir=tmp_path / "a"), tokenizer.pad_token_id, progress=False)
+                            LoopConfig.build(**base, checkpoint_dir=tmp_path / "a"), tokenizer.pad_token_id,
+                            progress=False)
 
     def kill_at_step_7(record):
         if record["step"] == 6:
@@ -187,10 +235,10 @@ def test_sigterm_checkpoints_and_resume_matches_uninterrupted_run(tiny_model_dir
 
     with pytest.raises(TrainingInterrupted, match=r"SIGTERM at step \d+ of 18.*step-\d+.*dvc repro"):
         train_classifier(_fresh(tiny_model_dir, tokenizer), ids, labels,
-                         LoopConfig(**base, checkpoint_dir=tmp_path / "b"), tokenizer.pad_token_id,
+                         LoopConfig.build(**base, checkpoint_dir=tmp_path / "b"), tokenizer.pad_token_id,
                          on_log=kill_at_step_7, progress=False)
     resumed = train_classifier(_fresh(tiny_model_dir, tokenizer), ids, labels,
-                               LoopConfig(**base, checkpoint_dir=tmp_path / "b"), tokenizer.pad_token_id,
+                               LoopConfig.build(**base, checkpoint_dir=tmp_path / "b"), tokenizer.pad_token_id,
                                progress=False)
     assert resumed.resumed_from_step == 6
     assert abs(resumed.final_loss - full.final_loss) < 1e-4
@@ -203,8 +251,8 @@ def test_truncated_checkpoint_is_skipped_with_a_warning(tiny_model_dir, tmp_path
 
     tokenizer = load_tokenizer(tiny_model_dir)
     ids, labels = toy_task(tokenizer, 32)
-    cfg = LoopConfig(lr=1e-2, batch_size=8, max_steps=9, seed=1, checkpoint_every=3, keep_checkpoints=5,
-                     checkpoint_dir=tmp_path)
+    cfg = LoopConfig.build(lr=1e-2, batch_size=8, max_steps=9, seed=1, checkpoint_every=3, keep_checkpoints=5,
+                           checkpoint_dir=tmp_path)
     train_classifier(_fresh(tiny_model_dir, tokenizer), ids, labels, cfg, tokenizer.pad_token_id, progress=False)
     steps = [c.step for c in checkpoint.list_checkpoints(tmp_path)]
     assert steps == [3, 6]
@@ -222,7 +270,7 @@ def test_truncated_checkpoint_is_skipped_with_a_warning(tiny_model_dir, tmp_path
 def test_injected_oom_halves_micro_batch_and_keeps_the_effective_batch(tiny_model_dir, monkeypatch):
     tokenizer = load_tokenizer(tiny_model_dir)
     ids, labels = toy_task(tokenizer, 32)
-    cfg = LoopConfig(lr=1e-2, batch_size=8, max_steps=4, seed=2, log_every=1)
+    cfg = LoopConfig.build(lr=1e-2, batch_size=8, max_steps=4, seed=2, log_every=1)
     # No dropout: chunks draw different dropout masks than whole batches, which is not what is tested here.
     clean = train_classifier(_fresh(tiny_model_dir, tokenizer, 0.0), ids, labels, cfg, tokenizer.pad_token_id,
                              progress=False)
@@ -244,7 +292,7 @@ def test_oom_at_batch_one_fails_clearly(tiny_model_dir, monkeypatch):
     tokenizer = load_tokenizer(tiny_model_dir)
     ids, labels = toy_task(tokenizer, 8)
     monkeypatch.setenv("FRUGALTUNE_TEST_OOM_AT_STEPS", "1")
-    cfg = LoopConfig(lr=1e-2, batch_size=1, max_steps=2, seed=2)
+    cfg = LoopConfig.build(lr=1e-2, batch_size=1, max_steps=2, seed=2)
     with pytest.raises(OutOfMemoryAtBatchOne, match="one sequence per micro-batch"):
         train_classifier(_fresh(tiny_model_dir, tokenizer), ids, labels, cfg, tokenizer.pad_token_id,
                          progress=False)
@@ -280,7 +328,7 @@ def test_every_method_trains_what_it_should_and_reloads_identically(method, tiny
             assert any("lora_magnitude_vector" in n for n in trainable)
     ids, labels = toy_task(tokenizer, 16)
     if method != "none":
-        train_classifier(model, ids, labels, LoopConfig(lr=1e-3, batch_size=8, max_steps=2, seed=0), pad,
+        train_classifier(model, ids, labels, LoopConfig.build(lr=1e-3, batch_size=8, max_steps=2, seed=0), pad,
                          progress=False)
     save_trained(model, method, tmp_path)
     expected = classify(model, ids, pad).predictions if method != "qlora" else None
