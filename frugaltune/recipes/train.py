@@ -271,7 +271,7 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN, use_plan: bo
     # A run resumed from a checkpoint logs into the MLflow run it began (its id is kept beside the checkpoints):
     # one run with the whole loss history, rather than a stopped twin and a run that starts at the resumed step.
     reopened = tracking.resumable_run(mlflow.MlflowClient(), checkpoint.run_to_resume(checkpoint_dir)
-                                      if cfg.resume else None, experiment_id)
+                                      if cfg.checkpoints.resume else None, experiment_id)
     with mlflow.start_run(run_id=reopened,
                           run_name=None if reopened else tracking.run_name(tp.method, params.data.source, key),
                           tags={**tracking.run_tags(), **tracking.process_tags()}) as mlrun:
