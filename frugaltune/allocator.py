@@ -33,7 +33,7 @@ from pathlib import Path
 
 CHOICES = ("auto", "mimalloc", "system")
 # Freed pages stay with the process: reusing them costs nothing, returning them costs a page fault per 4 KiB on
-# the next step (measured: purge on = +45% step time, purge off = glibc's step time).
+# the next step (docs/DECISIONS.md, "Training runs on mimalloc").
 MIMALLOC_ENV = {"MIMALLOC_PURGE_DELAY": "-1"}
 # Read when the caches are first built (the first bf16 product): set before that, in the environment.
 PROCESS_ENV = {"LRU_CACHE_CAPACITY": "1", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "128"}

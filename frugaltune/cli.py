@@ -292,7 +292,7 @@ def _plan(args: argparse.Namespace) -> int:
             params = params.model_copy(update={"train": params.train.model_copy(update={"method": args.method})})
         hardware = probe(use_nvml=params.probe.nvml)
         # bf16 vs fp32 as the kernels stage measured it, if it measured this CPU (reports/kernels.json): a
-        # measurement from another machine would be a guess (the same flags have measured 0.7x and 2.3x).
+        # measurement from another machine would be a guess (CPUs with the same flags measure bf16 slower or faster).
         kernels = paths.report("kernels")
         measured = measured_on(hardware, json.loads(kernels.read_text()) if kernels.is_file() else None)
         # --model: its config (and random weights of its shape, when it has none) in a directory removed after

@@ -291,7 +291,7 @@ def _dense_weight(linear: torch.nn.Module) -> torch.Tensor:
         data, state = linear.weight.data, linear.weight.quant_state
         if getattr(state, "packing_format_for_cpu", False):
             # A Linear4bit that ran once in eval without grad repacked itself for bitsandbytes' AVX512-BF16 kernel;
-            # dequantize_4bit reads the standard layout only (read wrongly: ~140% error). bitsandbytes undoes its
+            # dequantize_4bit reads the standard layout only (read wrongly, the weights come out garbled). bitsandbytes undoes its
             # own packing this way when it saves. The inverse rewrites the state it is given, so it gets a copy and
             # the module stays consistent.
             data, state = bnbf._convert_weight_packed_for_cpu_inverse(data, copy.deepcopy(state))

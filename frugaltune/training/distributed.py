@@ -14,9 +14,9 @@ Why an explicit all-reduce of the flattened trainable gradients after the step's
 `DistributedDataParallel` wrapper: a rank may hold no sequence of a short last batch (DDP needs every rank in every
 backward), LoRA with gradient checkpointing trips DDP's "marked ready twice" check without `static_graph`, and the
 out-of-memory back-off re-runs a step with smaller chunks, which DDP's bucket hooks do not expect. What DDP would add
-is overlapping communication with backward: on these CPU runs the adapters' gradients are ~1 % of the weights and
-their all-reduce is well under 1 % of a step (measured in the closing note of issue 17); full fine-tuning on
-GPUs is where DDP's overlap would pay, and is left for when a GPU run shows it.
+is overlapping communication with backward: on these CPU runs the adapters' gradients are a small fraction of the
+weights and their all-reduce a small share of a step; full fine-tuning on GPUs is where DDP's overlap would pay, and
+is left for when a GPU run shows it.
 """
 
 from __future__ import annotations
