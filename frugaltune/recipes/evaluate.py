@@ -101,7 +101,7 @@ def run_sft(params: Params, out: paths.RunOutputs) -> dict:
     ep, seed = params.evaluate, params.common.seed
     bf16 = trained_precision(params, out)
     torch.set_num_threads(threads(params))
-    keep_sdpa_off_cudnn()  # as in training: cuDNN's attention cost ~4 ms of host time per call
+    keep_sdpa_off_cudnn()  # as in training: cuDNN's attention costs host time per call
     labels = read_json(paths.LABELS)["labels"] if params.task.prompt_template is not None else []
     data = load_from_disk(str(paths.TOKENIZED_DIR))[ep.split]
     tokenizer = load_tokenizer(paths.BASE_MODEL)
@@ -134,7 +134,7 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN) -> dict:
     ep, seed = params.evaluate, params.common.seed
     bf16 = trained_precision(params, out)
     torch.set_num_threads(threads(params))
-    keep_sdpa_off_cudnn()  # as in training: cuDNN's attention cost ~4 ms of host time per call
+    keep_sdpa_off_cudnn()  # as in training: cuDNN's attention costs host time per call
     labels = read_json(paths.LABELS)["labels"]
     data = load_from_disk(str(paths.TOKENIZED_DIR))[ep.split]
     y_true = np.asarray(data["labels"])

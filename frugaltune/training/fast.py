@@ -11,8 +11,8 @@ with the crossover length the kernels stage measured on this machine (plan `run.
   attention and its mask are chosen per batch: eager up to `max_len`, SDPA above. Same math, same results up to
   rounding.
 - `fast_lora_dropout(model)`: peft applies `nn.Dropout` to the input of every adapted projection, and torch's CPU
-  Bernoulli sampling draws one 32-bit number per element: 2.6 ms for a 16 x 34 x 576 input, four times per layer
-  (q, k and v each drop out the same hidden states separately), 13 % of a LoRA step. The replacement draws 16
+  Bernoulli sampling draws one 32-bit number per element, four times per layer (q, k and v each drop out the same
+  hidden states separately): a noticeable share of a LoRA step (docs/DECISIONS.md). The replacement draws 16
   random bits per element from 64-bit words (4x fewer draws) and computes the dropout of one input once for all the
   projections that read it (q/k/v, gate/up), as a fused QKV LoRA would: the same mask for the three adapters.
   The drop probability is rounded to a multiple of 2^-15 (0.05 -> 0.04999) and the kept values are scaled by
