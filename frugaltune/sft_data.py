@@ -100,34 +100,29 @@ def near_misses(answer: int, k: int, rng: random.Random) -> list[str]:
     return listed
 
 
-def arithmetic_rows(rows: int, seed: int = 0, candidates: int = 0) -> list[dict]:
-    """`rows` distinct questions (prompt, response[, candidates])."""
+def _distinct_rows(pair, misses, rows: int, seed: int, candidates: int) -> list[dict]:
+    """`rows` rows of distinct prompts from `pair(rng)`, with `misses(answer, k, rng)` as candidates when asked."""
     rng, seen, out = random.Random(seed), set(), []
     while len(out) < rows:
-        prompt, answer = arithmetic_pair(rng)
+        prompt, answer = pair(rng)
         if prompt in seen:
             continue
         seen.add(prompt)
         row = {"prompt": prompt, "response": str(answer)}
         if candidates:
-            row["candidates"] = near_misses(answer, candidates, rng)
+            row["candidates"] = misses(answer, candidates, rng)
         out.append(row)
     return out
+
+
+def arithmetic_rows(rows: int, seed: int = 0, candidates: int = 0) -> list[dict]:
+    """`rows` distinct questions (prompt, response[, candidates])."""
+    return _distinct_rows(arithmetic_pair, near_misses, rows, seed, candidates)
 
 
 def date_rows(rows: int, seed: int = 0, candidates: int = 0) -> list[dict]:
     """`rows` distinct dates to rewrite (prompt, response[, candidates])."""
-    rng, seen, out = random.Random(seed), set(), []
-    while len(out) < rows:
-        prompt, answer = date_pair(rng)
-        if prompt in seen:
-            continue
-        seen.add(prompt)
-        row = {"prompt": prompt, "response": answer}
-        if candidates:
-            row["candidates"] = date_near_misses(answer, candidates, rng)
-        out.append(row)
-    return out
+    return _distinct_rows(date_pair, date_near_misses, rows, seed, candidates)
 
 
 def chat_rows(rows: int, seed: int = 0) -> list[dict]:
