@@ -63,6 +63,9 @@ def build(repo: Path, model_dir: Path, calibrate: bool = True, **train) -> Path:
     run([sys.executable, "-m", "dvc", "init", "-q"], repo)
     for name in ("config", ".gitignore"):  # the project's: analytics off, the offline plots template (not committed)
         shutil.copy(ROOT / ".dvc" / name, repo / ".dvc" / name)
+    # The project's .dvcignore: without it the bytecode a stage writes (`__pycache__`, unless PYTHONDONTWRITEBYTECODE
+    # is set) changes the hash of the code directories other stages depend on, and `dvc status` sees them changed.
+    shutil.copy(ROOT / ".dvcignore", repo / ".dvcignore")
     run([sys.executable, "-m", "frugaltune.offline", "dvc-template"], repo)  # what `make install` writes
     run(["git", "add", "-A"], repo)
     run(["git", "commit", "-qm", "project"], repo)
