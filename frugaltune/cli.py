@@ -220,6 +220,7 @@ def _export(args: argparse.Namespace) -> int:
 
     from frugaltune.serving import files, load_classifier, load_generator
 
+    plain_strings = False  # a chat-templated model's exported tokenizer templates a plain string too
     with tempfile.TemporaryDirectory(prefix="frugaltune-export-") as download:
         if args.model_uri:
             base, adapter = _registered_adapter(args.model_uri, Path(download))
@@ -252,6 +253,7 @@ def _export(args: argparse.Namespace) -> int:
 
                 try:
                     template_plain_strings(tokenizer, config.get("system"))
+                    plain_strings = True
                 except ValueError as exc:  # still a model that answers chat messages: say so, write it
                     print(f"export: {exc}", file=sys.stderr)
         # A temp dir beside DIR renamed into place: an interrupted export leaves no half-written model behind.
@@ -265,10 +267,10 @@ def _export(args: argparse.Namespace) -> int:
         print(f'Load it with transformers.pipeline("text-classification", model="{out}").')
     elif generator.config.get("templated"):
         print(f'Load it with pipe = transformers.pipeline("text-generation", model="{out}") and ask in chat messages, '
-              'as it was trained: pipe([{"role": "user", "content": "..."}])[0]["generated_text"][-1]["content"], '
-              'or a plain string: pipe("...", return_full_text=False)[0]["generated_text"] (its tokenizer puts a '
-              'string in the chat template it was trained with; tokenizer(text, add_special_tokens=False) gives the '
-              'raw tokens).')
+              'as it was trained: pipe([{"role": "user", "content": "..."}])[0]["generated_text"][-1]["content"]'
+              + (', or a plain string: pipe("...", return_full_text=False)[0]["generated_text"] (its tokenizer puts '
+                 'a string in the chat template it was trained with; tokenizer(text, add_special_tokens=False) gives '
+                 'the raw tokens).' if plain_strings else '.'))
     else:
         print(f'Load it with pipe = transformers.pipeline("text-generation", model="{out}"): '
               'pipe("...", return_full_text=False)[0]["generated_text"].')
