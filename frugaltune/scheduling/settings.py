@@ -35,7 +35,7 @@ def sft_config(sp: SchedulingParams) -> SftConfig:
                      rollout_policies=tuple(s.rollout_policies), horizon=s.horizon, backfill=sp.backfill,
                      max_running=s.max_running, order=sp.order, generated_episodes=s.generated_episodes,
                      generated_procs=tuple(s.generated_procs), generated_loads=tuple(s.generated_loads),
-                     agree_share=s.agree_share)
+                     users=user_model(sp.user_workload.users), agree_share=s.agree_share)
 
 
 def teacher(sp: SchedulingParams) -> LookaheadTeacher:

@@ -4,30 +4,38 @@ Library code: `build_sft(workload, SftConfig())` -> (rows, report); the `build_s
 (`python -m stages.build_sft`, run by `dvc repro scheduling/dvc.yaml`) writes the rows as JSONL with
 prompt/response/candidates columns, which the causal_lm task trains on like any pairs file.
 
-The encoding (`encode_state`): one short text per decision, about 160 SmolLM2 tokens at window 8 (plus the chat
+The encoding (`encode_state`): one short text per decision, about 200 SmolLM2 tokens at window 8 (plus the chat
 template's ~25). Times are in whole minutes (a 7-digit second count costs 7 tokens and tells the model nothing a
-minute count does not; SmolLM2 spends a token per digit), the visible waiting jobs get letters A, B, C... in queue
-order (one token each), their fields are separated by spaces only (", " costs two tokens a field), and the answer
-is a letter:
+minute count does not; SmolLM2 spends a token per digit), the visible waiting jobs get letters A, B, C... (one
+token each), their fields are separated by spaces only (", " costs two tokens a field), and the answer is a letter:
 
     Pick the job to run next. Answer with its letter.
     machine 256 procs, 64 free, 37 waiting, time 20:34
     running (min left x procs): 3x32 40x64 120x8 200x16 +5 more
-    waiting (letter procs requested_min waited_min):
-    A 16 60 2
-    B 1 1 0
+    waiting (letter procs requested_min waited_min predicted_min user_accuracy):
+    A 16 60 2 12 2
+    B 1 1 0 1 -
+
+Per waiting job, beside what it asks for and how long it waited, what a real scheduler knows of its user at that
+moment (`SchedulerState.history`, the user's *finished* jobs; never the job's own run time): Tsafrir's prediction
+(`state.predicted_time`: the mean of the user's last two run times, capped by the estimate; the estimate without
+history) and the user's accuracy, the median actual/requested time of those finished jobs in tenths, one digit
+(0: under 10% of the estimate used, 9: 90% or more), "-" for a user with no finished job yet. So job A above asks
+for 60 min, its user's last two jobs ran about 12 min, and that user's jobs use about a fifth of what they ask.
 
 The teacher (`LookaheadTeacher`): at each decision it tries every visible job as the choice, rolls the simulation
 forward with each rollout heuristic (admitting only the next `horizon` arrivals, so every rollout schedules the
 same jobs), and keeps the job whose best rollout has the lowest summed bounded slowdown. Rollouts run jobs for
 their actual run times: the teacher is clairvoyant about the near future, which the student, who sees only the
-requested times, is not; that gap is the point of a teacher. Ties keep the first rollout heuristic's own choice,
-so the teacher never differs from that heuristic without a measured reason.
+estimates and its users' finished jobs, is not; that gap is the point of a teacher. Ties keep the first rollout
+heuristic's own choice, so the teacher never differs from that heuristic without a measured reason.
 
-Episodes come from the training part of the trace (before `evaluation.held_out_start`), so the held-out
-sequences the policies are judged on are never seen in training, and, when `generated_episodes` asks for them, from
-the Lublin-Feitelson model (`lublin.py`) for other machine sizes and offered loads, each from a seed pair
-(`seed`, episode) that no evaluation workload uses (the second workload's seed is a single integer).
+Episodes come from the training part of the workload given (before `evaluation.held_out_start`; the pipeline gives
+the estimate-and-user workload, `data/user_workload.swf`), so the held-out sequences the policies are judged on are
+never seen in training, and, when `generated_episodes` asks for them, from the Lublin-Feitelson model (`lublin.py`)
+for other machine sizes and offered loads, with users and their estimates (`users.py`, `SftConfig.users`), each
+from a seed pair (`seed`, episode) that no evaluation workload uses (the evaluation workloads' seeds are single
+integers). Each episode starts with no user history, as each test sequence does.
 
 The teacher agrees with F1, whose pick the prompts letter "A", at ~88% of decisions on lublin_256; a student fed
 that share learns to answer "A" (it did: the same bsld as F1 on every held-out sequence). `agree_share` samples
@@ -45,9 +53,11 @@ import numpy as np
 from frugaltune.scheduling.evaluation import Protocol, held_out_start
 from frugaltune.scheduling.lublin import at_load, lublin_workload
 from frugaltune.scheduling.metrics import BSLD_TAU, sequence_metrics
-from frugaltune.scheduling.policies import HEURISTICS, ScorePolicy
+from frugaltune.scheduling.policies import BASELINES, HEURISTICS, ScorePolicy
 from frugaltune.scheduling.simulator import JobView, SchedulerState, SimulationResult, Simulator, simulate
+from frugaltune.scheduling.state import Finished
 from frugaltune.scheduling.swf import Job, Workload
+from frugaltune.scheduling.users import UserModel, with_users
 
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 MAX_WINDOW = len(LETTERS)
@@ -79,12 +89,20 @@ def _minutes_up(seconds: float) -> int:
     return int(math.ceil(max(seconds, 0.0) / 60.0))
 
 
+def user_accuracy(history: Sequence[Finished]) -> str:
+    """The prompt's accuracy figure of a user's finished jobs: the median actual/requested time in tenths, one digit
+    (9: 0.9 or more), "-" without history (see the module docstring)."""
+    if not history:
+        return "-"
+    return str(min(int(float(np.median([f.accuracy for f in history])) * 10.0), 9))
+
+
 def encode_state(state: SchedulerState, max_running: int = 4, order: str = "queue") -> str:
     """The prompt for one decision (see the module docstring). At most `max_running` running jobs are listed,
     soonest expected end first (the rest counted), so a full machine does not double the prompt. The clock is the
     time of day (the trace's clock modulo 24 h): what a real trace's daily cycle depends on, the same however a
     sequence was cut, and 5 characters instead of a growing second count. The visible jobs are lettered in
-    `order` (see `listed`)."""
+    `order` (see `listed`), each with its user's prediction and accuracy (from finished jobs only)."""
     running = state.running
     shown = " ".join(f"{_minutes_up(r.expected_end - state.clock)}x{r.job.requested_procs}"
                      for r in running[:max_running])
@@ -95,11 +113,12 @@ def encode_state(state: SchedulerState, max_running: int = 4, order: str = "queu
         f"machine {state.total_procs} procs, {state.free_procs} free, {state.queue_length} waiting, "
         f"time {int(state.clock % 86400 // 3600):02d}:{int(state.clock % 3600 // 60):02d}",
         f"running (min left x procs): {shown or 'none'}",
-        "waiting (letter procs requested_min waited_min):",
+        "waiting (letter procs requested_min waited_min predicted_min user_accuracy):",
     ]
     for label, job in zip(job_labels(len(state.queue)), listed(state, order)):
         lines.append(f"{label} {job.requested_procs} {_minutes_up(job.requested_time)} "
-                     f"{int(state.wait_time(job) // 60)}")
+                     f"{int(state.wait_time(job) // 60)} {_minutes_up(state.predicted_time(job))} "
+                     f"{user_accuracy(state.history(job))}")
     return "\n".join(lines)
 
 
@@ -193,6 +212,8 @@ class SftConfig:
     """How prompts letter the visible jobs (`listed`); the pipeline's default is F1 (scheduling.order)."""
     generated_episodes: int = 0
     """Extra teacher episodes on Lublin-Feitelson workloads of `episode_length` jobs (module docstring)."""
+    users: UserModel = UserModel()
+    """The users and estimates of the generated episodes (the pipeline's: `scheduling.user_workload.users`)."""
     generated_procs: tuple[int, ...] = (256,)
     """Machine sizes the generated episodes cycle through."""
     generated_loads: tuple[float, ...] = (1.0,)
@@ -214,12 +235,14 @@ def episode_starts(workload: Workload, cfg: SftConfig) -> np.ndarray:
 
 def generated_episodes(cfg: SftConfig) -> list[Workload]:
     """The `generated_episodes` workloads: episode i is `episode_length` Lublin-Feitelson jobs for its machine size,
-    from the seed pair (cfg.seed, i), scaled to its offered load."""
+    from the seed pair (cfg.seed, i), scaled to its offered load, with users and estimates (`cfg.users`) from the
+    same seed pair."""
     episodes = []
     for i in range(cfg.generated_episodes):
         procs = cfg.generated_procs[i % len(cfg.generated_procs)]
         load = cfg.generated_loads[(i // len(cfg.generated_procs)) % len(cfg.generated_loads)]
-        episodes.append(at_load(lublin_workload(cfg.episode_length, procs, seed=[cfg.seed, i]), load))
+        jobs = at_load(lublin_workload(cfg.episode_length, procs, seed=[cfg.seed, i]), load)
+        episodes.append(with_users(jobs, cfg.users, seed=(cfg.seed, i)))
     return episodes
 
 
@@ -233,9 +256,10 @@ def _fewer_agreeing(rows: list[dict], share: float, seed: int) -> list[dict]:
 
 
 def build_sft(workload: Workload, cfg: SftConfig) -> tuple[list[dict], dict]:
-    """Teacher episodes on the training part (and generated ones) -> (SFT rows, report). The report compares the
-    teacher's average bounded slowdown with every heuristic's on the very same episodes, per source: a student can
-    only beat the heuristics if its teacher does."""
+    """Teacher episodes on the training part of `workload` (and generated ones) -> (SFT rows, report). The report
+    compares the teacher's average bounded slowdown with every baseline's (the heuristics, SJF and F1 on
+    predictions) on the very same episodes, per source ("workload", "generated"): a student can only beat the
+    baselines if its teacher does."""
     unknown = [name for name in cfg.rollout_policies if name not in HEURISTICS]
     if unknown:
         raise ValueError(f"scheduling.sft.rollout_policies: {unknown} are not heuristics; choose from "
@@ -247,7 +271,7 @@ def build_sft(workload: Workload, cfg: SftConfig) -> tuple[list[dict], dict]:
         raise ValueError(f"scheduling.sft.agree_share = {cfg.agree_share}: give a share in [0, 1], or null to "
                          "keep every row.")
     teacher = LookaheadTeacher([HEURISTICS[n] for n in cfg.rollout_policies], cfg.horizon)
-    episodes = [("trace", workload.max_procs, workload.jobs[start:start + cfg.episode_length])
+    episodes = [("workload", workload.max_procs, workload.jobs[start:start + cfg.episode_length])
                 for start in episode_starts(workload, cfg)]
     episodes += [("generated", w.max_procs, w.jobs) for w in generated_episodes(cfg)]
     rows: list[dict] = []
@@ -260,9 +284,9 @@ def build_sft(workload: Workload, cfg: SftConfig) -> tuple[list[dict], dict]:
             row["episode"] = number
         rows.extend(episode_rows)
         decisions += result.decisions
-        per = bsld.setdefault(source, {"teacher": [], **{name: [] for name in HEURISTICS}})
+        per = bsld.setdefault(source, {"teacher": [], **{name: [] for name in BASELINES}})
         per["teacher"].append(sequence_metrics(result).avg_bsld)
-        for name, policy in HEURISTICS.items():
+        for name, policy in BASELINES.items():
             heuristic = simulate(jobs, procs, policy, backfill=cfg.backfill, window=cfg.protocol.window)
             per[name].append(sequence_metrics(heuristic).avg_bsld)
     departures = sum(row["response"] != LETTERS[0] for row in rows)
@@ -270,9 +294,9 @@ def build_sft(workload: Workload, cfg: SftConfig) -> tuple[list[dict], dict]:
     if cfg.agree_share is not None:
         rows = _fewer_agreeing(rows, cfg.agree_share, cfg.seed)
     means = {source: {name: float(np.mean(values)) for name, values in per.items()} for source, per in bsld.items()}
-    trace = means.get("trace", next(iter(means.values())))
-    wins = {name: int(sum(t <= h for t, h in zip(bsld["trace"]["teacher"], bsld["trace"][name])))
-            for name in HEURISTICS} if "trace" in bsld else {}
+    main = means.get("workload", next(iter(means.values())))
+    wins = {name: int(sum(t <= h for t, h in zip(bsld["workload"]["teacher"], bsld["workload"][name])))
+            for name in BASELINES} if "workload" in bsld else {}
     report = {
         "teacher": teacher.name,
         "episodes": cfg.episodes,
@@ -284,9 +308,9 @@ def build_sft(workload: Workload, cfg: SftConfig) -> tuple[list[dict], dict]:
         "rows": len(rows),
         "rows_departure_share": sum(row["response"] != LETTERS[0] for row in rows) / len(rows) if rows else 0.0,
         "rollouts": teacher.rollouts,
-        "avg_bsld": trace,
+        "avg_bsld": main,
         "avg_bsld_by_source": means,
         "teacher_not_worse_episodes": wins,
-        "teacher_beats_best_heuristic": bool(trace["teacher"] < min(trace[n] for n in HEURISTICS)),
+        "teacher_beats_best_heuristic": bool(main["teacher"] < min(main[n] for n in BASELINES)),
     }
     return rows, report

@@ -26,7 +26,8 @@ it is not the paper's exact fitting procedure:
   every job.
 
 Seeds: the draws use numpy's stream for the entropy (seed, 95), so the same `seed` as the job generator's gives an
-independent stream and the same arguments give the same workload.
+independent stream and the same arguments give the same workload. A seed pair (s, i) (the SFT builder's generated
+episodes) gives the entropy (s, i, 95): never an integer seed's stream.
 """
 
 from __future__ import annotations
@@ -108,10 +109,10 @@ def estimates(rng: np.random.Generator, runs: np.ndarray, users: np.ndarray, mod
     return np.where(at_max, rounds[-1], rounded)
 
 
-def with_users(workload: Workload, model: UserModel = UserModel(), seed: int = 0) -> Workload:
+def with_users(workload: Workload, model: UserModel = UserModel(), seed: int | tuple[int, ...] = 0) -> Workload:
     """`workload`'s jobs with users, groups and estimates drawn by `model` (see the module docstring); runs longer
     than the maximum estimate are cut to it. The source names the model's seed."""
-    rng = np.random.default_rng([seed, _STREAM])
+    rng = np.random.default_rng([*(seed if isinstance(seed, tuple) else (seed,)), _STREAM])
     longest = model.round_minutes[-1] * 60
     runs = np.minimum(np.array([job.run_time for job in workload.jobs], dtype=float), longest)
     sizes = np.array([job.requested_procs for job in workload.jobs], dtype=float)

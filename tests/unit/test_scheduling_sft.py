@@ -41,9 +41,9 @@ def test_a_decision_is_encoded_in_minutes_with_lettered_jobs():
         "Pick the job to run next. Answer with its letter.",
         "machine 8 procs, 0 free, 2 waiting, time 00:50",
         "running (min left x procs): 2x8",         # job 2: expected end 3000 + 120 s -> 2 min from now
-        "waiting (letter procs requested_min waited_min):",
-        "A 2 2 48",                                  # 61 s requested rounds up to 2 min; waited 2880 s = 48 min
-        "B 1 1 47",
+        "waiting (letter procs requested_min waited_min predicted_min user_accuracy):",
+        "A 2 2 48 2 -",     # 61 s requested rounds up to 2 min; waited 2880 s = 48 min; no user: the estimate, "-"
+        "B 1 1 47 1 -",
     ]
 
 
@@ -66,12 +66,12 @@ def test_in_sjf_order_a_is_sjfs_choice_and_the_teacher_answers_in_that_lettering
         sim.commit(sim.next_decision().queue[0])
     state = sim.next_decision()
     assert [j.job_id for j in listed(state, "SJF")] == [4, 3] and listed(state, "queue") == list(state.queue)
-    assert encode_state(state, order="SJF").splitlines()[-2:] == ["A 1 1 47", "B 2 2 48"]
+    assert encode_state(state, order="SJF").splitlines()[-2:] == ["A 1 1 47 1 -", "B 2 2 48 2 -"]
     with pytest.raises(ValueError, match="scheduling.order"):
         listed(state, "LIFO")
     # The teacher of the FCFS-beating case picks job 2 (the short one): "B" in queue order, "A" in SJF order.
     jobs = workload_from_rows([(1, 0, 1000, 4, 1000), (2, 0, 10, 1, 10)], max_procs=4).jobs
-    for order, answer, long_line in (("queue", "B", "A 4 17 0"), ("SJF", "A", "B 4 17 0")):
+    for order, answer, long_line in (("queue", "B", "A 4 17 0 17 -"), ("SJF", "A", "B 4 17 0 17 -")):
         _, episode = teacher_episode(jobs, 4, LookaheadTeacher([FCFS], horizon=8), window=4, order=order)
         assert [r["response"] for r in episode] == [answer]
         assert long_line in episode[0]["prompt"].splitlines()  # the 1000 s job on 4 processors
@@ -113,10 +113,10 @@ def test_the_builder_is_deterministic_uses_only_the_training_part_and_answers_wi
     for row in rows:
         assert row["response"] in row["candidates"] and 2 <= len(row["candidates"]) <= 6
         assert row["prompt"].startswith("Pick the job to run next.")
-    assert set(report["avg_bsld"]) == {"teacher", "FCFS", "SJF", "WFP3", "UNICEF", "F1"}
+    assert set(report["avg_bsld"]) == {"teacher", "FCFS", "SJF", "WFP3", "UNICEF", "F1", "SJF-pred", "F1-pred"}
 
 
-def test_generated_episodes_cycle_sizes_and_loads_and_never_share_the_second_workloads_stream():
+def test_generated_episodes_cycle_sizes_and_loads_have_users_and_never_share_an_evaluation_stream():
     from frugaltune.scheduling.lublin import lublin_workload, offered_load
 
     cfg = SftConfig(episodes=0, episode_length=64, generated_episodes=4, generated_procs=(32, 64),
@@ -125,6 +125,12 @@ def test_generated_episodes_cycle_sizes_and_loads_and_never_share_the_second_wor
     assert [w.max_procs for w in episodes] == [32, 64, 32, 64]
     assert [round(offered_load(w), 2) for w in episodes] == pytest.approx([0.8, 0.8, 1.2, 1.2], abs=0.02)
     assert all(len(w.jobs) == 64 for w in episodes)
+    # Users and their estimates (users.py), as in the workload the evaluation judges on: estimates never below the
+    # run, round values above it for most jobs, several users per episode, each episode its own draw
+    for w in episodes:
+        assert all(j.user_id >= 1 and j.requested_time >= j.run_time for j in w.jobs)
+        assert sum(j.requested_time > j.run_time for j in w.jobs) > 32 and len({j.user_id for j in w.jobs}) > 3
+    assert [j.user_id for j in episodes[0].jobs] != [j.user_id for j in episodes[2].jobs]
     # Seed pair (5, i), never an evaluation workload's integer seed: (5, 1) is not seed 5's or 1's stream.
     sizes = [job.requested_procs for job in lublin_workload(64, 64, seed=[5, 1]).jobs]
     for single in (5, 1):
@@ -139,7 +145,7 @@ def test_agreeing_rows_are_sampled_down_to_their_share_and_every_departure_is_ke
     fewer, fewer_report = build_sft(workload, SftConfig(**base, agree_share=0.5))
     departures = [row for row in every if row["response"] != "A"]
     assert report["departures"] == len(departures) > 0 and report["labelled_rows"] == len(every)
-    assert set(report["avg_bsld_by_source"]) == {"trace", "generated"}
+    assert set(report["avg_bsld_by_source"]) == {"workload", "generated"}
     assert [row for row in fewer if row["response"] != "A"] == departures  # all kept, in order
     agreeing = sum(row["response"] == "A" for row in fewer)
     assert agreeing == min(len(every) - len(departures), len(departures))  # 50%: as many as departures
@@ -156,3 +162,32 @@ def test_the_builder_names_the_fix_when_the_training_part_is_too_short():
         build_sft(workload, SftConfig(protocol=Protocol(window=27), episodes=1, episode_length=16))
     with pytest.raises(ValueError, match="rollout_policies"):
         build_sft(workload, SftConfig(episodes=1, episode_length=16, rollout_policies=("LIFO",)))
+
+
+def test_the_stage_draws_its_episodes_from_the_user_workloads_training_part(tmp_path, monkeypatch):
+    import json
+
+    from frugaltune.config import parse_params
+    from frugaltune.scheduling.evaluation import held_out_start
+    from frugaltune.scheduling.settings import generate_user_workload, sft_config
+    from frugaltune.scheduling.synthetic import write_swf
+    from stages import build_sft as stage
+
+    monkeypatch.chdir(tmp_path)  # no data/trace.swf here: only the estimate-and-user workload
+    params = parse_params({"scheduling": {
+        "window": 4, "evaluation": {"held_out_fraction": 0.5},
+        "sft": {"episodes": 2, "episode_length": 40, "horizon": 8, "generated_episodes": 1,
+                "generated_procs": [16]},
+        "user_workload": {"procs": 16, "jobs": 200, "load": 1.2, "seed": 8}}})
+    workload = generate_user_workload(params.scheduling)
+    write_swf(workload, tmp_path / "data/user_workload.swf")
+    report = stage.run(params)
+    assert set(report["avg_bsld_by_source"]) == {"workload", "generated"}
+    cfg = sft_config(params.scheduling)
+    assert all(start + 40 <= held_out_start(workload, cfg.protocol) for start in episode_starts(workload, cfg))
+    rows = [json.loads(line) for line in (tmp_path / "data/sft.jsonl").read_text().splitlines()]
+    assert len(rows) == report["rows"] > 0
+    waiting = [line.split() for row in rows for line in row["prompt"].splitlines()[4:]]
+    assert all(len(fields) == 6 for fields in waiting)
+    # The episodes' users have histories: some prompts show a user's accuracy and a prediction below the estimate
+    assert any(fields[5] != "-" for fields in waiting) and any(int(f[4]) < int(f[2]) for f in waiting)

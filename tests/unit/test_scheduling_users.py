@@ -13,8 +13,9 @@ from frugaltune.config import SchedulingUsersParams
 from frugaltune.scheduling.lublin import lublin_workload
 from frugaltune.scheduling.policies import BASELINES, F1, F1_PRED
 from frugaltune.scheduling.settings import user_model
-from frugaltune.scheduling.sft import encode_state, listed
+from frugaltune.scheduling.sft import encode_state, listed, user_accuracy
 from frugaltune.scheduling.simulator import Simulator, simulate
+from frugaltune.scheduling.state import Finished
 from frugaltune.scheduling.swf import Job, read_swf, workload_from_rows
 from frugaltune.scheduling.synthetic import write_swf
 from frugaltune.scheduling.users import ROUND_MINUTES, UserModel, with_users
@@ -64,6 +65,7 @@ def test_the_params_defaults_are_the_models_and_bad_parameters_are_named():
 def test_no_policy_and_no_prompt_can_read_a_waiting_or_running_jobs_run_time(users_workload):
     sim = Simulator(users_workload.jobs[:300], users_workload.max_procs, window=8)
     seen = histories = 0
+    fields: list[list[str]] = []
     while (state := sim.next_decision()) is not None:
         shown = list(state.queue) + [r.job for r in state.running]
         assert not any(hasattr(job, "run_time") for job in shown)
@@ -73,10 +75,36 @@ def test_no_policy_and_no_prompt_can_read_a_waiting_or_running_jobs_run_time(use
             for policy in BASELINES.values():  # reading job.run_time would raise AttributeError here
                 assert any(policy.choose(state) is job for job in state.queue)
             for order in ("queue", "F1", "SJF"):
-                encode_state(state, max_running=4, order=order)
+                text = encode_state(state, max_running=4, order=order)  # so would the prompt's, new fields included
                 assert {id(j) for j in listed(state, order)} == {id(j) for j in state.queue}
+            fields += [line.split() for line in text.splitlines()[4:]]
         sim.commit(F1.choose(state))
     assert seen == 40 and histories > 0
+    # The prompts' user fields were exercised: predictions from histories (below the estimate) and accuracies
+    assert all(len(f) == 6 for f in fields)
+    assert any(int(f[4]) < int(f[2]) for f in fields) and any(f[5].isdigit() for f in fields)
+
+
+def test_the_prompt_shows_each_jobs_user_prediction_and_accuracy_from_finished_jobs_only():
+    # As in the prediction test below: user 1 finished runs of 100, 300 and 500 s, each of 1000 s requested
+    # (accuracies 0.1, 0.3, 0.5: median 0.3); job 4 (user 1) still runs and is not in the history.
+    jobs = rows((1, 0, 100, 1, 1000, 1), (2, 200, 300, 1, 1000, 1), (3, 600, 500, 1, 1000, 1),
+                (4, 1200, 9000, 1, 9000, 1), (5, 1300, 10, 4, 1000, 1), (6, 1300, 10, 4, 350, 1),
+                (7, 1300, 10, 4, 1000, 2), (8, 1300, 10, 4, 1000, -1))
+    sim = Simulator(jobs, 4, window=8)
+    while (state := sim.next_decision()) is not None and len(state.queue) < 4:
+        sim.commit(state.queue[0])
+    assert state is not None and state.clock == 1300
+    assert encode_state(state).splitlines()[2:] == [
+        "running (min left x procs): 149x1",                 # job 4: expected end 1200 + 9000 s
+        "waiting (letter procs requested_min waited_min predicted_min user_accuracy):",
+        "A 4 17 0 7 3",    # job 5: 1000 s asked (17 min); predicted (300 + 500) / 2 = 400 s (7 min); median 0.3
+        "B 4 6 0 6 3",     # job 6: the prediction capped by its 350 s estimate
+        "C 4 17 0 17 -",   # job 7: user 2 has finished nothing: the estimate, no accuracy
+        "D 4 17 0 17 -",   # job 8: no user
+    ]
+    assert user_accuracy([Finished(150, 100, 1)]) == "9"     # a run past its request (real logs): at most 9
+    assert user_accuracy([Finished(5, 100, 1), Finished(95, 100, 1)]) == "5" and user_accuracy(()) == "-"
 
 
 def rows(*jobs: tuple) -> list[Job]:
