@@ -71,7 +71,8 @@ class SchedulingLlmParams(Section):
     batch_size: int = Field(20, ge=1, description="Prompts per forward: one per test sequence run in lockstep.")
     threads: int | None = Field(None, ge=1, description="torch threads for evaluation; null = the plan's, as the "
                                    "train stage ran (reports/train.json).")
-    evaluate_base: bool = Field(True, description="Also run the untuned base model (the study's comparison).")
+    evaluate_base: bool = Field(True, description="Also judge the untuned base model (the study's comparison), in "
+                                "the evaluate_base stage, which DVC keeps across retrains.")
 
 
 class SchedulingUsersParams(Section):

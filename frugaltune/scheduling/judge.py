@@ -1,8 +1,10 @@
 """Judging policies on test sequences in both modes, what an LLM learned, and the teacher's ceiling.
 
-Library code, used by the scheduling pipeline's `simulate_baselines` (heuristics and the teacher) and
-`evaluate_policy` (the LLMs) stages: `judge(sequences, P, policies, window, teacher)` -> per mode (no backfilling,
-EASY) per policy a summary; `teacher_results(...)` -> the lookahead teacher's own schedules.
+Library code, used by the scheduling pipeline's `simulate_baselines` (heuristics and the teacher), `evaluate_base`
+(the untuned model) and `evaluate_policy` (the fine-tuned one) stages: `judge(sequences, P, policies, window,
+teacher)` -> per mode (no backfilling, EASY) per policy a summary; `judge_workloads(...)` the same on several
+workloads, with each schedule set's queue-length CDF; `teacher_results(...)` -> the lookahead teacher's own
+schedules.
 
 - **Both modes**: every policy runs without backfilling and with EASY (the policy picks the head job, EASY fills
   around it; see simulator.py) on the very same sequences.
@@ -21,8 +23,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from frugaltune.scheduling.evaluation import Protocol, sequences
 from frugaltune.scheduling.llm_policy import LLMPolicy
-from frugaltune.scheduling.metrics import sequence_metrics
+from frugaltune.scheduling.metrics import queue_length_cdf, sequence_metrics
 from frugaltune.scheduling.policies import F1, ScorePolicy
 from frugaltune.scheduling.sft import LookaheadTeacher, teacher_episode
 from frugaltune.scheduling.simulator import (
@@ -33,7 +36,7 @@ from frugaltune.scheduling.simulator import (
     Simulator,
     simulate_batch,
 )
-from frugaltune.scheduling.swf import Job
+from frugaltune.scheduling.swf import Job, Workload
 
 MODES = {"no_backfill": False, "easy": True}
 """The two modes every policy is judged in, by the names reports use."""
@@ -109,6 +112,22 @@ def judge(sequences: Sequence[Sequence[Job]], total_procs: int, policies: dict[s
             log(f"judge: {mode:11s} {policy.name:10s} avg bsld {summary['avg_bsld']:10.2f} "
                 f"({summary['seconds']:.1f} s)")
     return summaries, results
+
+
+def judge_workloads(workloads: dict[str, tuple[Workload, Protocol]], policies: dict[str, Policy],
+                    teacher: LookaheadTeacher | None = None, log=print) -> tuple[dict, dict]:
+    """`judge` on each workload's test sequences (`evaluation.sequences` of its protocol): (summaries[workload][mode]
+    [key], cdfs[workload][mode][key]), a CDF being the (lengths, fractions) lists of `metrics.queue_length_cdf` over
+    that policy's schedules (what a report can store and `plots` draws)."""
+    summaries, cdfs = {}, {}
+    for name, (workload, proto) in workloads.items():
+        log(f"judge: {name}: {proto.n_sequences} sequences of {proto.sequence_length} jobs on {workload.max_procs} "
+            f"processors")
+        summaries[name], results = judge(sequences(workload, proto), workload.max_procs, policies, proto.window,
+                                         teacher, log)
+        cdfs[name] = {mode: {key: [part.tolist() for part in queue_length_cdf(runs)] for key, runs in by_key.items()}
+                      for mode, by_key in results.items()}
+    return summaries, cdfs
 
 
 def teacher_results(sequences: Sequence[Sequence[Job]], total_procs: int, teacher: LookaheadTeacher, window: int,

@@ -6,42 +6,46 @@ writes files only (Agg backend); every file is written under a temp name and ren
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
 from frugaltune.io import save_figure
-from frugaltune.scheduling.metrics import queue_length_cdf
-from frugaltune.scheduling.simulator import SimulationResult
 
 
-def cdf_on_grid(results: list[SimulationResult], grid: np.ndarray) -> np.ndarray:
-    """P(queue length <= q) for each q of `grid`, time-weighted and pooled over `results`."""
-    values, fractions = queue_length_cdf(results)
+Cdf = Sequence[Sequence[float]]
+"""(queue lengths seen, ascending; P[queue length <= each]), as `metrics.queue_length_cdf` gives it for a set of
+schedules, or as lists (`judge.judge_workloads`): a report can store it (evaluate_base's, for evaluate_policy to
+draw) where it could not store the schedules."""
+
+
+def cdf_on_grid(cdf: Cdf, grid: np.ndarray) -> np.ndarray:
+    """P(queue length <= q) for each q of `grid`, from a `cdf`."""
+    values, fractions = np.asarray(cdf[0]), np.asarray(cdf[1], dtype=float)
     index = np.searchsorted(values, grid, side="right") - 1
     return np.where(index >= 0, fractions[np.clip(index, 0, None)], 0.0)
 
 
-def queue_cdf_table(by_policy: dict[str, list[SimulationResult]]) -> str:
+def queue_cdf_table(by_policy: dict[str, Cdf]) -> str:
     """CSV: `queue_length` then one CDF column per policy, on the lengths 0..max seen (for `dvc plots`)."""
-    longest = max(int(r.queue_lengths.max()) for runs in by_policy.values() for r in runs)
+    longest = max(int(np.max(values)) for values, _ in by_policy.values())
     grid = np.arange(longest + 1)
-    columns = {name: cdf_on_grid(runs, grid) for name, runs in by_policy.items()}
+    columns = {name: cdf_on_grid(cdf, grid) for name, cdf in by_policy.items()}
     lines = [",".join(["queue_length", *columns])]
     for i, q in enumerate(grid):
         lines.append(",".join([str(q), *(f"{columns[name][i]:.6f}" for name in columns)]))
     return "\n".join(lines) + "\n"
 
 
-def plot_queue_cdf(by_policy: dict[str, list[SimulationResult]], path: Path, title: str) -> None:
+def plot_queue_cdf(by_policy: dict[str, Cdf], path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for name, runs in by_policy.items():
-        values, fractions = queue_length_cdf(runs)
+    for name, (values, fractions) in by_policy.items():
         ax.step(values, fractions, where="post", label=name, linewidth=2 if name in ("finetuned", "base") else 1)
     ax.set_xscale("symlog")
     ax.set_xlabel("waiting jobs")

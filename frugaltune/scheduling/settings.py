@@ -1,5 +1,5 @@
 """From `scheduling.*` params to the library's objects: the trace, the evaluation protocol, the SFT config, the
-teacher and the second (generated) evaluation workload.
+teacher, the generated workloads and the workloads the LLMs are judged on.
 
 Library code, imported by the scheduling pipeline's stages (`python -m stages.<name>` in scheduling/) so that each
 fact (which window, which sequences) is turned into objects in one place.
@@ -64,6 +64,16 @@ def generate_second_workload(sp: SchedulingParams) -> Workload:
     """`scheduling.second_workload`: the same, for its own machine size, seed, load and users' parameters."""
     sw = sp.second_workload
     return _generate(sw.procs, sw.jobs, sw.load, sw.seed, sw.users)
+
+
+def evaluation_workloads(sp: SchedulingParams, user_workload: str | Path, second_workload: str | Path,
+                         trace: str | Path) -> dict[str, tuple[Workload, Protocol]]:
+    """What evaluate_base and evaluate_policy judge the LLMs on, by the names their reports use, in table order:
+    the estimate-and-user workload's held-out sequences (`scheduling.evaluation`), the second workload's (never
+    trained on) and the trace's (on the Lublin model's, requested time = run time: the oracle case)."""
+    return {"user_workload": (read_swf(user_workload), protocol(sp)),
+            "second_workload": (read_swf(second_workload), second_protocol(sp)),
+            "trace": (load_workload(trace, sp), protocol(sp))}
 
 
 def second_protocol(sp: SchedulingParams) -> Protocol:

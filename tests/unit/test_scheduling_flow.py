@@ -27,16 +27,37 @@ def test_the_flow_runs_the_scheduling_stages_upstream_first(monkeypatch):
     assert sorted(stages) == sorted(["ingest_trace", "validate_trace", "generate_workload", "simulate_baselines",
                                      "build_sft",
                                      "import_model", "ingest", "validate", "tokenize", "probe", "plan",
-                                     "train", "evaluate_policy", "register", "kernels", "probe"])
+                                     "train", "evaluate_base", "evaluate_policy", "register", "kernels",
+                                     "probe"])
     before = stages.index
-    assert before("ingest_trace") < before("validate_trace") < before("build_sft") < before("ingest") \
+    assert before("ingest_trace") < before("validate_trace") < before("ingest") \
         < before("tokenize") < before("plan") < before("train") < before("evaluate_policy") < before("register")
+    assert before("generate_workload") < before("build_sft") < before("ingest")
     assert before("generate_workload") < before("simulate_baselines") < before("evaluate_policy")
+    assert before("evaluate_base") < before("evaluate_policy")
     # This machine's precision is measured once, by the root pipeline's kernels stage (after the root's probe):
     # the scheduling plan reads that report and the pipeline has no kernels stage of its own.
     assert "scheduling/dvc.yaml:kernels" not in addressed
     assert addressed.index("probe") < addressed.index("kernels") < addressed.index("scheduling/dvc.yaml:plan")
     assert addressed.index("scheduling/dvc.yaml:probe") < addressed.index("scheduling/dvc.yaml:plan")
+
+
+def test_the_base_models_evaluation_outlives_retrains_and_the_episodes_come_from_the_user_workload():
+    import yaml
+
+    stages = yaml.safe_load((ROOT / "scheduling/dvc.yaml").read_text())["stages"]
+    outs = lambda stage: {next(iter(o)) if isinstance(o, dict) else o for o in stages[stage]["outs"]}  # noqa: E731
+    base_deps = set(stages["evaluate_base"]["deps"])
+    # Nothing training writes, nor what it reads, is a dependency of the base model's evaluation
+    for stage in ("build_sft", "ingest", "validate", "tokenize", "plan", "train"):
+        assert not outs(stage) & base_deps, stage
+    assert {"models/base", "data/user_workload.swf", "data/second_workload.swf", "data/trace.swf"} <= base_deps
+    assert not any(p.startswith(("train.", "data.", "tokenize.", "scheduling.sft.agree", "scheduling.sft.episode"))
+                   and p != "train.precision" for p in stages["evaluate_base"]["params"])
+    assert "reports/evaluate_base.json" in stages["evaluate_policy"]["deps"]
+    assert {"data/user_workload.swf", "data/second_workload.swf"} <= set(stages["evaluate_policy"]["deps"])
+    build_deps = stages["build_sft"]["deps"]
+    assert "data/user_workload.swf" in build_deps and "data/trace.swf" not in build_deps
 
 
 def test_the_scheduling_plan_reads_the_root_pipelines_kernels_report(tmp_path, monkeypatch):

@@ -17,7 +17,7 @@ from frugaltune.scheduling import F1, SJF, simulate, synthetic_workload
 from frugaltune.scheduling.judge import MODES, DepartureLog, judge, teacher_results
 from frugaltune.scheduling.llm_policy import load_llm_policy
 from frugaltune.scheduling.metrics import sequence_metrics
-from frugaltune.scheduling.policies import BASELINES, HEURISTICS
+from frugaltune.scheduling.policies import BASELINES
 from frugaltune.scheduling.sft import LookaheadTeacher
 from frugaltune.scheduling.simulator import Simulator, simulate_batch
 from frugaltune.scheduling.synthetic import write_swf
@@ -103,9 +103,9 @@ def stage_params(trace: str) -> dict:
                             "sequence_length": 30}}}
 
 
-def test_the_stages_generate_judge_on_both_workloads_and_write_numbers_only_metrics(tmp_path, monkeypatch,
-                                                                                     tiny_model_dir):
-    from stages import evaluate_policy, generate_workload, simulate_baselines
+def test_the_stages_generate_judge_on_every_workload_and_write_numbers_only_metrics(tmp_path, monkeypatch,
+                                                                                      tiny_model_dir):
+    from stages import evaluate_base, evaluate_policy, generate_workload, simulate_baselines
 
     monkeypatch.chdir(tmp_path)
     write_swf(synthetic_workload(300, max_procs=16, seed=0, mean_interarrival=25.0), tmp_path / "data/trace.swf")
@@ -132,18 +132,50 @@ def test_the_stages_generate_judge_on_both_workloads_and_write_numbers_only_metr
     table = (tmp_path / "reports/baselines.md").read_text()
     assert "| F1-pred |" in table and "CPU: " in table
 
-    # No adapter here: the F1 fallback stands in under its own name, and the base model is judged as an LLM
+    # The untuned base model in its own stage (scheduling.llm.threads set: its threads; the precision is this machine's)
+    base = evaluate_base.run(parse_params(stage_params("data/trace.swf")))
+    assert base["evaluated"] and base["threads"] == 1 and base["precision"] in ("fp32", "bf16")
+    assert set(base["workloads"]) == {"user_workload", "second_workload", "trace"}
+    for name, w in base["workloads"].items():
+        for mode in MODES:
+            assert 0 < w[mode]["model_calls"] <= w[mode]["decisions"] and w[mode]["avg_bsld"] >= 1
+            assert base["queue_cdf"][name][mode][1][-1] == pytest.approx(1.0)
+    # evaluate_policy reads the base model's numbers from that report, never judging it again
+    stored = json.loads((tmp_path / "reports/evaluate_base.json").read_text())
+    stored["workloads"]["second_workload"]["easy"]["avg_bsld"] = 12345.0
+    (tmp_path / "reports/evaluate_base.json").write_text(json.dumps(stored))
+
+    # No adapter here: the F1 fallback stands in under its own name
     report = evaluate_policy.run(params)
-    assert "finetuned" not in report and report["fallback"]["avg_bsld"] >= 1
-    assert report["threads"] == 1  # the LLMs chose on the threads the train stage read from the plan
-    for name in ("trace", "second_workload"):
+    assert "finetuned" not in report and report["fallback"]["avg_bsld"] >= 1 and report["targets"] == {}
+    assert report["threads"] == 1  # the fine-tuned policy chooses on the threads the train stage read from the plan
+    assert report["workload"] == "user_workload" and set(report["heuristics"]) == set(BASELINES)
+    assert report["baseline"]["avg_bsld"] == base["workloads"]["user_workload"]["no_backfill"]["avg_bsld"]
+    assert report["workloads"]["second_workload"]["easy"]["base"]["avg_bsld"] == 12345.0
+    assert list(report["workloads"]) == ["user_workload", "second_workload", "trace"]
+    for name in ("user_workload", "second_workload", "trace"):
         for mode in MODES:
             rows = report["workloads"][name][mode]
-            assert set(rows) == set(HEURISTICS) | {"fallback", "base", "teacher"}
+            assert list(rows) == [*BASELINES, "fallback", "base", "teacher"]
             assert rows["teacher"]["avg_bsld"] >= 1
             assert 0 <= rows["base"]["departures"]["departure_share"] <= 1
     metrics = json.loads((tmp_path / "reports/metrics/evaluate.json").read_text())
     assert all(isinstance(v, (int, float)) for v in metrics.values())
     assert {"fallback.avg_bsld", "trace.easy.base.avg_bsld", "second_workload.no_backfill.teacher.avg_bsld",
-            "trace.no_backfill.base.departure_share"} <= set(metrics)
+            "user_workload.no_backfill.base.departure_share", "user_workload.easy.F1-pred.avg_bsld"} <= set(metrics)
     assert metrics["trace.no_backfill.teacher.avg_bsld"] == baselines["teacher"]["no_backfill"]["avg_bsld_mean"]
+    assert metrics["user_workload.easy.teacher.avg_bsld"] == \
+        baselines["user_workload"]["teacher"]["easy"]["avg_bsld_mean"]
+    # The queue-length CDF of the estimate-and-user workload, every policy and the base model drawn
+    cdf = (tmp_path / "reports/plots/evaluate_policy_queue_cdf.csv").read_text().splitlines()
+    assert cdf[0] == ",".join(["queue_length", *BASELINES, "fallback", "base"]) and cdf[-1].endswith(",1.000000")
+
+    # A base report judged on other sequences is refused, naming its stage; one not evaluated leaves its rows out
+    stored["workloads"]["user_workload"]["sequences"] = 3
+    (tmp_path / "reports/evaluate_base.json").write_text(json.dumps(stored))
+    with pytest.raises(ValueError, match="dvc repro scheduling/dvc.yaml:evaluate_base"):
+        evaluate_policy.run(params)
+    skipped = parse_params({**raw, "scheduling": {**raw["scheduling"], "llm": {"evaluate_base": False}}})
+    assert evaluate_base.run(skipped) == {"evaluated": False, "why": "scheduling.llm.evaluate_base is false"}
+    report = evaluate_policy.run(params)
+    assert "baseline" not in report and "base" not in report["workloads"]["trace"]["easy"]
