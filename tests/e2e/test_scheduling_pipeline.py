@@ -1,9 +1,11 @@
-"""End to end: the scheduling pipeline (scheduling/dvc.yaml) through `dvc repro` on a tiny random llama and a small
-synthetic trace, in a temp git+DVC project (the root pipeline's probe and kernels run first: the plan reads their
-report); then a second `dvc repro` runs only the probes (always_changed, byte-identical facts) and nothing after them.
+"""End to end: the scheduling pipeline (scheduling/dvc.yaml) through `dvc repro` on a tiny random llama, a small
+synthetic trace and small generated workloads with users, in a temp git+DVC project (the root pipeline's probe and
+kernels run first: the plan reads their report); then a second `dvc repro` runs only the probes (always_changed,
+byte-identical facts) and nothing after them.
 
 Run with `make test` (or `pytest -m slow tests/e2e/test_scheduling_pipeline.py`); about a minute and a half on
-2 cores: a synthetic 400-job trace, window 4, 2 teacher episodes, 4 training steps, 2 test sequences of 32 jobs.
+2 cores: a synthetic 400-job trace, a 400-job estimate-and-user workload, window 4, 2 + 2 teacher episodes, 4
+training steps, 2 test sequences of 32 jobs per workload (three workloads, both modes, two LLMs).
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from tests.e2e.test_pipeline import ran_stages
 pytestmark = pytest.mark.slow
 # `probe` twice (the root pipeline's and this one's) and the root's `kernels`: the plan reads the root's kernels report
 STAGES = ["ingest_trace", "validate_trace", "generate_workload", "simulate_baselines", "build_sft", "import_model",
-          "ingest", "validate", "tokenize", "probe", "probe", "kernels", "plan", "train", "evaluate_policy", "register"]
+          "ingest", "validate", "tokenize", "probe", "probe", "kernels", "plan", "train", "evaluate_base",
+          "evaluate_policy", "register"]
 
 
 @pytest.fixture(scope="module")
@@ -65,20 +68,23 @@ def test_scheduling_repro_builds_sft_trains_judges_registers_then_is_a_no_op(pro
     out = project / "scheduling"
     reports = {name: json.loads((out / f"reports/{name}.json").read_text())
                for name in ("ingest_trace", "validate_trace", "simulate_baselines", "build_sft", "train",
-                            "evaluate", "register")}
+                            "evaluate_base", "evaluate", "register")}
     assert reports["ingest_trace"]["jobs"] == 400 and reports["ingest_trace"]["max_procs"] == 16
     assert reports["validate_trace"]["failures"] == [] and len(reports["validate_trace"]["checks"]) == 7
-    baselines = {"FCFS", "SJF", "WFP3", "UNICEF", "F1", "SJF-pred", "F1-pred"}
+    baselines = ["FCFS", "SJF", "WFP3", "UNICEF", "F1", "SJF-pred", "F1-pred"]
     for workload in (reports["simulate_baselines"], reports["simulate_baselines"]["user_workload"]):
-        assert set(workload["policies"]) == baselines
+        assert set(workload["policies"]) == set(baselines)
     assert (out / "reports/baselines.md").is_file()
     assert reports["simulate_baselines"]["jobs_per_s"] > 0
 
     rows = pd.read_json(out / "data/sft.jsonl", lines=True)
     assert len(rows) == reports["build_sft"]["rows"] > 10
-    # agree_share (0.6 in the params file): rows answering "A" sampled down, every departure kept
+    # agree_share (0.6 in the params file): rows answering "A" sampled down, every departure kept; the episodes
+    # come from the estimate-and-user workload's training part and the generated workloads with users
     assert reports["build_sft"]["generated_episodes"] == 2 and set(reports["build_sft"]["avg_bsld_by_source"]) == {
-        "trace", "generated"}
+        "workload", "generated"}
+    waiting = [line.split() for prompt in rows["prompt"] for line in prompt.splitlines()[4:]]
+    assert all(len(fields) == 6 for fields in waiting) and any(fields[5] != "-" for fields in waiting)
     assert (rows["response"] != "A").sum() == reports["build_sft"]["departures"] > 0
     assert reports["build_sft"]["rows_departure_share"] >= 0.4 - 1e-9
     assert all(r in c and 2 <= len(c) <= 4 for r, c in zip(rows["response"], rows["candidates"]))
@@ -91,20 +97,28 @@ def test_scheduling_repro_builds_sft_trains_judges_registers_then_is_a_no_op(pro
 
     evaluation = reports["evaluate"]
     assert evaluation["precision"] == plan["precision"]
+    # The base model's stage decided its precision from the same machine facts as the plan, without the plan
+    assert reports["evaluate_base"]["evaluated"] and reports["evaluate_base"]["precision"] == plan["precision"]
     assert evaluation["finetuned_policy"] == "finetuned"  # the adapter loaded: no fallback
+    assert evaluation["workload"] == "user_workload"
     for name in ("finetuned", "baseline"):
         assert len(evaluation[name]["per_sequence_avg_bsld"]) == 2 and evaluation[name]["avg_bsld"] >= 1
         assert 0 < evaluation[name]["model_calls"] <= evaluation[name]["decisions"] == 64  # one per job
         assert evaluation[name]["decisions_per_s"] > 0
-    # Every policy, the teacher's ceiling beside them, on both workloads and in both modes
-    for workload in ("trace", "second_workload"):
+    # Every policy, the teacher's ceiling beside them, on the three workloads and in both modes
+    assert list(evaluation["workloads"]) == ["user_workload", "second_workload", "trace"]
+    for workload in ("user_workload", "second_workload", "trace"):
         for mode in ("no_backfill", "easy"):
             rows = evaluation["workloads"][workload][mode]
-            assert set(rows) == {"FCFS", "SJF", "WFP3", "UNICEF", "F1", "finetuned", "base", "teacher"}
+            assert list(rows) == [*baselines, "finetuned", "base", "teacher"]
             assert 0 <= rows["finetuned"]["departures"]["departure_share"] <= 1
+            assert rows["base"]["avg_bsld"] == reports["evaluate_base"]["workloads"][workload][mode]["avg_bsld"]
+            assert evaluation["targets"][workload][mode]["finetuned_vs_F1-pred"] == pytest.approx(
+                rows["finetuned"]["avg_bsld"] / rows["F1-pred"]["avg_bsld"])
     assert evaluation["workloads"]["second_workload"]["max_procs"] == 32
+    assert evaluation["workloads"]["user_workload"]["max_procs"] == 32
     cdf = pd.read_csv(out / "reports/plots/evaluate_policy_queue_cdf.csv")
-    assert list(cdf.columns) == ["queue_length", "FCFS", "SJF", "WFP3", "UNICEF", "F1", "finetuned", "base"]
+    assert list(cdf.columns) == ["queue_length", *baselines, "finetuned", "base"]
     assert (cdf.iloc[-1, 1:] == 1.0).all()
     for figure in ("queue_length_cdf.png", "policy_bsld.png", "baselines_bsld.png"):
         assert (out / "reports/figures" / figure).stat().st_size > 1000
