@@ -10,11 +10,11 @@ The base model (`models/base`, prompts templated as training's "auto" would) cho
 the visible jobs' letters (`llm_policy.LLMPolicy`, the same prompt as the fine-tuned model's, `sft.encode_state`),
 on the same test sequences as every policy (`settings.evaluation_workloads`: the estimate-and-user workload's held-out
 part, the second workload, the trace), at `scheduling.window`, without backfilling and with EASY; the lookahead
-teacher is asked at its departures from F1 (`judge.DepartureLog`). Precision and threads: the plan's entry point
-decides them from this machine's facts (`planner.machine.decide_machine` on reports/hardware.json and the root
-pipeline's kernels report, `train.precision`; `scheduling.llm.threads` set wins), as the plan does for training,
-without the plan's report, which changes with the training data. With `scheduling.llm.evaluate_base: false` the
-model is not loaded and the report says so.
+teacher is asked at its departures from F1 (`judge.DepartureLog`). Precision and threads are the plan's, read from
+reports/plan.json (`frugaltune.resolve.machine`; `scheduling.llm.threads` set wins): DVC depends on those two keys
+of the plan only (`reports/plan.json: machine.precision, machine.threads` in dvc.yaml), which a retrain on the same
+machine leaves as they were, though the rest of the plan changes with the training data. With
+`scheduling.llm.evaluate_base: false` the model is not loaded and the report says so.
 
 Writes `reports/evaluate_base.json`: per workload its machine size and sequences, per mode the base model's
 summary (avg bsld mean/std and per sequence, mean wait, decisions, model calls, decisions/s, departures) and its
@@ -27,7 +27,7 @@ from frugaltune import integrity, paths, resolve
 from frugaltune.config import Params
 from frugaltune.entry import stage_main
 from frugaltune.io import write_json
-from frugaltune.planner.machine import decide_machine
+from frugaltune.planner.assembly import PlanError
 from frugaltune.scheduling.judge import MODES, judge_workloads
 from frugaltune.scheduling.llm_policy import load_llm_policy
 from frugaltune.scheduling.settings import evaluation_workloads, teacher
@@ -40,8 +40,7 @@ def run(params: Params) -> dict:
         write_json(paths.report("evaluate_base"), report)
         print("evaluate_base: not evaluated (scheduling.llm.evaluate_base: false)")
         return report
-    hardware, measured = resolve.machine_facts()
-    decided = decide_machine(hardware, measured, params.train.precision, methods=(), threads=sp.llm.threads)
+    decided = resolve.machine(params.train.precision, threads=sp.llm.threads)  # the plan's, read (PlanError if none)
     integrity.verify_outs(paths.BASE_MODEL)  # as DVC recorded it (frugaltune/integrity.py)
     policy = load_llm_policy(paths.BASE_MODEL, None, name="base", threads=decided["threads"],
                              batch_size=sp.llm.batch_size, max_running=sp.sft.max_running, bf16=decided["bf16"],
@@ -66,7 +65,7 @@ def run(params: Params) -> dict:
 
 
 def main() -> None:
-    stage_main("evaluate_base", run, ValueError, FileNotFoundError)
+    stage_main("evaluate_base", run, ValueError, FileNotFoundError, PlanError)
 
 
 if __name__ == "__main__":

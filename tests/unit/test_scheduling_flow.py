@@ -52,8 +52,12 @@ def test_the_base_models_evaluation_outlives_retrains_and_the_episodes_come_from
     for stage in ("build_sft", "ingest", "validate", "tokenize", "plan", "train"):
         assert not outs(stage) & base_deps, stage
     assert {"models/base", "data/user_workload.swf", "data/second_workload.swf", "data/trace.swf"} <= base_deps
+    named = [p for p in stages["evaluate_base"]["params"] if isinstance(p, str)]
     assert not any(p.startswith(("train.", "data.", "tokenize.", "scheduling.sft.agree", "scheduling.sft.episode"))
-                   and p != "train.precision" for p in stages["evaluate_base"]["params"])
+                   and p != "train.precision" for p in named)
+    # of the plan, which changes with the training data, only the two decisions the policy runs with
+    from_plan = [p for p in stages["evaluate_base"]["params"] if isinstance(p, dict)]
+    assert from_plan == [{"reports/plan.json": ["machine.precision", "machine.threads"]}]
     assert "reports/evaluate_base.json" in stages["evaluate_policy"]["deps"]
     assert {"data/user_workload.swf", "data/second_workload.swf"} <= set(stages["evaluate_policy"]["deps"])
     build_deps = stages["build_sft"]["deps"]

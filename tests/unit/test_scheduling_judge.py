@@ -132,7 +132,14 @@ def test_the_stages_generate_judge_on_every_workload_and_write_numbers_only_metr
     table = (tmp_path / "reports/baselines.md").read_text()
     assert "| F1-pred |" in table and "CPU: " in table
 
-    # The untuned base model in its own stage (scheduling.llm.threads set: its threads; the precision is this machine's)
+    # The untuned base model in its own stage: the plan's precision, read, never decided (no plan: it stops, saying
+    # what to run); scheduling.llm.threads set: its threads
+    from frugaltune.planner.assembly import PlanError
+    from frugaltune.planner.machine import decide_machine
+
+    with pytest.raises(PlanError, match="dvc repro"):
+        evaluate_base.run(parse_params(stage_params("data/trace.swf")))
+    (tmp_path / "reports/plan.json").write_text(json.dumps({"machine": decide_machine({}, None, "auto", methods=())}))
     base = evaluate_base.run(parse_params(stage_params("data/trace.swf")))
     assert base["evaluated"] and base["threads"] == 1 and base["precision"] in ("fp32", "bf16")
     assert set(base["workloads"]) == {"user_workload", "second_workload", "trace"}
