@@ -122,7 +122,7 @@ test-fast: install lint
 # Benchmarks compare against a named baseline in one process run and print ratios (minutes; not part of CI).
 BENCHMARKS := train_throughput step_anatomy int8_products plan_accuracy memory_by_method telemetry_overhead \
 	registry_growth quality_sweep constrained_choice federated_rounds scheduling_heuristics scheduling_student \
-	data_scale shared_machine
+	data_scale shared_machine scale_ladder
 bench: install
 	for script in $(BENCHMARKS); do python benchmarks/$$script.py || exit 1; done
 

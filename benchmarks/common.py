@@ -65,9 +65,10 @@ def training_examples(count: int) -> tuple[list[list[int]], list[int]]:
     return [list(row) for row in ids], list(train["labels"])
 
 
-def lora_model(bf16: bool, method: str = "lora", switches: bool = True, knobs=None):
-    """(model, tokenizer): `method` on the base model with a seeded head, as `prepare_model` builds it for training.
-    `switches=False`: peft's own dropout modules and fp32 frozen weights, as before frugaltune.training.fast."""
+def lora_model(bf16: bool, method: str = "lora", switches: bool = True, knobs=None, model_dir: Path = BASE):
+    """(model, tokenizer): `method` on the base model (or `model_dir`'s, the project's tokenizer either way) with a
+    seeded head, as `prepare_model` builds it for training. `switches=False`: peft's own dropout modules and fp32
+    frozen weights, as before frugaltune.training.fast."""
     import torch
 
     from frugaltune.models import load_tokenizer
@@ -75,7 +76,7 @@ def lora_model(bf16: bool, method: str = "lora", switches: bool = True, knobs=No
     from frugaltune.training.methods import prepare_model
 
     tokenizer = load_tokenizer(BASE)
-    model = prepare_model(BASE, labels(), tokenizer.pad_token_id, 42, method, knobs or MethodKnobs(), bf16)
+    model = prepare_model(model_dir, labels(), tokenizer.pad_token_id, 42, method, knobs or MethodKnobs(), bf16)
     if not switches:
         from frugaltune.training.fast import frozen_weights_in
 
@@ -95,6 +96,27 @@ def replace_lora_dropouts(model, make, which=lambda dropout: True) -> None:
             for name, dropout in list(dropouts.items()):
                 if which(dropout):
                     dropouts[name] = make()
+
+
+def model_dir(given: str | None, cache: Path = Path(".cache/shapes")) -> Path:
+    """The model a benchmark trains: models/base (None), a model directory with weights, or a shape's name
+    (frugaltune/assets/shapes) whose random weights are written once into `cache/<name>/random-weights` and kept
+    there for the next run (time and memory do not depend on the weights' values). config.json, copied last, says
+    the weights are complete."""
+    if given is None:
+        return BASE
+    from frugaltune import shapes
+    from frugaltune.models import load_tokenizer
+
+    model = shapes.resolve(given, cache / Path(given).name, "float32")
+    if not model.by_shape:
+        return model.weights
+    out = cache / model.given / "random-weights"
+    if not (out / "config.json").is_file():
+        shapes.check_vocabulary(model, len(load_tokenizer(BASE)), BASE)
+        print(f"{model.given}: writing random weights of its shape to {out} ...", flush=True)
+        shapes.write_random_weights(model.config_dir, out, "float32")
+    return out
 
 
 # --- the plan's decisions ----------------------------------------------------------------------------------------
@@ -118,6 +140,24 @@ def machine(method: str = "lora", int8: bool = False) -> dict:
 def forced_int8(on: bool) -> dict:
     """An int8 decision an A/B compares (frugaltune.int8.apply carries it out), not one the plan made."""
     return {"on": on, "why": "A/B variant"}
+
+
+def cpu_label(hw: dict) -> str:
+    """The CPU a figure came from, as a report names it: the model name (a VM's is often just "AMD EPYC"), its
+    family and model numbers (which tell Zen 3 from Zen 4, a Skylake Xeon from a Sapphire Rapids one), cores and the
+    flags that decide precision."""
+    facts = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in ("cpu family", "model") and key.strip() not in facts:
+                facts[key.strip()] = value.strip()
+    except OSError:
+        pass
+    cpu = hw["cpu"]
+    flags = [name for name, on in cpu.get("flags", {}).items() if on] or ["no avx2"]
+    numbers = (f" family {facts['cpu family']} model {facts['model']}" if len(facts) == 2 else "")
+    return f"{cpu['model']}{numbers}, {cpu.get('physical_cores', '?')} cores, {'+'.join(flags)}"
 
 
 # --- timing ------------------------------------------------------------------------------------------------------

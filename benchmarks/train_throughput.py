@@ -4,6 +4,7 @@ switches against the previous default, in one run.
     python benchmarks/train_throughput.py                  # the pipeline's model + data: 20 warm-up + 20 timed steps
     python benchmarks/train_throughput.py --methods lora,qlora,dora --rounds 2
     python benchmarks/train_throughput.py --steps 10 --batch-size 8 --warmup 0   # time from the first step
+    python benchmarks/train_throughput.py --model SmolLM2-1.7B --recipes frugaltune,b --warmup 2 --steps 6
 
 On a machine where torch drives a CUDA GPU every recipe trains on it (the Trainer recipes without `use_cpu`), the
 precision is the planner's (bf16 from compute capability 8.0), attention is SDPA, the measured peak is torch.matmul
@@ -29,8 +30,12 @@ beside.
   default AdamW (the default before the switches);
 - (a) the common recipe: HF `Trainer` + peft, `padding="max_length", max_length=128`, fp32;
 - (b) a tuned HF `Trainer`: `train_sampling_strategy="group_by_length"`, dynamic padding (`DataCollatorWithPadding`),
-  bf16 autocast.
-`--methods` adds QLoRA and DoRA (frugaltune with and without the switches; the Trainer recipes are LoRA's).
+  in the precision a tuned user picks on this machine: bf16 autocast where the plan measured bf16 faster than fp32,
+  else fp32 (on a CPU without fast bf16, autocast to bf16 runs several times slower than fp32).
+`--methods` adds QLoRA and DoRA (frugaltune with and without the switches; the Trainer recipes are LoRA's);
+`--recipes` runs some of them (frugaltune always); `--model` trains a larger model than models/base: a model
+directory, or a shape of frugaltune/assets/shapes with random weights (its time and memory are a real checkpoint's),
+on the project's rows and tokenizer.
 
 Each recipe runs in its own subprocess, so its peak RSS is its own. The frugaltune recipes run on the allocator the
 train stage runs on (`train.allocator`: mimalloc where installed, frugaltune.allocator), the Trainer recipes on the
@@ -58,6 +63,7 @@ import json
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import common
 from common import BASE, LABELS_FILE, TOKENIZED
@@ -65,7 +71,9 @@ from common import BASE, LABELS_FILE, TOKENIZED
 from frugaltune import allocator
 from frugaltune.config import load_params
 
-HF_RECIPES = ("hf_max_length_fp32", "hf_group_by_length_bf16")
+# --recipes: frugaltune with and without its speed switches, the common Trainer recipe (a), the tuned one (b)
+KINDS = {"frugaltune": "frugaltune:", "frugaltune-off": "frugaltune-off:", "a": "hf_max_length_fp32",
+         "b": "hf_group_by_length"}
 
 
 def _cuda() -> bool:
@@ -75,7 +83,7 @@ def _cuda() -> bool:
 
 
 def run_recipe(recipe: str, steps: int, batch_size: int, lr: float, threads: int, bf16_ours: bool,
-               eager_max: int, warmup: int = 0) -> dict:
+               eager_max: int, warmup: int = 0, model_dir: Path = BASE) -> dict:
     """One recipe on (warmup + steps) x batch_size rows; the last `steps` steps are timed ("cold_": the whole run)."""
     import torch
 
@@ -92,7 +100,7 @@ def run_recipe(recipe: str, steps: int, batch_size: int, lr: float, threads: int
             from frugaltune.planner.machine import keep_sdpa_off_cudnn
 
             keep_sdpa_off_cudnn()
-        model, tokenizer = common.lora_model(bf16_ours, method, switches)
+        model, tokenizer = common.lora_model(bf16_ours, method, switches, model_dir=model_dir)
         int8_products = {"on": False}
         if switches:  # the plan's int8 decision for the method (train.int8_products), carried out as the train stage
             from frugaltune.training.setup import apply_int8
@@ -118,8 +126,8 @@ def run_recipe(recipe: str, steps: int, batch_size: int, lr: float, threads: int
     from transformers import DataCollatorWithPadding, Trainer, TrainerCallback, TrainingArguments
 
     max_length = recipe == "hf_max_length_fp32"
-    bf16 = not max_length
-    model, tokenizer = common.lora_model(False)
+    bf16 = bf16_ours and not max_length  # (b) as a tuned user picks it: the precision that is faster on this machine
+    model, tokenizer = common.lora_model(False, model_dir=model_dir)
     if max_length:  # the common recipe: every sequence padded to 128 when tokenized
         pad = tokenizer.pad_token_id
         rows = {"input_ids": [x + [pad] * (128 - len(x)) for x in ids],
@@ -165,7 +173,7 @@ def run_recipe(recipe: str, steps: int, batch_size: int, lr: float, threads: int
             "allocator": allocator.active()}
 
 
-def measured_peaks(threads: int, tokens: int = 2048, repeats: int = 5) -> dict[str, float]:
+def measured_peaks(threads: int, model_dir: Path, tokens: int = 2048, repeats: int = 5) -> dict[str, float]:
     """FLOP/s of torch.matmul at the model's layer shapes, per precision: the best of `repeats` over all shapes.
 
     The peak a training run could reach on these threads if it did nothing but its matmuls.
@@ -176,7 +184,7 @@ def measured_peaks(threads: int, tokens: int = 2048, repeats: int = 5) -> dict[s
     from transformers import AutoConfig
 
     torch.set_num_threads(threads)
-    config = AutoConfig.from_pretrained(str(BASE))
+    config = AutoConfig.from_pretrained(str(model_dir))
     h, i = config.hidden_size, config.intermediate_size
     device = "cuda" if torch.cuda.is_available() else "cpu"
     # A GPU finishes one such product in microseconds: time 50 back to back between synchronizations.
@@ -231,13 +239,13 @@ def _nvml_max_clock() -> float:
     return max((g.get("max_sm_clock_mhz") or 0 for g in gpus), default=0)
 
 
-def flops_per_token(mean_length: float) -> float:
+def flops_per_token(mean_length: float, model_dir: Path) -> float:
     from transformers import AutoConfig
 
     from frugaltune.planner.memory import model_shape
 
-    config = AutoConfig.from_pretrained(str(BASE))
-    shape = model_shape(BASE, len(common.labels()), "lora")
+    config = AutoConfig.from_pretrained(str(model_dir))
+    shape = model_shape(model_dir, len(common.labels()), "lora")
     return 4 * shape.matmul_params + 12 * config.num_hidden_layers * mean_length * config.hidden_size
 
 
@@ -263,7 +271,12 @@ def main() -> None:
     parser.add_argument("--allocator", choices=["train", "system"], default="train",
                         help="train: the frugaltune recipes on train.allocator (as the train stage); system: all on "
                         "the system's malloc")
+    parser.add_argument("--model", metavar="NAME|DIR", help="train this model instead of models/base: a model "
+                        "directory, or a shape's name (frugaltune/assets/shapes: random weights of its shape, written "
+                        "once into .cache/shapes)")
+    parser.add_argument("--recipes", default=",".join(KINDS), help=f"comma-separated, of: {', '.join(KINDS)}")
     parser.add_argument("--recipe", help=argparse.SUPPRESS)  # a child process: one recipe
+    parser.add_argument("--model-dir", type=Path, default=BASE, help=argparse.SUPPRESS)
     parser.add_argument("--bf16-ours", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--eager-max", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -275,15 +288,20 @@ def main() -> None:
     threads = args.threads or common.machine()["threads"]  # the plan's, as the train stage reads them
     if args.recipe:
         print(json.dumps(run_recipe(args.recipe, args.steps, args.batch_size, args.lr, threads, args.bf16_ours,
-                                    args.eager_max, args.warmup)))
+                                    args.eager_max, args.warmup, args.model_dir)))
         return
     common.require(BASE, TOKENIZED, LABELS_FILE, fix="run `make pipeline` (or `dvc repro tokenize`) first")
     decided = common.machine()  # the plan's precision and attention crossover, as the train stage reads them
     bf16_ours, why, eager_max = decided["bf16"], decided["precision_why"], decided["eager_attention_max_len"]
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    recipes = [f"{kind}:{m}" for m in methods for kind in ("frugaltune", "frugaltune-off")] + list(HF_RECIPES)
+    kinds = [k.strip() for k in args.recipes.split(",") if k.strip()]
+    if "frugaltune" not in kinds or set(kinds) - set(KINDS):
+        parser.error(f"--recipes: of {', '.join(KINDS)}, frugaltune among them (the others are compared with it)")
+    model_dir = common.model_dir(args.model)
+    recipes = ([f"{kind}:{m}" for m in methods for kind in ("frugaltune", "frugaltune-off") if kind in kinds]
+               + [KINDS[k] for k in ("a", "b") if k in kinds])
     nominal, formula = gpu_peak_flops(bf16_ours) if cuda else cpu_peak_flops(hw, threads)
-    peaks = measured_peaks(threads)
+    peaks = measured_peaks(threads, model_dir)
     ours_on = load_params().train.allocator if args.allocator == "train" else "system"
     runs: dict[str, list[dict]] = {r: [] for r in recipes}
     for round_ in range(args.rounds):
@@ -291,11 +309,11 @@ def main() -> None:
             cmd = [sys.executable, __file__, "--recipe", recipe, "--steps", str(args.steps), "--warmup",
                    str(args.warmup), "--batch-size",
                    str(args.batch_size), "--lr", str(args.lr), "--threads", str(threads),
-                   "--eager-max", str(eager_max)] + (["--bf16-ours"] if bf16_ours else [])
+                   "--eager-max", str(eager_max), "--model-dir", str(model_dir)] + (["--bf16-ours"] if bf16_ours else [])
             print(f"round {round_ + 1}/{args.rounds}: {recipe} ...", flush=True)
             env = allocator.child_env(ours_on if recipe.startswith("frugaltune") else "system")
             runs[recipe].append(common.run_child(cmd, recipe, env))
-    after = measured_peaks(threads)
+    after = measured_peaks(threads, model_dir)
     peaks = {k: max(v, after[k]) for k, v in peaks.items()}  # the best of before and after the recipes
     results = {}
     for recipe, rs in runs.items():
@@ -306,11 +324,11 @@ def main() -> None:
                            "cold_rate": statistics.median(cold)}
 
     ids, _ = common.training_examples((args.warmup + args.steps) * args.batch_size)
-    per_token = flops_per_token(sum(len(x) for x in ids) / len(ids))
+    per_token = flops_per_token(sum(len(x) for x in ids) / len(ids), model_dir)
     where = f"GPU {torch_device_name()}, " if cuda else ""
-    print(f"\nr=8 adapters on {BASE}, {(args.warmup + args.steps) * args.batch_size} training sequences (one pass, "
+    print(f"\nr=8 adapters on {args.model or BASE}{' (random weights of its shape)' if model_dir != BASE else ''}, {(args.warmup + args.steps) * args.batch_size} training sequences (one pass, "
           f"batch {args.batch_size}; {args.warmup} warm-up steps, then {args.steps} timed), {where}{threads} threads, "
-          f"{args.rounds} round(s) (median), CPU {hw['cpu'].get('model')}.")
+          f"{args.rounds} round(s) (median), CPU {common.cpu_label(hw)}.")
     print(f"frugaltune precision: {'bf16' if bf16_ours else 'fp32'} ({why}); eager attention up to {eager_max} "
           f"tokens (kernels stage)")
     print(f"Measured matmul peak on {threads} threads: fp32 {peaks['fp32'] / 1e9:.0f} GFLOP/s, bf16 "
@@ -335,14 +353,19 @@ def main() -> None:
               f"{r['peak_rss_mb']:11.0f} {r['mfu_measured_peak']:9.1%} {r['mfu_nominal']:8.1%} "
               f"{r['frugaltune_speedup']:11.2f}x {r['cold_rate']:15.1f}"
               + (f"  GPU peak {r['cuda_peak_allocated_mb']:.0f} MB" if "cuda_peak_allocated_mb" in r else ""))
-    a, b = results["hf_max_length_fp32"], results["hf_group_by_length_bf16"]
-    print(f"\nfrugaltune vs (a) HF Trainer, max_length=128, fp32:        {a['frugaltune_speedup']:.2f}x useful tokens/s")
-    print(f"frugaltune vs (b) HF Trainer, group_by_length, dynamic, bf16: {b['frugaltune_speedup']:.2f}x useful tokens/s")
-    if args.warmup:  # the same ratios over the whole runs, warm-up included
-        cold = results[f"frugaltune:{methods[0]}"]["cold_rate"]
-        print(f"whole runs, the {args.warmup} warm-up steps included: {cold / a['cold_rate']:.2f}x (a), "
-              f"{cold / b['cold_rate']:.2f}x (b)")
+    print()
+    cold = results[f"frugaltune:{methods[0]}"]["cold_rate"]
+    for name, recipe, what in (("a", "hf_max_length_fp32", "max_length=128, fp32"),
+                               ("b", "hf_group_by_length", "group_by_length, dynamic, "
+                                + ("bf16" if bf16_ours else "fp32"))):
+        if recipe in results:
+            r = results[recipe]
+            print(f"frugaltune vs ({name}) HF Trainer, {what}: {r['frugaltune_speedup']:.2f}x useful tokens/s"
+                  + (f" ({cold / r['cold_rate']:.2f}x over the whole runs, the {args.warmup} warm-up steps included)"
+                     if args.warmup else ""))
     for m in methods:
+        if f"frugaltune-off:{m}" not in results:
+            continue
         on, off = results[f"frugaltune:{m}"]["rate"], results[f"frugaltune-off:{m}"]["rate"]
         print(f"{m}: speed switches on vs off: {on / off:.2f}x useful tokens/s")
         int8_products = results[f"frugaltune:{m}"].get("int8_products", {})
@@ -351,7 +374,7 @@ def main() -> None:
             print(f"{m}: int8 products ({int8_products['why']}): MFU {bf16_mfu:.1%} of the measured "
                   f"{'bf16' if bf16_ours else 'fp32'} peak, {on * per_token / peaks['int8']:.1%} of the int8 peak")
     common.write_results("train_throughput", {
-        "cpu": hw["cpu"].get("model"), "gpu": torch_device_name() if cuda else None, "nominal_peak": formula,
+        "cpu": common.cpu_label(hw), "model": str(args.model or BASE), "gpu": torch_device_name() if cuda else None, "nominal_peak": formula,
         "nominal_peak_flops": nominal, "measured_peak_flops": peaks, "flops_per_token": per_token, "threads": threads,
         "steps": args.steps, "warmup": args.warmup, "batch_size": args.batch_size, "rounds": args.rounds,
         "precision": "bf16" if bf16_ours else "fp32", "eager_attention_max_len": eager_max, "results": results})
