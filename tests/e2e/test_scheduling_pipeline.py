@@ -97,7 +97,7 @@ def test_scheduling_repro_builds_sft_trains_judges_registers_then_is_a_no_op(pro
 
     evaluation = reports["evaluate"]
     assert evaluation["precision"] == plan["precision"]
-    # The base model's stage decided its precision from the same machine facts as the plan, without the plan
+    # The base model's stage runs in the plan's precision, read from the two keys of its report it depends on
     assert reports["evaluate_base"]["evaluated"] and reports["evaluate_base"]["precision"] == plan["precision"]
     assert evaluation["finetuned_policy"] == "finetuned"  # the adapter loaded: no fallback
     assert evaluation["workload"] == "user_workload"
