@@ -31,6 +31,12 @@ class ProbeParams(Section):
         120, ge=0, description="With calibrate: auto, a run the analytic model predicts shorter than this is not "
         "calibrated: a calibration would cost more than a tenth of it."
     )
+    calibration_by_shape_s: float | None = Field(
+        100, gt=0, description="`frugaltune plan --model` of a model without weights, with calibrate: auto: the "
+        "seconds its answer may take, the random weights' writing included. The calibration times only the method "
+        "planned (the others keep their FLOPs estimate) and stops at that time, fitting the steps it timed (two or "
+        "more; else the plan stays analytic, and says so); --calibrate has no limit. null = no limit."
+    )
     calibration_steps: int = Field(
         3, ge=2, le=20, description="Micro-batches of the run the calibration times: the smallest (its first step "
         "is the warm-up), evenly spaced sizes and the run's largest part, smallest first (the memory fit); then again "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -355,6 +356,7 @@ def build_plan(params: "Params", hardware: dict[str, Any], measured_precision: d
                           (paths.LABELS, "ingest")):
         if not needed.exists():
             raise FileNotFoundError(f"{needed} is missing: run `dvc repro {stage}` first (the plan needs it).")
+    started = time.monotonic()  # `frugaltune plan --model` by shape: its answer's time (probe.calibration_by_shape_s)
     run_calibration = params.probe.calibrate if run_calibration is None else run_calibration
     # The calibration's process starts now: its imports run beside this function's own work (the data, the shapes,
     # the machine's decisions) instead of after it. Closed unused when the run is not calibrated.
@@ -362,7 +364,7 @@ def build_plan(params: "Params", hardware: dict[str, Any], measured_precision: d
               if run_calibration and method_named(params.train.method).trained else None)
     try:
         return _build_plan(params, hardware, measured_precision, run_calibration, memory_limit_gb, methods, log, worker,
-                           model)
+                           model, started)
     finally:
         if worker:
             worker.close()
@@ -382,7 +384,7 @@ def _too_short_to_calibrate(analytic_eta: float | None, probe) -> str | None:
 def _build_plan(params: "Params", hardware: dict[str, Any], measured_precision: dict | None,
                 run_calibration: bool | str,
                 memory_limit_gb: float | None, methods: tuple[str, ...] | None, log,
-                worker: CalibrationWorker | None, model=None) -> dict[str, Any]:
+                worker: CalibrationWorker | None, model=None, started: float | None = None) -> dict[str, Any]:
     from datasets import load_from_disk
 
     from frugaltune import paths
@@ -430,6 +432,18 @@ def _build_plan(params: "Params", hardware: dict[str, Any], measured_precision: 
                              spec.group_by_length)
     # --model without weights: random weights of its shape, written only now that the calibration runs
     weights = model.weights_dir() if model else paths.BASE_MODEL
+    timeout_s, others = 900.0, [m for m in timing_order(methods)
+                                if m != method and method_named(m).trained and draft["methods"][m]["fits"]]
+    limit = params.probe.calibration_by_shape_s
+    if model and model.by_shape and run_calibration == "auto" and limit:
+        # a question asked before downloading a model: answered within the limit, what it timed by then calibrating
+        timeout_s, others = limit - (time.monotonic() - (started or time.monotonic())), []
+        if timeout_s <= 0:
+            why = (f"not calibrating: writing the random weights left {max(timeout_s, 0):.0f} s of "
+                   f"probe.calibration_by_shape_s ({limit:.0f} s); --calibrate calibrates without that limit")
+            log(f"plan: {why}")
+            draft["calibration"] = {"skipped": why}
+            return draft
     constants, calibration = calibrate(
         weights, labels, tokenizer.pad_token_id, method, knobs.get(method, MethodKnobs()), shapes[method],
         rows=rows, targets=list(train_split["labels"]), order=order, loop=loop,
@@ -438,12 +452,13 @@ def _build_plan(params: "Params", hardware: dict[str, Any], measured_precision: 
         time_samples=params.probe.calibration_steps, allocator=params.train.allocator, task=task,
         # every other method the plan lists and memory allows, timed on one micro-batch: each gets its own ETA
         others=[{"method": m, "knobs": knobs.get(m, MethodKnobs()),
-                 "int8": decided["int8"].get(m, {"on": False, "why": "not decided"})}
-                for m in timing_order(methods)
-                if m != method and method_named(m).trained and draft["methods"][m]["fits"]],
-        worker=worker, planned=(entry["steps"], entry["padded_tokens"]), stop_when_busy=True)
+                 "int8": decided["int8"].get(m, {"on": False, "why": "not decided"})} for m in others],
+        worker=worker, planned=(entry["steps"], entry["padded_tokens"]), stop_when_busy=True, timeout_s=timeout_s)
     if calibration["busy_note"]:
-        log(f"plan: {calibration['busy_note']}")
+        log(f"plan: {calibration['busy_note']}" + (
+            f" (the timeout is what probe.calibration_by_shape_s, {limit:.0f} s, left after the random weights; "
+            "--calibrate calibrates without it)" if timeout_s < 900.0 and "timeout" in (calibration["stopped"] or "")
+            else ""))
     plan = make_plan(spec, hardware, shapes, constants, limit_gb, calibration, measured_precision=measured_precision,
                      decided=decided)
     eta = plan["methods"][method]["eta_seconds"]

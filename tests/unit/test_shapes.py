@@ -137,3 +137,15 @@ def test_plan_by_shape_calibrates_a_random_model_of_that_shape_on_the_projects_r
     else:
         assert plan["calibration"]["machine_busy"] and "not calibrated" in plan["model"]["note"]
     assert plan["fit"].startswith("At 4 GiB (3.6 usable): full fits at micro-batch 8")
+    # by shape, with calibrate: auto, only the method planned is timed (the others keep their FLOPs estimate)
+    if plan["calibration"]["steps"]:
+        assert plan["constants"]["method_cost"] == {} and plan["constants"]["not_timed"] == {}
+
+    # ...and the answer comes within probe.calibration_by_shape_s: past it before the calibration could start, the
+    # plan is the analytic one and says why; --calibrate has no such limit
+    (tmp_path / "params.yaml").write_text("train: {batch_size: 8, method: lora, threads: 1}\n"
+                                          "probe: {calibration_steps: 2, nvml: false, calibration_by_shape_s: 0.001}\n")
+    assert cli.main(["plan", "--model", "qwen.json", "--memory-limit-gb", "4", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert "probe.calibration_by_shape_s" in plan["calibration"]["skipped"]
+    assert plan["constants"]["calibrated_method"] is None and "not calibrated" in plan["model"]["note"]
