@@ -173,11 +173,12 @@ def run_recipe(recipe: str, steps: int, batch_size: int, lr: float, threads: int
             "allocator": allocator.active()}
 
 
-def measured_peaks(threads: int, model_dir: Path, tokens: int = 2048, repeats: int = 5) -> dict[str, float]:
-    """FLOP/s of torch.matmul at the model's layer shapes, per precision: the best of `repeats` over all shapes.
-
-    The peak a training run could reach on these threads if it did nothing but its matmuls.
-    """
+def measured_peaks(threads: int, model_dir: Path, precisions: set[str], tokens: int = 2048,
+                   repeats: int = 5) -> dict[str, float]:
+    """FLOP/s of torch.matmul at the model's layer shapes, per precision of `precisions` (fp32, bf16, int8): the
+    best of `repeats` over all shapes. The peak a training run could reach on these threads if it did nothing but
+    its matmuls. Only the precisions a recipe runs in are timed: on a CPU without fast bf16 or int8 their products
+    run a hundred times slower than fp32's, minutes at a 1.7 B model's shapes."""
     import time as _time
 
     import torch
@@ -191,6 +192,8 @@ def measured_peaks(threads: int, model_dir: Path, tokens: int = 2048, repeats: i
     calls = 50 if device == "cuda" else 1
     peaks = {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        if name not in precisions:
+            continue
         best = 0.0
         for k, n in ((h, h), (h, i), (i, h)):
             a, b = torch.randn(tokens, k, dtype=dtype, device=device), torch.randn(k, n, dtype=dtype, device=device)
@@ -205,7 +208,7 @@ def measured_peaks(threads: int, model_dir: Path, tokens: int = 2048, repeats: i
                     torch.cuda.synchronize()
                 best = max(best, 2 * tokens * k * n * calls / (_time.perf_counter() - start))
         peaks[name] = best
-    if device == "cpu" and hasattr(torch, "_int_mm"):  # the int8 products' own peak (train.int8_products)
+    if "int8" in precisions and device == "cpu" and hasattr(torch, "_int_mm"):  # the int8 products' own peak
         best = 0.0
         for k, n in ((h, h), (h, i), (i, h)):
             a = torch.randint(-127, 128, (tokens, k), dtype=torch.int8)
@@ -301,7 +304,11 @@ def main() -> None:
     recipes = ([f"{kind}:{m}" for m in methods for kind in ("frugaltune", "frugaltune-off") if kind in kinds]
                + [KINDS[k] for k in ("a", "b") if k in kinds])
     nominal, formula = gpu_peak_flops(bf16_ours) if cuda else cpu_peak_flops(hw, threads)
-    peaks = measured_peaks(threads, model_dir)
+    # the precisions the recipes run in: fp32 always (recipe (a)'s, and the nominal peak's), bf16 where the plan
+    # trains in it, int8 where the plan decided int8 products for a method
+    precisions = {"fp32"} | ({"bf16"} if bf16_ours else set()) | (
+        {"int8"} if any(common.machine(method=m, int8=True)["int8"]["on"] for m in methods) else set())
+    peaks = measured_peaks(threads, model_dir, precisions)
     ours_on = load_params().train.allocator if args.allocator == "train" else "system"
     runs: dict[str, list[dict]] = {r: [] for r in recipes}
     for round_ in range(args.rounds):
@@ -313,7 +320,7 @@ def main() -> None:
             print(f"round {round_ + 1}/{args.rounds}: {recipe} ...", flush=True)
             env = allocator.child_env(ours_on if recipe.startswith("frugaltune") else "system")
             runs[recipe].append(common.run_child(cmd, recipe, env))
-    after = measured_peaks(threads, model_dir)
+    after = measured_peaks(threads, model_dir, precisions)
     peaks = {k: max(v, after[k]) for k, v in peaks.items()}  # the best of before and after the recipes
     results = {}
     for recipe, rs in runs.items():
@@ -331,8 +338,8 @@ def main() -> None:
           f"{args.rounds} round(s) (median), CPU {common.cpu_label(hw)}.")
     print(f"frugaltune precision: {'bf16' if bf16_ours else 'fp32'} ({why}); eager attention up to {eager_max} "
           f"tokens (kernels stage)")
-    print(f"Measured matmul peak on {threads} threads: fp32 {peaks['fp32'] / 1e9:.0f} GFLOP/s, bf16 "
-          f"{peaks['bf16'] / 1e9:.0f} GFLOP/s" + (f", int8 {peaks['int8'] / 1e9:.0f} GOP/s" if "int8" in peaks else "")
+    print(f"Measured matmul peak on {threads} threads: "
+          + ", ".join(f"{name} {peak / 1e9:.0f} {'GOP' if name == 'int8' else 'GFLOP'}/s" for name, peak in peaks.items())
           + f". Nominal: {formula}.")
     print(f"FLOPs per useful token: 4N + 12 L s h = {per_token / 1e6:.0f} MFLOP (LoRA; DoRA and QLoRA do more "
           "per token: their MFU is counted on the same FLOPs)\n")
