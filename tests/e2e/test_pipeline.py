@@ -225,7 +225,6 @@ README_NOT_RUN_HERE = {
     "make serve DATA=incoming/tweets.csv": "tests/e2e/test_prefect.py serves with exactly this data source",
     "PREFECT_API_URL=http://127.0.0.1:4200/api .venv/bin/prefect deployment run finetune/scheduled":
         "tests/e2e/test_prefect.py runs this line as written (its own port) for the second flow run",
-    "export PREFECT_API_URL=https://prefect.example.com/api": "a placeholder for the user's own Prefect server",
     "make deploy-pool": "tests/e2e/test_prefect_pool.py registers the deployment (python -m flows.deploy --work-pool)",
     "make worker": "tests/e2e/test_prefect_pool.py starts workers (python -m flows.worker), kills one mid-run",
     "pytest -m gpu tests/gpu -v -s": "needs a CUDA device (skips with the reason without one)",
