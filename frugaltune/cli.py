@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -280,7 +281,7 @@ def _export(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     import tempfile
 
-    from frugaltune import paths, shapes
+    from frugaltune import paths, processes, shapes
     from frugaltune.planner.assembly import PlanError, build_plan, check_fits
     from frugaltune.planner.machine import measured_on
     from frugaltune.planner.render import render
@@ -288,6 +289,8 @@ def _plan(args: argparse.Namespace) -> int:
     from frugaltune.fit_summary import fit_line
     from frugaltune.hardware import probe
 
+    # SIGTERM as an exit, not a sudden death: --model's random weights (gigabytes) and the calibration go with it
+    previous = processes.sigterm_as_exit("frugaltune plan")
     try:
         params = load_params(Path(args.params or DEFAULT_PARAMS))
         if args.method:
@@ -310,6 +313,8 @@ def _plan(args: argparse.Namespace) -> int:
                               log=(lambda line: print(line, file=sys.stderr)) if args.json else print)
     except (ParamsError, FileNotFoundError, RuntimeError, shapes.ShapeError) as exc:
         raise CommandError(str(exc)) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     plan["fit"] = fit_line(plan)
     if model:
         plan["model"] = {"given": model.given, "source": model.source, "by_shape": model.by_shape,

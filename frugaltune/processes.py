@@ -118,6 +118,16 @@ def child_dies_with_parent() -> Callable[[], None] | None:
     return arm
 
 
+def sigterm_as_exit(what: str):
+    """SIGTERM raises SystemExit in this process's main thread from now on, so that `finally` blocks and context
+    managers clean up (a temporary directory of gigabytes, a worker process) instead of the process vanishing.
+    Returns the previous handler, for `signal.signal(signal.SIGTERM, previous)` to restore."""
+    def handler(signum: int, _frame) -> None:
+        raise SystemExit(f"{what}: stopped by {signal.Signals(signum).name}; nothing was written.")
+
+    return signal.signal(signal.SIGTERM, handler)
+
+
 def worker_env(env: dict[str, str]) -> dict[str, str]:
     """`env` for a Python worker that calls `die_with_parent(parent_from_env())` first thing."""
     return {**env, PARENT_ENV: str(os.getpid())}

@@ -302,3 +302,39 @@ def test_kill9_in_register_after_the_version_exists(built):
     assert versions() == before, (before, versions())
     report = json.loads((built / "reports/register.json").read_text())
     assert report["version"] == int(ast.literal_eval(before)[-1])
+
+
+@fault("process", "`frugaltune plan --model <config>` (no weights: random ones written for the calibration) gets "
+       "SIGTERM while it calibrates",
+       "it exits at once with one line: stopped by SIGTERM, nothing written",
+       "nothing left behind: the temporary directory of the shape's random weights (gigabytes at 1-3 B) is removed "
+       "and the calibration's worker process ends with it")
+def test_a_terminated_plan_by_shape_leaves_no_random_weights_behind(tmp_path, tiny_model_dir):
+    from tests import tiny_project
+    from tests.faults.helpers import ROOT
+    from tests.unit.test_shapes import LABELS, TINY_QWEN2
+
+    project, tmp = tmp_path / "project", tmp_path / "tmp"
+    project.mkdir()
+    tmp.mkdir()
+    tiny_project.plan_inputs(project, tiny_model_dir, LABELS, "train: {batch_size: 8, method: lora, threads: 1}\n"
+                             "probe: {calibration_steps: 2, nvml: false}\n")
+    (project / "qwen.json").write_text(json.dumps(TINY_QWEN2))
+    proc = subprocess.Popen([sys.executable, "-m", "frugaltune.cli", "plan", "--model", "qwen.json", "--calibrate"],
+                            cwd=project, env=env(TMPDIR=str(tmp), PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    # the random weights are written when the calibration starts: then stop it, as `kill` (or a scheduler) does
+    while not list(tmp.glob("frugaltune-model-*/random-weights/config.json")) and proc.poll() is None:
+        assert time.monotonic() < deadline, "no random weights written in 300 s"
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.communicate()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1 and "frugaltune plan: stopped by SIGTERM; nothing was written." in err, err
+    assert "Traceback" not in err, err
+    assert not list(tmp.iterdir())  # the weights' temporary directory is gone
+    time.sleep(1)  # the worker's own exit (killed, or its parent-death SIGTERM) is a moment behind
+    workers = [p for p in psutil.process_iter(["cmdline", "cwd"])
+               if "--calibration-worker" in (p.info["cmdline"] or []) and p.info["cwd"] == str(project)]
+    assert not workers, workers
