@@ -208,6 +208,7 @@ def render_png(rows: list[dict], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     colors = {"full": "tab:red", "lora": "tab:blue", "qlora": "tab:green", "dora": "tab:purple",
@@ -216,7 +217,7 @@ def render_png(rows: list[dict], path: Path) -> None:
                                              ("predicted_peak_mb", "measured_peak_mb", "peak RSS (MB)"))):
         for method in dict.fromkeys(r["method"] for r in rows):
             mine = sorted((r for r in rows if r["method"] == method), key=lambda r: float(r["params_b"]))
-            x = [float(r["params_b"]) * 1e9 for r in mine]
+            x = [float(r["params_b"]) for r in mine]
             color = colors.get(method, "black")
             ax.scatter(x, [float(r[meas]) for r in mine], color=color, label=f"{method} measured")
             ax.scatter(x, [float(r[pred]) for r in mine], facecolors="none", edgecolors=color, marker="s",
@@ -224,9 +225,14 @@ def render_png(rows: list[dict], path: Path) -> None:
         if unit.startswith("peak"):
             for limit in LIMITS:
                 ax.axhline(limit * 1024, color="grey", linewidth=0.6, linestyle=":")
+                ax.annotate(f"{limit:g} GiB", (0, limit * 1024), xycoords=("axes fraction", "data"), fontsize=7,
+                            color="grey", va="bottom")
         ax.set_xscale("log")
         ax.set_yscale("log")
-        ax.set_xlabel("parameters")
+        for axis in (ax.xaxis, ax.yaxis):  # plain numbers on log axes, not 2.6x10^1
+            axis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+            axis.set_minor_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.set_xlabel("parameters (billions)")
         ax.set_ylabel(unit)
         ax.legend(fontsize=7)
     cpus = sorted({r["cpu"] for r in rows})
