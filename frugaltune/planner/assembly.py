@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from frugaltune.methods import METHODS, NAMES, get as method_named, timing_order
-from frugaltune.planner.calibration import calibrate
+from frugaltune.planner.calibration import RECALIBRATE, calibrate
 from frugaltune.planner.machine import decide_machine, layer_flops_per_s, memory_limit
 from frugaltune.planner.memory import (Constants, GiB, MethodKnobs, MiB, ModelShape, memory_estimate, model_shape,
                                        planned_batches, planned_order, training_flops_per_token)
@@ -454,11 +454,14 @@ def _build_plan(params: "Params", hardware: dict[str, Any], measured_precision: 
         others=[{"method": m, "knobs": knobs.get(m, MethodKnobs()),
                  "int8": decided["int8"].get(m, {"on": False, "why": "not decided"})} for m in others],
         worker=worker, planned=(entry["steps"], entry["padded_tokens"]), stop_when_busy=True, timeout_s=timeout_s)
+    if model and calibration["busy_note"]:  # `frugaltune plan --model`, not the plan stage: the advice is its own
+        advice = f"`frugaltune plan --model {model.given} --calibrate`"
+        calibration["busy_note"] = calibration["busy_note"].replace(RECALIBRATE, advice)
+        constants = replace(constants, source=constants.source.replace(RECALIBRATE, advice))
     if calibration["busy_note"]:
         log(f"plan: {calibration['busy_note']}" + (
-            f" (the timeout is what probe.calibration_by_shape_s, {limit:.0f} s, left after the random weights; "
-            "--calibrate calibrates without it)" if timeout_s < 900.0 and "timeout" in (calibration["stopped"] or "")
-            else ""))
+            f" (the timeout is what probe.calibration_by_shape_s, {limit:.0f} s, left after the random weights)"
+            if timeout_s < 900.0 and "timeout" in (calibration["stopped"] or "") else ""))
     plan = make_plan(spec, hardware, shapes, constants, limit_gb, calibration, measured_precision=measured_precision,
                      decided=decided)
     eta = plan["methods"][method]["eta_seconds"]
