@@ -99,24 +99,18 @@ def replace_lora_dropouts(model, make, which=lambda dropout: True) -> None:
 
 
 def model_dir(given: str | None, cache: Path = Path(".cache/shapes")) -> Path:
-    """The model a benchmark trains: models/base (None), a model directory with weights, or a shape's name
-    (frugaltune/assets/shapes) whose random weights are written once into `cache/<name>/random-weights` and kept
-    there for the next run (time and memory do not depend on the weights' values). config.json, copied last, says
-    the weights are complete."""
+    """The model a benchmark trains: models/base (None), a model directory with weights, or a shape's name or
+    config (frugaltune/assets/shapes) whose random weights are written once into `cache/<name>/random-weights` and
+    kept there for the next run (time and memory do not depend on the weights' values)."""
     if given is None:
         return BASE
     from frugaltune import shapes
     from frugaltune.models import load_tokenizer
 
     model = shapes.resolve(given, cache / Path(given).name, "float32")
-    if not model.by_shape:
-        return model.weights
-    out = cache / model.given / "random-weights"
-    if not (out / "config.json").is_file():
+    if model.by_shape:
         shapes.check_vocabulary(model, len(load_tokenizer(BASE)), BASE)
-        print(f"{model.given}: writing random weights of its shape to {out} ...", flush=True)
-        shapes.write_random_weights(model.config_dir, out, "float32")
-    return out
+    return model.weights_dir()
 
 
 # --- the plan's decisions ----------------------------------------------------------------------------------------

@@ -72,8 +72,8 @@ from frugaltune import allocator
 from frugaltune.config import load_params
 
 # --recipes: frugaltune with and without its speed switches, the common Trainer recipe (a), the tuned one (b)
-KINDS = {"frugaltune": "frugaltune:", "frugaltune-off": "frugaltune-off:", "a": "hf_max_length_fp32",
-         "b": "hf_group_by_length"}
+HF_RECIPES = {"a": "hf_max_length_fp32", "b": "hf_group_by_length"}
+KINDS = ("frugaltune", "frugaltune-off", *HF_RECIPES)
 
 
 def _cuda() -> bool:
@@ -302,7 +302,7 @@ def main() -> None:
         parser.error(f"--recipes: of {', '.join(KINDS)}, frugaltune among them (the others are compared with it)")
     model_dir = common.model_dir(args.model)
     recipes = ([f"{kind}:{m}" for m in methods for kind in ("frugaltune", "frugaltune-off") if kind in kinds]
-               + [KINDS[k] for k in ("a", "b") if k in kinds])
+               + [recipe for kind, recipe in HF_RECIPES.items() if kind in kinds])
     nominal, formula = gpu_peak_flops(bf16_ours) if cuda else cpu_peak_flops(hw, threads)
     # the precisions the recipes run in: fp32 always (recipe (a)'s, and the nominal peak's), bf16 where the plan
     # trains in it, int8 where the plan decided int8 products for a method

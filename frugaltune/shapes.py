@@ -48,20 +48,19 @@ class PlannedModel:
     weights: Path | None = None  # a checkpoint directory; None: planned by shape
     workdir: Path | None = None  # where random weights are written when the calibration needs them
     dtype: str = "float32"
-    random_written: bool = False
 
     @property
     def by_shape(self) -> bool:
         return self.weights is None
 
     def weights_dir(self) -> Path:
-        """The checkpoint the calibration loads: the model's own, else random weights of its shape, written now."""
+        """The checkpoint the calibration loads: the model's own, else random weights of its shape, written now
+        unless `workdir` holds them complete already (config.json is written last: a workdir the benchmarks keep)."""
         if self.weights is not None:
             return self.weights
         out = self.workdir / "random-weights"
-        if not self.random_written:
+        if not (out / "config.json").is_file():
             write_random_weights(self.config_dir, out, self.dtype)
-            self.random_written = True
         return out
 
     def note(self, calibrated: bool, tokenizer_dir: Path) -> str:

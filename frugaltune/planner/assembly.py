@@ -384,7 +384,7 @@ def _too_short_to_calibrate(analytic_eta: float | None, probe) -> str | None:
 def _build_plan(params: "Params", hardware: dict[str, Any], measured_precision: dict | None,
                 run_calibration: bool | str,
                 memory_limit_gb: float | None, methods: tuple[str, ...] | None, log,
-                worker: CalibrationWorker | None, model=None, started: float | None = None) -> dict[str, Any]:
+                worker: CalibrationWorker | None, model, started: float) -> dict[str, Any]:
     from datasets import load_from_disk
 
     from frugaltune import paths
@@ -432,18 +432,21 @@ def _build_plan(params: "Params", hardware: dict[str, Any], measured_precision: 
                              spec.group_by_length)
     # --model without weights: random weights of its shape, written only now that the calibration runs
     weights = model.weights_dir() if model else paths.BASE_MODEL
-    timeout_s, others = 900.0, [m for m in timing_order(methods)
-                                if m != method and method_named(m).trained and draft["methods"][m]["fits"]]
+    others = [m for m in timing_order(methods)
+              if m != method and method_named(m).trained and draft["methods"][m]["fits"]]
     limit = params.probe.calibration_by_shape_s
-    if model and model.by_shape and run_calibration == "auto" and limit:
+    budgeted = bool(model and model.by_shape and run_calibration == "auto" and limit)
+    timeout = {}  # calibrate's own default, unless budgeted
+    if budgeted:
         # a question asked before downloading a model: answered within the limit, what it timed by then calibrating
-        timeout_s, others = limit - (time.monotonic() - (started or time.monotonic())), []
-        if timeout_s <= 0:
-            why = (f"not calibrating: writing the random weights left {max(timeout_s, 0):.0f} s of "
-                   f"probe.calibration_by_shape_s ({limit:.0f} s); --calibrate calibrates without that limit")
+        left = limit - (time.monotonic() - started)
+        if left <= 0:
+            why = (f"not calibrating: writing the random weights left no time of probe.calibration_by_shape_s "
+                   f"({limit:.0f} s); --calibrate calibrates without that limit")
             log(f"plan: {why}")
             draft["calibration"] = {"skipped": why}
             return draft
+        others, timeout = [], {"timeout_s": left}
     constants, calibration = calibrate(
         weights, labels, tokenizer.pad_token_id, method, knobs.get(method, MethodKnobs()), shapes[method],
         rows=rows, targets=list(train_split["labels"]), order=order, loop=loop,
@@ -453,7 +456,7 @@ def _build_plan(params: "Params", hardware: dict[str, Any], measured_precision: 
         # every other method the plan lists and memory allows, timed on one micro-batch: each gets its own ETA
         others=[{"method": m, "knobs": knobs.get(m, MethodKnobs()),
                  "int8": decided["int8"].get(m, {"on": False, "why": "not decided"})} for m in others],
-        worker=worker, planned=(entry["steps"], entry["padded_tokens"]), stop_when_busy=True, timeout_s=timeout_s)
+        worker=worker, planned=(entry["steps"], entry["padded_tokens"]), stop_when_busy=True, **timeout)
     if model and calibration["busy_note"]:  # `frugaltune plan --model`, not the plan stage: the advice is its own
         advice = f"`frugaltune plan --model {model.given} --calibrate`"
         calibration["busy_note"] = calibration["busy_note"].replace(RECALIBRATE, advice)
@@ -461,7 +464,7 @@ def _build_plan(params: "Params", hardware: dict[str, Any], measured_precision: 
     if calibration["busy_note"]:
         log(f"plan: {calibration['busy_note']}" + (
             f" (the timeout is what probe.calibration_by_shape_s, {limit:.0f} s, left after the random weights)"
-            if timeout_s < 900.0 and "timeout" in (calibration["stopped"] or "") else ""))
+            if budgeted and "timeout" in (calibration["stopped"] or "") else ""))
     plan = make_plan(spec, hardware, shapes, constants, limit_gb, calibration, measured_precision=measured_precision,
                      decided=decided)
     eta = plan["methods"][method]["eta_seconds"]
