@@ -359,6 +359,41 @@ def test_qlora_releases_the_safetensors_mapping_so_the_fp32_file_is_not_resident
     assert any(type(p).__name__ == "Params4bit" for p in model.parameters())
 
 
+def test_a_4bit_load_never_maps_the_checkpoint_and_quantizes_the_same_weights(tiny_model_dir):
+    """QLoRA's load reads the checkpoint with pread (frugaltune.models._from_pretrained): under transformers' mmap
+    every shard page it read stayed mapped until the load ended, so a 1.7 B fp32 checkpoint counted 6.5 GiB in the
+    peak RSS of a run planned under 4 GiB. A thread watches /proc/self/maps for the whole load; the 4-bit weights
+    are those of transformers' own (mmap) load of the same files."""
+    import threading
+
+    from transformers import AutoModelForSequenceClassification
+
+    from frugaltune.models import qlora_quantization
+
+    pad = load_tokenizer(tiny_model_dir).pad_token_id
+    seen, done = [], threading.Event()
+
+    def watch():
+        while not done.is_set():
+            seen.extend(line for line in open("/proc/self/maps") if line.rstrip().endswith(".safetensors"))
+            done.wait(0.0005)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        model = load_for_classification(tiny_model_dir, LABELS, pad, seed=0, quantization_config=qlora_quantization())
+    finally:
+        done.set()
+        watcher.join()
+    assert not seen, seen[:2]
+    reference = AutoModelForSequenceClassification.from_pretrained(
+        str(tiny_model_dir), num_labels=len(LABELS), quantization_config=qlora_quantization())
+    ours, theirs = dict(model.named_parameters()), dict(reference.named_parameters())
+    packed = [name for name, param in ours.items() if type(param).__name__ == "Params4bit"]
+    assert packed and all(torch.equal(ours[name].data, theirs[name].data) for name in packed)
+    assert torch.equal(ours["model.embed_tokens.weight"], theirs["model.embed_tokens.weight"])
+
+
 def test_checkpoint_rng_state_round_trips_through_weights_only_loading_and_pickles_are_refused(tmp_path):
     """Checkpoint files load with torch.load(weights_only=True): data, never code (the fault table's security row)."""
     import pickle
