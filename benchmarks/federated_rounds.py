@@ -18,10 +18,11 @@ centralized LoRA on as many examples.
 
 Run from the repository root after `make federated` (it reads data/federated/partitions_<scheme>/, the clients'
 plans in reports/federated.json, data/federated/test.parquet, models/base and reports/plan.json). It makes the
-rounds the ServerApp makes with the same library calls (local.build_model at each client's planned rank,
-aggregation.slice_to_rank, local.train_locally at RunSettings.for_round's rates, aggregation.aggregate,
-aggregation.server_momentum_step) but without Flower: clients run one after the other in this process, sampled
-as the ServerApp samples them (the same positions in client-id order), with no per-client micro-batch. Its
+rounds the ServerApp makes with the same library calls (each client's round is the ClientApp's own,
+local.train_round on local.cached_model at its planned rank with RunSettings.for_round's settings; the server's
+aggregation.aggregate and aggregation.server_momentum_step) but without Flower: clients run one after the other
+in this process, sampled as the ServerApp samples them (the same positions in client-id order), with no
+per-client micro-batch. Its
 figures compare settings with each other (the first server lr and momentum given are the baseline). Prints the
 test macro-F1 after each round, and with --centralized the centralized baseline the stage computes (the stage's
 own, frugaltune.federated.centralized.baseline: one process, the whole training split, as many examples as the
@@ -139,8 +140,6 @@ def main() -> None:
     servers = [(s, m) for s in server_lrs for m in momenta]
     mus = args.proximal_mu if args.proximal_mu is not None else [settings.proximal_mu]
     heads = args.head_lr if args.head_lr is not None else [settings.head_lr]
-    if epsilon > 0:
-        from frugaltune.federated.privacy import privatize  # imports flwr
     test = local.read_examples("data/federated/test.parquet")
     data = {plan["client"]: local.read_examples(f"data/federated/partitions_{args.scheme}/client_{plan['client']}"
                                                 ".parquet") for plan in plans}
@@ -154,7 +153,6 @@ def main() -> None:
     gaps: dict[str, list[float]] = {}
     for seed in args.seeds or [params.common.seed]:
         print(f"seed {seed}", flush=True)
-        models: dict[int, torch.nn.Module] = {}  # one per rank, reloaded with each client's slice of the global
         server = local.build_model("models/base", labels, pad, seed, spec, bf16=bf16)
         start = local.trainable_tensors(server)
         finals: dict[str, float] = {}
@@ -165,37 +163,24 @@ def main() -> None:
             setting = f"server_lr {server_lr:g}, momentum {momentum:g}" + (f", FedProx mu {mu:g}" if mu else "")
             setting += ", client AdamW state kept" if client_state == "kept" else ""
             setting += f", head lr {head_lr:g}" if args.head_lr is not None else ""
-            run = settings.model_copy(update={"head_lr": head_lr})  # its rounds' rates: RunSettings.for_round
+            # its rounds' settings (RunSettings.for_round), as the ServerApp sends them
+            run = settings.model_copy(update={"head_lr": head_lr, "seed": seed, "proximal_mu": mu})
             began, tensors, curve, steps, velocity = time.perf_counter(), dict(start), [], 0, None
             moments = {}
             for number in range(1, rounds + 1):
                 sampled = aggregation.sample_clients(range(len(plans)), ids, per_round, seed, number)  # the ServerApp's
                 updates, given = [], run.for_round(number)
                 tensors = wire.round_trip(tensors, dtype) if dtype != "fp32" else tensors  # what the clients receive
-                for index in sampled:
+                for index in sampled:  # each client's round as the ClientApp runs it (local.train_round)
                     plan = plans[index]
-                    if plan["lora_rank"] not in models:
-                        models[plan["lora_rank"]] = local.build_model("models/base", labels, pad, seed, spec,
-                                                                      plan["lora_rank"], bf16=bf16,
-                                                                      int8=precision.int8)
-                    model = models[plan["lora_rank"]]
-                    local.load_tensors(model, aggregation.slice_to_rank(tensors, plan["lora_rank"]))
-                    for name, param in model.named_parameters():  # FFA: A frozen, as the ClientApp does
-                        if aggregation.is_lora_a(name):
-                            param.requires_grad_(args.method != "ffa")
+                    model, _ = local.cached_model("models/base", labels, pad, seed, spec, plan["lora_rank"],
+                                                  bf16, precision.int8)
                     input_ids, targets = data[plan["client"]]
-                    result = local.train_locally(model, input_ids, targets, pad, steps=local_steps, lr=given.lr,
-                                                 head_lr=given.head_lr or None,
-                                                 batch_size=batch, micro_batch_size=None,
-                                                 seed=seed * 1000 + number, bf16=bf16, eager_attention_max_len=eager,
-                                                 logit_adjustment=adjust, proximal_mu=mu,
-                                                 optimizer_state=moments.setdefault(plan["client"], {})
-                                                 if client_state == "kept" else None)
+                    trained, result, _ = local.train_round(
+                        model, tensors, plan["lora_rank"], given, input_ids, targets, bf16=bf16,
+                        eager_attention_max_len=eager,
+                        optimizer_state=moments.setdefault(plan["client"], {}) if client_state == "kept" else None)
                     steps += result.steps
-                    trained = local.trainable_tensors(model)  # under FFA: B + head only
-                    if epsilon > 0:
-                        trained, _ = privatize(trained, aggregation.slice_to_rank(tensors, plan["lora_rank"]),
-                                               settings.dp_clip, epsilon, settings.dp_delta)
                     updates.append((wire.round_trip(trained, dtype) if dtype != "fp32" else trained, len(targets)))
                 mean = aggregation.aggregate(tensors, updates, args.method)
                 tensors, velocity = aggregation.server_momentum_step(tensors, mean, server_lr, momentum, velocity)

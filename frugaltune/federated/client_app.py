@@ -18,7 +18,7 @@ In Flower's Simulation Engine (the `federated` stage's default on one machine) a
 `partition-id`; the same keys then come from the run config's `simulation-nodes` (a JSON list, one entry per
 partition, written by the stage). Its workers (Ray actors) run many ClientApp calls in one process, so the base
 model is built once per worker and rank and each call only overwrites its trainable tensors with the global ones
-(`cached_model`); a deployment starts a process per message and builds it every time.
+(`local.cached_model`); a deployment starts a process per message and builds it every time.
 
 Before its first round the server sends each node a `query.identify` message; the reply names which client of
 the plan it is (its `client-id` or `partition-id`), so the server samples the same clients in every run.
@@ -45,9 +45,7 @@ from flwr.clientapp import ClientApp
 
 from frugaltune import allocator
 from frugaltune.federated import aggregation, local, rounds, secure, wire
-from frugaltune.federated.privacy import privatize
 from frugaltune.federated.settings import NodeSettings, RoundSettings, RunSettings
-from frugaltune.methods import MethodKnobs
 from frugaltune.training.loop import peak_rss_mb, reset_peak_rss
 
 # SecAgg+'s protocol messages go through Flower's secaggplus_mod; the others straight to `train`
@@ -68,10 +66,6 @@ def from_record(record: ArrayRecord) -> dict[str, torch.Tensor]:
     return {name: wire.decode(array.numpy()) for name, array in record.items()}
 
 
-# (model-dir, labels, pad id, seed, LoRA spec, rank) -> (model, names of its trainable tensors); at most 2 entries
-_MODELS: dict[tuple, tuple[torch.nn.Module, list[str]]] = {}
-
-
 def node_settings(context: Context) -> NodeSettings:
     """This node's settings: its --node-config in a deployment; under the Simulation Engine, the entry for its
     `partition-id` in the run config's `simulation-nodes` file (the node config wins where both have a key)."""
@@ -85,25 +79,6 @@ def node_settings(context: Context) -> NodeSettings:
                              f"with num-supernodes = {len(entries)}")
         node = {**entries[index], **node}
     return NodeSettings.from_flower(node)
-
-
-def cached_model(model_dir: str, labels: list[str], pad_token_id: int, seed: int, spec: MethodKnobs,
-                 rank: int, bf16: bool = False, int8: bool = False) -> tuple[torch.nn.Module, bool]:
-    """The LoRA model for `rank`, built once per process, and whether this call reused it. Every trainable tensor
-    (A, B, head) is overwritten by the round's global before training, so a reused model trains exactly as a fresh
-    one; what a previous call froze (FFA's A) trains again until the caller freezes it."""
-    key = (model_dir, tuple(labels), pad_token_id, seed, spec, rank, bf16, int8)
-    reused = key in _MODELS
-    if not reused:
-        if len(_MODELS) >= 2:  # a worker sees at most the ranks of its clients; keep memory bounded
-            _MODELS.pop(next(iter(_MODELS)))
-        model = local.build_model(model_dir, labels, pad_token_id, seed, spec, rank, bf16=bf16, int8=int8)
-        _MODELS[key] = (model, [name for name, param in model.named_parameters() if param.requires_grad])
-    model, trainable = _MODELS[key]
-    params = dict(model.named_parameters())
-    for name in trainable:
-        params[name].requires_grad_(True)
-    return model, reused
 
 
 @app.query("identify")
@@ -140,11 +115,8 @@ def train(msg: Message, context: Context) -> Message:
     input_ids, targets = local.read_examples(node.data)
 
     bf16 = node.precision == "bf16"
-    model, reused = cached_model(node.model_dir or settings.model_dir, list(settings.labels), settings.pad_token_id,
-                                 settings.seed, spec, rank, bf16, node.int8_products)
-    local.load_tensors(model, aggregation.slice_to_rank(received, rank))
-    if settings.method == "ffa":
-        local.freeze_lora_a(model)
+    model, reused = local.cached_model(node.model_dir or settings.model_dir, list(settings.labels),
+                                       settings.pad_token_id, settings.seed, spec, rank, bf16, node.int8_products)
     number = settings.round
     state_dir = Path(node.state_dir) if node.state_dir is not None else None
     kept = settings.client_state == "kept" and state_dir is not None
@@ -154,12 +126,9 @@ def train(msg: Message, context: Context) -> Message:
         previous = rounds.client_state_before(state_dir, number)
         moments = torch.load(previous, weights_only=True) if previous else {}
         resumed = bool(moments)
-    result = local.train_locally(
-        model, input_ids, targets, settings.pad_token_id, steps=node.local_steps or settings.local_steps,
-        lr=settings.lr, head_lr=settings.head_lr or None, batch_size=settings.batch_size,
-        micro_batch_size=node.micro_batch,
-        seed=settings.seed * 1000 + number, proximal_mu=settings.proximal_mu, bf16=bf16,
-        eager_attention_max_len=node.eager_attention_max_len, logit_adjustment=settings.logit_adjustment,
+    trained, result, privacy = local.train_round(
+        model, received, rank, settings, input_ids, targets, local_steps=node.local_steps,
+        micro_batch_size=node.micro_batch, bf16=bf16, eager_attention_max_len=node.eager_attention_max_len,
         optimizer_state=moments)
     if kept:
         state_dir.mkdir(parents=True, exist_ok=True)
@@ -167,10 +136,6 @@ def train(msg: Message, context: Context) -> Message:
         torch.save(moments, saved.with_suffix(".tmp"))
         saved.with_suffix(".tmp").replace(saved)  # whole or absent: a killed client leaves no half state
         rounds.prune_client_states(state_dir, number)
-    trained, privacy = local.trainable_tensors(model), {}
-    if settings.dp_epsilon > 0:  # federated.dp: clip + noise the update before it leaves
-        trained, privacy = privatize(trained, aggregation.slice_to_rank(received, rank), settings.dp_clip,
-                                     settings.dp_epsilon, settings.dp_delta)
     metrics = {**privacy,
         "num-examples": len(targets), "train-loss": float(result.final_loss), "steps": result.steps,
         "bytes-down": bytes_down, "lora-rank": rank, "model-reused": int(reused),

@@ -6,7 +6,7 @@
   builds the model again.
 - simulation: a SuperLink in simulation mode; `flwr run` makes its Simulation Engine run N virtual SuperNodes on
   Ray workers (`workers` processes, `flwr[simulation]`) that stay up for the whole run, so a
-  worker builds the model once (frugaltune.federated.client_app.cached_model). Same ServerApp, same ClientApp.
+  worker builds the model once (frugaltune.federated.local.cached_model). Same ServerApp, same ClientApp.
   Each worker gets `threads` CPUs of Ray's `workers * threads`.
 
 Every process it starts (SuperLink, SuperNodes and the ClientApps they start, `flwr run`, the ServerApp, Ray's

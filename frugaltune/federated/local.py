@@ -1,8 +1,9 @@
 """What a federated client and the server do with the model, without Flower: build the LoRA model for a rank, move
 the trainable tensors in and out, train locally with the project's trainer, evaluate centrally.
 
-Library code, called by `frugaltune.federated.client_app` and `server_app` (and unit-tested without Flower). The
-training itself is `frugaltune.training.loop.train_classifier`, the same loop the `train` stage runs.
+Library code, called by `frugaltune.federated.client_app` and `server_app` and by benchmarks/federated_rounds.py
+(and unit-tested without Flower). A client's round is `train_round`, whichever of them runs it; the training itself
+is `frugaltune.training.loop.train_classifier`, the same loop the `train` stage runs.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 
 from frugaltune.classify import classify
 from frugaltune.federated import aggregation
+from frugaltune.federated.settings import RoundSettings
 from frugaltune.methods import MethodKnobs
 from frugaltune.metrics import classification_metrics
 from frugaltune.training.loop import TrainResult, train_classifier
@@ -40,6 +42,55 @@ def build_model(model_dir: Path | str, labels: list[str], pad_token_id: int, see
 
         products.apply(model, {"on": True, "why": "the plan's int8 decision for LoRA"}, "lora")
     return model
+
+
+# (model-dir, labels, pad id, seed, LoRA spec, rank, bf16, int8) -> (model, names of its trainable tensors)
+_MODELS: dict[tuple, tuple[torch.nn.Module, list[str]]] = {}
+
+
+def cached_model(model_dir: str, labels: list[str], pad_token_id: int, seed: int, spec: MethodKnobs,
+                 rank: int, bf16: bool = False, int8: bool = False) -> tuple[torch.nn.Module, bool]:
+    """The LoRA model for `rank`, built once per process, and whether this call reused it. Every trainable tensor
+    (A, B, head) is overwritten by the round's global before training (`train_round`), so a reused model trains
+    exactly as a fresh one; what a previous round froze (FFA's A) trains again until the round freezes it."""
+    key = (model_dir, tuple(labels), pad_token_id, seed, spec, rank, bf16, int8)
+    reused = key in _MODELS
+    if not reused:
+        if len(_MODELS) >= 2:  # a process sees at most the ranks of its clients; keep memory bounded
+            _MODELS.pop(next(iter(_MODELS)))
+        model = build_model(model_dir, labels, pad_token_id, seed, spec, rank, bf16=bf16, int8=int8)
+        _MODELS[key] = (model, [name for name, param in model.named_parameters() if param.requires_grad])
+    model, trainable = _MODELS[key]
+    params = dict(model.named_parameters())
+    for name in trainable:
+        params[name].requires_grad_(True)
+    return model, reused
+
+
+def train_round(model: torch.nn.Module, received: dict[str, torch.Tensor], rank: int, settings: RoundSettings,
+                input_ids: list[list[int]], targets: list[int], *, local_steps: int | None = None,
+                micro_batch_size: int | None = None, bf16: bool = False, eager_attention_max_len: int = 0,
+                optimizer_state: dict | None = None) -> tuple[dict[str, torch.Tensor], TrainResult, dict]:
+    """One client's round: the global (`received`) cut to this client's `rank` and loaded, LoRA A frozen under FFA,
+    `local_steps` (default: the round's) of local training at the round's rates, then the trained tensors, clipped
+    and noised when the round asks for differential privacy. Returns what the client sends (before the wire), the
+    training's result and the privacy report (empty without DP). The ClientApp and the benchmark both run it."""
+    start = aggregation.slice_to_rank(received, rank)
+    load_tensors(model, start)
+    if settings.method == "ffa":
+        freeze_lora_a(model)
+    result = train_locally(model, input_ids, targets, settings.pad_token_id, steps=local_steps or settings.local_steps,
+                           lr=settings.lr, head_lr=settings.head_lr or None, batch_size=settings.batch_size,
+                           micro_batch_size=micro_batch_size, seed=settings.seed * 1000 + settings.round,
+                           proximal_mu=settings.proximal_mu, bf16=bf16,
+                           eager_attention_max_len=eager_attention_max_len,
+                           logit_adjustment=settings.logit_adjustment, optimizer_state=optimizer_state)
+    trained, privacy = trainable_tensors(model), {}
+    if settings.dp_epsilon > 0:  # federated.dp: clip + noise the update before it leaves
+        from frugaltune.federated.privacy import privatize  # Flower's DP primitives: the Flower venv
+
+        trained, privacy = privatize(trained, start, settings.dp_clip, settings.dp_epsilon, settings.dp_delta)
+    return trained, result, privacy
 
 
 def trainable_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:

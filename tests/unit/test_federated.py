@@ -340,6 +340,43 @@ def test_an_int8_client_trains_the_same_tensors_and_keeps_ffas_a(tiny_model_dir,
     assert cosine > 0.9, f"int8 client's update points elsewhere than the plain one's (cosine {cosine:.3f})"
 
 
+def test_a_clients_round_trains_its_rank_of_the_global_and_a_cached_model_trains_as_a_fresh_one(
+        tiny_model_dir, smol_tokenizer):
+    """local.train_round, the round the ClientApp and benchmarks/federated_rounds.py both run: the global cut to the
+    client's rank, A kept under FFA (neither trained nor sent), the round's steps; the cached model of a later
+    FedAvg round trains A again, exactly as a freshly built one does from the same global."""
+    from frugaltune.federated.settings import RoundSettings
+
+    pad = smol_tokenizer.pad_token_id
+    spec = MethodKnobs(4, 8, 0.0, ("q_proj", "v_proj"))
+    server = local.build_model(tiny_model_dir, ["a", "b", "c"], pad, seed=0, lora=spec)
+    received = {k: v + 0.01 for k, v in local.trainable_tensors(server).items()}  # a global after some rounds
+    g = torch.Generator().manual_seed(3)
+    ids = [torch.randint(5, 500, (6,), generator=g).tolist() for _ in range(16)]
+    labels = [i % 3 for i in range(16)]
+    settings = dict(model_dir=str(tiny_model_dir), labels=("a", "b", "c"), pad_token_id=pad, lora_r=4, lora_alpha=8,
+                    lora_dropout=0.0, lora_target_modules=("q_proj", "v_proj"), local_steps=2, lr=0.01,
+                    batch_size=8, seed=0)
+    model, reused = local.cached_model(str(tiny_model_dir), ["a", "b", "c"], pad, 0, spec, 2)
+    assert not reused
+    ffa = RoundSettings(**settings, method="ffa", round=1)
+    trained, result, privacy = local.train_round(model, received, 2, ffa, ids, labels)
+    assert result.steps == 2 and privacy == {}
+    assert trained and not any(agg.is_lora_a(k) for k in trained)
+    sliced = agg.slice_to_rank(received, 2)
+    assert all(p.equal(sliced[k]) for k, p in model.named_parameters() if agg.is_lora_a(k))
+    assert {k: v.shape for k, v in trained.items()} == {k: sliced[k].shape for k in trained}
+
+    fedavg = RoundSettings(**settings, method="fedavg", round=2)
+    again, reused = local.cached_model(str(tiny_model_dir), ["a", "b", "c"], pad, 0, spec, 2)
+    assert reused and again is model
+    cached, _, _ = local.train_round(again, received, 2, fedavg, ids, labels)
+    fresh_model = local.build_model(tiny_model_dir, ["a", "b", "c"], pad, seed=0, lora=spec, rank=2)
+    fresh, _, _ = local.train_round(fresh_model, received, 2, fedavg, ids, labels)
+    assert any(agg.is_lora_a(k) for k in cached) and cached.keys() == fresh.keys()
+    assert all(torch.allclose(cached[k], fresh[k], atol=1e-6) for k in fresh)
+
+
 def test_a_client_reports_its_own_rounds_peak_not_the_workers_largest_so_far():
     """A simulation worker runs client after client: the ClientApp resets the high-water mark when a round's
     message arrives (loop.reset_peak_rss), so a small client after a large one reports its own peak. In a fresh
