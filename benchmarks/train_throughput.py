@@ -5,6 +5,7 @@ switches against the previous default, in one run.
     python benchmarks/train_throughput.py --methods lora,qlora,dora --rounds 2
     python benchmarks/train_throughput.py --steps 10 --batch-size 8 --warmup 0   # time from the first step
     python benchmarks/train_throughput.py --model SmolLM2-1.7B --recipes frugaltune,b --warmup 2 --steps 6
+    python benchmarks/train_throughput.py --against v0.1.0 --recipes frugaltune --rounds 3   # `make bench-check`
 
 On a machine where torch drives a CUDA GPU every recipe trains on it (the Trainer recipes without `use_cpu`), the
 precision is the planner's (bf16 from compute capability 8.0), attention is SDPA, the measured peak is torch.matmul
@@ -54,12 +55,19 @@ all alike; over the whole run beside it), the padding share, peak RSS, and MFU =
     nominal peak  = cores x clock x fp32 FLOPs/cycle (frugaltune.hardware.cpu_peak_flops), printed beside it.
 
 Padded tokens are computed but not useful: MFU over useful tokens charges padding to the recipe that adds it.
+
+`--against REV` (`make bench-check`, the guard against a silent regression): the frugaltune recipes of git revision
+REV (`latest-tag`: the last release tag) too, alternated with this tree's round by round: REV's files (`git
+archive`) in a temporary directory, its own benchmark script and library run in the child, on this checkout's
+model, rows and plan, so only the code differs. Prints this tree over REV for each method (medians) and exits 1
+when this tree is more than `--tolerance` (5 %) slower at any of them.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import tempfile
 import time
@@ -74,6 +82,25 @@ from frugaltune.config import load_params
 # --recipes: frugaltune with and without its speed switches, the common Trainer recipe (a), the tuned one (b)
 HF_RECIPES = {"a": "hf_max_length_fp32", "b": "hf_group_by_length"}
 KINDS = ("frugaltune", "frugaltune-off", *HF_RECIPES)
+
+
+def checkout(rev: str, into: Path) -> str:
+    """REV's files (git archive) under `into`, and the commit they are; `latest-tag`: the last release tag."""
+    def git(*args: str, **kwargs) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", "-C", str(common.ROOT), *args], capture_output=True, check=False, **kwargs)
+
+    if rev == "latest-tag":
+        found = git("describe", "--tags", "--abbrev=0", text=True)
+        if found.returncode != 0:
+            sys.exit("--against latest-tag: this repository has no release tag; tag one (`git tag v0.1.0 <commit>`) "
+                     "or name a revision (`make bench-check BASE=<commit>`)")
+        rev = found.stdout.strip()
+    commit = git("rev-parse", "--verify", f"{rev}^{{commit}}", text=True)
+    if commit.returncode != 0:
+        sys.exit(f"--against {rev}: not a revision of this repository ({commit.stderr.strip()})")
+    archive = git("archive", "--format=tar", commit.stdout.strip())
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
+    return f"{rev} ({commit.stdout.strip()[:8]})"
 
 
 def _cuda() -> bool:
@@ -278,6 +305,10 @@ def main() -> None:
                         "directory, or a shape's name (frugaltune/assets/shapes: random weights of its shape, written "
                         "once into .cache/shapes)")
     parser.add_argument("--recipes", default=",".join(KINDS), help=f"comma-separated, of: {', '.join(KINDS)}")
+    parser.add_argument("--against", metavar="REV", help="also the frugaltune recipes of git revision REV "
+                        "(latest-tag: the last release tag), alternated; exit 1 when this tree is slower than REV by "
+                        "more than --tolerance")
+    parser.add_argument("--tolerance", type=float, default=0.05, help="--against: the slowdown allowed (0.05 = 5 %%)")
     parser.add_argument("--recipe", help=argparse.SUPPRESS)  # a child process: one recipe
     parser.add_argument("--model-dir", type=Path, default=BASE, help=argparse.SUPPRESS)
     parser.add_argument("--bf16-ours", action="store_true", help=argparse.SUPPRESS)
@@ -310,16 +341,28 @@ def main() -> None:
         {"int8"} if any(common.machine(method=m, int8=True)["int8"]["on"] for m in methods) else set())
     peaks = measured_peaks(threads, model_dir, precisions)
     ours_on = load_params().train.allocator if args.allocator == "train" else "system"
+    baseline_dir = tempfile.TemporaryDirectory(prefix="frugaltune-against-") if args.against else None
+    against = checkout(args.against, Path(baseline_dir.name)) if baseline_dir else None
+    if against:  # REV's frugaltune recipes, each right after this tree's (the same method, the same round)
+        recipes = [r for recipe in recipes for r in ([recipe, recipe.replace("frugaltune:", "frugaltune@REV:")]
+                                                     if recipe.startswith("frugaltune:") else [recipe])]
     runs: dict[str, list[dict]] = {r: [] for r in recipes}
     for round_ in range(args.rounds):
         for recipe in recipes:
-            cmd = [sys.executable, __file__, "--recipe", recipe, "--steps", str(args.steps), "--warmup",
-                   str(args.warmup), "--batch-size",
+            # each tree's own library, whichever checkout the venv's editable install points at
+            script, env_extra = __file__, {"PYTHONPATH": str(common.ROOT)}
+            if "@REV:" in recipe:  # REV's own script and library, on this checkout's files (cwd)
+                script = str(Path(baseline_dir.name) / "benchmarks" / Path(__file__).name)
+                env_extra = {"PYTHONPATH": baseline_dir.name}
+            cmd = [sys.executable, script, "--recipe", recipe.replace("@REV", ""), "--steps", str(args.steps),
+                   "--warmup", str(args.warmup), "--batch-size",
                    str(args.batch_size), "--lr", str(args.lr), "--threads", str(threads),
                    "--eager-max", str(eager_max), "--model-dir", str(model_dir)] + (["--bf16-ours"] if bf16_ours else [])
-            print(f"round {round_ + 1}/{args.rounds}: {recipe} ...", flush=True)
-            env = allocator.child_env(ours_on if recipe.startswith("frugaltune") else "system")
+            print(f"round {round_ + 1}/{args.rounds}: {recipe.replace('REV', against or '')} ...", flush=True)
+            env = {**allocator.child_env(ours_on if recipe.startswith("frugaltune") else "system"), **env_extra}
             runs[recipe].append(common.run_child(cmd, recipe, env))
+    if baseline_dir:
+        baseline_dir.cleanup()
     after = measured_peaks(threads, model_dir, precisions)
     peaks = {k: max(v, after[k]) for k, v in peaks.items()}  # the best of before and after the recipes
     results = {}
@@ -380,11 +423,22 @@ def main() -> None:
             bf16_mfu = on * per_token / peaks["bf16" if bf16_ours else "fp32"]
             print(f"{m}: int8 products ({int8_products['why']}): MFU {bf16_mfu:.1%} of the measured "
                   f"{'bf16' if bf16_ours else 'fp32'} peak, {on * per_token / peaks['int8']:.1%} of the int8 peak")
+    slower = []
+    for m in methods if against else []:
+        ratio = results[f"frugaltune:{m}"]["rate"] / results[f"frugaltune@REV:{m}"]["rate"]
+        print(f"{m}: this tree over {against}: {ratio:.3f}x useful tokens/s (medians of {args.rounds} alternated "
+              f"rounds: {results[f'frugaltune:{m}']['rates']} against {results[f'frugaltune@REV:{m}']['rates']})")
+        if ratio < 1 - args.tolerance:
+            slower.append(f"{m} {1 - ratio:.1%} slower")
     common.write_results("train_throughput", {
         "cpu": common.cpu_label(hw), "model": str(args.model or BASE), "gpu": torch_device_name() if cuda else None, "nominal_peak": formula,
         "nominal_peak_flops": nominal, "measured_peak_flops": peaks, "flops_per_token": per_token, "threads": threads,
         "steps": args.steps, "warmup": args.warmup, "batch_size": args.batch_size, "rounds": args.rounds,
-        "precision": "bf16" if bf16_ours else "fp32", "eager_attention_max_len": eager_max, "results": results})
+        "precision": "bf16" if bf16_ours else "fp32", "eager_attention_max_len": eager_max, "results": results,
+        "against": against})
+    if slower:
+        sys.exit(f"bench-check: this tree is slower than {against} by more than {args.tolerance:.0%}: "
+                 f"{', '.join(slower)}. Find the commit with `git bisect` and this benchmark (docs/BENCHMARKS.md).")
 
 
 if __name__ == "__main__":
