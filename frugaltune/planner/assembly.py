@@ -13,10 +13,11 @@ import json
 import math
 import time
 from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from frugaltune.methods import METHODS, NAMES, get as method_named, timing_order
-from frugaltune.planner.calibration import RECALIBRATE, calibrate
+from frugaltune.planner.calibration import RECALIBRATE, at_the_pick, calibrate_at
 from frugaltune.planner.machine import decide_machine, layer_flops_per_s, memory_limit
 from frugaltune.planner.memory import (Constants, GiB, MethodKnobs, MiB, ModelShape, memory_estimate, model_shape,
                                        planned_batches, planned_order, training_flops_per_token)
@@ -424,8 +425,6 @@ def _build_plan(params: "Params", hardware: dict[str, Any], measured_precision: 
         draft["calibration"] = {"skipped": short}
         return draft
     entry = draft["methods"][method]
-    loop = setup.loop_config(params, method=method, bf16=decided["bf16"], micro_batch_size=entry["micro_batch_size"],
-                             eager_attention_max_len=decided["eager_attention_max_len"])
     log(f"plan: calibrating {method} in {entry['precision']}: the run's own loop over "
         f"{2 * params.probe.calibration_steps - 1} of its micro-batches at most ...")
     _, order = planned_order(lengths, spec.batch_size, spec.grad_accum, spec.epochs, spec.max_steps, spec.seed,
@@ -447,16 +446,9 @@ def _build_plan(params: "Params", hardware: dict[str, Any], measured_precision: 
             draft["calibration"] = {"skipped": why}
             return draft
         others, timeout = [], {"timeout_s": left}
-    constants, calibration = calibrate(
-        weights, labels, tokenizer.pad_token_id, method, knobs.get(method, MethodKnobs()), shapes[method],
-        rows=rows, targets=list(train_split["labels"]), order=order, loop=loop,
-        int8=decided["int8"].get(method, {"on": False, "why": "not decided"}),
-        gradient_checkpointing=entry["gradient_checkpointing"], threads=decided["threads"], seed=params.common.seed,
-        time_samples=params.probe.calibration_steps, allocator=params.train.allocator, task=task,
-        # every other method the plan lists and memory allows, timed on one micro-batch: each gets its own ETA
-        others=[{"method": m, "knobs": knobs.get(m, MethodKnobs()),
-                 "int8": decided["int8"].get(m, {"on": False, "why": "not decided"})} for m in others],
-        worker=worker, planned=(entry["steps"], entry["padded_tokens"]), stop_when_busy=True, **timeout)
+    timed = partial(calibrate_at, params, method, decided, weights, labels, tokenizer.pad_token_id,
+                    knobs, shapes[method], rows, list(train_split["labels"]), order)
+    constants, calibration = timed(entry, others, worker, timeout)
     if model and calibration["busy_note"]:  # `frugaltune plan --model`, not the plan stage: the advice is its own
         advice = f"`frugaltune plan --model {model.given} --calibrate`"
         calibration["busy_note"] = calibration["busy_note"].replace(RECALIBRATE, advice)
@@ -465,8 +457,11 @@ def _build_plan(params: "Params", hardware: dict[str, Any], measured_precision: 
         log(f"plan: {calibration['busy_note']}" + (
             f" (the timeout is what probe.calibration_by_shape_s, {limit:.0f} s, left after the random weights)"
             if budgeted and "timeout" in (calibration["stopped"] or "") else ""))
-    plan = make_plan(spec, hardware, shapes, constants, limit_gb, calibration, measured_precision=measured_precision,
+    replan = partial(make_plan, spec, hardware, shapes, limit_gb=limit_gb, measured_precision=measured_precision,
                      decided=decided)
+    plan = replan(constants=constants, calibration=calibration)
+    if not budgeted:  # a budgeted answer has no time left for a second calibration
+        plan = at_the_pick(plan, method, entry, constants, calibration, timed, replan, log)
     eta = plan["methods"][method]["eta_seconds"]
     # What planning cost against what it plans (the calibration should stay a small share of the run)
     calibration["share_of_run"] = round(calibration["seconds"] / eta, 3) if eta else None

@@ -16,6 +16,11 @@ calibrated one reuse its memory constants; their time is the calibrated step's t
 against it, both timed on the same micro-batch in the calibration's process (`Constants.method_cost`): adapters
 alike in FLOPs differ in what their kernels cost (NF4 dequantization, DoRA's norms, PreLayer's missing adapter
 matmuls). A method not timed falls back to its training FLOPs per token (6N full, 4N adapters).
+
+The plan calibrates at its analytic pick (`calibrate_at`); where the measured memory then moves the pick to another
+micro-batch or checkpointing, it calibrates once more at the new pick (`at_the_pick`): a step costs a fixed amount
+per micro-batch as well as per token (QLoRA dequantizes every weight at each forward and backward), which one
+micro-batch size cannot split, so only the run's own micro-batch gives the run's ETA.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -33,6 +38,7 @@ from frugaltune.planner.memory import (Constants, MethodKnobs, ModelShape, activ
 from frugaltune.planner.worker import BUSY_SHARE, WATCH_S, CalibrationStopped, CalibrationWorker
 
 if TYPE_CHECKING:
+    from frugaltune.config import Params
     from frugaltune.training.loop_config import LoopConfig
 
 
@@ -380,6 +386,53 @@ def _fitted(measured: _Measured, prepared: _Prepared, seconds: float, shape: Mod
               "startup_from": startup_from,
               "machine_busy": busy, "stopped": stopped.why if stopped else None, "busy_note": busy_note}
     return Calibration(constants, report)
+
+
+def calibrate_at(params: "Params", method: str, decided: dict, weights, labels: list[str], pad_token_id: int,
+                  knobs: dict[str, MethodKnobs], shape: ModelShape, rows: list[list[int]], targets: list, order: list,
+                  pick: dict, others: list[str], worker: CalibrationWorker | None, timeout: dict):
+    """calibrate() of `method`'s run at `pick` (a plan entry's micro-batch, checkpointing and step counts), with
+    `others` timed beside it: (Constants, calibration report)."""
+    from frugaltune.training import setup
+
+    loop = setup.loop_config(params, method=method, bf16=decided["bf16"], micro_batch_size=pick["micro_batch_size"],
+                             eager_attention_max_len=decided["eager_attention_max_len"])
+    return calibrate(
+        weights, labels, pad_token_id, method, knobs.get(method, MethodKnobs()), shape, rows=rows, targets=targets, order=order, loop=loop,
+        int8=decided["int8"].get(method, {"on": False, "why": "not decided"}),
+        gradient_checkpointing=pick["gradient_checkpointing"], threads=decided["threads"], seed=params.common.seed,
+        time_samples=params.probe.calibration_steps, allocator=params.train.allocator, task=params.task.type,
+        # every other method the plan lists and memory allows, timed on one micro-batch: each gets its own ETA
+        others=[{"method": m, "knobs": knobs.get(m, MethodKnobs()),
+                 "int8": decided["int8"].get(m, {"on": False, "why": "not decided"})} for m in others],
+        worker=worker, planned=(pick["steps"], pick["padded_tokens"]), stop_when_busy=True, **timeout)
+
+
+def at_the_pick(plan: dict, method: str, calibrated: dict, constants: Constants, calibration: dict, timed, replan,
+                 log) -> dict:
+    """The plan, calibrated again where the measured memory moved the pick off the micro-batch (or checkpointing)
+    the calibration ran: a step's time is not its tokens' alone but a fixed cost per micro-batch too (QLoRA
+    dequantizes every weight at each forward and backward), which a calibration at one micro-batch cannot split
+    from the per-token cost. Timed at the run's own micro-batch, its ETA is the run's. The other methods keep the
+    first calibration's costs; the report says what the first one ran and adds its seconds."""
+    picked = plan["methods"][method]
+    where = lambda entry: (entry["micro_batch_size"], entry["gradient_checkpointing"])  # noqa: E731
+    if calibration["stopped"] or not picked["fits"] or where(picked) == where(calibrated):
+        return plan
+    log(f"plan: the measured memory picks micro-batch {picked['micro_batch_size']}"
+        f"{' with gradient checkpointing' if picked['gradient_checkpointing'] else ''}, not the "
+        f"{calibrated['micro_batch_size']} the calibration ran: calibrating {method} again at the pick ...")
+    again, report = timed(picked, [], None, {})
+    if report["stopped"]:  # keep the first: a stopped second calibration knows less
+        log(f"plan: the second calibration stopped ({report['stopped']}); the ETA is the first's")
+        return plan
+    constants = replace(again, method_cost=constants.method_cost, not_timed=constants.not_timed,
+                        activation_ratio=constants.activation_ratio, extra_cast_bytes=constants.extra_cast_bytes)
+    report.update(others=calibration.get("others"), seconds=round(report["seconds"] + calibration["seconds"], 1),
+                  first={"micro_batch_size": calibrated["micro_batch_size"],
+                         "gradient_checkpointing": calibrated["gradient_checkpointing"],
+                         "seconds": calibration["seconds"]})
+    return replan(constants=constants, calibration=report)
 
 
 RECALIBRATE = "`dvc repro --force --single-item plan`"
