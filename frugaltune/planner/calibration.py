@@ -426,13 +426,24 @@ def at_the_pick(plan: dict, method: str, calibrated: dict, constants: Constants,
     if report["stopped"]:  # keep the first: a stopped second calibration knows less
         log(f"plan: the second calibration stopped ({report['stopped']}); the ETA is the first's")
         return plan
-    constants = replace(again, method_cost=constants.method_cost, not_timed=constants.not_timed,
-                        activation_ratio=constants.activation_ratio, extra_cast_bytes=constants.extra_cast_bytes)
+    others = {"method_cost": constants.method_cost, "not_timed": constants.not_timed,
+              "activation_ratio": constants.activation_ratio, "extra_cast_bytes": constants.extra_cast_bytes}
     report.update(others=calibration.get("others"), seconds=round(report["seconds"] + calibration["seconds"], 1),
                   first={"micro_batch_size": calibrated["micro_batch_size"],
                          "gradient_checkpointing": calibrated["gradient_checkpointing"],
                          "seconds": calibration["seconds"]})
-    return replan(constants=constants, calibration=report)
+    again = replace(again, **others)
+    plan_again = replan(constants=again, calibration=report)
+    if where(plan_again["methods"][method]) != where(calibrated):
+        return plan_again
+    # the memory measured at the new pick moved it back (it did not fit there after all): the run is the first
+    # calibration's micro-batch, so its time constants are the first's, its memory the better-measured second's
+    log(f"plan: micro-batch {picked['micro_batch_size']} does not fit as measured; the run keeps micro-batch "
+        f"{calibrated['micro_batch_size']} and the first calibration's time")
+    report["timed_at"] = "first"
+    return replan(constants=replace(again, step_overhead_s=constants.step_overhead_s,
+                                    seconds_per_token=constants.seconds_per_token, startup_s=constants.startup_s),
+                  calibration=report)
 
 
 RECALIBRATE = "`dvc repro --force --single-item plan`"

@@ -352,6 +352,17 @@ def test_a_pick_the_measured_memory_moved_is_calibrated_again_at_its_micro_batch
     # its steps ran parts of 8 rows, not 2
     assert max(s["part_tokens"] for s in second["steps"]) > max(s["part_tokens"] for s in first["steps"])
     assert plan["constants"].seconds_per_token > 0 and plan["constants"] is not constants
+    # the memory measured at the new pick sends it back (it did not fit there): the run is the first calibration's
+    # micro-batch, and so is its time; the memory is the second's
+
+    def back_to_2(constants, calibration):
+        return {"methods": {"lora": entry(2)}, "constants": constants, "calibration": calibration}
+
+    back = at_the_pick({"methods": {"lora": entry(8)}}, "lora", entry(2), constants, first, timed, back_to_2,
+                       lines.append)
+    assert back["calibration"]["timed_at"] == "first" and "does not fit as measured" in lines[-1]
+    assert (back["constants"].seconds_per_token, back["constants"].step_overhead_s) == (
+        constants.seconds_per_token, constants.step_overhead_s)
 
 
 def test_the_calibrations_process_receives_the_runs_loop_config_whole(tmp_path):
