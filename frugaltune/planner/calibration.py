@@ -398,7 +398,8 @@ def calibrate_at(params: "Params", method: str, decided: dict, weights, labels: 
     loop = setup.loop_config(params, method=method, bf16=decided["bf16"], micro_batch_size=pick["micro_batch_size"],
                              eager_attention_max_len=decided["eager_attention_max_len"])
     return calibrate(
-        weights, labels, pad_token_id, method, knobs.get(method, MethodKnobs()), shape, rows=rows, targets=targets, order=order, loop=loop,
+        weights, labels, pad_token_id, method, knobs.get(method, MethodKnobs()), shape, rows=rows, targets=targets,
+        order=order, loop=loop,
         int8=decided["int8"].get(method, {"on": False, "why": "not decided"}),
         gradient_checkpointing=pick["gradient_checkpointing"], threads=decided["threads"], seed=params.common.seed,
         time_samples=params.probe.calibration_steps, allocator=params.train.allocator, task=params.task.type,
@@ -437,7 +438,8 @@ def at_the_pick(plan: dict, method: str, calibrated: dict, constants: Constants,
     if where(plan_again["methods"][method]) != where(calibrated):
         return plan_again
     # the memory measured at the new pick moved it back (it did not fit there after all): the run is the first
-    # calibration's micro-batch, so its time constants are the first's, its memory the better-measured second's
+    # calibration's micro-batch, so its time constants are the first's; its memory is the second's, whose fit at the
+    # larger micro-batch says the new pick does not fit but under-predicts the smaller one (docs/PLAN.md, the ladder)
     log(f"plan: micro-batch {picked['micro_batch_size']} does not fit as measured; the run keeps micro-batch "
         f"{calibrated['micro_batch_size']} and the first calibration's time")
     report["timed_at"] = "first"
