@@ -390,9 +390,11 @@ def _fitted(measured: _Measured, prepared: _Prepared, seconds: float, shape: Mod
 
 def calibrate_at(params: "Params", method: str, decided: dict, weights, labels: list[str], pad_token_id: int,
                   knobs: dict[str, MethodKnobs], shape: ModelShape, rows: list[list[int]], targets: list, order: list,
-                  pick: dict, others: list[str], worker: CalibrationWorker | None, timeout: dict):
+                  pick: dict, others: list[str], worker: CalibrationWorker | None, timeout: dict,
+                  stop_when_busy: bool = True):
     """calibrate() of `method`'s run at `pick` (a plan entry's micro-batch, checkpointing and step counts), with
-    `others` timed beside it: (Constants, calibration report)."""
+    `others` timed beside it: (Constants, calibration report). The plan stops a calibration the machine is too busy
+    for (`stop_when_busy`)."""
     from frugaltune.training import setup
 
     loop = setup.loop_config(params, method=method, bf16=decided["bf16"], micro_batch_size=pick["micro_batch_size"],
@@ -406,7 +408,8 @@ def calibrate_at(params: "Params", method: str, decided: dict, weights, labels: 
         # every other method the plan lists and memory allows, timed on one micro-batch: each gets its own ETA
         others=[{"method": m, "knobs": knobs.get(m, MethodKnobs()),
                  "int8": decided["int8"].get(m, {"on": False, "why": "not decided"})} for m in others],
-        worker=worker, planned=(pick["steps"], pick["padded_tokens"]), stop_when_busy=True, **timeout)
+        worker=worker, planned=(pick["steps"], pick["padded_tokens"]), stop_when_busy=stop_when_busy,
+        **timeout)
 
 
 def at_the_pick(plan: dict, method: str, calibrated: dict, constants: Constants, calibration: dict, timed, replan,

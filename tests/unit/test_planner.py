@@ -329,7 +329,7 @@ def test_a_pick_the_measured_memory_moved_is_calibrated_again_at_its_micro_batch
     decided = {"bf16": False, "eager_attention_max_len": 0, "int8": {}, "threads": 1}
     timed = partial(calibrate_at, params, "lora", decided, tiny_model_dir, LABELS,
                     load_tokenizer(tiny_model_dir).pad_token_id, {}, model_shape(tiny_model_dir, 3, "lora"), rows,
-                    [i % 3 for i in range(64)], order)
+                    [i % 3 for i in range(64)], order, stop_when_busy=False)  # make test runs two workers
 
     def entry(micro: int) -> dict:
         return {"micro_batch_size": micro, "gradient_checkpointing": False, "fits": True, "steps": steps,
