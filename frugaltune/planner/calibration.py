@@ -441,14 +441,42 @@ def at_the_pick(plan: dict, method: str, calibrated: dict, constants: Constants,
     if where(plan_again["methods"][method]) != where(calibrated):
         return plan_again
     # the memory measured at the new pick moved it back (it did not fit there after all): the run is the first
-    # calibration's micro-batch, so its time constants are the first's; its memory is the second's, whose fit at the
-    # larger micro-batch says the new pick does not fit but under-predicts the smaller one (docs/PLAN.md, the ladder)
+    # calibration's micro-batch, so its time constants are the first's; its memory is fitted through both
+    # calibrations' peaks, since each one's own fit holds only near its own micro-batch (pooled_memory)
     log(f"plan: micro-batch {picked['micro_batch_size']} does not fit as measured; the run keeps micro-batch "
         f"{calibrated['micro_batch_size']} and the first calibration's time")
     report["timed_at"] = "first"
+    memory = pooled_memory(constants, calibration["memory_points"], again, report["memory_points"])
+    if memory:
+        report["memory_from"] = "both calibrations' peaks"
     return replan(constants=replace(again, step_overhead_s=constants.step_overhead_s,
-                                    seconds_per_token=constants.seconds_per_token, startup_s=constants.startup_s),
+                                    seconds_per_token=constants.seconds_per_token, startup_s=constants.startup_s,
+                                    **memory),
                   calibration=report)
+
+
+def pooled_memory(first: Constants, first_points: list, second: Constants, second_points: list) -> dict:
+    """The memory constants (runtime bytes, activation scale) through both calibrations' largest parts, where the
+    second calibration's pick moved back to the first's micro-batch. Each calibration's own fit reads the slope of
+    peak against tokens within one micro-batch, so it holds near that micro-batch only: the second's under-predicts
+    the micro-batch the run keeps (docs/PLAN.md, the ladder's Qwen2.5-0.5B QLoRA at 4 GiB), the first's the one the
+    pick moved to (which is what moved it). Each largest part is the batch that sets its run's peak, measured: the
+    line through both is exact at the run's micro-batch and at the one it could not take. {} where the two are not
+    alike (the method or checkpointing differ, so their per-token bytes are not one quantity) or the peaks do not
+    grow with the tokens."""
+    if (not first_points or not second_points or first.calibrated_method != second.calibrated_method
+            or first.calibrated_checkpointing != second.calibrated_checkpointing or second.calibrated_per_token <= 0):
+        return {}
+    per_token = second.calibrated_per_token
+    (own_tokens, own_rss), other = second_points[-1], first_points[-1]
+    (low_tokens, low_rss), (high_tokens, high_rss) = sorted([(own_tokens, own_rss), tuple(other)])
+    if high_tokens <= low_tokens or high_rss <= low_rss:  # RSS noise swamped the activations (tiny models)
+        return {}
+    # the static bytes (weights, optimizer state; gradients where the fit stood on them) as the second's fit counted
+    static = own_rss - second.runtime_bytes - second.activation_scale * per_token * own_tokens
+    scale = (high_rss - low_rss) / (high_tokens - low_tokens) / per_token
+    runtime = own_rss - static - scale * per_token * own_tokens
+    return {"activation_scale": round(scale, 4), "runtime_bytes": max(0, int(runtime))}
 
 
 RECALIBRATE = "`dvc repro --force --single-item plan`"

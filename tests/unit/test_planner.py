@@ -316,7 +316,7 @@ def test_a_pick_the_measured_memory_moved_is_calibrated_again_at_its_micro_batch
     from functools import partial
 
     from frugaltune.config import load_params
-    from frugaltune.planner.calibration import at_the_pick, calibrate_at
+    from frugaltune.planner.calibration import at_the_pick, calibrate_at, pooled_memory
     from tests import tiny_project
 
     monkeypatch.chdir(tmp_path)
@@ -358,11 +358,48 @@ def test_a_pick_the_measured_memory_moved_is_calibrated_again_at_its_micro_batch
     def back_to_2(constants, calibration):
         return {"methods": {"lora": entry(2)}, "constants": constants, "calibration": calibration}
 
-    back = at_the_pick({"methods": {"lora": entry(8)}}, "lora", entry(2), constants, first, timed, back_to_2,
-                       lines.append)
+    seen = []
+    back = at_the_pick({"methods": {"lora": entry(8)}}, "lora", entry(2), constants, first,
+                       lambda *a: seen.append(timed(*a)) or seen[-1], back_to_2, lines.append)
     assert back["calibration"]["timed_at"] == "first" and "does not fit as measured" in lines[-1]
     assert (back["constants"].seconds_per_token, back["constants"].step_overhead_s) == (
         constants.seconds_per_token, constants.step_overhead_s)
+    # and its memory through both calibrations' peaks where they grow with the tokens (a tiny model's may not)
+    pooled = pooled_memory(constants, first["memory_points"], seen[0][0], seen[0][1]["memory_points"])
+    assert ("memory_from" in back["calibration"]) == bool(pooled)
+    own = pooled or {"activation_scale": seen[0][0].activation_scale, "runtime_bytes": seen[0][0].runtime_bytes}
+    assert (back["constants"].activation_scale, back["constants"].runtime_bytes) == (
+        own["activation_scale"], own["runtime_bytes"])
+
+
+def test_the_pooled_memory_fit_goes_through_both_calibrations_largest_parts():
+    """Where a second calibration's pick moves back to the first's micro-batch, the memory fit runs through both
+    largest parts' measured peaks (each calibration's own fit holds near its micro-batch only); it is left out where
+    the two calibrations are not alike or the peaks do not grow."""
+    from frugaltune.planner.calibration import pooled_memory
+
+    per_token, static = 1e5, 2e9
+    # the second calibration ran at micro-batch 16: its own fit (scale 0.5) through its largest part's peak
+    second_points = [(4000, 2e9 + 4e8 + 0.5 * per_token * 4000), (8000, 2e9 + 4e8 + 0.5 * per_token * 8000)]
+    second = Constants(runtime_bytes=int(4e8), activation_scale=0.5, calibrated_method="qlora",
+                       calibrated_per_token=per_token)
+    # the first, at micro-batch 4: its largest part peaked above what the second's fit says there
+    first_points = [(1000, 2.55e9), (2000, 2.6e9)]
+    first = Constants(runtime_bytes=int(9e8), activation_scale=0.2, calibrated_method="qlora",
+                      calibrated_per_token=per_token)
+    pooled = pooled_memory(first, first_points, second, second_points)
+
+    def peak(constants: dict, tokens: int) -> float:
+        return static + constants["runtime_bytes"] + constants["activation_scale"] * per_token * tokens
+
+    assert peak({"runtime_bytes": 4e8, "activation_scale": 0.5}, 2000) < 2.6e9  # the second's own fit under-predicts
+    assert peak(pooled, 2000) == pytest.approx(2.6e9, rel=1e-4)  # the scale is rounded to 4 places
+    assert peak(pooled, 8000) == pytest.approx(second_points[-1][1], rel=1e-4)
+    from dataclasses import replace
+
+    assert pooled_memory(first, first_points, replace(second, calibrated_checkpointing=True), second_points) == {}
+    assert pooled_memory(first, first_points, replace(second, calibrated_method="lora"), second_points) == {}
+    assert pooled_memory(first, [(1000, 2.9e9), (2000, 3e9)], second, second_points) == {}  # no growth
 
 
 def test_the_calibrations_process_receives_the_runs_loop_config_whole(tmp_path):
