@@ -17,7 +17,8 @@ fresh process set up by the train stage's own calls (frugaltune.training.setup) 
 process's whole life (loading included), its time the loop's wall time, as the train stage reports them.
 
 Every measured row is appended to `reports/scale_ladder.csv` at once, so a run stopped after any row resumes where
-it was (a row measured on another CPU is measured again). Writes `reports/scale_ladder.md` (the table, the fit
+it was (a row measured on another CPU is measured again). A configuration the calibrated plan does not fit is not
+run (the plan stage would refuse it): its row keeps the calibrated peak and why, with nothing measured. Writes `reports/scale_ladder.md` (the table, the fit
 line of each shape at each limit, the bounds: peak within +-15 %, time within +-25 %, no run above its limit) and
 `reports/scale_ladder.png` (seconds per 1 k tokens and peak RSS against parameters, per method, measured and
 predicted, log axes).
@@ -158,6 +159,30 @@ def _row(config: dict, predicted: dict, measured: dict, cpu: str) -> dict:
             "cpu": cpu}
 
 
+def _refused(config: dict, predicted: dict, cpu: str) -> dict:
+    """The row of a configuration the analytic plan fits and the calibrated plan does not: its calibrated peak at
+    the smallest setting tried, nothing measured (no run: the plan would have refused it)."""
+    from frugaltune.planner.assembly import HEADROOM
+
+    usable = min(config["limits"]) * 2**30 * HEADROOM
+    setting = f"micro-batch {predicted['micro']}{' with checkpointing' if predicted['checkpointing'] else ''}"
+    row = dict.fromkeys(COLUMNS, "")
+    row.update(model=config["model"], params_b=round(config["params"] / 1e9, 3), method=config["method"],
+               limits_gb="/".join(f"{limit:g}" for limit in config["limits"]), micro_batch=predicted["micro"],
+               grad_accum=predicted["grad_accum"], checkpointing=int(predicted["checkpointing"]),
+               nf4=int(config["method"] == "qlora"), int8=int(predicted["decided"]["int8"]["on"]),
+               steps=config["steps"], predicted_peak_mb=round(predicted["peak_bytes"] / 2**20),
+               calibration=f"calibrated ({predicted['calibration']}): needs {predicted['peak_bytes'] / 2**30:.2f} "
+                           f"GiB at {setting}, over the {usable / 2**30:.2f} GiB usable",
+               cpu=cpu)
+    return row
+
+
+def measured(row: dict) -> bool:
+    """Whether a row was run (not one the calibrated plan refused)."""
+    return row["measured_peak_mb"] != ""
+
+
 def read_rows() -> list[dict]:
     path = Path(f"{OUT}.csv")
     if not path.is_file():
@@ -181,6 +206,7 @@ def report(rows: list[dict], lines: dict, pending: list[dict]) -> str:
     """The markdown report: the measured rows, the bounds, the fit lines, what is not measured yet."""
     columns = [c for c in COLUMNS if c != "cpu"]
     md = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    refused, rows = [r for r in rows if not measured(r)], [r for r in rows if measured(r)]
     for r in rows:
         md.append("| " + " | ".join(f"{float(r[c]):+.1%}" if c.endswith("_error") else str(r[c]) for c in columns)
                   + " |")
@@ -193,6 +219,10 @@ def report(rows: list[dict], lines: dict, pending: list[dict]) -> str:
                    "Peak: the training process's whole life (loading included), ru_maxrss; time: the loop's wall "
                    "time; `limits_gb`: the limits at which the plan picks this configuration (run at the tightest). "
                    "CPU: " + ", ".join(sorted({r["cpu"] for r in rows})) + "."]
+    if refused:
+        md += ["", "Fitted by the analytic plan, not by the calibrated one (so not run, as the plan stage would not run "
+                   "them):", ""]
+        md += [f"- {r['model']} {r['method']} at {r['limits_gb']} GiB: {r['calibration']} ({r['cpu']})" for r in refused]
     md += ["", "What the plan says at each limit (analytic, `frugaltune plan --model <shape> --memory-limit-gb N "
                "--no-calibrate`):", ""]
     md += [f"- {name} at {limit:g} GiB: {line}" for (name, limit), line in lines.items()]
@@ -278,8 +308,11 @@ def main() -> None:
         model_dir = common.model_dir(config["model"], args.weights_dir)
         print(f"{tag}: planning (calibrated) ...", flush=True)
         predicted = predict(config, model_dir)
-        if not predicted["fits"]:
-            print(f"{tag}: the calibrated plan no longer fits it; not run", flush=True)
+        if not predicted["fits"]:  # a result too: the calibrated plan turns down what the analytic one fitted
+            row = _refused(config, predicted, cpu)
+            append_row(row)
+            pending.remove(config)
+            print(f"{tag}: the calibrated plan does not fit it ({row['calibration']}); not run", flush=True)
             continue
         print(f"{tag}: training {config['steps']} steps at micro-batch {predicted['micro']} ...", flush=True)
         job = {"method": config["method"], "steps": config["steps"], "model_dir": str(model_dir),
@@ -295,6 +328,7 @@ def main() -> None:
     rows = sorted(read_rows(), key=lambda r: (float(r["params_b"]), r["method"]))
     md = report(rows, lines, pending)
     Path(f"{OUT}.md").write_text(md)
+    rows = [r for r in rows if measured(r)]
     if rows:
         render_png(rows, Path(f"{OUT}.png"))
     print("\n" + md)
