@@ -18,10 +18,10 @@ process's whole life (loading included), its time the loop's wall time, as the t
 
 Every measured row is appended to `reports/scale_ladder.csv` at once, so a run stopped after any row resumes where
 it was (a row measured on another CPU is measured again). A configuration the calibrated plan does not fit is not
-run (the plan stage would refuse it): its row keeps the calibrated peak and why, with nothing measured. Writes `reports/scale_ladder.md` (the table, the fit
-line of each shape at each limit, the bounds: peak within +-15 %, time within +-25 %, no run above its limit) and
-`reports/scale_ladder.png` (seconds per 1 k tokens and peak RSS against parameters, per method, measured and
-predicted, log axes).
+run (the plan stage would refuse it): its row keeps the calibrated peak and why, with nothing measured. Writes
+`reports/scale_ladder.md` (the table, the fit line of each shape at each limit, the bounds: peak within +-15 %, time
+within +-25 %, no run above its limit) and `reports/scale_ladder.png` (seconds per 1 k tokens and peak RSS against
+parameters, per method, measured and predicted, log axes).
 """
 
 from __future__ import annotations
@@ -178,7 +178,7 @@ def _refused(config: dict, predicted: dict, cpu: str) -> dict:
     return row
 
 
-def measured(row: dict) -> bool:
+def was_run(row: dict) -> bool:
     """Whether a row was run (not one the calibrated plan refused)."""
     return row["measured_peak_mb"] != ""
 
@@ -206,7 +206,7 @@ def report(rows: list[dict], lines: dict, pending: list[dict]) -> str:
     """The markdown report: the measured rows, the bounds, the fit lines, what is not measured yet."""
     columns = [c for c in COLUMNS if c != "cpu"]
     md = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    refused, rows = [r for r in rows if not measured(r)], [r for r in rows if measured(r)]
+    refused, rows = [r for r in rows if not was_run(r)], [r for r in rows if was_run(r)]
     for r in rows:
         md.append("| " + " | ".join(f"{float(r[c]):+.1%}" if c.endswith("_error") else str(r[c]) for c in columns)
                   + " |")
@@ -328,7 +328,7 @@ def main() -> None:
     rows = sorted(read_rows(), key=lambda r: (float(r["params_b"]), r["method"]))
     md = report(rows, lines, pending)
     Path(f"{OUT}.md").write_text(md)
-    rows = [r for r in rows if measured(r)]
+    rows = [r for r in rows if was_run(r)]
     if rows:
         render_png(rows, Path(f"{OUT}.png"))
     print("\n" + md)
