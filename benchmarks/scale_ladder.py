@@ -141,22 +141,27 @@ def measure(job: dict) -> dict:
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
-def _row(config: dict, predicted: dict, measured: dict, cpu: str) -> dict:
-    mb = lambda value: round(value / 2**20)  # noqa: E731
-    per_1k = lambda seconds: round(seconds / measured["tokens"] * 1000, 3)  # noqa: E731
-    limit_bytes = min(config["limits"]) * 2**30
+def _planned(config: dict, predicted: dict, cpu: str) -> dict:
+    """A row's configuration and the calibrated plan's peak for it: what a run row and a refused row share."""
     return {"model": config["model"], "params_b": round(config["params"] / 1e9, 3), "method": config["method"],
-            "limits_gb": "/".join(f"{limit:g}" for limit in config["limits"]), "micro_batch": measured["micro"],
+            "limits_gb": "/".join(f"{limit:g}" for limit in config["limits"]), "micro_batch": predicted["micro"],
             "grad_accum": predicted["grad_accum"], "checkpointing": int(predicted["checkpointing"]),
             "nf4": int(config["method"] == "qlora"), "int8": int(predicted["decided"]["int8"]["on"]),
-            "steps": measured["steps"], "tokens": measured["tokens"],
-            "predicted_peak_mb": mb(predicted["peak_bytes"]), "measured_peak_mb": mb(measured["peak_rss_bytes"]),
-            "peak_error": round(predicted["peak_bytes"] / measured["peak_rss_bytes"] - 1, 4),
-            "predicted_seconds": round(predicted["eta_seconds"], 1), "measured_seconds": round(measured["seconds"], 1),
-            "eta_error": round(predicted["eta_seconds"] / measured["seconds"] - 1, 4),
-            "predicted_s_per_1k": per_1k(predicted["eta_seconds"]), "measured_s_per_1k": per_1k(measured["seconds"]),
-            "within_limit": int(measured["peak_rss_bytes"] <= limit_bytes), "calibration": predicted["calibration"],
-            "cpu": cpu}
+            "steps": config["steps"], "predicted_peak_mb": round(predicted["peak_bytes"] / 2**20),
+            "calibration": predicted["calibration"], "cpu": cpu}
+
+
+def _row(config: dict, predicted: dict, measured: dict, cpu: str) -> dict:
+    per_1k = lambda seconds: round(seconds / measured["tokens"] * 1000, 3)  # noqa: E731
+    limit_bytes = min(config["limits"]) * 2**30
+    return _planned(config, predicted, cpu) | {
+        "micro_batch": measured["micro"], "steps": measured["steps"], "tokens": measured["tokens"],
+        "measured_peak_mb": round(measured["peak_rss_bytes"] / 2**20),
+        "peak_error": round(predicted["peak_bytes"] / measured["peak_rss_bytes"] - 1, 4),
+        "predicted_seconds": round(predicted["eta_seconds"], 1), "measured_seconds": round(measured["seconds"], 1),
+        "eta_error": round(predicted["eta_seconds"] / measured["seconds"] - 1, 4),
+        "predicted_s_per_1k": per_1k(predicted["eta_seconds"]), "measured_s_per_1k": per_1k(measured["seconds"]),
+        "within_limit": int(measured["peak_rss_bytes"] <= limit_bytes)}
 
 
 def _refused(config: dict, predicted: dict, cpu: str) -> dict:
@@ -166,16 +171,9 @@ def _refused(config: dict, predicted: dict, cpu: str) -> dict:
 
     usable = min(config["limits"]) * 2**30 * HEADROOM
     setting = f"micro-batch {predicted['micro']}{' with checkpointing' if predicted['checkpointing'] else ''}"
-    row = dict.fromkeys(COLUMNS, "")
-    row.update(model=config["model"], params_b=round(config["params"] / 1e9, 3), method=config["method"],
-               limits_gb="/".join(f"{limit:g}" for limit in config["limits"]), micro_batch=predicted["micro"],
-               grad_accum=predicted["grad_accum"], checkpointing=int(predicted["checkpointing"]),
-               nf4=int(config["method"] == "qlora"), int8=int(predicted["decided"]["int8"]["on"]),
-               steps=config["steps"], predicted_peak_mb=round(predicted["peak_bytes"] / 2**20),
-               calibration=f"calibrated ({predicted['calibration']}): needs {predicted['peak_bytes'] / 2**30:.2f} "
-                           f"GiB at {setting}, over the {usable / 2**30:.2f} GiB usable",
-               cpu=cpu)
-    return row
+    return dict.fromkeys(COLUMNS, "") | _planned(config, predicted, cpu) | {
+        "calibration": f"calibrated ({predicted['calibration']}): needs {predicted['peak_bytes'] / 2**30:.2f} GiB at "
+                       f"{setting}, over the {usable / 2**30:.2f} GiB usable"}
 
 
 def was_run(row: dict) -> bool:
