@@ -201,8 +201,8 @@ def _from_pretrained(mapping, model_dir: Path | str, quantization_config, **kwar
     page of every shard read stays mapped into the process until the load ends, so the fp32 (or bf16) checkpoint
     is counted whole in its resident memory beside the quantized model (docs/DECISIONS.md, "Loaded tensors are
     copied out of the safetensors mapping", has the figure), and a machine whose limit the plan kept a QLoRA run
-    under would see that peak at every load. With pread each tensor is read, quantized and dropped in turn. An unquantized load keeps mmap: its weights
-    are the file's pages themselves (no copy), which pread would copy."""
+    under would see that peak at every load. With pread each tensor is read, quantized and dropped in turn. An
+    unquantized load keeps mmap: its weights are the file's pages themselves (no copy), which pread would copy."""
     from contextlib import ExitStack
 
     from safetensors import safe_open

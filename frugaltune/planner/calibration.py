@@ -468,8 +468,8 @@ def pooled_memory(first: Constants, first_points: list, second: Constants, secon
             or first.calibrated_checkpointing != second.calibrated_checkpointing or second.calibrated_per_token <= 0):
         return {}
     per_token = second.calibrated_per_token
-    (own_tokens, own_rss), other = second_points[-1], first_points[-1]
-    (low_tokens, low_rss), (high_tokens, high_rss) = sorted([(own_tokens, own_rss), tuple(other)])
+    own_tokens, own_rss = second_points[-1]
+    (low_tokens, low_rss), (high_tokens, high_rss) = sorted([tuple(first_points[-1]), (own_tokens, own_rss)])
     if high_tokens <= low_tokens or high_rss <= low_rss:  # RSS noise swamped the activations (tiny models)
         return {}
     # the static bytes (weights, optimizer state; gradients where the fit stood on them) as the second's fit counted

@@ -376,6 +376,8 @@ def test_the_pooled_memory_fit_goes_through_both_calibrations_largest_parts():
     """Where a second calibration's pick moves back to the first's micro-batch, the memory fit runs through both
     largest parts' measured peaks (each calibration's own fit holds near its micro-batch only); it is left out where
     the two calibrations are not alike or the peaks do not grow."""
+    from dataclasses import replace
+
     from frugaltune.planner.calibration import pooled_memory
 
     per_token, static = 1e5, 2e9
@@ -395,8 +397,6 @@ def test_the_pooled_memory_fit_goes_through_both_calibrations_largest_parts():
     assert peak({"runtime_bytes": 4e8, "activation_scale": 0.5}, 2000) < 2.6e9  # the second's own fit under-predicts
     assert peak(pooled, 2000) == pytest.approx(2.6e9, rel=1e-4)  # the scale is rounded to 4 places
     assert peak(pooled, 8000) == pytest.approx(second_points[-1][1], rel=1e-4)
-    from dataclasses import replace
-
     assert pooled_memory(first, first_points, replace(second, calibrated_checkpointing=True), second_points) == {}
     assert pooled_memory(first, first_points, replace(second, calibrated_method="lora"), second_points) == {}
     assert pooled_memory(first, [(1000, 2.9e9), (2000, 3e9)], second, second_points) == {}  # no growth
