@@ -71,12 +71,14 @@ def lora_model(bf16: bool, method: str = "lora", switches: bool = True, knobs=No
     frozen weights, as before frugaltune.training.fast."""
     import torch
 
+    from frugaltune import methods
     from frugaltune.models import load_tokenizer
     from frugaltune.planner.memory import MethodKnobs
     from frugaltune.training.methods import prepare_model
 
     tokenizer = load_tokenizer(BASE)
-    model = prepare_model(model_dir, labels(), tokenizer.pad_token_id, 42, method, knobs or MethodKnobs(), bf16)
+    model = prepare_model(model_dir, labels(), tokenizer.pad_token_id, 42, methods.get(method), knobs or MethodKnobs(),
+                          bf16)
     if not switches:
         from frugaltune.training.fast import frozen_weights_in
 

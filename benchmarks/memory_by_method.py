@@ -44,11 +44,12 @@ def measure(method: str, lean: bool, steps: int, batch: int, length: int) -> dic
 
     import torch
 
+    from frugaltune import methods
     from frugaltune.planner.memory import MethodKnobs
     from frugaltune.training.methods import prepare_model
 
     torch.set_num_threads(common.machine()["threads"])  # the plan's, as the train stage reads them
-    model = prepare_model(BASE, ["negative", "neutral", "positive"], 2, 42, method, MethodKnobs())
+    model = prepare_model(BASE, ["negative", "neutral", "positive"], 2, 42, methods.get(method), MethodKnobs())
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(3, model.config.vocab_size, (batch, length), generator=generator)
     labels = torch.randint(0, 3, (batch,), generator=generator)

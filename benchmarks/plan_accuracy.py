@@ -73,9 +73,10 @@ def _decided(params, method: str, threads: int) -> dict:
 
 
 def _loop(params, method: str, decided: dict, micro: int):
+    from frugaltune import methods
     from frugaltune.training import setup
 
-    return setup.loop_config(params, method=method, bf16=decided["bf16"], micro_batch_size=micro,
+    return setup.loop_config(params, method=methods.get(method), bf16=decided["bf16"], micro_batch_size=micro,
                              eager_attention_max_len=decided["eager_attention_max_len"], log_every=10**9)
 
 
@@ -83,7 +84,7 @@ def measure(method: str, length: int, steps: int, threads: int, decided: dict, m
     """The real run, in this (fresh) process, set up as the train stage sets it up."""
     import torch
 
-    from frugaltune import allocator
+    from frugaltune import allocator, methods
     from frugaltune.models import load_tokenizer
     from frugaltune.training import setup
     from frugaltune.training.loop import train_classifier
@@ -92,8 +93,8 @@ def measure(method: str, length: int, steps: int, threads: int, decided: dict, m
     params = _params(method, steps)
     ids, labels = _rows(params, length, steps * params.train.batch_size)
     tokenizer = load_tokenizer(BASE)
-    model = setup.build_model(params, common.labels(), tokenizer.pad_token_id, decided["bf16"])
-    setup.apply_int8(model, decided["int8"][method], method)
+    model = setup.build_model(params, methods.get(method), common.labels(), tokenizer.pad_token_id, decided["bf16"])
+    setup.apply_int8(model, decided["int8"][method], methods.get(method))
     result = train_classifier(model, ids, labels, _loop(params, method, decided, micro), tokenizer.pad_token_id,
                               progress=False)
     return {"seconds": result.wall_seconds, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,

@@ -120,6 +120,7 @@ def measure(job: dict) -> dict:
     import torch
     from datasets import load_from_disk
 
+    from frugaltune import methods
     from frugaltune.models import load_tokenizer
     from frugaltune.training import setup
     from frugaltune.training.loop import train_classifier
@@ -130,10 +131,11 @@ def measure(job: dict) -> dict:
     tokenizer = load_tokenizer(BASE)
     train = load_from_disk(str(TOKENIZED))["train"]
     rows = setup.training_rows(params, train["input_ids"], tokenizer)
-    model = setup.build_model(params, common.labels(), tokenizer.pad_token_id, decided["bf16"],
+    method = methods.get(job["method"])
+    model = setup.build_model(params, method, common.labels(), tokenizer.pad_token_id, decided["bf16"],
                               gradient_checkpointing=job["checkpointing"], model_dir=job["model_dir"])
-    setup.apply_int8(model, decided["int8"], job["method"])
-    loop = setup.loop_config(params, method=job["method"], bf16=decided["bf16"], micro_batch_size=job["micro"],
+    setup.apply_int8(model, decided["int8"], method)
+    loop = setup.loop_config(params, method=method, bf16=decided["bf16"], micro_batch_size=job["micro"],
                              eager_attention_max_len=decided["eager_attention_max_len"], log_every=10**9)
     result = train_classifier(model, rows, list(train["labels"]), loop, tokenizer.pad_token_id, progress=False)
     return {"seconds": result.wall_seconds, "tokens": result.tokens, "steps": result.steps,

@@ -186,7 +186,7 @@ def ab_switch(switch: str, rounds: int, steps: int, batch_size: int, bf16: bool,
     frozen products in int8 where the plan decided them for LoRA (`train.int8_products`), as the train stage does;
     `grouped` and `int8lora` compare two ways of computing int8 products, so both their models have them forced
     on. `paired` > 0: instead, both loops over the same `paired` batches, taking turns step by step (paired_steps)."""
-    from frugaltune import int8
+    from frugaltune import int8, methods
     from frugaltune.training.fast import frozen_weights_in
     from frugaltune.training.loop_config import LoopConfig
 
@@ -215,7 +215,7 @@ def ab_switch(switch: str, rounds: int, steps: int, batch_size: int, bf16: bool,
             frozen_weights_in(model, stored[name])
         if decision["on"]:
             grouped = name != "each int8 product alone"  # int8.apply groups siblings by default
-            print(f"{name}: int8 products {int8.apply(model, decision, 'lora', grouped=grouped)}")
+            print(f"{name}: int8 products {int8.apply(model, decision, methods.get('lora'), grouped=grouped)}")
         if name == "decoder layers compiled":
             for module in model.modules():  # regional: each decoder layer, not the whole model and the loop
                 if type(module).__name__.endswith("DecoderLayer"):

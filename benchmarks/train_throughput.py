@@ -130,9 +130,10 @@ def run_recipe(recipe: str, steps: int, batch_size: int, lr: float, threads: int
         model, tokenizer = common.lora_model(bf16_ours, method, switches, model_dir=model_dir)
         int8_products = {"on": False}
         if switches:  # the plan's int8 decision for the method (train.int8_products), carried out as the train stage
+            from frugaltune import methods
             from frugaltune.training.setup import apply_int8
 
-            int8_products = apply_int8(model, common.machine(method=method, int8=True)["int8"], method)
+            int8_products = apply_int8(model, common.machine(method=method, int8=True)["int8"], methods.get(method))
         cfg = LoopConfig.build(lr=lr, head_lr=2 * lr, batch_size=batch_size, epochs=1, seed=42, bf16=bf16_ours,
                                log_every=1, eager_attention_max_len=eager_max if switches else 0,
                                fused_optimizer=switches, fused_int8_lora=switches)

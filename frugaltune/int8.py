@@ -328,13 +328,13 @@ def group_siblings(model: torch.nn.Module) -> int:
     return groups
 
 
-def apply(model: torch.nn.Module, decision: dict, method: str, grouped: bool = True) -> dict:
+def apply(model: torch.nn.Module, decision: dict, method: methods.Method, grouped: bool = True) -> dict:
     """`decision` (from `decide`) carried out on `model`: when on, its frozen Linears in int8 (DoRA keeps their
     weights, it reads their norm) and siblings grouped unless `grouped` is False; returns the decision with how
     many modules changed, how many sibling groups and whether it compiled."""
     if not decision["on"]:
         return decision
-    modules = to_int8(model, keep_weights=methods.get(method).dora)
+    modules = to_int8(model, keep_weights=method.dora)
     return {**decision, "modules": modules, "groups": group_siblings(model) if grouped else 0,
             "compiled": status()["compiled"]}
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 
-from frugaltune import paths
+from frugaltune import methods, paths
 from frugaltune.planner.assembly import PlanError, check_fits
 from frugaltune.planner.machine import int8_setting_name, measured_on
 from frugaltune.io import read_json
@@ -116,9 +116,10 @@ def model_dims(model_dir: Path = paths.BASE_MODEL) -> tuple[int, int] | None:
 
 @dataclass(frozen=True)
 class Run:
-    """What a training run resolves to on this machine: the plan's decisions for its method."""
+    """What a training run resolves to on this machine: the plan's decisions for its method, and the method itself
+    (`train.method`'s registry entry, looked up here once: what the run sets up reads its facts from this)."""
 
-    method: str
+    method: methods.Method
     bf16: bool
     micro_batch_size: int
     gradient_checkpointing: bool
@@ -149,6 +150,6 @@ def resolve_run(params: "Params", use_plan: bool = True) -> Run:
     micro = tp.micro_batch_size if tp.micro_batch_size != "auto" else entry.get("micro_batch_size", tp.batch_size)
     ckpt = (tp.gradient_checkpointing if tp.gradient_checkpointing != "auto"
             else entry.get("gradient_checkpointing", False))
-    return Run(method=tp.method, bf16=bool(bf16), micro_batch_size=int(micro), gradient_checkpointing=bool(ckpt),
-               eager_attention_max_len=eager, threads=decided["threads"], int8=int8,
+    return Run(method=methods.get(tp.method), bf16=bool(bf16), micro_batch_size=int(micro),
+               gradient_checkpointing=bool(ckpt), eager_attention_max_len=eager, threads=decided["threads"], int8=int8,
                predicted_peak_mb=entry.get("predicted_peak_mb"), eta_seconds=entry.get("eta_seconds"))

@@ -11,7 +11,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from frugaltune.config.base import AUTO, Section, check_name
-from frugaltune.methods import NAMES as METHOD_NAMES, MethodKnobs, get as method_named
+from frugaltune.methods import NAMES as METHOD_NAMES, Method, MethodKnobs
 
 MethodName = Literal[METHOD_NAMES]  # the registry's methods (frugaltune/methods.py)
 
@@ -206,9 +206,9 @@ class TrainParams(Section):
         default_factory=DistributedParams, description="Data-parallel training over several processes (torchrun)."
     )
 
-    def knobs(self, method: str) -> MethodKnobs:
+    def knobs(self, method: Method) -> MethodKnobs:
         """`train.<method>`'s LoRA settings; a method without adapters reads none (the defaults)."""
-        return getattr(self, method).knobs() if method_named(method).adapters else MethodKnobs()
+        return getattr(self, method.name).knobs() if method.adapters else MethodKnobs()
 
     @field_validator("experiment")
     @classmethod

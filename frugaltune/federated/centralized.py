@@ -12,7 +12,7 @@ import inspect
 import json
 import time
 
-from frugaltune import paths
+from frugaltune import methods, paths
 from frugaltune.config import Params
 from frugaltune.federated import keys, local, rounds, rows
 from frugaltune.federated.plans import Precision, machine_precision
@@ -54,8 +54,9 @@ def baseline(params: Params, labels: list[str], pad_token_id: int, examples: int
     input_ids, targets = local.read_examples(paths.FEDERATED_DATA / "train.parquet")
     # the train stage's recipe for `steps` steps, each batch in one pass (the plan's micro-batch and
     # train.micro_batch_tokens bound the train stage's own run), no checkpoints
-    cfg = setup.loop_config(params, method="lora", bf16=bf16, micro_batch_size=None, eager_attention_max_len=eager,
-                            micro_batch_tokens=None, max_steps=steps, log_every=steps, seed=seed)
+    cfg = setup.loop_config(params, method=methods.get("lora"), bf16=bf16, micro_batch_size=None,
+                            eager_attention_max_len=eager, micro_batch_tokens=None, max_steps=steps, log_every=steps,
+                            seed=seed)
     began = time.perf_counter()
     train_classifier(model, input_ids, targets, cfg, pad_token_id, progress=False)
     seconds = time.perf_counter() - began

@@ -18,6 +18,7 @@ import torch
 from frugaltune.classify import classify
 from frugaltune.federated import aggregation
 from frugaltune.federated.settings import RoundSettings
+from frugaltune import methods
 from frugaltune.methods import MethodKnobs
 from frugaltune.metrics import classification_metrics
 from frugaltune.training.loop import TrainResult, train_classifier
@@ -36,11 +37,12 @@ def build_model(model_dir: Path | str, labels: list[str], pad_token_id: int, see
     tensors that train and travel (A, B, head) are the same, so it takes and gives the same globals."""
     rank = rank or lora.r
     knobs = replace(lora, r=rank, alpha=aggregation.client_alpha(lora.alpha, lora.r, rank))
-    model = prepare_model(model_dir, labels, pad_token_id, seed, "lora", knobs, bf16=bf16)
+    method = methods.get("lora")
+    model = prepare_model(model_dir, labels, pad_token_id, seed, method, knobs, bf16=bf16)
     if int8:
         from frugaltune import int8 as products
 
-        products.apply(model, {"on": True, "why": "the plan's int8 decision for LoRA"}, "lora")
+        products.apply(model, {"on": True, "why": "the plan's int8 decision for LoRA"}, method)
     return model
 
 

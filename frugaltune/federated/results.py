@@ -11,7 +11,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from frugaltune import paths
+from frugaltune import methods, paths
 from frugaltune.config import Params
 from frugaltune.federated import local, rounds
 from frugaltune.io import write_json
@@ -83,7 +83,7 @@ def export_adapter(out: Path, params: Params, labels: list[str], pad_token_id: i
     model = local.build_model(paths.BASE_MODEL, labels, pad_token_id, params.common.seed, spec)
     local.load_tensors(model, load_file(str(last)))
     with atomic_dir(dest) as tmp:
-        save_trained(model, "lora", tmp)
+        save_trained(model, methods.get("lora"), tmp)
         load_tokenizer(paths.BASE_MODEL).save_pretrained(tmp)
         manifest = {"labels": labels, "max_length": params.tokenize.max_length, "method": "lora",
                     "federated": {"run": dest.name, "round": number}}

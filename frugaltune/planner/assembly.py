@@ -308,7 +308,7 @@ def check_fits(plan: dict, method: str | None = None) -> dict:
 
 def method_knobs(params: "Params") -> dict[str, MethodKnobs]:
     """`train.<method>` as the planner sees it (adapter rank, targets, quantization), for the methods with adapters."""
-    return {name: params.train.knobs(name) for name, m in METHODS.items() if m.adapters}
+    return {name: params.train.knobs(m) for name, m in METHODS.items() if m.adapters}
 
 
 def run_spec(params: "Params", lengths: list[int]) -> RunSpec:

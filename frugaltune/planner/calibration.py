@@ -395,9 +395,11 @@ def calibrate_at(params: "Params", method: str, decided: dict, weights, labels: 
     """calibrate() of `method`'s run at `pick` (a plan entry's micro-batch, checkpointing and step counts), with
     `others` timed beside it: (Constants, calibration report). The plan stops a calibration the machine is too busy
     for (`stop_when_busy`)."""
+    from frugaltune import methods
     from frugaltune.training import setup
 
-    loop = setup.loop_config(params, method=method, bf16=decided["bf16"], micro_batch_size=pick["micro_batch_size"],
+    loop = setup.loop_config(params, method=methods.get(method), bf16=decided["bf16"],
+                             micro_batch_size=pick["micro_batch_size"],
                              eager_attention_max_len=decided["eager_attention_max_len"])
     return calibrate(
         weights, labels, pad_token_id, method, knobs.get(method, MethodKnobs()), shape, rows=rows, targets=targets,

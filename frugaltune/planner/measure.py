@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from frugaltune import methods
 from frugaltune.planner.memory import MethodKnobs
 
 
@@ -102,7 +103,8 @@ def _calibration_point(spec: dict) -> dict:
     data = json.loads(Path(spec["rows_file"]).read_text())
     rows, targets, batches = data["rows"], data["targets"], data["batches"][:spec.get("batches") or None]
     def build(which: dict = spec):
-        return prepare_model(spec["model_dir"], spec["labels"], spec["pad_token_id"], spec["seed"], which["method"],
+        return prepare_model(spec["model_dir"], spec["labels"], spec["pad_token_id"], spec["seed"],
+                             methods.get(which["method"]),
                              MethodKnobs(**{k: tuple(v) if isinstance(v, list) else v
                                             for k, v in which["knobs"].items()}),
                              spec["loop"]["bf16"], spec["gradient_checkpointing"], task=spec["task"])
@@ -112,7 +114,7 @@ def _calibration_point(spec: dict) -> dict:
     # 4 bit, briefly holds both copies)
     loaded_rss = psutil.Process().memory_info().rss
     phases = {"build_s": time.perf_counter() - began}
-    int8 = apply_int8(model, spec["int8"], spec["method"])
+    int8 = apply_int8(model, spec["int8"], methods.get(spec["method"]))
     # What the planner keeps of a calibration it stops early (CalibrationWorker.run): this line, then one per step
     _report({"built": {"loaded_rss_bytes": loaded_rss, "int8_products": bool(int8["on"]),
                        "allocator": allocator.active(), "build_s": round(phases["build_s"], 2)}})
@@ -253,7 +255,7 @@ def _time_other_methods(spec: dict, build, rows: list, targets: list, cfg, step_
             continue
         try:
             model = build({"method": other["method"], "knobs": other["knobs"]})
-            apply_int8(model, other["int8"], other["method"])
+            apply_int8(model, other["int8"], methods.get(other["method"]))
             state: dict = {}
             step(model, batch[:2], state)
             steps_s, calibrated_s = [], []

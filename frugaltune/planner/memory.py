@@ -110,7 +110,7 @@ def model_shape(model_dir_or_config, num_labels: int, method: str, knobs: Method
             trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
             total = sum(p.numel() for p in model.parameters())
         else:
-            trainable = sum(p.numel() for p in freeze_for(method, model).parameters() if p.requires_grad)
+            trainable = sum(p.numel() for p in freeze_for(spec, model).parameters() if p.requires_grad)
     layers = config.num_hidden_layers
     return ModelShape(
         total_params=total, trainable_params=trainable, quantizable_params=quantizable, matmul_params=matmul,
@@ -170,9 +170,10 @@ def weight_bytes(shape: ModelShape, method: str, knobs: MethodKnobs = MethodKnob
     decoder projections in bf16 when it trains in bf16 (frugaltune.training.fast.frozen_weights_in)."""
     from frugaltune.training.fast import frozen_projections_in_bf16
 
-    if frozen_projections_in_bf16(method, bf16):
+    spec = methods.get(method)
+    if frozen_projections_in_bf16(spec, bf16):
         return 2 * shape.quantizable_params + 4 * (shape.total_params - shape.quantizable_params)
-    if not methods.get(method).quantized_base:
+    if not spec.quantized_base:
         return 4 * shape.total_params
     blocks = shape.quantizable_params / NF4_BLOCK
     constants = blocks * 1 + (blocks / 256) * 4 if knobs.double_quant else blocks * 4

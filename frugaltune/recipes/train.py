@@ -16,7 +16,7 @@ import mlflow
 import torch
 from datasets import load_from_disk
 
-from frugaltune import allocator, integrity, methods, tracking
+from frugaltune import allocator, integrity, tracking
 from frugaltune.io import atomic_dir, read_json, write_json, write_metrics, write_text
 from frugaltune import resolve
 from frugaltune.planner.machine import keep_sdpa_off_cudnn
@@ -144,7 +144,7 @@ def setup_params(params: Params, resolved, int8_products: dict, train_rows: int)
                "data.train_rows": train_rows, "model.source": params.model.source})
 
 
-def train_with_telemetry(params: Params, out: paths.RunOutputs, run_id: str, threads: int, model, rows, train_set,
+def train_with_telemetry(params: Params, out: paths.RunOutputs, run_id: str, resolved, model, rows, train_set,
                          pad_token_id: int, cfg, world, first_event: int) -> tuple[TrainResult, dict, float, list[str]]:
     """Train inside the telemetry sampler, each logged step and event into the MLflow run; then the sampler's
     summary, logged too. Returns the result, that summary, the ranks' summed peak RSS and the run's events."""
@@ -153,10 +153,10 @@ def train_with_telemetry(params: Params, out: paths.RunOutputs, run_id: str, thr
     timer = StepTimer(sync=torch.cuda.synchronize if torch.cuda.is_available() else None,
                       extra_phases=("all_reduce",) if world.distributed else ())
     sampler = TelemetrySampler(tp.telemetry_interval_s, out.telemetry_csv, run_id,
-                               cores=threads, use_nvml=params.probe.nvml)
+                               cores=resolved.threads, use_nvml=params.probe.nvml)
     try:
         with sampler:
-            result = untrained() if not methods.get(tp.method).trained else train_classifier(
+            result = untrained() if not resolved.method.trained else train_classifier(
                 model, rows, train_set["labels"], cfg, pad_token_id,
                 on_log=lambda rec: mlflow.log_metrics(step_metrics(rec), step=rec["step"]),
                 on_event=lambda message: mlflow.set_tag(f"event.{first_event + len(events)}", message)
@@ -210,7 +210,7 @@ def run_metrics(params: Params, result: TrainResult, resolved, world, trainable:
     if torch.cuda.is_available():  # the GPU's own peaks: what tensors held, and what the caching allocator kept
         metrics["cuda_peak_allocated_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
         metrics["cuda_peak_reserved_mb"] = round(torch.cuda.max_memory_reserved() / 2**20, 1)
-    if not methods.get(params.train.method).trained:  # no loss to report rather than a made-up one
+    if not resolved.method.trained:  # no loss to report rather than a made-up one
         metrics = {k: v for k, v in metrics.items() if k not in ("final_loss", "mean_loss")}
     return metrics
 
@@ -238,8 +238,7 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN, use_plan: bo
     resolved = resolve.resolve_run(params, use_plan)  # before any loading: a run that cannot fit stops here
     bf16 = resolved.bf16
     world = distributed.init(tp.distributed.backend)  # World() unless torchrun started this process
-    threads = resolved.threads
-    torch.set_num_threads(threads)
+    torch.set_num_threads(resolved.threads)
     if keep_sdpa_off_cudnn():
         print("train: SDPA without its cuDNN backend on this GPU (planner.machine.keep_sdpa_off_cudnn)",
               flush=True)
@@ -249,16 +248,17 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN, use_plan: bo
     integrity.verify_out(paths.BASE_MODEL)  # as DVC recorded it, not a damaged cache copy checked out
     tokenizer = load_tokenizer(paths.BASE_MODEL)
     rows = setup.training_rows(params, train_set["input_ids"], tokenizer)
-    model = setup.build_model(params, labels, tokenizer.pad_token_id, bf16, resolved.gradient_checkpointing)
-    int8_products = setup.apply_int8(model, resolved.int8, tp.method, world)
+    model = setup.build_model(params, resolved.method, labels, tokenizer.pad_token_id, bf16,
+                              resolved.gradient_checkpointing)
+    int8_products = setup.apply_int8(model, resolved.int8, resolved.method, world)
     trainable, total = count_parameters(model)
     key = run_key(params, bf16, int8_products["on"], train_set)
     checkpoint_dir = paths.CHECKPOINTS_DIR / "train" / key
-    cfg = setup.loop_config(params, method=tp.method, bf16=bf16, micro_batch_size=resolved.micro_batch_size,
+    cfg = setup.loop_config(params, method=resolved.method, bf16=bf16, micro_batch_size=resolved.micro_batch_size,
                             eager_attention_max_len=resolved.eager_attention_max_len, checkpoint_dir=checkpoint_dir)
     if not world.is_main:  # the other ranks train their shares; rank 0 logs and writes everything
         try:
-            if methods.get(tp.method).trained:
+            if resolved.method.trained:
                 train_classifier(model, rows, train_set["labels"], cfg, tokenizer.pad_token_id,
                                  progress=False, world=world)
             world.sum([peak_rss_mb()])  # rank 0 adds up the ranks' peaks
@@ -281,10 +281,10 @@ def run(params: Params, out: paths.RunOutputs = paths.PIPELINE_RUN, use_plan: bo
         first_event = sum(k.startswith("event.") for k in logged.tags) if logged else 0
         log_params_once(logged, setup_params(params, resolved, int8_products, len(train_set)))
         result, telemetry, peak_all_ranks, events = train_with_telemetry(
-            params, out, mlrun.info.run_id, threads, model, rows, train_set, tokenizer.pad_token_id, cfg, world,
+            params, out, mlrun.info.run_id, resolved, model, rows, train_set, tokenizer.pad_token_id, cfg, world,
             first_event)
         with atomic_dir(out.adapter_dir) as tmp:
-            save_trained(model, tp.method, tmp)
+            save_trained(model, resolved.method, tmp)
             tokenizer.save_pretrained(tmp)
             write_json(tmp / "labels.json", adapter_manifest(params, labels, tokenizer))
         metrics = run_metrics(params, result, resolved, world, trainable, total, int8_products, telemetry,

@@ -100,11 +100,11 @@ def fast_lora_dropout(model: torch.nn.Module) -> int:
     return replaced
 
 
-def frozen_projections_in_bf16(method: str, bf16: bool) -> bool:
+def frozen_projections_in_bf16(method: methods.Method, bf16: bool) -> bool:
     """Whether `method`'s training stores its frozen projections in bf16 (`frozen_weights_in`): a method whose
     registry entry says so (`Method.frozen_bf16`: LoRA) trained in bf16. The one place this is decided:
     prepare_model applies it, the planner counts the weights' bytes by it."""
-    return bf16 and methods.get(method).frozen_bf16
+    return bf16 and method.frozen_bf16
 
 
 def frozen_weights_in(model: torch.nn.Module, dtype: torch.dtype) -> int:

@@ -5,7 +5,7 @@ adapt the attention projections, prelayer trains the (tied) embeddings, none eva
 
 Library code used by the `train` and `evaluate` stages. What each method is (what trains, whether its adapters
 are DoRA's, whether its base is 4-bit) is its entry in the method registry (frugaltune/methods.py): the functions
-here carry those facts out and never ask for a method by name.
+here take the registry's `Method` (looked up once, by whoever read the name) and carry its facts out.
 
 | method     | what trains                                             | saved as                                   |
 | ---------- | ------------------------------------------------------- | ------------------------------------------ |
@@ -148,23 +148,23 @@ _TRAINABLE = {
 }
 
 
-def freeze_for(method: str, model: torch.nn.Module) -> torch.nn.Module:
+def freeze_for(method: methods.Method, model: torch.nn.Module) -> torch.nn.Module:
     """The methods without adapters: choose which plain parameters train."""
-    trainable = _TRAINABLE.get(methods.get(method).trains)
+    trainable = _TRAINABLE.get(method.trains)
     if trainable is None:
-        raise ValueError(f"freeze_for: {method!r} trains adapters (peft chooses what trains); methods without: "
+        raise ValueError(f"freeze_for: {method.name!r} trains adapters (peft chooses what trains); methods without: "
                          f"{', '.join(m.name for m in methods.METHODS.values() if not m.adapters)}")
     _set_trainable(model, trainable(model))
     return model
 
 
-def save_trained(model: torch.nn.Module, method: str, out_dir: Path) -> None:
+def save_trained(model: torch.nn.Module, method: methods.Method, out_dir: Path) -> None:
     """Methods with adapters save them (peft); the others the tensors they changed (the head included)."""
-    if methods.get(method).adapters:
+    if method.adapters:
         model.save_pretrained(out_dir)
         return
     trained = {n: p.detach().contiguous() for n, p in model.named_parameters() if p.requires_grad or is_head(n)}
-    save_file(trained, str(out_dir / TENSORS_FILE), metadata={"method": method})
+    save_file(trained, str(out_dir / TENSORS_FILE), metadata={"method": method.name})
 
 
 def load_trained(model: torch.nn.Module, trained_dir: Path) -> torch.nn.Module:
@@ -179,7 +179,7 @@ def load_trained(model: torch.nn.Module, trained_dir: Path) -> torch.nn.Module:
     return model
 
 
-def prepare_model(model_dir: Path | str, labels: list[str], pad_token_id: int, seed: int, method: str,
+def prepare_model(model_dir: Path | str, labels: list[str], pad_token_id: int, seed: int, method: methods.Method,
                   knobs: methods.MethodKnobs, bf16: bool = False, gradient_checkpointing: bool = False,
                   task: str = "classification") -> torch.nn.Module:
     """The base model with a fresh head (seeded), wrapped for `method`; `knobs`: its LoRA settings
@@ -190,27 +190,26 @@ def prepare_model(model_dir: Path | str, labels: list[str], pad_token_id: int, s
     """
     from frugaltune.models import load_for_causal_lm, load_for_classification, qlora_quantization
 
-    spec = methods.get(method)
     quantization = None
-    if spec.quantized_base:
+    if method.quantized_base:
         quantization = qlora_quantization(knobs.quant_type, knobs.double_quant,
                                           torch.bfloat16 if bf16 else torch.float32)
     if task == "causal_lm":
         model = load_for_causal_lm(model_dir, pad_token_id, seed, quantization_config=quantization)
     else:
         model = load_for_classification(model_dir, labels, pad_token_id, seed, quantization_config=quantization)
-    if not spec.quantized_base and torch.cuda.is_available():  # bitsandbytes places a 4-bit model itself
+    if not method.quantized_base and torch.cuda.is_available():  # bitsandbytes places a 4-bit model itself
         model = model.to("cuda")
     if gradient_checkpointing:
         # Non-reentrant: works with frozen embeddings (no input gradients needed) and with peft.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
-    if spec.adapters and spec.quantized_base:
+    if method.adapters and method.quantized_base:
         model = prepare_qlora(model, knobs.r, knobs.alpha, knobs.dropout, list(knobs.target_modules),
                               gradient_checkpointing, task, knobs.last_layers)
-    elif spec.adapters:
+    elif method.adapters:
         model = apply_lora(model, knobs.r, knobs.alpha, knobs.dropout, list(knobs.target_modules),
-                           use_dora=spec.dora, task=task, last_layers=knobs.last_layers)
+                           use_dora=method.dora, task=task, last_layers=knobs.last_layers)
     else:
         return freeze_for(method, model)
     fast_lora_dropout(model)  # 4x fewer random draws, one dropout per input shared by q/k/v (training/fast.py)

@@ -9,35 +9,35 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from frugaltune import methods, paths
+from frugaltune import paths
 
 if TYPE_CHECKING:
     import torch
 
     from frugaltune.config import Params
+    from frugaltune.methods import Method
     from frugaltune.training.distributed import World
     from frugaltune.training.loop_config import LoopConfig
 
 
-def body_lr(params: "Params", method: str | None = None) -> float:
+def body_lr(params: "Params", method: "Method") -> float:
     """The learning rate of the trained body: `train.<method>.lr` for a method with its own (`Method.own_lr`: full,
     prelayer; null = `train.lr`), else `train.lr`."""
     tp = params.train
-    method = method or tp.method
-    return (getattr(tp, method).lr or tp.lr) if methods.get(method).own_lr else tp.lr
+    return (getattr(tp, method.name).lr or tp.lr) if method.own_lr else tp.lr
 
 
-def build_model(params: "Params", labels: list[str], pad_token_id: int, bf16: bool,
+def build_model(params: "Params", method: "Method", labels: list[str], pad_token_id: int, bf16: bool,
                 gradient_checkpointing: bool = False, model_dir: Path | str = paths.BASE_MODEL) -> "torch.nn.Module":
-    """The base model with a fresh head (seeded), prepared for `train.method` as the train stage trains it."""
+    """The base model with a fresh head (seeded), prepared for `method` (`train.method`'s, as `resolve.Run` holds
+    it) with its `train.<method>` knobs, as the train stage trains it."""
     from frugaltune.training.methods import prepare_model
 
-    tp = params.train
-    return prepare_model(model_dir, labels, pad_token_id, params.common.seed, tp.method, tp.knobs(tp.method), bf16,
-                         gradient_checkpointing, task=params.task.type)
+    return prepare_model(model_dir, labels, pad_token_id, params.common.seed, method, params.train.knobs(method),
+                         bf16, gradient_checkpointing, task=params.task.type)
 
 
-def apply_int8(model: "torch.nn.Module", decision: dict, method: str, world: "World | None" = None) -> dict:
+def apply_int8(model: "torch.nn.Module", decision: dict, method: "Method", world: "World | None" = None) -> dict:
     """The plan's int8 decision carried out on `model` (frugaltune/int8.py). Every rank reads the same plan, so the
     ranks of one run compute the same products."""
     from frugaltune import int8
@@ -57,7 +57,7 @@ def training_rows(params: "Params", input_ids: list[list[int]], tokenizer) -> li
     return wrapped(input_ids, template, params.tokenize.max_length)
 
 
-def loop_config(params: "Params", *, method: str, bf16: bool, micro_batch_size: int | None,
+def loop_config(params: "Params", *, method: "Method", bf16: bool, micro_batch_size: int | None,
                 eager_attention_max_len: int, checkpoint_dir: Path | None = None, **overrides: Any) -> "LoopConfig":
     """The LoopConfig of `params.train` on the plan's decisions for `method` (frugaltune.resolve.Run), built by
     `LoopConfig.build`: the train and compare stages, the planner's calibration and the federated centralized

@@ -23,6 +23,7 @@ from frugaltune.planner.memory import MethodKnobs, model_shape, planned_order
 from frugaltune.planner.worker import CalibrationWorker
 from frugaltune.models import load_tokenizer
 from frugaltune.training.loop import LoopConfig
+from frugaltune.methods import get as method_named
 from tests.faults.table import fault
 
 pytestmark = pytest.mark.slow  # with the other rows (`pytest -m slow tests/faults`), though these take seconds
@@ -125,7 +126,7 @@ def test_a_training_beside_cpu_bound_jobs_gives_up_a_thread(tiny_model_dir, monk
         pytest.skip("one core: no thread to give up")
     monkeypatch.setattr(sharing, "WINDOW_S", 1.0)  # the tiny model's steps are milliseconds
     tokenizer = load_tokenizer(tiny_model_dir)
-    model = prepare_model(tiny_model_dir, LABELS, tokenizer.pad_token_id, 0, "lora", MethodKnobs(r=4))
+    model = prepare_model(tiny_model_dir, LABELS, tokenizer.pad_token_id, 0, method_named("lora"), MethodKnobs(r=4))
     rows = [[5 + (i + j) % 300 for j in range(64)] for i in range(64)]
     events: list[str] = []
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * (os.cpu_count() or 1))]

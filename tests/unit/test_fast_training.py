@@ -14,6 +14,7 @@ import torch
 from frugaltune.planner.memory import MethodKnobs
 from frugaltune.training.fast import SharedDropout, fast_lora_dropout, frozen_weights_in, short_sequence_attention
 from frugaltune.training.methods import prepare_model
+from frugaltune.methods import get as method_named
 
 
 def test_shared_dropout_drops_at_its_rate_keeps_the_expectation_and_reuses_one_mask_per_input():
@@ -44,7 +45,7 @@ def test_shared_dropout_gradient_is_the_mask():
 
 @pytest.fixture()
 def lora_model(tiny_model_dir, smol_tokenizer):
-    return prepare_model(tiny_model_dir, ["a", "b", "c"], smol_tokenizer.pad_token_id, 0, "lora",
+    return prepare_model(tiny_model_dir, ["a", "b", "c"], smol_tokenizer.pad_token_id, 0, method_named("lora"),
                          MethodKnobs(r=4, alpha=8, dropout=0.1), bf16=False)
 
 
@@ -126,7 +127,7 @@ def test_lora_in_bf16_stores_the_frozen_projections_in_bf16_and_trains_exactly_a
     knobs = MethodKnobs(r=4, alpha=8, dropout=0.1)
     runs = {}
     for stored_bf16 in (False, True):
-        model = prepare_model(tiny_model_dir, ["a", "b", "c"], pad, 0, "lora", knobs, bf16=stored_bf16)
+        model = prepare_model(tiny_model_dir, ["a", "b", "c"], pad, 0, method_named("lora"), knobs, bf16=stored_bf16)
         frozen = {m.weight.dtype for m in model.modules() if type(m) is torch.nn.Linear and not m.weight.requires_grad}
         assert frozen == {torch.bfloat16 if stored_bf16 else torch.float32}
         assert all(p.dtype == torch.float32 for p in model.parameters() if p.requires_grad)
@@ -151,11 +152,11 @@ def test_lora_in_bf16_leaves_no_tensor_in_the_file_mapping_whose_fp32_pages_it_r
                 if any(start <= t.data_ptr() < end for start, end in ranges)]
 
     knobs = MethodKnobs(r=4, alpha=8, dropout=0.1)
-    loaded = prepare_model(tiny_model_dir, ["a", "b", "c"], smol_tokenizer.pad_token_id, 0, "lora", knobs)
+    loaded = prepare_model(tiny_model_dir, ["a", "b", "c"], smol_tokenizer.pad_token_id, 0, method_named("lora"), knobs)
     assert "base_model.model.model.embed_tokens.weight" in aliasing(loaded)  # fp32: loaded zero-copy, left there
     del loaded
     gc.collect()  # peft's model holds reference cycles: without a collection the fp32 model's mapping may outlive `del`
-    model = prepare_model(tiny_model_dir, ["a", "b", "c"], smol_tokenizer.pad_token_id, 0, "lora", knobs, bf16=True)
+    model = prepare_model(tiny_model_dir, ["a", "b", "c"], smol_tokenizer.pad_token_id, 0, method_named("lora"), knobs, bf16=True)
     assert aliasing(model) == []
     assert model.get_input_embeddings().weight.dtype == torch.float32
     assert not any(str(tiny_model_dir) in line for line in Path("/proc/self/maps").read_text().splitlines())
@@ -163,7 +164,7 @@ def test_lora_in_bf16_leaves_no_tensor_in_the_file_mapping_whose_fp32_pages_it_r
 
 def test_frozen_weights_leave_a_head_tied_to_the_embeddings_alone(tiny_model_dir, smol_tokenizer):
     """A causal LM's head shares the embedding matrix: storing it in bf16 would make the residual stream bf16."""
-    model = prepare_model(tiny_model_dir, [], smol_tokenizer.pad_token_id, 0, "lora", MethodKnobs(r=4, alpha=8),
+    model = prepare_model(tiny_model_dir, [], smol_tokenizer.pad_token_id, 0, method_named("lora"), MethodKnobs(r=4, alpha=8),
                           bf16=True, task="causal_lm")
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
     assert model.get_input_embeddings().weight.dtype == torch.float32

@@ -14,6 +14,7 @@ from frugaltune.classify import classify
 from frugaltune.training.loop import LoopConfig, train_classifier
 from frugaltune.training.methods import freeze_for, save_trained
 from frugaltune.recipes.train import adapter_manifest
+from frugaltune.methods import get as method_named
 
 LABELS = ["negative", "positive"]
 TEMPLATE = "Tweet: {text}\nSentiment:"
@@ -77,14 +78,14 @@ def test_serving_wraps_inputs_as_the_adapter_was_trained(tiny_model_dir, tmp_pat
     tokenizer = load_tokenizer(tiny_model_dir)
     pad, max_length = tokenizer.pad_token_id, 12
     template = InputTemplate.build(TEMPLATE, tokenizer)
-    model = freeze_for("prelayer", load_for_classification(tiny_model_dir, LABELS, pad, seed=0))
+    model = freeze_for(method_named("prelayer"), load_for_classification(tiny_model_dir, LABELS, pad, seed=0))
     texts = [f"{'great lovely wonderful' if i % 2 else 'awful bad terrible'} thing number {i} today" for i in range(16)]
     ids = tokenizer(texts, truncation=True, max_length=max_length)["input_ids"]
     rows = template.wrap_all(ids, max_length)
     assert all(len(row) == max_length for row in rows)  # each text is longer than the room: the cut is exercised
     train_classifier(model, rows, [i % 2 for i in range(16)], LoopConfig.build(lr=1e-2, batch_size=8, max_steps=2), pad,
                      progress=False)
-    save_trained(model, "prelayer", tmp_path)
+    save_trained(model, method_named("prelayer"), tmp_path)
     tokenizer.save_pretrained(tmp_path)
     (tmp_path / "labels.json").write_text(json.dumps(
         {"labels": LABELS, "max_length": max_length, "method": "prelayer", "input_template": TEMPLATE}))

@@ -17,6 +17,7 @@ from frugaltune import int8
 from frugaltune.planner.memory import MethodKnobs
 from frugaltune.training.loop import count_parameters
 from frugaltune.training.methods import prepare_model
+from frugaltune.methods import get as method_named
 
 pytestmark = pytest.mark.skipif(not hasattr(torch, "_int_mm"), reason="this torch has no torch._int_mm")
 
@@ -87,7 +88,7 @@ def test_to_int8_replaces_only_frozen_linears_and_lora_still_trains_and_saves(ti
                                                                               tmp_path):
     from frugaltune.training.methods import load_trained, save_trained
 
-    model = prepare_model(tiny_model_dir, ["a", "b", "c"], smol_tokenizer.pad_token_id, 0, "lora",
+    model = prepare_model(tiny_model_dir, ["a", "b", "c"], smol_tokenizer.pad_token_id, 0, method_named("lora"),
                           MethodKnobs(r=4, alpha=8, dropout=0.0), bf16=False)
     frozen = sum(1 for m in model.modules() if type(m) is torch.nn.Linear and not m.weight.requires_grad)
     assert int8.to_int8(model, keep_weights=False) == frozen > 0
@@ -102,8 +103,8 @@ def test_to_int8_replaces_only_frozen_linears_and_lora_still_trains_and_saves(ti
     assert sum(p.grad.abs().sum().item() for p in lora_b) > 0  # gradients reach the adapters through int8 products
     with torch.no_grad():
         lora_b[0].add_(1.0)
-    save_trained(model, "lora", tmp_path)  # the adapter alone: the meta weights are not part of it
-    fresh = prepare_model(tiny_model_dir, ["a", "b", "c"], smol_tokenizer.pad_token_id, 0, "none", MethodKnobs(),
+    save_trained(model, method_named("lora"), tmp_path)  # the adapter alone: the meta weights are not part of it
+    fresh = prepare_model(tiny_model_dir, ["a", "b", "c"], smol_tokenizer.pad_token_id, 0, method_named("none"), MethodKnobs(),
                           bf16=False)
     loaded = dict(load_trained(fresh, tmp_path).named_parameters())
     name = next(n for n, p in model.named_parameters() if p is lora_b[0])
@@ -116,7 +117,7 @@ def test_qlora_and_dora_train_through_int8_products_close_to_their_own(tiny_mode
     """QLoRA's NF4 Linear4bit layers become int8 (copies of their dequantized blocks, the 4-bit weights dropped, also
     after bitsandbytes repacked them); DoRA's Linears keep their weights for the norm it reads; LoRA's are dropped.
     Each stays close to its own model and still trains."""
-    model = prepare_model(tiny_model_dir, ["a", "b", "c"], smol_tokenizer.pad_token_id, 0, method,
+    model = prepare_model(tiny_model_dir, ["a", "b", "c"], smol_tokenizer.pad_token_id, 0, method_named(method),
                           MethodKnobs(r=4, alpha=8, dropout=0.0), bf16=False)
     model.eval()
     ids = torch.randint(5, 500, (4, 10))
@@ -125,7 +126,7 @@ def test_qlora_and_dora_train_through_int8_products_close_to_their_own(tiny_mode
         before = model(**batch).logits.float()
     frozen = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and not m.weight.requires_grad]
     counts = count_parameters(model)
-    decision = int8.apply(model, {"on": True, "why": "test"}, method)
+    decision = int8.apply(model, {"on": True, "why": "test"}, method_named(method))
     assert count_parameters(model) == counts  # the reports' trainable % stays the model's (4-bit packed or not)
     assert decision["modules"] == len(frozen) > 0
     swapped = [m for m in model.modules() if isinstance(m, int8.Int8FrozenLinear)]
@@ -146,9 +147,9 @@ def test_grouped_siblings_compute_what_each_product_alone_does(tiny_model_dir, s
     one (forward: the same scales; backward: each output gradient keeps its own), and no second copy of a weight."""
     def build(grouped: bool):
         torch.manual_seed(3)
-        model = prepare_model(tiny_model_dir, ["a", "b", "c"], smol_tokenizer.pad_token_id, 0, method,
+        model = prepare_model(tiny_model_dir, ["a", "b", "c"], smol_tokenizer.pad_token_id, 0, method_named(method),
                               MethodKnobs(r=4, alpha=8, dropout=0.0), bf16=False)
-        decision = int8.apply(model, {"on": True, "why": "test"}, method, grouped=grouped)
+        decision = int8.apply(model, {"on": True, "why": "test"}, method_named(method), grouped=grouped)
         torch.manual_seed(4)  # the first int8 model compiles its steps on random tensors
         with torch.no_grad():  # B starts at zero: A's gradients would be zero, whatever the products did
             for name, param in model.named_parameters():
@@ -236,9 +237,9 @@ def test_the_plans_decision_is_applied_and_recorded(tiny_model_dir, smol_tokeniz
     from frugaltune.training.setup import apply_int8
 
     decided = decide_machine({}, None, "fp32", setting, ("lora",), (32, 64))
-    model = prepare_model(tiny_model_dir, ["a", "b"], smol_tokenizer.pad_token_id, 0, "lora", MethodKnobs(r=4),
+    model = prepare_model(tiny_model_dir, ["a", "b"], smol_tokenizer.pad_token_id, 0, method_named("lora"), MethodKnobs(r=4),
                           bf16=False)
-    decision = apply_int8(model, decided["int8"]["lora"], "lora", World())
+    decision = apply_int8(model, decided["int8"]["lora"], method_named("lora"), World())
     swapped = sum(isinstance(m, int8.Int8FrozenLinear) for m in model.modules())
     assert decision["on"] is setting and swapped == decision.get("modules", 0)
     assert (swapped > 0) is setting

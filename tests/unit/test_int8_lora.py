@@ -13,6 +13,7 @@ from frugaltune.planner.memory import MethodKnobs
 from frugaltune.classify import collate
 from frugaltune.training.int8_lora import fused_int8_lora
 from frugaltune.training.methods import prepare_model
+from frugaltune.methods import get as method_named
 
 SEVEN = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 IDS, LABELS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16]], [0, 1, 2]
@@ -24,9 +25,9 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def int8_lora(tiny_model_dir, smol_tokenizer, method="lora", dropout=0.1, targets=SEVEN, grouped=True):
     torch.manual_seed(3)
-    model = prepare_model(tiny_model_dir, ["a", "b", "c"], smol_tokenizer.pad_token_id, 0, method,
+    model = prepare_model(tiny_model_dir, ["a", "b", "c"], smol_tokenizer.pad_token_id, 0, method_named(method),
                           MethodKnobs(r=4, alpha=8, dropout=dropout, target_modules=targets), bf16=False)
-    int8.apply(model, {"on": True, "why": "test"}, method, grouped=grouped)
+    int8.apply(model, {"on": True, "why": "test"}, method_named(method), grouped=grouped)
     with torch.no_grad():  # B starts at zero, which would hide a wrong scaling, a missing add or A's gradients
         torch.manual_seed(1)
         for name, param in model.named_parameters():
@@ -102,7 +103,7 @@ def test_fused_int8_lora_takes_only_vanilla_lora_over_int8_products(tiny_model_d
     dora = int8_lora(tiny_model_dir, smol_tokenizer, method="dora")
     with fused_int8_lora(dora) as nodes:
         assert nodes == 0
-    plain = prepare_model(tiny_model_dir, ["a", "b"], smol_tokenizer.pad_token_id, 0, "lora",
+    plain = prepare_model(tiny_model_dir, ["a", "b"], smol_tokenizer.pad_token_id, 0, method_named("lora"),
                           MethodKnobs(r=4, alpha=8, target_modules=SEVEN), bf16=False)
     with fused_int8_lora(plain) as nodes:
         assert nodes == 0
@@ -119,10 +120,10 @@ def test_fused_int8_lora_trains_a_causal_lm_as_peft_under_gradient_checkpointing
     gradients are peft's, in fp32, to rounding."""
     pad = smol_tokenizer.pad_token_id
     torch.manual_seed(3)
-    model = prepare_model(tiny_model_dir, [], pad, 0, "lora", MethodKnobs(r=4, alpha=8, dropout=0.1,
+    model = prepare_model(tiny_model_dir, [], pad, 0, method_named("lora"), MethodKnobs(r=4, alpha=8, dropout=0.1,
                                                                           target_modules=SEVEN),
                           bf16=False, gradient_checkpointing=True, task="causal_lm")
-    int8.apply(model, {"on": True, "why": "test"}, "lora", grouped=True)
+    int8.apply(model, {"on": True, "why": "test"}, method_named("lora"), grouped=True)
     with torch.no_grad():
         torch.manual_seed(1)
         for name, param in model.named_parameters():

@@ -13,6 +13,7 @@ from frugaltune.scheduling import SJF, simulate, synthetic_workload
 from frugaltune.scheduling.llm_policy import LLMPolicy, load_llm_policy
 from frugaltune.scheduling.policies import ScorePolicy
 from frugaltune.scheduling.simulator import Simulator, simulate_batch
+from frugaltune.methods import get as method_named
 
 WINDOW = 5
 
@@ -82,7 +83,7 @@ def test_a_merged_adapter_chooses_as_the_unmerged_one_and_bf16_weights_stay_clos
     from frugaltune.scheduling.sft import encode_state, job_labels
     from frugaltune.training.methods import prepare_model
 
-    model = prepare_model(tiny_model_dir, [], smol_tokenizer.pad_token_id, 0, "lora", parse_params({}).train.lora,
+    model = prepare_model(tiny_model_dir, [], smol_tokenizer.pad_token_id, 0, method_named("lora"), parse_params({}).train.lora,
                           task="causal_lm")
     with torch.no_grad():  # a fresh adapter's B is zero: give it an effect that a wrong merge would show
         for name, param in model.named_parameters():

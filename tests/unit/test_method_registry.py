@@ -115,7 +115,7 @@ def test_lora_settings_have_one_shape_from_params_to_the_planner_and_the_federat
                            "federated": {"lora": {"r": 16, "alpha": 32, "target_modules": ["q_proj", "v_proj"]}}})
     knobs = method_knobs(params)
     assert set(knobs) == {name for name, m in methods.METHODS.items() if m.adapters}
-    assert knobs["qlora"] == params.train.knobs("qlora") == methods.MethodKnobs(r=4, quant_type="fp4")
-    assert params.train.knobs("full") == methods.MethodKnobs()
+    assert knobs["qlora"] == params.train.knobs(methods.get("qlora")) == methods.MethodKnobs(r=4, quant_type="fp4")
+    assert params.train.knobs(methods.get("full")) == methods.MethodKnobs()
     flower = RunSettings(lora_r=16, lora_alpha=32, lora_target_modules=["q_proj", "v_proj"]).lora()
     assert flower == params.federated.lora.knobs() == methods.MethodKnobs(16, 32, 0.05, ("q_proj", "v_proj"))

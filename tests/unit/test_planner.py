@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from frugaltune.methods import METHODS
+from frugaltune.methods import METHODS, get as method_named
 from frugaltune.planner.assembly import HEADROOM, PlanError, RunSpec, check_fits, common_prompt_prefix, make_plan
 from frugaltune.planner.calibration import calibrate, fit_memory
 from frugaltune.planner.machine import decide_machine, keep_sdpa_off_cudnn, measured_on
@@ -55,7 +55,7 @@ def test_meta_shapes_count_exactly_what_the_real_model_trains(method, tiny_model
     tokenizer = load_tokenizer(tiny_model_dir)
     knobs = MethodKnobs(r=4, target_modules=("q_proj", "v_proj"))
     shape = model_shape(tiny_model_dir, len(LABELS), method, knobs)
-    model = prepare_model(tiny_model_dir, LABELS, tokenizer.pad_token_id, 0, method, knobs)
+    model = prepare_model(tiny_model_dir, LABELS, tokenizer.pad_token_id, 0, method_named(method), knobs)
     assert shape.trainable_params == sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert shape.total_params == sum(p.numel() for p in model.parameters())
 
@@ -129,7 +129,7 @@ def test_weight_bytes_are_the_bytes_of_the_model_each_method_trains(tiny_model_d
 
     knobs = MethodKnobs(r=4, alpha=8, target_modules=("q_proj", "v_proj"))
     for method, bf16 in (("lora", True), ("lora", False), ("full", True)):
-        model = prepare_model(tiny_model_dir, ["a", "b", "c"], smol_tokenizer.pad_token_id, 0, method, knobs, bf16=bf16)
+        model = prepare_model(tiny_model_dir, ["a", "b", "c"], smol_tokenizer.pad_token_id, 0, method_named(method), knobs, bf16=bf16)
         held = sum(p.numel() * p.element_size() for p in model.parameters())
         shape = model_shape(tiny_model_dir, 3, method, knobs)
         # the projections' biases (this tiny model has some; SmolLM2 none) go to bf16 too, uncounted
@@ -255,7 +255,7 @@ def test_cpu_precision_follows_this_machines_measurement_never_its_flags():
 
 def train_tiny_lora(model_dir, tokenizer, ids, labels, **loop):
     """A rank-4 LoRA without dropout (no masks drawn per part) on the tiny model, batches of 8, seed 1."""
-    model = prepare_model(model_dir, LABELS, tokenizer.pad_token_id, 0, "lora", MethodKnobs(r=4, dropout=0.0))
+    model = prepare_model(model_dir, LABELS, tokenizer.pad_token_id, 0, method_named("lora"), MethodKnobs(r=4, dropout=0.0))
     return train_classifier(model, ids, labels, LoopConfig.build(lr=1e-2, batch_size=8, seed=1, log_every=1, **loop),
                             tokenizer.pad_token_id, progress=False)
 
@@ -296,7 +296,7 @@ def test_gradient_checkpointing_gives_the_same_loss(tiny_model_dir):
     target = torch.tensor([0, 2])
     losses, grads = [], []
     for ckpt in (False, True):
-        model = prepare_model(tiny_model_dir, LABELS, tokenizer.pad_token_id, 0, "lora",
+        model = prepare_model(tiny_model_dir, LABELS, tokenizer.pad_token_id, 0, method_named("lora"),
                               MethodKnobs(r=4, dropout=0.0), gradient_checkpointing=ckpt)
         model.train()
         loss = model(**batch, labels=target).loss
@@ -641,6 +641,7 @@ def test_resolve_run_refuses_before_loading_and_reads_every_decision_from_the_pl
         resolve.resolve_run(params, use_plan=True)
     lora = Params.model_validate({"train": {"method": "lora", "int8_products": True}})  # as the plan was made
     resolved = resolve.resolve_run(lora, use_plan=True)
+    assert resolved.method is METHODS["lora"]  # the registry's entry, looked up once for the run
     assert resolved.micro_batch_size == plan["methods"]["lora"]["micro_batch_size"]
     assert resolved.gradient_checkpointing == plan["methods"]["lora"]["gradient_checkpointing"]
     assert resolved.threads == 2 and resolved.bf16 is False

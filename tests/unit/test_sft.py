@@ -22,7 +22,7 @@ from frugaltune.training.batching import IGNORE_INDEX, collate_targets, target_c
 from frugaltune.classify import collate
 from frugaltune.training.inference import lm_loss, model_loss, shared_prefix_length
 from frugaltune.training.loop import LoopConfig, train_classifier
-from frugaltune.methods import NAMES as METHODS
+from frugaltune.methods import NAMES as METHODS, get as method_named
 from frugaltune.training.methods import prepare_model, save_trained, load_trained
 from frugaltune.validation import ValidationRules, validate_splits
 
@@ -120,7 +120,7 @@ def test_micro_batches_weigh_by_response_tokens_so_splitting_a_batch_changes_not
     losses = []
     for micro in (8, 3):
         knobs = parse_params({"train": {"lora": {"dropout": 0.0}}}).train.lora  # no masks drawn per chunk
-        model = prepare_model(tiny_model_dir, [], smol_tokenizer.pad_token_id, 0, "lora", knobs, task="causal_lm")
+        model = prepare_model(tiny_model_dir, [], smol_tokenizer.pad_token_id, 0, method_named("lora"), knobs, task="causal_lm")
         cfg = LoopConfig.build(lr=1e-2, batch_size=8, max_steps=3, log_every=1, seed=0, micro_batch_size=micro)
         result = train_classifier(model, ids, labels, cfg, smol_tokenizer.pad_token_id, progress=False)
         losses.append([record["loss"] for record in result.history])
@@ -134,7 +134,7 @@ def test_every_method_trains_the_lm_and_reloads_to_the_same_loss(method, tiny_mo
     ids, labels = sft_examples(smol_tokenizer, 16)
     knobs = getattr(parse_params({}).train, method)
     pad = smol_tokenizer.pad_token_id
-    model = prepare_model(tiny_model_dir, [], pad, 0, method, knobs, task="causal_lm")
+    model = prepare_model(tiny_model_dir, [], pad, 0, method_named(method), knobs, task="causal_lm")
     assert not any(name.split(".")[0] in ("score", "classifier") for name, _ in model.named_parameters())
     before, count = lm_loss(model, ids, labels, pad, progress=False)
     assert count == sum(target_counts(labels))
@@ -146,7 +146,7 @@ def test_every_method_trains_the_lm_and_reloads_to_the_same_loss(method, tiny_mo
                          progress=False)
     after, _ = lm_loss(model, ids, labels, pad, progress=False)
     assert (after < before) if method != "none" else after == pytest.approx(before)
-    save_trained(model, method, tmp_path)
+    save_trained(model, method_named(method), tmp_path)
     reloaded = load_trained(load_for_causal_lm(tiny_model_dir, pad, 0), tmp_path)
     # QLoRA's adapter is served on the full-precision base it was trained to approximate: close, not equal
     tolerance = 5e-3 if method == "qlora" else 1e-5
@@ -162,7 +162,7 @@ def test_the_loss_runs_the_lm_head_only_where_a_target_is_and_equals_transformer
     batch = collate(ids, smol_tokenizer.pad_token_id)
     target = collate_targets(labels, batch["input_ids"].shape[1])
     knobs = getattr(parse_params({}).train, method)
-    model = prepare_model(tiny_model_dir, [], smol_tokenizer.pad_token_id, 0, method, knobs, task="causal_lm")
+    model = prepare_model(tiny_model_dir, [], smol_tokenizer.pad_token_id, 0, method_named(method), knobs, task="causal_lm")
     model.eval()  # dropout off: the two forwards must see the same function (eval packs nothing: no 4-bit here)
     params = [p for p in model.parameters() if p.requires_grad]
 
@@ -196,7 +196,7 @@ def test_a_shared_prompt_prefix_read_once_gives_the_whole_batch_loss_and_gradien
     assert (batch["input_ids"][:, :shared] == batch["input_ids"][0, :shared]).all()
     assert not (batch["input_ids"][:, shared] == batch["input_ids"][0, shared]).all()  # the longest such prefix
     knobs = getattr(parse_params({}).train, method)
-    model = prepare_model(tiny_model_dir, [], smol_tokenizer.pad_token_id, 0, method, knobs, task="causal_lm")
+    model = prepare_model(tiny_model_dir, [], smol_tokenizer.pad_token_id, 0, method_named(method), knobs, task="causal_lm")
     model.eval()  # dropout off: both forwards compute the same function
     params = [p for p in model.parameters() if p.requires_grad]
 

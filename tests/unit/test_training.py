@@ -11,6 +11,7 @@ from frugaltune.training.batching import length_grouped_batches
 from frugaltune.training.loop import DivergenceError, LoopConfig, count_parameters, plan_steps, train_classifier
 from frugaltune.training.methods import apply_lora
 from frugaltune.training.optimizer import param_groups
+from frugaltune.methods import get as method_named
 
 LABELS = ["negative", "positive"]
 
@@ -314,7 +315,7 @@ def test_every_method_trains_what_it_should_and_reloads_identically(method, tiny
         model = apply_lora(load_for_classification(tiny_model_dir, LABELS, pad, seed=0), 4, 8, 0.0,
                            ["q_proj", "v_proj"], use_dora=method == "dora")
     else:
-        model = freeze_for(method, load_for_classification(tiny_model_dir, LABELS, pad, seed=0))
+        model = freeze_for(method_named(method), load_for_classification(tiny_model_dir, LABELS, pad, seed=0))
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     if method == "none":
         assert not trainable
@@ -330,7 +331,7 @@ def test_every_method_trains_what_it_should_and_reloads_identically(method, tiny
     if method != "none":
         train_classifier(model, ids, labels, LoopConfig.build(lr=1e-3, batch_size=8, max_steps=2, seed=0), pad,
                          progress=False)
-    save_trained(model, method, tmp_path)
+    save_trained(model, method_named(method), tmp_path)
     expected = classify(model, ids, pad).predictions if method != "qlora" else None
     reloaded = load_trained(load_for_classification(tiny_model_dir, LABELS, pad, seed=99), tmp_path)
     got = classify(reloaded, ids, pad).predictions
