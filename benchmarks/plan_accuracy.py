@@ -93,8 +93,9 @@ def measure(method: str, length: int, steps: int, threads: int, decided: dict, m
     params = _params(method, steps)
     ids, labels = _rows(params, length, steps * params.train.batch_size)
     tokenizer = load_tokenizer(BASE)
-    model = setup.build_model(params, methods.get(method), common.labels(), tokenizer.pad_token_id, decided["bf16"])
-    setup.apply_int8(model, decided["int8"][method], methods.get(method))
+    spec = methods.get(method)
+    model = setup.build_model(params, spec, common.labels(), tokenizer.pad_token_id, decided["bf16"])
+    setup.apply_int8(model, decided["int8"][method], spec)
     result = train_classifier(model, ids, labels, _loop(params, method, decided, micro), tokenizer.pad_token_id,
                               progress=False)
     return {"seconds": result.wall_seconds, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
