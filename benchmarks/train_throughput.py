@@ -58,15 +58,16 @@ Padded tokens are computed but not useful: MFU over useful tokens charges paddin
 
 `--against REV` (`make bench-check`, the guard against a silent regression): the frugaltune recipes of git revision
 REV (`latest-tag`: the last release tag) too, alternated with this tree's round by round: REV's files (`git
-archive`) in a temporary directory, its own benchmark script and library run in the child, on this checkout's
-model, rows and plan, so only the code differs. Prints this tree over REV for each method (medians) and exits 1
-when this tree is more than `--tolerance` (5 %) slower at any of them.
+archive`) in a temporary directory, its own benchmark script, library and params.yaml run in the child there, on
+this checkout's model, rows and plan (models/, data/, reports/ linked), so only the code differs. Prints this tree
+over REV for each method (medians) and exits 1 when this tree is more than `--tolerance` (5 %) slower at any of them.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -100,6 +101,12 @@ def checkout(rev: str, into: Path) -> str:
         sys.exit(f"--against {rev}: not a revision of this repository ({commit.stderr.strip()})")
     archive = git("archive", "--format=tar", commit.stdout.strip())
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
+    # REV runs in its own tree with its own params.yaml (an older REV cannot parse today's keys) on this checkout's
+    # model, rows and plan: those three directories are links to this checkout's
+    for shared in ("models", "data", "reports"):
+        if (into / shared).is_dir():
+            shutil.rmtree(into / shared)
+        (into / shared).symlink_to(common.ROOT / shared)
     return f"{rev} ({commit.stdout.strip()[:8]})"
 
 
@@ -351,17 +358,19 @@ def main() -> None:
     for round_ in range(args.rounds):
         for recipe in recipes:
             # each tree's own library, whichever checkout the venv's editable install points at
-            script, env_extra = __file__, {"PYTHONPATH": str(common.ROOT)}
-            if "@REV:" in recipe:  # REV's own script and library, on this checkout's files (cwd)
+            script, env_extra, cwd = __file__, {"PYTHONPATH": str(common.ROOT)}, None
+            if "@REV:" in recipe:  # REV's own script, library and params, on this checkout's files (checkout())
                 script = str(Path(baseline_dir.name) / "benchmarks" / Path(__file__).name)
-                env_extra = {"PYTHONPATH": baseline_dir.name}
+                env_extra, cwd = {"PYTHONPATH": baseline_dir.name}, baseline_dir.name
             cmd = [sys.executable, script, "--recipe", recipe.replace("@REV", ""), "--steps", str(args.steps),
                    "--warmup", str(args.warmup), "--batch-size",
                    str(args.batch_size), "--lr", str(args.lr), "--threads", str(threads),
-                   "--eager-max", str(eager_max), "--model-dir", str(model_dir)] + (["--bf16-ours"] if bf16_ours else [])
+                   "--eager-max", str(eager_max)] + (["--bf16-ours"] if bf16_ours else [])
+            if model_dir != BASE:  # named only when asked: a REV older than --model does not know the flag
+                cmd += ["--model-dir", str(Path(model_dir).resolve())]
             print(f"round {round_ + 1}/{args.rounds}: {recipe.replace('REV', against or '')} ...", flush=True)
             env = {**allocator.child_env(ours_on if recipe.startswith("frugaltune") else "system"), **env_extra}
-            runs[recipe].append(common.run_child(cmd, recipe, env))
+            runs[recipe].append(common.run_child(cmd, recipe, env, cwd=cwd))
     if baseline_dir:
         baseline_dir.cleanup()
     after = measured_peaks(threads, model_dir, precisions)
