@@ -24,7 +24,8 @@ order), the same bf16 operands. What differs is rounding: B's product is added t
 rounding to bf16 instead of two (as training.fast.lora_addmm), and the input gradient is summed in fp32 before one
 cast instead of each part rounded to bf16 first, so results differ from peft's by bf16 rounding, not in math.
 Anything but a plain training forward of a vanilla LoRA layer (extra arguments, adapters disabled or merged,
-several active adapters, DoRA, a bias on B) goes to peft's own forward.
+several active adapters, DoRA, a bias on B or a trained bias on the base) goes to peft's own forward. A frozen
+base bias (Qwen2's q/k/v) is added to the base output in the node.
 """
 
 from __future__ import annotations
@@ -48,6 +49,11 @@ class _Base:
         self.sizes = [m.out_features for m in self.members]
         self.w_rows = group.w_rows if group is not None else linear.w_rows
         self.s_rows = group.s_rows if group is not None else linear.s_rows
+        # the frozen biases (Qwen2's q/k/v), stacked as the members' outputs are, zeros for a member without one;
+        # None where no member has one
+        biases = [m.bias for m in self.members]
+        self.bias = None if all(b is None for b in biases) else torch.cat(
+            [b.detach() if b is not None else torch.zeros(m.out_features) for b, m in zip(biases, self.members)])
 
 
 class _Int8LoraProduct(torch.autograd.Function):
@@ -65,6 +71,8 @@ class _Int8LoraProduct(torch.autograd.Function):
         steps = int8.steps()
         xq, sx = steps["quantize"](flat)
         y = steps["rescale"](torch._int_mm(xq, base.w_rows.t()), sx, base.s_rows, dtype)
+        if base.bias is not None:
+            y += base.bias.to(dtype)
         keep_scale = 1.0
         if keep is not None:  # SharedDropout's arithmetic: x * mask * 1 / (1 - p), in x's dtype, then one cast
             keep = keep.reshape(-1, k)
@@ -148,7 +156,8 @@ def _eligible(layer: torch.nn.Module) -> str | None:
 
     if type(layer) is not LoraLinear or getattr(layer, "lora_variant", {}) or "forward" in vars(layer):
         return None
-    if not isinstance(layer.base_layer, int8.Int8FrozenLinear) or layer.base_layer.bias is not None:
+    base = layer.base_layer
+    if not isinstance(base, int8.Int8FrozenLinear) or (base.bias is not None and base.bias.requires_grad):
         return None
     if len(layer.lora_A) != 1:
         return None

@@ -27,6 +27,10 @@ def int8_lora(tiny_model_dir, smol_tokenizer, method="lora", dropout=0.1, target
     torch.manual_seed(3)
     model = prepare_model(tiny_model_dir, ["a", "b", "c"], smol_tokenizer.pad_token_id, 0, method_named(method),
                           MethodKnobs(r=4, alpha=8, dropout=dropout, target_modules=targets), bf16=False)
+    with torch.no_grad():  # a frozen bias (Qwen2's q/k/v) starts at zero, which would hide a missing add
+        for module in model.modules():
+            if type(module) is torch.nn.Linear and module.bias is not None and not module.bias.requires_grad:
+                module.bias.normal_(std=0.5)
     int8.apply(model, {"on": True, "why": "test"}, method_named(method), grouped=grouped)
     with torch.no_grad():  # B starts at zero, which would hide a wrong scaling, a missing add or A's gradients
         torch.manual_seed(1)
@@ -55,6 +59,27 @@ def assert_same_as_peft(ours, plain):
     for name, grad in plain[1].items():
         assert grad.abs().sum() > 0, name
         torch.testing.assert_close(ours[1][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2_dir(tmp_path_factory, smol_tokenizer):
+    from tests.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"), smol_tokenizer, architecture="qwen2")
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_fused_int8_lora_adds_the_frozen_q_k_v_biases_of_qwen2_as_peft(tiny_qwen2_dir, smol_tokenizer, grouped):
+    """Qwen2's q/k/v carry frozen biases: they run in the fused node too (one per group or lone layer, none left to
+    peft's forward), with peft's loss and gradients."""
+    model = int8_lora(tiny_qwen2_dir, smol_tokenizer, grouped=grouped)
+    assert model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.bias.abs().sum() > 0
+    pad = smol_tokenizer.pad_token_id
+    plain = losses_and_grads(model, pad)
+    with fused_int8_lora(model) as nodes:
+        assert nodes == (4 if grouped else 7) * model.config.num_hidden_layers
+        ours = losses_and_grads(model, pad)
+    assert_same_as_peft(ours, plain)
 
 
 @pytest.mark.parametrize(("dropout", "grouped"), [(0.1, True), (0.0, True), (0.1, False)])
