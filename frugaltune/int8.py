@@ -305,9 +305,12 @@ def to_int8(model: torch.nn.Module, keep_weights: bool = True) -> int:
     Int8FrozenLinear."""
     swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
              if (type(child) is torch.nn.Linear or _is_4bit(child)) and not child.weight.requires_grad]
-    for parent, name, child in swaps:
+    count = len(swaps)
+    while swaps:  # each replaced layer let go of at once: its weight is freed before the next one's copies are made
+        parent, name, child = swaps.pop()
         setattr(parent, name, Int8FrozenLinear(child, keep_weight=keep_weights))
-    return len(swaps)
+        del child
+    return count
 
 
 def group_siblings(model: torch.nn.Module) -> int:

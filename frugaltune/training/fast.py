@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -107,8 +107,10 @@ def frozen_projections_in_bf16(method: methods.Method, bf16: bool) -> bool:
     return bf16 and method.frozen_bf16
 
 
-def frozen_weights_in(model: torch.nn.Module, dtype: torch.dtype) -> int:
+def frozen_weights_in(model: torch.nn.Module, dtype: torch.dtype,
+                      release: Callable[[torch.Tensor], None] | None = None) -> int:
     """Store the weights (and biases) of the frozen plain `nn.Linear` layers in `dtype`; returns how many.
+    `release(old)` is called with each weight it replaced, as soon as it is replaced.
 
     Left alone: trainable layers (LoRA's A and B, the head), quantized layers (subclasses of nn.Linear such as
     bitsandbytes' Linear4bit), and a weight tied to the input embeddings (a causal LM's head): converting it would
@@ -120,7 +122,10 @@ def frozen_weights_in(model: torch.nn.Module, dtype: torch.dtype) -> int:
         if type(module) is not torch.nn.Linear or module.weight.requires_grad or id(module.weight) in tied:
             continue
         if module.weight.dtype != dtype:
-            module.weight.data = module.weight.data.to(dtype)
+            old = module.weight.data
+            module.weight.data = old.to(dtype)
+            if release is not None:
+                release(old)
             if module.bias is not None and not module.bias.requires_grad:
                 module.bias.data = module.bias.data.to(dtype)
             converted += 1

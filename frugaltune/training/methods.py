@@ -19,6 +19,9 @@ here take the registry's `Method` (looked up once, by whoever read the name) and
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import mmap
 import warnings
 from pathlib import Path
 
@@ -90,6 +93,34 @@ def _file_mappings() -> list[tuple[int, int]] | None:
             start, end = (int(x, 16) for x in fields[0].split("-"))
             ranges.append((start, end))
     return ranges
+
+
+def drop_file_pages(tensor: torch.Tensor, ranges: list[tuple[int, int]] | None) -> None:
+    """Unmap the resident pages of `tensor`, a weight read from a safetensors file mapping (`ranges`) that its model
+    no longer holds (frozen_weights_in replaced it): the whole pages inside it, so a neighbour's stay.
+
+    Why: converting LoRA's frozen projections to bf16 reads every fp32 page of the mapping, and each page read
+    stays resident until the whole mapping goes (own_loaded_tensors), beside the bf16 copies made meanwhile: the
+    load's high-water mark was the fp32 file plus half of it again, which the plan's memory model (the model as
+    held) does not count, and which refused LoRA at limits its steady state fits (docs/PLAN.md has the figures).
+    The pages stay in the page cache; were the tensor read again, they would be read back from the file."""
+    if not ranges or tensor.device.type != "cpu":
+        return
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    if not any(low <= start and end <= high for low, high in ranges):
+        return
+    page = mmap.PAGESIZE
+    first, last = -(-start // page) * page, end // page * page
+    if last > first:
+        _libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), mmap.MADV_DONTNEED)
+
+
+@functools.cache
+def _libc():
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
 
 
 def own_loaded_tensors(model: torch.nn.Module) -> int:
@@ -214,6 +245,7 @@ def prepare_model(model_dir: Path | str, labels: list[str], pad_token_id: int, s
         return freeze_for(method, model)
     fast_lora_dropout(model)  # 4x fewer random draws, one dropout per input shared by q/k/v (training/fast.py)
     if frozen_projections_in_bf16(method, bf16):  # cast to bf16 once, not at every use (training/fast.py)
-        frozen_weights_in(model, torch.bfloat16)
+        ranges = _file_mappings()
+        frozen_weights_in(model, torch.bfloat16, release=lambda old: drop_file_pages(old, ranges))
         own_loaded_tensors(model)  # their fp32 pages, read to convert, leave the process's RSS with the mapping
     return model

@@ -162,6 +162,45 @@ def test_lora_in_bf16_leaves_no_tensor_in_the_file_mapping_whose_fp32_pages_it_r
     assert not any(str(tiny_model_dir) in line for line in Path("/proc/self/maps").read_text().splitlines())
 
 
+def _mapping_rss_kb(path: Path) -> int:
+    """Resident KiB of this process's mapping of `path` (/proc/self/smaps)."""
+    rss, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if "-" in line.split(" ")[0] and len(line.split()) >= 5:  # a mapping's header line
+            inside = line.endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            rss += int(line.split()[1])
+    return rss
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads /proc/self/smaps (Linux)")
+def test_a_replaced_weight_gives_back_its_file_pages_and_its_neighbours_keep_theirs(tmp_path):
+    """frozen_weights_in's release (drop_file_pages): the fp32 pages of a converted weight leave the RSS at once,
+    not when the last weight is converted; the rest of the mapping stays resident, and the file still reads the same
+    (the pages come back from the file)."""
+    import mmap
+
+    from frugaltune.training.methods import _file_mappings, drop_file_pages
+
+    path = tmp_path / "weights.safetensors"
+    values = torch.arange(2 * 1024 * 1024, dtype=torch.float32)  # two 4 MiB tensors side by side
+    path.write_bytes(values.numpy().tobytes())
+    with path.open("rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    whole = torch.frombuffer(mapped, dtype=torch.float32)
+    first, second = whole[: 1024 * 1024], whole[1024 * 1024:]
+    assert whole.sum().item() == values.sum().item()  # every page read: resident
+    before = _mapping_rss_kb(path)
+    assert before >= 8 * 1024 - 8
+    drop_file_pages(first, _file_mappings())
+    after = _mapping_rss_kb(path)
+    assert before - after >= 4 * 1024 - 8 and after >= 4 * 1024 - 8  # first's pages gone, second's kept
+    drop_file_pages(torch.zeros(1024 * 1024), _file_mappings())  # a tensor outside any mapping: nothing happens
+    assert _mapping_rss_kb(path) == after
+    assert torch.equal(first, values[: 1024 * 1024]) and torch.equal(second, values[1024 * 1024:])
+    del whole, first, second
+
+
 def test_frozen_weights_leave_a_head_tied_to_the_embeddings_alone(tiny_model_dir, smol_tokenizer):
     """A causal LM's head shares the embedding matrix: storing it in bf16 would make the residual stream bf16."""
     model = prepare_model(tiny_model_dir, [], smol_tokenizer.pad_token_id, 0, method_named("lora"), MethodKnobs(r=4, alpha=8),
