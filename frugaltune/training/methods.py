@@ -102,8 +102,9 @@ def drop_file_pages(tensor: torch.Tensor, ranges: list[tuple[int, int]] | None) 
     Why: converting LoRA's frozen projections to bf16 reads every fp32 page of the mapping, and each page read
     stays resident until the whole mapping goes (own_loaded_tensors), beside the bf16 copies made meanwhile: the
     load's high-water mark was the fp32 file plus half of it again, which the plan's memory model (the model as
-    held) does not count, and which refused LoRA at limits its steady state fits (docs/PLAN.md has the figures).
-    The pages stay in the page cache; were the tensor read again, they would be read back from the file."""
+    held) does not count, and which refused LoRA at limits its steady state fits (docs/DECISIONS.md, "Loaded
+    tensors are copied out of the safetensors mapping"). The pages stay in the page cache; were the tensor read
+    again, they would be read back from the file."""
     if not ranges or tensor.device.type != "cpu":
         return
     start = tensor.data_ptr()
