@@ -17,7 +17,8 @@ fresh process set up by the train stage's own calls (frugaltune.training.setup) 
 process's whole life (loading included), its time the loop's wall time, as the train stage reports them.
 
 Every measured row is appended to `reports/scale_ladder.csv` at once, so a run stopped after any row resumes where
-it was (a row measured on another CPU is measured again). A configuration the calibrated plan does not fit is not
+it was (a row measured on another CPU is measured again; the report keeps the rows of every CPU, each naming
+its own, and lists as not measured what no CPU has measured). A configuration the calibrated plan does not fit is not
 run (the plan stage would refuse it): its row keeps the calibrated peak and why, with nothing measured. Writes
 `reports/scale_ladder.md` (the table, the fit line of each shape at each limit, the bounds: peak within +-15 %, time
 within +-25 %, no run above its limit) and `reports/scale_ladder.png` (seconds per 1 k tokens and peak RSS against
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import resource
 import sys
 from pathlib import Path
@@ -178,6 +180,11 @@ def _refused(config: dict, predicted: dict, cpu: str) -> dict:
                        f"{setting}, over the {usable / 2**30:.2f} GiB usable"}
 
 
+def _key(config: dict) -> tuple[str, str, str, str]:
+    """A configuration as its rows are known: shape, method, tightest limit, steps."""
+    return config["model"], config["method"], f"{min(config['limits']):g}", str(config["steps"])
+
+
 def was_run(row: dict) -> bool:
     """Whether a row was run (not one the calibrated plan refused)."""
     return row["measured_peak_mb"] != ""
@@ -202,9 +209,11 @@ def append_row(row: dict) -> None:
         writer.writerow(row)
 
 
-def report(rows: list[dict], lines: dict, pending: list[dict]) -> str:
-    """The markdown report: the measured rows, the bounds, the fit lines, what is not measured yet."""
-    columns = [c for c in COLUMNS if c != "cpu"]
+def report(rows: list[dict], lines: dict, pending: list[dict], cpu: str) -> str:
+    """The markdown report: the measured rows, the bounds, the fit lines, what is not measured yet. Rows from
+    more than one CPU (a ladder finished on another machine) name theirs: each was planned and measured there."""
+    cpus = sorted({r["cpu"] for r in rows})
+    columns = [c for c in COLUMNS if c != "cpu" or len(cpus) > 1]
     md = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     refused, rows = [r for r in rows if not was_run(r)], [r for r in rows if was_run(r)]
     for r in rows:
@@ -218,13 +227,13 @@ def report(rows: list[dict], lines: dict, pending: list[dict]) -> str:
                    f"{sum(eta_ok)} of {len(rows)}; runs at or under their limit: {sum(limit_ok)} of {len(rows)}. "
                    "Peak: the training process's whole life (loading included), ru_maxrss; time: the loop's wall "
                    "time; `limits_gb`: the limits at which the plan picks this configuration (run at the tightest). "
-                   "CPU: " + ", ".join(sorted({r["cpu"] for r in rows})) + "."]
+                   "CPU: " + ", ".join(cpus) + "."]
     if refused:
         md += ["", "Fitted by the analytic plan, not by the calibrated one (so not run, as the plan stage would not run "
                    "them):", ""]
         md += [f"- {r['model']} {r['method']} at {r['limits_gb']} GiB: {r['calibration']} ({r['cpu']})" for r in refused]
-    md += ["", "What the plan says at each limit (analytic, `frugaltune plan --model <shape> --memory-limit-gb N "
-               "--no-calibrate`):", ""]
+    md += ["", f"What the plan says at each limit on {cpu} (analytic, `frugaltune plan --model <shape> "
+               "--memory-limit-gb N --no-calibrate`):", ""]
     md += [f"- {name} at {limit:g} GiB: {line}" for (name, limit), line in lines.items()]
     if pending:
         md += ["", "Not measured yet (`python benchmarks/scale_ladder.py` resumes with them): "
@@ -240,18 +249,26 @@ def render_png(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    cpus = sorted({r["cpu"] for r in rows})
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.8 if len(cpus) == 1 else 5.6))
     colors = {"full": "tab:red", "lora": "tab:blue", "qlora": "tab:green", "dora": "tab:purple",
               "prelayer": "tab:orange"}
     for ax, (pred, meas, unit) in zip(axes, (("predicted_s_per_1k", "measured_s_per_1k", "seconds per 1 k tokens"),
                                              ("predicted_peak_mb", "measured_peak_mb", "peak RSS (MB)"))):
-        for method in dict.fromkeys(r["method"] for r in rows):
-            mine = sorted((r for r in rows if r["method"] == method), key=lambda r: float(r["params_b"]))
-            x = [float(r["params_b"]) for r in mine]
-            color = colors.get(method, "black")
-            ax.scatter(x, [float(r[meas]) for r in mine], color=color, label=f"{method} measured")
-            ax.scatter(x, [float(r[pred]) for r in mine], facecolors="none", edgecolors=color, marker="s",
-                       label=f"{method} planned")
+        # one marker per CPU (filled: measured, hollow: planned), one colour per method
+        for cpu, marker in zip(cpus, ("o", "^", "D", "v", "P")):
+            on = f" ({' '.join(cpu.split(',')[0].split()[-4:])})" if len(cpus) > 1 else ""  # family F model M
+            for method in dict.fromkeys(r["method"] for r in rows):
+                mine = sorted((r for r in rows if r["method"] == method and r["cpu"] == cpu),
+                              key=lambda r: float(r["params_b"]))
+                if not mine:
+                    continue
+                x = [float(r["params_b"]) for r in mine]
+                color = colors.get(method, "black")
+                ax.scatter(x, [float(r[meas]) for r in mine], color=color, marker=marker,
+                           label=f"{method} measured{on}")
+                ax.scatter(x, [float(r[pred]) for r in mine], facecolors="none", edgecolors=color, marker=marker,
+                           s=70, label=f"{method} planned{on}")
         if unit.startswith("peak"):
             for limit in LIMITS:
                 ax.axhline(limit * 1024, color="grey", linewidth=0.6, linestyle=":")
@@ -264,10 +281,10 @@ def render_png(rows: list[dict], path: Path) -> None:
             axis.set_minor_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
         ax.set_xlabel("parameters (billions)")
         ax.set_ylabel(unit)
-        ax.legend(fontsize=7)
-    cpus = sorted({r["cpu"] for r in rows})
+    handles, labels = axes[0].get_legend_handles_labels()  # one legend for both, under them: no point hidden
+    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=7)
     fig.suptitle(f"scale ladder: plan vs measured ({', '.join(cpus)})", fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.02 + 0.035 * math.ceil(len(labels) / 4), 1, 1))
     fig.savefig(path, dpi=110)
 
 
@@ -300,8 +317,7 @@ def main() -> None:
     # a row measured on this CPU with these steps is done; the calibrated plan may pick another micro-batch than the
     # analytic one, so a configuration is known by the analytic plan's pick (the tightest limit) as well
     done = {(r["model"], r["method"], r["limits_gb"].split("/")[0], r["steps"]) for r in read_rows() if r["cpu"] == cpu}
-    pending = [c for c in configs.values()
-               if (c["model"], c["method"], f"{min(c['limits']):g}", str(c["steps"])) not in done]
+    pending = [c for c in configs.values() if _key(c) not in done]
     malloc = allocator.child_env(load_params().train.allocator)
     for config in [] if args.report else list(pending):
         tag = f"{config['model']} {config['method']} at {min(config['limits']):g} GiB"
@@ -326,7 +342,9 @@ def main() -> None:
               f"({row['peak_error']:+.1%}); {row['predicted_seconds']} s planned, {row['measured_seconds']} s "
               f"measured ({row['eta_error']:+.1%})", flush=True)
     rows = sorted(read_rows(), key=lambda r: (float(r["params_b"]), r["method"]))
-    md = report(rows, lines, pending)
+    # the report's "not measured yet": on no CPU (a run resumes with what this CPU has not measured)
+    anywhere = {(r["model"], r["method"], r["limits_gb"].split("/")[0], r["steps"]) for r in rows}
+    md = report(rows, lines, [c for c in pending if _key(c) not in anywhere], cpu)
     Path(f"{OUT}.md").write_text(md)
     rows = [r for r in rows if was_run(r)]
     if rows:
