@@ -185,6 +185,11 @@ def _key(config: dict) -> tuple[str, str, str, str]:
     return config["model"], config["method"], f"{min(config['limits']):g}", str(config["steps"])
 
 
+def _row_key(row: dict) -> tuple[str, str, str, str]:
+    """A row's configuration, as _key gives it."""
+    return row["model"], row["method"], row["limits_gb"].split("/")[0], row["steps"]
+
+
 def was_run(row: dict) -> bool:
     """Whether a row was run (not one the calibrated plan refused)."""
     return row["measured_peak_mb"] != ""
@@ -316,7 +321,7 @@ def main() -> None:
                                     args.large_steps, args.weights_dir)
     # a row measured on this CPU with these steps is done; the calibrated plan may pick another micro-batch than the
     # analytic one, so a configuration is known by the analytic plan's pick (the tightest limit) as well
-    done = {(r["model"], r["method"], r["limits_gb"].split("/")[0], r["steps"]) for r in read_rows() if r["cpu"] == cpu}
+    done = {_row_key(r) for r in read_rows() if r["cpu"] == cpu}
     pending = [c for c in configs.values() if _key(c) not in done]
     malloc = allocator.child_env(load_params().train.allocator)
     for config in [] if args.report else list(pending):
@@ -343,7 +348,7 @@ def main() -> None:
               f"measured ({row['eta_error']:+.1%})", flush=True)
     rows = sorted(read_rows(), key=lambda r: (float(r["params_b"]), r["method"]))
     # the report's "not measured yet": on no CPU (a run resumes with what this CPU has not measured)
-    anywhere = {(r["model"], r["method"], r["limits_gb"].split("/")[0], r["steps"]) for r in rows}
+    anywhere = {_row_key(r) for r in rows}
     md = report(rows, lines, [c for c in pending if _key(c) not in anywhere], cpu)
     Path(f"{OUT}.md").write_text(md)
     rows = [r for r in rows if was_run(r)]
