@@ -27,7 +27,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import tempfile
 import time
+import uuid
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
@@ -162,16 +165,20 @@ def calibrate(model_dir: Path | str, labels: list[str], pad_token_id: int, metho
     defaults (no ETA). `calibration["stopped"]` says why and `calibration["busy_note"]` what that means for the plan.
     With `inference_rows`, whose passes come after the steps, a stopped calibration is CalibrationStopped.
     """
-    prepared = _prepare(model_dir, labels, pad_token_id, method, knobs, rows=rows, targets=targets, order=order,
-                        loop=loop, int8=int8, gradient_checkpointing=gradient_checkpointing, threads=threads, seed=seed,
-                        time_samples=time_samples, allocator=allocator, task=task, inference_rows=inference_rows,
-                        inference_batch=inference_batch, others=others, others_share=others_share, planned=planned)
-    started = time.perf_counter()
+    # The rows file is named before it exists: a SIGTERM (an exit here, frugaltune.processes.sigterm_as_exit) that
+    # lands while it is written still finds its name in `finally`.
+    rows_file = Path(tempfile.gettempdir()) / f"frugaltune-calibration-{uuid.uuid4().hex}.json"
     try:
+        prepared = _prepare(model_dir, labels, pad_token_id, method, knobs, rows=rows, targets=targets, order=order,
+                            loop=loop, int8=int8, gradient_checkpointing=gradient_checkpointing, threads=threads,
+                            seed=seed, time_samples=time_samples, allocator=allocator, task=task,
+                            inference_rows=inference_rows, inference_batch=inference_batch, others=others,
+                            others_share=others_share, planned=planned, rows_file=rows_file)
+        started = time.perf_counter()
         measured = _measure(prepared, method, worker, allocator, timeout_s, watch_s, stop_when_busy, inference_rows,
                             started)
     finally:
-        Path(prepared.spec["rows_file"]).unlink(missing_ok=True)
+        rows_file.unlink(missing_ok=True)
     if isinstance(measured, Calibration):  # stopped before its second step: the analytic defaults, and why
         return measured
     return _fitted(measured, prepared, time.perf_counter() - started, shape, method, knobs, loop,
@@ -182,12 +189,10 @@ def _prepare(model_dir: Path | str, labels: list[str], pad_token_id: int, method
              rows: list[list[int]], targets: list, order: list[list[int]], loop: LoopConfig, int8: dict,
              gradient_checkpointing: bool, threads: int, seed: int, time_samples: int, allocator: str, task: str,
              inference_rows: list[list[int]] | None, inference_batch: int, others: list[dict] | None,
-             others_share: float | None, planned: tuple[int, int] | None) -> _Prepared:
+             others_share: float | None, planned: tuple[int, int] | None, rows_file: Path) -> _Prepared:
     """calibrate's first step: the run's micro-batches it times (calibration_batches, then again under the peak,
-    then the rows the other methods are timed on), written to a rows file its process reads, and the spec that
-    names them (calibrate's arguments)."""
-    import tempfile
-
+    then the rows the other methods are timed on), written to `rows_file` (new, private) for its process to read,
+    and the spec that names them (calibrate's arguments)."""
     from frugaltune.training.batching import parts
 
     lengths = [len(r) for r in rows]
@@ -234,12 +239,12 @@ def _prepare(model_dir: Path | str, labels: list[str], pad_token_id: int, method
         chosen = [batches[len(batches) // 2], batches[0], batches[len(batches) // 2], batches[-1]]
         inference = {"batches": [[list(inference_rows[i]) for i in b] for b in chosen],
                      "padded_tokens": [len(b) * max(widths[i] for i in b) for b in chosen]}
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
+    with os.fdopen(os.open(rows_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as handle:
         json.dump({"rows": [list(rows[i]) for i in used], "targets": [targets[i] for i in used],
                    "batches": [[index[i] for i in batch] for batch in runs], "inference": inference}, handle)
     spec = {"model_dir": str(model_dir), "labels": labels, "pad_token_id": pad_token_id, "seed": seed,
             "method": method, "knobs": asdict(knobs), "gradient_checkpointing": gradient_checkpointing,
-            "threads": threads, "allocator": allocator, "task": task, "int8": int8, "rows_file": handle.name,
+            "threads": threads, "allocator": allocator, "task": task, "int8": int8, "rows_file": str(rows_file),
             "loop": loop.to_dict()}
     if others:
         spec["others"] = [{"method": o["method"], "knobs": asdict(o["knobs"]), "int8": o["int8"]} for o in others]

@@ -406,8 +406,6 @@ def test_the_calibrations_process_receives_the_runs_loop_config_whole(tmp_path):
     """What calibrate hands its process names the run's LoopConfig in its serialized form, JSON-safe, and
     LoopConfig.build takes it back to the same settings (the process then sets only its own: steps, logging,
     no checkpoints or warm-up)."""
-    from pathlib import Path
-
     from frugaltune.planner.calibration import _prepare
 
     loop = LoopConfig.build(lr=3e-3, head_lr=6e-3, lora_plus_ratio=4.0, batch_size=8, micro_batch_size=4,
@@ -418,9 +416,29 @@ def test_the_calibrations_process_receives_the_runs_loop_config_whole(tmp_path):
                         targets=[i % 3 for i in range(24)], order=[list(range(i, i + 8)) for i in range(0, 24, 8)],
                         loop=loop, int8={"on": False, "why": "test"}, gradient_checkpointing=False, threads=1,
                         seed=0, time_samples=3, allocator="system", task="classification", inference_rows=None,
-                        inference_batch=8, others=None, others_share=None, planned=None)
-    Path(prepared.spec["rows_file"]).unlink()
+                        inference_batch=8, others=None, others_share=None, planned=None,
+                        rows_file=tmp_path / "rows.json")
+    assert prepared.spec["rows_file"] == str(tmp_path / "rows.json")
     assert LoopConfig.build(**json.loads(json.dumps(prepared.spec))["loop"]) == loop
+
+
+def test_a_calibration_that_fails_while_it_writes_its_rows_leaves_no_file(tiny_model_dir, tmp_path, monkeypatch):
+    """The rows file the calibration's process reads is named before it is written: an exit that lands while it is
+    written (a SIGTERM of `frugaltune plan`, here a value JSON cannot write) still removes it. It was created
+    first and named after: a SIGTERM in between left it in $TMPDIR (the fault test of a plan by shape, in CI)."""
+    import tempfile
+
+    from frugaltune.training.loop import LoopConfig
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    shape = model_shape(tiny_model_dir, len(LABELS), "lora")
+    rows = [[5 + j for j in range(8 + i)] for i in range(16)]
+    _, order = planned_order([len(r) for r in rows], 8, 1, 1.0, None, seed=0)
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        calibrate(tiny_model_dir, LABELS, 0, "lora", MethodKnobs(), shape, rows=rows, targets=[object()] * 16,
+                  order=order, loop=LoopConfig.build(lr=1e-3, batch_size=8), int8={"on": False, "why": "test"},
+                  gradient_checkpointing=False, threads=1, time_samples=2)
+    assert not list(tmp_path.iterdir())
 
 
 def test_calibration_times_the_runs_own_loop_and_gives_an_eta(tiny_model_dir):
