@@ -9,6 +9,7 @@ own process (internal). Its rooms, each importing only those above it:
 - measure: what the calibration's process runs (the train loop's steps timed, the bytes saved for backward);
 - worker: that process as the planner sees it (started early, watched, stopped);
 - calibration: the run's micro-batches picked, timed in that process and fitted (`calibrate` -> `Calibration`);
+- recalibration: the plan's calibration at its pick, and again where the measured memory moves the pick;
 - assembly: the plan (every method priced, the fit check, `build_plan`);
 - render: the plan as a table.
 """

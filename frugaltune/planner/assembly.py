@@ -17,7 +17,8 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from frugaltune.methods import METHODS, NAMES, get as method_named, timing_order
-from frugaltune.planner.calibration import RECALIBRATE, at_the_pick, calibrate_at
+from frugaltune.planner.calibration import RECALIBRATE
+from frugaltune.planner.recalibration import at_the_pick, calibrate_at
 from frugaltune.planner.machine import decide_machine, layer_flops_per_s, memory_limit
 from frugaltune.planner.memory import (Constants, GiB, MethodKnobs, MiB, ModelShape, memory_estimate, model_shape,
                                        planned_batches, planned_order, training_flops_per_token)

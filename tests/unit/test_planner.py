@@ -316,7 +316,7 @@ def test_a_pick_the_measured_memory_moved_is_calibrated_again_at_its_micro_batch
     from functools import partial
 
     from frugaltune.config import load_params
-    from frugaltune.planner.calibration import at_the_pick, calibrate_at, pooled_memory
+    from frugaltune.planner.recalibration import at_the_pick, calibrate_at, pooled_memory
     from tests import tiny_project
 
     monkeypatch.chdir(tmp_path)
@@ -378,7 +378,7 @@ def test_the_pooled_memory_fit_goes_through_both_calibrations_largest_parts():
     the two calibrations are not alike or the peaks do not grow."""
     from dataclasses import replace
 
-    from frugaltune.planner.calibration import pooled_memory
+    from frugaltune.planner.recalibration import pooled_memory
 
     per_token, static = 1e5, 2e9
     # the second calibration ran at micro-batch 16: its own fit (scale 0.5) through its largest part's peak
