@@ -12,8 +12,8 @@ gate/up; or one layer alone: o_proj, down_proj) run as one `torch.autograd.Funct
 
     forward:  one int8 product for every member's base output (as int8.Int8Siblings), the dropout of x and its
               cast in one compiled pass (int8.dropout_cast), one product of the dropped x with the members' A
-              matrices stacked ([tokens, members x r]), and per member B's product added to its base output in one
-              `addmm` (scaled on the rank-r side);
+              matrices stacked ([tokens, members x r]), and per member B's product added into its base output in
+              one `addmm_` (scaled on the rank-r side);
     backward: each member's rank-r gradient, A's gradients in one product, B's in one each, the LoRA input
               gradient in one product through the stacked A; then the int8 input gradient of every member and
               LoRA's, through the dropout mask, summed in fp32 and cast in one compiled pass
@@ -85,7 +85,9 @@ class _Int8LoraProduct(torch.autograd.Function):
         b = [w.to(dtype) for w in b_weights]
         ranks = [w.shape[0] for w in a_weights]
         parts = zip(y.split(base.sizes, dim=-1), h.split(ranks, dim=-1), b)
-        outs = [torch.addmm(part, hs, bw.t()) for part, hs, bw in parts]
+        # B's product added into y's own columns: y is this node's alone, and addmm's out-of-place form copied each
+        # member's strided slice of it first
+        outs = [part.addmm_(hs, bw.t()) for part, hs, bw in parts]
         ctx.save_for_backward(dropped, keep, h, a, *b)
         ctx.fused, ctx.ranks, ctx.keep_scale, ctx.input_dtype = fused, ranks, keep_scale, x.dtype
         ctx.weight_dtypes = [w.dtype for w in weights]
