@@ -9,10 +9,8 @@ with the crossover length the kernels stage measured on this machine (plan `run.
   (docs/DECISIONS.md has the figures). Flash attention wins back its tiling only on long sequences, at a crossover
   the kernels stage measures on each machine. Length-grouped batches have one padded length each, so the
   attention and its mask are chosen per batch: eager up to `max_len`, SDPA above. Same math, same results up to
-  rounding. The eager path is transformers' without its copies: each key/value head's query heads are one batch of
-  rows (`grouped_eager_attention`: no repeat_kv of keys and values), and under autocast the rotary embedding's cos
-  and sin and the additive mask come in the autocast dtype, as the projections' outputs do: in fp32 they turned the
-  rotation and the masked scores into fp32 copies, cast back for the next matmul.
+  rounding. Under autocast the eager path's additive mask comes in the autocast dtype, as the scores do (0 and the
+  dtype's minimum: the same sums, bit for bit, without an fp32 copy of every layer's scores).
 - `fast_lora_dropout(model)`: peft applies `nn.Dropout` to the input of every adapted projection, and torch's CPU
   Bernoulli sampling draws one 32-bit number per element, four times per layer (q, k and v each drop out the same
   hidden states separately): a noticeable share of a LoRA step (docs/DECISIONS.md). The replacement draws 16
@@ -32,7 +30,6 @@ addmm, compiled norms) were deleted: their measurements are in docs/DECISIONS.md
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import warnings
 from collections.abc import Callable, Iterator
@@ -160,25 +157,6 @@ def _autocast_dtype(device: torch.device | str) -> torch.dtype | None:
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
 
 
-def grouped_eager_attention(module, query, key, value, attention_mask, scaling: float, dropout: float = 0.0,
-                            **kwargs):
-    """transformers' eager attention (matmul, mask, softmax in fp32, matmul) with each key/value head's query heads
-    as one batch of rows, [batch, kv heads, group x length, head dim]: the same products without repeat_kv's copies
-    of the keys and values (and the sums of their gradients), which it spent on every layer of a GQA model."""
-    batch, heads, length, dim = query.shape
-    kv_heads, kv_length = key.shape[1], key.shape[2]
-    groups = heads // kv_heads
-    rows = query.reshape(batch, kv_heads, groups * length, dim)
-    weights = torch.matmul(rows, key.transpose(2, 3)) * scaling
-    if attention_mask is not None:  # [batch, 1, length, kv length], the same for every head
-        weights = (weights.view(batch, kv_heads, groups, length, kv_length)
-                   + attention_mask[:, :, None]).view(batch, kv_heads, groups * length, kv_length)
-    weights = torch.nn.functional.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
-    weights = torch.nn.functional.dropout(weights, p=dropout, training=module.training)
-    output = torch.matmul(weights, value).view(batch, heads, length, dim)
-    return output.transpose(1, 2).contiguous(), weights.view(batch, heads, length, kv_length)
-
-
 def _register(max_len: int) -> str:
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -187,9 +165,7 @@ def _register(max_len: int) -> str:
 
     def attention(module, query, key, value, attention_mask, **kwargs):
         if key.shape[2] <= max_len:
-            if attention_mask is not None and attention_mask.shape[1] != 1:  # a mask per head: repeated as given
-                return eager_attention_forward(module, query, key, value, attention_mask, **kwargs)
-            return grouped_eager_attention(module, query, key, value, attention_mask, **kwargs)
+            return eager_attention_forward(module, query, key, value, attention_mask, **kwargs)
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
     def mask(*args, kv_length: int, **kwargs):
@@ -206,18 +182,6 @@ def _register(max_len: int) -> str:
     AttentionInterface.register(name, attention)
     AttentionMaskInterface.register(name, mask)
     return name
-
-
-def _rotary_forward(module: torch.nn.Module, max_len: int, x: torch.Tensor, position_ids: torch.Tensor, *args,
-                    **kwargs):
-    """The rotary embedding's cos and sin in the autocast dtype for the eager path: the query and key projections
-    come out of autocast in it, and fp32 cos and sin turned every rotation into fp32 copies of both, cast back for
-    the scores' matmul."""
-    cos, sin = type(module).forward(module, x, position_ids, *args, **kwargs)
-    dtype = _autocast_dtype(x.device)
-    if dtype is None or position_ids.shape[-1] > max_len:
-        return cos, sin
-    return cos.to(dtype), sin.to(dtype)
 
 
 def _set_attention(model: torch.nn.Module, name: str) -> None:
@@ -242,11 +206,8 @@ def short_sequence_attention(model: torch.nn.Module, max_len: int) -> Iterator[N
     """`use_short_sequence_attention` within the block; the model's own implementation comes back on exit, so
     nothing saved or served afterwards names ours."""
     previous = use_short_sequence_attention(model, max_len)
-    rotary = {module: functools.partial(_rotary_forward, module, max_len) for module in model.modules()
-              if type(module).__name__.endswith("RotaryEmbedding")} if previous is not None else {}
     try:
-        with instance_forwards(rotary):
-            yield
+        yield
     finally:
         if previous is not None:
             _set_attention(model, previous)
