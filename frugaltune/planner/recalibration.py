@@ -4,8 +4,8 @@ Library code, no entry point; frugaltune.planner.assembly.build_plan calls it. T
 pick (`calibrate_at`); where the measured memory then moves the pick to another micro-batch or checkpointing, it
 calibrates once more at the new pick (`at_the_pick`): a step costs a fixed amount per micro-batch as well as per
 token (QLoRA dequantizes every weight at each forward and backward), which one micro-batch size cannot split, so
-only the run's own micro-batch gives the run's ETA. Where the second calibration's memory moves the pick back, the
-run's memory is fitted through both calibrations' peaks (`pooled_memory`).
+only the run's own micro-batch gives the run's ETA. The run's memory is then fitted through both calibrations' peaks
+(`pooled_memory`).
 """
 
 from __future__ import annotations
@@ -71,32 +71,33 @@ def at_the_pick(plan: dict, method: str, calibrated: dict, constants: Constants,
                   first={"micro_batch_size": calibrated["micro_batch_size"],
                          "gradient_checkpointing": calibrated["gradient_checkpointing"],
                          "seconds": calibration["seconds"]})
-    again = replace(again, **others)
+    # the memory through both calibrations' peaks, since each one's own fit holds only near its own micro-batch
+    # (pooled_memory): the second's alone, read within a small micro-batch, can under-predict a larger one enough to
+    # move the pick past the micro-batch the first calibration measured over the limit
+    memory = pooled_memory(constants, calibration["memory_points"], again, report["memory_points"])
+    if memory:
+        report["memory_from"] = "both calibrations' peaks"
+    again = replace(again, **others, **memory)
     plan_again = replan(constants=again, calibration=report)
     if where(plan_again["methods"][method]) != where(calibrated):
         return plan_again
     # the memory measured at the new pick moved it back (it did not fit there after all): the run is the first
-    # calibration's micro-batch, so its time constants are the first's; its memory is fitted through both
-    # calibrations' peaks, since each one's own fit holds only near its own micro-batch (pooled_memory)
+    # calibration's micro-batch, so its time constants are the first's
     log(f"plan: micro-batch {picked['micro_batch_size']} does not fit as measured; the run keeps micro-batch "
         f"{calibrated['micro_batch_size']} and the first calibration's time")
     report["timed_at"] = "first"
-    memory = pooled_memory(constants, calibration["memory_points"], again, report["memory_points"])
-    if memory:
-        report["memory_from"] = "both calibrations' peaks"
     return replan(constants=replace(again, step_overhead_s=constants.step_overhead_s,
-                                    seconds_per_token=constants.seconds_per_token, startup_s=constants.startup_s,
-                                    **memory),
+                                    seconds_per_token=constants.seconds_per_token, startup_s=constants.startup_s),
                   calibration=report)
 
 
 def pooled_memory(first: Constants, first_points: list, second: Constants, second_points: list) -> dict:
-    """The memory constants (runtime bytes, activation scale) through both calibrations' largest parts, where the
-    second calibration's pick moved back to the first's micro-batch. Each calibration's own fit reads the slope of
+    """The memory constants (runtime bytes, activation scale) through both calibrations' largest parts, once the
+    measured memory moved the pick and the plan calibrated again there. Each calibration's own fit reads the slope of
     peak against tokens within one micro-batch, so it holds near that micro-batch only: the second's under-predicts
-    the micro-batch the run keeps (docs/PLAN.md, the ladder's Qwen2.5-0.5B QLoRA at 4 GiB), the first's the one the
-    pick moved to (which is what moved it). Each largest part is the batch that sets its run's peak, measured: the
-    line through both is exact at the run's micro-batch and at the one it could not take. {} where the two are not
+    a larger micro-batch (docs/PLAN.md, the ladder's Qwen2.5-0.5B QLoRA and Llama-3.2-1B QLoRA at 4 GiB), the
+    first's the one the pick moved to (which is what moved it). Each largest part is the batch that sets its run's
+    peak, measured: the line through both is exact at both micro-batches. {} where the two are not
     alike (the method or checkpointing differ, so their per-token bytes are not one quantity) or the peaks do not
     grow with the tokens."""
     if (not first_points or not second_points or first.calibrated_method != second.calibrated_method

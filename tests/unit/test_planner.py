@@ -343,8 +343,9 @@ def test_a_pick_the_measured_memory_moved_is_calibrated_again_at_its_micro_batch
     unmoved = {"methods": {"lora": entry(2)}}
     assert at_the_pick(unmoved, "lora", entry(2), constants, first, timed, replan, lines.append) is unmoved
     assert not lines
-    plan = at_the_pick({"methods": {"lora": entry(8)}}, "lora", entry(2), constants, first, timed, replan,
-                       lines.append)
+    ran = []
+    plan = at_the_pick({"methods": {"lora": entry(8)}}, "lora", entry(2), constants, first,
+                       lambda *a: ran.append(timed(*a)) or ran[-1], replan, lines.append)
     second = plan["calibration"]
     assert "calibrating lora again at the pick" in lines[0]
     assert second["first"] == {"micro_batch_size": 2, "gradient_checkpointing": False, "seconds": first["seconds"]}
@@ -352,6 +353,13 @@ def test_a_pick_the_measured_memory_moved_is_calibrated_again_at_its_micro_batch
     # its steps ran parts of 8 rows, not 2
     assert max(s["part_tokens"] for s in second["steps"]) > max(s["part_tokens"] for s in first["steps"])
     assert plan["constants"].seconds_per_token > 0 and plan["constants"] is not constants
+    # the run's memory is fitted through both calibrations' peaks (where they grow with the tokens), not the
+    # second's alone: that one, read within one micro-batch, can move the pick past what the first measured
+    forward = pooled_memory(constants, first["memory_points"], ran[0][0], ran[0][1]["memory_points"])
+    assert ("memory_from" in second) == bool(forward)
+    own = forward or {"activation_scale": ran[0][0].activation_scale, "runtime_bytes": ran[0][0].runtime_bytes}
+    assert (plan["constants"].activation_scale, plan["constants"].runtime_bytes) == (
+        own["activation_scale"], own["runtime_bytes"])
     # the memory measured at the new pick sends it back (it did not fit there): the run is the first calibration's
     # micro-batch, and so is its time; the memory is the second's
 
@@ -400,6 +408,46 @@ def test_the_pooled_memory_fit_goes_through_both_calibrations_largest_parts():
     assert pooled_memory(first, first_points, replace(second, calibrated_checkpointing=True), second_points) == {}
     assert pooled_memory(first, first_points, replace(second, calibrated_method="lora"), second_points) == {}
     assert pooled_memory(first, [(1000, 2.9e9), (2000, 3e9)], second, second_points) == {}  # no growth
+
+
+def test_a_pick_calibrated_again_keeps_what_the_first_calibration_measured_over_the_limit():
+    """The ladder's Llama-3.2-1B QLoRA at 4 GiB: calibrated at micro-batch 4 and measured over the limit there, so
+    calibrated again at 2. The second calibration's own fit, read within micro-batch 2, hardly grew with the tokens
+    and put micro-batch 16 under the limit; the plan picked 16 and the run went far over. Fitted through both
+    calibrations' peaks, 4 stays over the limit as measured, and the run is 2."""
+    from frugaltune.planner.recalibration import at_the_pick
+
+    per_token, static, limit = 1e5, 2e9, 3.6e9
+
+    def peak(constants: Constants, micro: int) -> float:  # the largest part of micro-batch m: 1,000 tokens a row
+        return static + constants.runtime_bytes + constants.activation_scale * per_token * 1000 * micro
+
+    def entry(micro: int) -> dict:
+        return {"micro_batch_size": micro, "gradient_checkpointing": False, "fits": True, "steps": 20,
+                "padded_tokens": 40000}
+
+    def replan(constants, calibration):  # the largest micro-batch whose peak fits, as the plan picks
+        micro = next(m for m in (16, 8, 4, 2, 1) if peak(constants, m) <= limit)
+        return {"methods": {"qlora": entry(micro)}, "constants": constants, "calibration": calibration}
+
+    first = Constants(runtime_bytes=int(5e8), activation_scale=3.0, calibrated_method="qlora",
+                      calibrated_per_token=per_token, seconds_per_token=1e-3, step_overhead_s=1.0)
+    second = Constants(runtime_bytes=int(1.1e9), activation_scale=0.005, calibrated_method="qlora",
+                       calibrated_per_token=per_token, seconds_per_token=2e-3, step_overhead_s=0.5)
+    first_report = {"stopped": None, "seconds": 20.0, "memory_points": [(3000, 3.4e9), (4000, 3.7e9)]}
+    second_points = [(1000, peak(second, 1)), (2000, peak(second, 2))]
+    assert replan(second, {})["methods"]["qlora"]["micro_batch_size"] == 16  # the second's fit alone: 16
+
+    def timed(pick, others, worker, timeout):
+        assert pick["micro_batch_size"] == 2
+        return second, {"stopped": None, "seconds": 10.0, "memory_points": second_points}
+
+    plan = at_the_pick({"methods": {"qlora": entry(2)}}, "qlora", entry(4), first, first_report, timed, replan,
+                       lambda line: None)
+    assert plan["methods"]["qlora"]["micro_batch_size"] == 2
+    assert plan["calibration"]["memory_from"] == "both calibrations' peaks"
+    assert peak(plan["constants"], 4) == pytest.approx(3.7e9, rel=1e-3)  # over the limit, as measured
+    assert plan["constants"].seconds_per_token == second.seconds_per_token  # timed at the run's own micro-batch
 
 
 def test_the_calibrations_process_receives_the_runs_loop_config_whole(tmp_path):
