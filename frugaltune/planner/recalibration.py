@@ -5,7 +5,8 @@ pick (`calibrate_at`); where the measured memory then moves the pick to another 
 calibrates once more at the new pick (`at_the_pick`): a step costs a fixed amount per micro-batch as well as per
 token (QLoRA dequantizes every weight at each forward and backward), which one micro-batch size cannot split, so
 only the run's own micro-batch gives the run's ETA. The run's memory is then fitted through both calibrations' peaks
-(`pooled_memory`).
+(`pooled_memory`); where that fit picks a micro-batch neither calibration ran, the run's time is measured there once
+more (`_timed_at_third`).
 """
 
 from __future__ import annotations
@@ -79,8 +80,11 @@ def at_the_pick(plan: dict, method: str, calibrated: dict, constants: Constants,
         report["memory_from"] = "both calibrations' peaks"
     again = replace(again, **others, **memory)
     plan_again = replan(constants=again, calibration=report)
-    if where(plan_again["methods"][method]) != where(calibrated):
+    final = plan_again["methods"][method]
+    if where(final) == where(picked) or not final["fits"]:
         return plan_again
+    if where(final) != where(calibrated):
+        return _timed_at_third(plan_again, final, again, report, timed, replan, log)
     # the memory measured at the new pick moved it back (it did not fit there after all): the run is the first
     # calibration's micro-batch, so its time constants are the first's
     log(f"plan: micro-batch {picked['micro_batch_size']} does not fit as measured; the run keeps micro-batch "
@@ -88,6 +92,24 @@ def at_the_pick(plan: dict, method: str, calibrated: dict, constants: Constants,
     report["timed_at"] = "first"
     return replan(constants=replace(again, step_overhead_s=constants.step_overhead_s,
                                     seconds_per_token=constants.seconds_per_token, startup_s=constants.startup_s),
+                  calibration=report)
+
+
+def _timed_at_third(plan_again: dict, final: dict, again: Constants, report: dict, timed, replan, log) -> dict:
+    """The plan whose pick, through both calibrations' memory, is a micro-batch neither ran (between the two, or
+    past the second): its time measured there, since either one's fixed cost per micro-batch is not the run's. The
+    memory stays the fit through both; a stopped third timing leaves the second's."""
+    log(f"plan: through both calibrations' memory the pick is micro-batch {final['micro_batch_size']}"
+        f"{' with gradient checkpointing' if final['gradient_checkpointing'] else ''}: timing it there ...")
+    third, timing = timed(final, [], None, {})
+    if timing["stopped"]:
+        log(f"plan: that timing stopped ({timing['stopped']}); the ETA is the second calibration's")
+        return plan_again
+    report.update(seconds=round(report["seconds"] + timing["seconds"], 1), timed_at="third",
+                  third={"micro_batch_size": final["micro_batch_size"],
+                         "gradient_checkpointing": final["gradient_checkpointing"], "seconds": timing["seconds"]})
+    return replan(constants=replace(again, step_overhead_s=third.step_overhead_s,
+                                    seconds_per_token=third.seconds_per_token, startup_s=third.startup_s),
                   calibration=report)
 
 

@@ -410,11 +410,14 @@ def test_the_pooled_memory_fit_goes_through_both_calibrations_largest_parts():
     assert pooled_memory(first, [(1000, 2.9e9), (2000, 3e9)], second, second_points) == {}  # no growth
 
 
-def test_a_pick_calibrated_again_keeps_what_the_first_calibration_measured_over_the_limit():
-    """The ladder's Llama-3.2-1B QLoRA at 4 GiB: calibrated at micro-batch 4 and measured over the limit there, so
-    calibrated again at 2. The second calibration's own fit, read within micro-batch 2, hardly grew with the tokens
-    and put micro-batch 16 under the limit; the plan picked 16 and the run went far over. Fitted through both
-    calibrations' peaks, 4 stays over the limit as measured, and the run is 2."""
+@pytest.mark.parametrize("case", ["back_inside", "between"])
+def test_a_pick_calibrated_again_keeps_what_the_first_calibration_measured_over_the_limit(case):
+    """The ladder on a Zen 4, QLoRA: a first calibration measured its micro-batch over the limit (Llama-3.2-1B at
+    4 GiB: 4; SmolLM2-1.7B at 8 GiB: 16), so the plan calibrated again at 2. The second calibration's own fit, read
+    within micro-batch 2, hardly grew with the tokens and put 16 under the limit: the 1 B run went far over. Fitted
+    through both calibrations' peaks, the first's micro-batch stays over the limit as measured, and the pick is 2
+    (timed there), or one neither calibration ran (the 1.7 B: 8 here), timed once more at it: the second's time,
+    with 8 fixed costs per micro-batch a step, was +43.6 % on a run of 4."""
     from frugaltune.planner.recalibration import at_the_pick
 
     per_token, static, limit = 1e5, 2e9, 3.6e9
@@ -430,24 +433,34 @@ def test_a_pick_calibrated_again_keeps_what_the_first_calibration_measured_over_
         micro = next(m for m in (16, 8, 4, 2, 1) if peak(constants, m) <= limit)
         return {"methods": {"qlora": entry(micro)}, "constants": constants, "calibration": calibration}
 
-    first = Constants(runtime_bytes=int(5e8), activation_scale=3.0, calibrated_method="qlora",
-                      calibrated_per_token=per_token, seconds_per_token=1e-3, step_overhead_s=1.0)
-    second = Constants(runtime_bytes=int(1.1e9), activation_scale=0.005, calibrated_method="qlora",
-                       calibrated_per_token=per_token, seconds_per_token=2e-3, step_overhead_s=0.5)
-    first_report = {"stopped": None, "seconds": 20.0, "memory_points": [(3000, 3.4e9), (4000, 3.7e9)]}
-    second_points = [(1000, peak(second, 1)), (2000, peak(second, 2))]
+    def timing(seconds_per_token: float, step_overhead_s: float, **memory) -> Constants:
+        return Constants(calibrated_method="qlora", calibrated_per_token=per_token,
+                         seconds_per_token=seconds_per_token, step_overhead_s=step_overhead_s, **memory)
+
+    first_micro, first_points, run = {"back_inside": (4, [(3000, 3.4e9), (4000, 3.7e9)], 2),
+                                      "between": (16, [(12000, 3.9e9), (16000, 4.2e9)], 8)}[case]
+    first = timing(1e-3, 1.0, runtime_bytes=int(5e8), activation_scale=3.0)
+    second = timing(2e-3, 0.5, runtime_bytes=int(1.1e9), activation_scale=0.005)
+    third = timing(1.5e-3, 0.7)
+    calibrations = {2: (second, [(1000, peak(second, 1)), (2000, peak(second, 2))]), 8: (third, [])}
     assert replan(second, {})["methods"]["qlora"]["micro_batch_size"] == 16  # the second's fit alone: 16
+    ran = []
 
     def timed(pick, others, worker, timeout):
-        assert pick["micro_batch_size"] == 2
-        return second, {"stopped": None, "seconds": 10.0, "memory_points": second_points}
+        ran.append(pick["micro_batch_size"])
+        constants, points = calibrations[pick["micro_batch_size"]]
+        return constants, {"stopped": None, "seconds": 10.0, "memory_points": points}
 
-    plan = at_the_pick({"methods": {"qlora": entry(2)}}, "qlora", entry(4), first, first_report, timed, replan,
+    plan = at_the_pick({"methods": {"qlora": entry(2)}}, "qlora", entry(first_micro), first,
+                       {"stopped": None, "seconds": 20.0, "memory_points": first_points}, timed, replan,
                        lambda line: None)
-    assert plan["methods"]["qlora"]["micro_batch_size"] == 2
+    assert plan["methods"]["qlora"]["micro_batch_size"] == run and ran == sorted({2, run})
     assert plan["calibration"]["memory_from"] == "both calibrations' peaks"
-    assert peak(plan["constants"], 4) == pytest.approx(3.7e9, rel=1e-3)  # over the limit, as measured
-    assert plan["constants"].seconds_per_token == second.seconds_per_token  # timed at the run's own micro-batch
+    assert peak(plan["constants"], first_micro) == pytest.approx(first_points[-1][1], rel=1e-3)  # over, as measured
+    timed_at = calibrations[run][0]  # the run's time is measured at its own micro-batch
+    assert (plan["constants"].seconds_per_token, plan["constants"].step_overhead_s) == (
+        timed_at.seconds_per_token, timed_at.step_overhead_s)
+    assert plan["calibration"]["seconds"] == 20.0 + 10.0 * len(ran)
 
 
 def test_the_calibrations_process_receives_the_runs_loop_config_whole(tmp_path):
