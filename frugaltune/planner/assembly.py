@@ -103,8 +103,9 @@ def plan_method(method: str, run: RunSpec, hardware: dict, shape: ModelShape, co
             split = math.ceil(run.batch_size / micro)
             # Every distinct part the loop runs: (rows, length, alone in its optimizer step), each rank computing its
             # share of a batch (every ranks-th sequence) in parts as the loop splits it. A part alone in its
-            # step has backward's gradients replace the activations it frees (memory_estimate), so the peak is the
-            # largest estimate over them, not always the largest part's.
+            # step may have backward's gradients take the pages of the activations it frees (memory_estimate; the
+            # calibration measures whether they do), so the peak is the largest estimate over them, not always the
+            # largest part's.
             kinds = set()
             for rows, longest in batches_or_cap:
                 mine = math.ceil(rows / run.ranks)
@@ -112,7 +113,8 @@ def plan_method(method: str, run: RunSpec, hardware: dict, shape: ModelShape, co
                 kinds.add((part, longest, run.grad_accum == 1 and run.ranks == 1 and part >= mine))
             estimates = {kind: memory_estimate(shape, method, bf16=bf16, micro_batch=kind[0], seq_len=kind[1],
                                                gradient_checkpointing=ckpt, constants=constants,
-                                               device=devices[0]["kind"], knobs=knobs, gradients_overlap=kind[2])
+                                               device=devices[0]["kind"], knobs=knobs,
+                                               gradients_overlap=kind[2] and constants.gradients_overlap)
                          for kind in kinds}
             worst = max(estimates, key=lambda kind: (estimates[kind]["peak"], kind[0] * kind[1]))
             est = estimates[worst]

@@ -301,9 +301,10 @@ def _measure(prepared: _Prepared, method: str, worker: CalibrationWorker | None,
 
 
 def _fit_peaks(steps: list[dict], growing: list[dict], shape: ModelShape, method: str, knobs: MethodKnobs,
-               loop: LoopConfig, gradient_checkpointing: bool, loaded_rss: int) -> tuple[list, float, float, float]:
-    """(memory points, analytic bytes per token, activation scale, runtime bytes): the peaks of the first pass,
-    smallest part first, fitted against the memory model (fit_memory)."""
+               loop: LoopConfig, gradient_checkpointing: bool,
+               loaded_rss: int) -> tuple[list, float, float, float, bool]:
+    """(memory points, analytic bytes per token, activation scale, runtime bytes, whether the gradients overlap the
+    activations): the peaks of the first pass, smallest part first, fitted against the memory model (fit_memory)."""
     # Memory: the peak after the warm-up step, then after each larger part (the first pass runs smallest first).
     points, top = [], 0
     for s in growing:
@@ -317,14 +318,19 @@ def _fit_peaks(steps: list[dict], growing: list[dict], shape: ModelShape, method
     fixed = memory_estimate(shape, method, bf16=bool(loop.speed.bf16), micro_batch=0, seq_len=1,
                             gradient_checkpointing=gradient_checkpointing, knobs=knobs,
                             constants=Constants(runtime_bytes=0))
-    # Each calibration step is one part (no accumulation): its gradients overlap the activations backward frees
-    # (memory_estimate's gradients_overlap), so the peaks grow from weights + optimizer state alone, unless the
-    # gradients are the larger (full fine-tuning on short parts), when the peaks stand on them.
-    static = fixed["peak"] - fixed["gradients"]
-    scale, runtime = fit_memory(points, static, per_token, loaded_rss)
-    if scale * per_token * points[-1][0] < fixed["gradients"]:
-        scale, runtime = fit_memory(points, fixed["peak"], per_token, loaded_rss)
-    return points, per_token, scale, runtime
+    # Each calibration step is one part (no accumulation): its gradients may take the pages the activations backward
+    # frees (memory_estimate's gradients_overlap), so that the peaks grow from weights + optimizer state alone; or
+    # the allocator keeps those pages for the sizes that freed them, and the peaks stand on the gradients too. Both
+    # lines have the slope the points give; the one the process measured has for its runtime what the process held
+    # before its first step (loaded_rss: the interpreter and its libraries, a trained model's weights still mapped,
+    # unread), while the other's runtime takes in the gradients' bytes or goes below zero. Where the gradients are
+    # the larger (full fine-tuning on short parts), the peaks stand on them either way.
+    scale, runtime = fit_memory(points, fixed["peak"] - fixed["gradients"], per_token, loaded_rss)
+    stacked = fit_memory(points, fixed["peak"], per_token, loaded_rss)
+    if (scale * per_token * points[-1][0] < fixed["gradients"]
+            or abs(stacked[1] - loaded_rss) < abs(runtime - loaded_rss)):
+        return points, per_token, *stacked, False
+    return points, per_token, scale, runtime, True
 
 
 def _fitted(measured: _Measured, prepared: _Prepared, seconds: float, shape: ModelShape, method: str,
@@ -334,8 +340,8 @@ def _fitted(measured: _Measured, prepared: _Prepared, seconds: float, shape: Mod
     saved bytes), and the calibration's report, with what a busy machine or an early stop means for the plan."""
     point, stopped, steps, overhead, per_token_s, startup, startup_cold, startup_from = measured
     _, picks, runs, _, typical_tokens, inference = prepared
-    points, per_token, scale, runtime = _fit_peaks(steps, steps[:len(picks)], shape, method, knobs, loop,
-                                                   gradient_checkpointing, point["loaded_rss_bytes"])
+    points, per_token, scale, runtime, overlap = _fit_peaks(steps, steps[:len(picks)], shape, method, knobs, loop,
+                                                            gradient_checkpointing, point["loaded_rss_bytes"])
     reference = min(s["seconds"] for s in steps[-2:]) if typical_tokens and not stopped else 0.0
     # each method against the calibrated one's steps on the same rows, taken in turn with its own
     method_cost = {m: round(t["seconds"] / t["calibrated_seconds"], 3) for m, t in point["others"].items()
@@ -353,7 +359,7 @@ def _fitted(measured: _Measured, prepared: _Prepared, seconds: float, shape: Mod
                           calibrated_method=method, method_cost=method_cost, not_timed=not_timed,
                           activation_ratio=activation_ratio, extra_cast_bytes=extra_cast_bytes,
                           calibrated_per_token=per_token,
-                          calibrated_checkpointing=gradient_checkpointing,
+                          calibrated_checkpointing=gradient_checkpointing, gradients_overlap=overlap,
                           source=f"calibrated: the run's own loop over {len(steps)} of its micro-batches ({method}, "
                                  f"int8 products {'on' if point['int8_products'] else 'off'}, {threads} threads, "
                                  f"malloc {point['allocator']}) in {seconds:.0f} s"

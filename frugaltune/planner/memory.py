@@ -16,7 +16,8 @@ Memory model (bytes; per device: CPU RAM, or each GPU's memory):
 - gradients: 4 bytes per trainable param; AdamW: 8 bytes per trainable param. A part alone in its optimizer step
   (no accumulation) starts backward with no gradients and frees each layer's saved tensors as it allocates that
   layer's weight gradients: its peak holds the larger of gradients and activations + logits, not their sum (full
-  fine-tuning's 4 bytes per weight; an adapter's gradients are small either way).
+  fine-tuning's 4 bytes per weight; an adapter's gradients are small either way), where the allocator gives the
+  freed pages to the gradients; the calibration measures whether it does (`Constants.gradients_overlap`).
 - activations, saved for backward, per token per decoder layer (llama-style block, RMSNorm + GQA + gated MLP):
   `16 h + 5 i` values (h hidden, i intermediate), plus `h + r` per LoRA-adapted module (dropout output + A
   output), plus `h` per DoRA module; 2 bytes each under bf16 autocast, 4 in fp32. Gradient checkpointing keeps
@@ -154,6 +155,9 @@ class Constants:
     # the calibrated method's analytic activations + logits per token, and its checkpointing: what a ratio scales
     calibrated_per_token: float = 0.0
     calibrated_checkpointing: bool = False
+    # whether backward's gradients take the pages its freed activations leave, in a part alone in its step
+    # (memory_estimate's gradients_overlap): the calibration reads it from its peaks (_fit_peaks)
+    gradients_overlap: bool = True
     source: str = "analytic defaults (not calibrated)"
 
     def measured_ratio(self, method: str, gradient_checkpointing: bool) -> float | None:
