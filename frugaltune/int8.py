@@ -73,7 +73,7 @@ def rescale_sum(accs: list[torch.Tensor], row_scales: list[torch.Tensor], col_sc
 def rescale_sum_plus(accs: list[torch.Tensor], row_scales: list[torch.Tensor], col_scales: list[torch.Tensor],
                      extra: torch.Tensor, keep: torch.Tensor | None, keep_scale: float,
                      dtype: torch.dtype) -> torch.Tensor:
-    """rescale_sum plus one more input gradient (LoRA's, training.int8_lora) through its dropout mask `keep` (None:
+    """rescale_sum plus one more input gradient (LoRA's, training.fast.fused_int8_lora) through its dropout mask `keep` (None:
     no dropout) and 1 / (1 - p), all in fp32 and one cast: one pass where eager takes four (compiled, rescale_sum
     is traced into the same graph)."""
     total = rescale_sum(accs, row_scales, col_scales, torch.float32)
@@ -204,7 +204,7 @@ def shared_output(pending: dict, index: int, x: torch.Tensor, compute) -> torch.
     """Member `index`'s output of a computation that serves every member of a group reading one input: the first
     member called runs `compute()` (one output per member) and `pending` keeps the others' for their own calls with
     the same tensor (identity and version). A member called with another input computes again, so a model that
-    does not feed them one tensor stays correct, only slower. Used by Int8Siblings and training.int8_lora."""
+    does not feed them one tensor stays correct, only slower. Used by Int8Siblings and training.fast.fused_int8_lora."""
     if pending.get("input") is x and pending.get("version") == x._version and index in pending["outputs"]:
         out = pending["outputs"].pop(index)
         if not pending["outputs"]:

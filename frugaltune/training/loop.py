@@ -2,7 +2,9 @@
 
 Library code; the `train` stage (`python -m stages.train`) calls `train_classifier`. Its parts in siblings:
 `inference` (a batch's loss; evaluation's forward passes), `optimizer` (AdamW, the schedule), `oom` (parts halved
-on out of memory), `signals` (SIGINT/SIGTERM: stop at a step's end), `progress` (progress lines in a log).
+on out of memory), `signals` (SIGINT/SIGTERM: stop at a step's end), `fast` (the speed paths). Where stdout is not
+a terminal (a log, a pipe), progress comes as a line every `LoopConfig.reporting.progress_every_s` seconds
+(`ProgressLines`) instead of tqdm's bar.
 A plain loop rather than HF `Trainer`: it holds no padding, no per-step Python overhead we do not need, and it is
 the place where resume, OOM back-off and telemetry hook in.
 """
@@ -30,14 +32,37 @@ from frugaltune.classify import collate
 from frugaltune.training.batching import collate_targets, epoch_batches, parts, target_counts
 from frugaltune.training.distributed import World
 from frugaltune.training.sharing import CoreShare
-from frugaltune.training.fast import short_sequence_attention
+from frugaltune.training.fast import fused_int8_lora, short_sequence_attention
 from frugaltune.training.inference import autocast, model_loss, shared_prefix_length
-from frugaltune.training.int8_lora import fused_int8_lora
 from frugaltune.training.loop_config import LoopConfig
 from frugaltune.training.oom import halve_micro_batch, injected_oom_steps, is_oom
 from frugaltune.training.optimizer import build_optimizer, build_scheduler
-from frugaltune.training.progress import ProgressLines
 from frugaltune.training.signals import interrupted, stop_on_signals
+
+
+class ProgressLines:
+    """The loop's progress as a line every `every_s` seconds, for a log: one clock read per step."""
+
+    def __init__(self, every_s: float, total_steps: int, first_step: int, start: float):
+        self.every_s, self.total, self.first, self.start = every_s, total_steps, first_step, start
+        self.due, self.losses, self.tokens, self.since = start + every_s, [], 0, start
+
+    def step(self, step: int, loss: float, tokens: int) -> None:
+        self.losses.append(loss)
+        self.tokens += tokens
+        now = time.perf_counter()
+        if now < self.due:
+            return
+        per_step = (now - self.start) / (step - self.first + 1)  # this process's steps: a resumed run's too
+        tqdm.write(f"train: step {step}/{self.total} ({step / self.total:.0%}), loss {np.mean(self.losses):.4f}, "
+                   f"{self.tokens / max(now - self.since, 1e-9):.0f} tokens/s, {_minutes(now - self.start)} in, "
+                   f"ETA {_minutes(per_step * (self.total - step))}", file=sys.stdout)
+        sys.stdout.flush()
+        self.due, self.losses, self.tokens, self.since = now + self.every_s, [], 0, now
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
 
 
 class DivergenceError(RuntimeError):

@@ -76,7 +76,7 @@ class Speed:
     # rounding; measured faster on every machine tried (docs/DECISIONS.md, benchmarks/step_anatomy.py --ab optimizer)
     fused_optimizer: bool = True
     # LoRA layers over int8 frozen products run as one autograd node per product (q/k/v, gate/up, o, down): one
-    # dropout, one cast, A's products stacked, B's added in addmm (frugaltune.training.int8_lora); a model without
+    # dropout, one cast, A's products stacked, B's added in addmm (frugaltune.training.fast.fused_int8_lora); a model without
     # int8 products has nothing it takes. Measured faster in paired steps (docs/DECISIONS.md,
     # benchmarks/step_anatomy.py --ab-paired 60 --ab int8lora)
     fused_int8_lora: bool = True

@@ -1,4 +1,4 @@
-"""LoRA over int8 products as one autograd node per product (frugaltune/training/int8_lora.py).
+"""LoRA over int8 products as one autograd node per product (frugaltune/training/fast.py).
 
     pytest tests/unit/test_int8_lora.py
 """
@@ -11,7 +11,7 @@ import torch
 from frugaltune import int8
 from frugaltune.planner.memory import MethodKnobs
 from frugaltune.classify import collate
-from frugaltune.training.int8_lora import fused_int8_lora
+from frugaltune.training.fast import fused_int8_lora
 from frugaltune.training.methods import prepare_model
 from frugaltune.methods import get as method_named
 
