@@ -184,76 +184,15 @@ def _autocast_dtype(device: torch.device | str) -> torch.dtype | None:
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
 
 
-class _GroupedProduct(torch.autograd.Function):
-    """`a @ b` for every query head, `b` given once per key/value head ([batch, kv heads, n, m]; `transpose`: b's
-    last two dimensions swapped) for the group of query heads that shares it.
-
-    Forward: the query heads of a group as one batch of rows against their one key/value matrix, in `dtype`
-    (autocast's), where transformers' eager attention first copies the keys and values for every query head
-    (repeat_kv, in the rotary embedding's fp32 for the keys) and casts the copies. Backward: the products autograd
-    takes for those copies, `b`'s head by head and summed over each group in `b`'s dtype after one cast, so that
-    the gradients keep their rounding."""
-
-    @staticmethod
-    def forward(ctx, a, b, transpose: bool, dtype: torch.dtype):
-        batch, heads, length, _ = a.shape
-        kv_heads = b.shape[1]
-        ctx.transpose, ctx.a_dtype, ctx.b_dtype = transpose, a.dtype, b.dtype
-        a, b_cast = a.to(dtype), b.to(dtype)
-        ctx.save_for_backward(a, b_cast)
-        operand = b_cast.transpose(2, 3) if transpose else b_cast
-        rows = a.reshape(batch * kv_heads, heads // kv_heads * length, a.shape[-1])
-        out = torch.bmm(rows, operand.reshape(batch * kv_heads, *operand.shape[2:]))
-        return out.view(batch, heads, length, operand.shape[-1])
-
-    @staticmethod
-    def backward(ctx, grad):
-        a, b = ctx.saved_tensors
-        batch, heads, length, inner = a.shape
-        kv_heads = b.shape[1]
-        operand = b.transpose(2, 3) if ctx.transpose else b  # [batch, kv heads, inner, out]
-        rows = grad.reshape(batch * kv_heads, heads // kv_heads * length, grad.shape[-1])
-        grad_a = torch.bmm(rows, operand.reshape(batch * kv_heads, *operand.shape[2:]).transpose(1, 2))
-        # b's gradient per query head ([batch x heads, inner, out], as autograd's bmm gives it for the copies), then
-        # in b's layout and dtype and summed over the group, as repeat_kv's and the cast's backward do
-        per_head = torch.bmm(a.reshape(batch * heads, length, inner).transpose(1, 2),
-                             grad.reshape(batch * heads, length, grad.shape[-1]))
-        per_head = per_head.view(batch, heads, inner, -1)
-        if ctx.transpose:
-            per_head = per_head.transpose(2, 3)
-        grad_b = per_head.to(ctx.b_dtype).view(batch, kv_heads, heads // kv_heads, *b.shape[2:]).sum(2)
-        return grad_a.view(batch, heads, length, inner).to(ctx.a_dtype), grad_b, None, None
-
-
-def grouped_eager_attention(module, query, key, value, attention_mask, scaling: float, dropout: float = 0.0,
-                            **kwargs):
-    """transformers' eager attention (llama's `eager_attention_forward`: matmul, scale, mask, softmax in fp32,
-    dropout, matmul) with its two products as `_GroupedProduct`s: no repeat_kv copies of the keys and values."""
-    from transformers.models.llama.modeling_llama import eager_attention_forward
-
-    if key.shape[1] == query.shape[1]:  # no grouped heads: nothing is copied
-        return eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
-    dtype = _autocast_dtype(query.device) or query.dtype
-    with torch.autocast(query.device.type, enabled=False):
-        weights = _GroupedProduct.apply(query, key, True, dtype)
-    weights = weights * scaling
-    if attention_mask is not None:
-        weights = weights + attention_mask
-    weights = torch.nn.functional.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
-    weights = torch.nn.functional.dropout(weights, p=dropout, training=module.training)
-    with torch.autocast(query.device.type, enabled=False):
-        output = _GroupedProduct.apply(weights, value, False, dtype)
-    return output.transpose(1, 2).contiguous(), weights
-
-
 def _register(max_len: int) -> str:
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
+    from transformers.models.llama.modeling_llama import eager_attention_forward
 
     def attention(module, query, key, value, attention_mask, **kwargs):
         if key.shape[2] <= max_len:
-            return grouped_eager_attention(module, query, key, value, attention_mask, **kwargs)
+            return eager_attention_forward(module, query, key, value, attention_mask, **kwargs)
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
     def mask(*args, kv_length: int, **kwargs):
