@@ -12,7 +12,12 @@ tests/unit/test_int8_lora.py, `benchmarks/step_anatomy.py --ab int8lora`).
   the kernels stage measures on each machine. Length-grouped batches have one padded length each, so the
   attention and its mask are chosen per batch: eager up to `max_len`, SDPA above. Same math, same results up to
   rounding. Under autocast the eager path's additive mask comes in the autocast dtype, as the scores do (0 and the
-  dtype's minimum: the same sums, bit for bit, without an fp32 copy of every layer's scores).
+  dtype's minimum: the same sums, bit for bit, without an fp32 copy of every layer's scores). The eager path's
+  softmax backward is computed as `p * (g - sum(g * p))` with one row sum per row: aten's CPU kernel sums a row
+  whose length is not a multiple of the vector width in an order that depends on how the rows are split among the
+  threads, so a run that dropped a thread on a busy machine (training.sharing) or ran on another core count
+  trained other weights from the same seed. With it, a run trains the same weights on any thread count
+  (tests/unit/test_fast_training.py; SDPA's backward and the rest of the step were already thread-invariant).
 - `fast_lora_dropout(model)`: peft applies `nn.Dropout` to the input of every adapted projection, and torch's CPU
   Bernoulli sampling draws one 32-bit number per element, four times per layer (q, k and v each drop out the same
   hidden states separately): a noticeable share of a LoRA step (docs/DECISIONS.md). The replacement draws 16
@@ -184,15 +189,47 @@ def _autocast_dtype(device: torch.device | str) -> torch.dtype | None:
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
 
 
+class _RowSoftmax(torch.autograd.Function):
+    """`torch.softmax(scores, -1, dtype=torch.float32)`, as transformers' eager attention computes it, with a
+    backward whose result does not depend on the thread count (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, scores: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+        ctx.save_for_backward(probs)
+        ctx.input_dtype = scores.dtype
+        return probs
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (probs,) = ctx.saved_tensors
+        weighted = grad * probs
+        return (weighted - probs * weighted.sum(-1, keepdim=True)).to(ctx.input_dtype)
+
+
+def eager_attention(module, query, key, value, attention_mask, scaling: float, dropout: float = 0.0, **kwargs):
+    """transformers' eager attention (`modeling_llama.eager_attention_forward`, op for op, so the same forward bit
+    for bit), its softmax `_RowSoftmax`."""
+    from transformers.models.llama.modeling_llama import repeat_kv
+
+    key_states = repeat_kv(key, module.num_key_value_groups)
+    value_states = repeat_kv(value, module.num_key_value_groups)
+    weights = torch.matmul(query, key_states.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        weights = weights + attention_mask
+    weights = _RowSoftmax.apply(weights).to(query.dtype)
+    weights = torch.nn.functional.dropout(weights, p=dropout, training=module.training)
+    return torch.matmul(weights, value_states).transpose(1, 2).contiguous(), weights
+
+
 def _register(max_len: int) -> str:
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
-    from transformers.models.llama.modeling_llama import eager_attention_forward
 
     def attention(module, query, key, value, attention_mask, **kwargs):
         if key.shape[2] <= max_len:
-            return eager_attention_forward(module, query, key, value, attention_mask, **kwargs)
+            return eager_attention(module, query, key, value, attention_mask, **kwargs)
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
     def mask(*args, kv_length: int, **kwargs):

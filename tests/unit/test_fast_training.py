@@ -12,7 +12,10 @@ import pytest
 import torch
 
 from frugaltune.planner.memory import MethodKnobs
-from frugaltune.training.fast import SharedDropout, fast_lora_dropout, frozen_weights_in, short_sequence_attention
+from types import SimpleNamespace
+
+from frugaltune.training.fast import (SharedDropout, eager_attention, fast_lora_dropout, frozen_weights_in,
+                                     short_sequence_attention)
 from frugaltune.training.methods import prepare_model
 from frugaltune.methods import get as method_named
 
@@ -120,6 +123,52 @@ def test_short_sequence_attention_under_bf16_autocast_gives_the_mask_in_bf16(lor
     assert masks[1] == torch.bfloat16 and masks[0] != torch.bfloat16 and masks[2] != torch.bfloat16
     torch.testing.assert_close(eager, reference, atol=0.05, rtol=0.05)
     torch.testing.assert_close(dispatched, reference)
+
+
+def _attention_step(threads: int, length: int, seed: int, dtype: torch.dtype = torch.bfloat16) -> list[torch.Tensor]:
+    """One forward and backward of the eager path at SmolLM2-135M's head shape (9 query heads over 3 key/value
+    heads) under a causal mask, on `threads` threads: its output and the three input gradients."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        generator = torch.Generator().manual_seed(seed)
+        q, k, v = (torch.randn(16, heads, length, 64, generator=generator, dtype=dtype, requires_grad=True)
+                   for heads in (9, 3, 3))
+        grad = torch.randn(16, length, 9, 64, generator=generator, dtype=dtype)
+        causal = torch.full((length, length), torch.finfo(dtype).min, dtype=dtype).triu(1)
+        out, _ = eager_attention(SimpleNamespace(num_key_value_groups=3, training=True), q, k, v, causal, 64 ** -0.5)
+        out.backward(grad)
+        return [out.detach(), q.grad, k.grad, v.grad]
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("length", [37, 44])
+def test_the_eager_path_trains_the_same_gradients_on_one_thread_as_on_two(length, dtype):
+    """aten's CPU softmax backward summed a row whose length is not a multiple of the vector width in an order that
+    depended on the thread count: a run that dropped a thread on a busy machine trained other weights than a quiet
+    run of the same seed. (With aten's, fp32 differed on every seed tried; bf16 rounds most of the difference away.)"""
+    for seed in range(4):
+        ones, twos = _attention_step(1, length, seed, dtype), _attention_step(2, length, seed, dtype)
+        assert all(torch.equal(a, b) for a, b in zip(twos, ones))
+
+
+def test_the_eager_path_is_transformers_eager_attention_forward_bit_for_bit_and_its_gradients_to_rounding():
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    ours = _attention_step(2, 21, seed=5)
+    generator = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(16, heads, 21, 64, generator=generator, dtype=torch.bfloat16, requires_grad=True)
+               for heads in (9, 3, 3))
+    grad = torch.randn(16, 21, 9, 64, generator=generator, dtype=torch.bfloat16)
+    causal = torch.full((21, 21), torch.finfo(torch.bfloat16).min, dtype=torch.bfloat16).triu(1)
+    out, _ = eager_attention_forward(SimpleNamespace(num_key_value_groups=3, training=True), q, k, v, causal,
+                                     64 ** -0.5)
+    out.backward(grad)
+    assert torch.equal(ours[0], out.detach())
+    for mine, theirs in zip(ours[1:], (q.grad, k.grad, v.grad)):
+        torch.testing.assert_close(mine.float(), theirs.float(), atol=0.02, rtol=0.02)
 
 
 def test_short_sequence_attention_off_leaves_the_model_alone(lora_model):
