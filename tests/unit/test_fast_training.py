@@ -125,9 +125,10 @@ def test_short_sequence_attention_under_bf16_autocast_gives_the_mask_in_bf16(lor
     torch.testing.assert_close(dispatched, reference)
 
 
-def _attention_step(threads: int, length: int, seed: int, dtype: torch.dtype = torch.bfloat16) -> list[torch.Tensor]:
-    """One forward and backward of the eager path at SmolLM2-135M's head shape (9 query heads over 3 key/value
-    heads) under a causal mask, on `threads` threads: its output and the three input gradients."""
+def _attention_step(threads: int, length: int, seed: int, dtype: torch.dtype = torch.bfloat16,
+                    attention=eager_attention) -> list[torch.Tensor]:
+    """One forward and backward of `attention` at SmolLM2-135M's head shape (9 query heads over 3 key/value heads)
+    under a causal mask, on `threads` threads: its output and the three input gradients."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -136,7 +137,7 @@ def _attention_step(threads: int, length: int, seed: int, dtype: torch.dtype = t
                    for heads in (9, 3, 3))
         grad = torch.randn(16, length, 9, 64, generator=generator, dtype=dtype)
         causal = torch.full((length, length), torch.finfo(dtype).min, dtype=dtype).triu(1)
-        out, _ = eager_attention(SimpleNamespace(num_key_value_groups=3, training=True), q, k, v, causal, 64 ** -0.5)
+        out, _ = attention(SimpleNamespace(num_key_value_groups=3, training=True), q, k, v, causal, 64 ** -0.5)
         out.backward(grad)
         return [out.detach(), q.grad, k.grad, v.grad]
     finally:
@@ -158,17 +159,10 @@ def test_the_eager_path_is_transformers_eager_attention_forward_bit_for_bit_and_
     from transformers.models.llama.modeling_llama import eager_attention_forward
 
     ours = _attention_step(2, 21, seed=5)
-    generator = torch.Generator().manual_seed(5)
-    q, k, v = (torch.randn(16, heads, 21, 64, generator=generator, dtype=torch.bfloat16, requires_grad=True)
-               for heads in (9, 3, 3))
-    grad = torch.randn(16, 21, 9, 64, generator=generator, dtype=torch.bfloat16)
-    causal = torch.full((21, 21), torch.finfo(torch.bfloat16).min, dtype=torch.bfloat16).triu(1)
-    out, _ = eager_attention_forward(SimpleNamespace(num_key_value_groups=3, training=True), q, k, v, causal,
-                                     64 ** -0.5)
-    out.backward(grad)
-    assert torch.equal(ours[0], out.detach())
-    for mine, theirs in zip(ours[1:], (q.grad, k.grad, v.grad)):
-        torch.testing.assert_close(mine.float(), theirs.float(), atol=0.02, rtol=0.02)
+    theirs = _attention_step(2, 21, seed=5, attention=eager_attention_forward)
+    assert torch.equal(ours[0], theirs[0])
+    for mine, reference in zip(ours[1:], theirs[1:]):
+        torch.testing.assert_close(mine.float(), reference.float(), atol=0.02, rtol=0.02)
 
 
 def test_short_sequence_attention_off_leaves_the_model_alone(lora_model):
