@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import gc
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from frugaltune.planner.memory import MethodKnobs
-from types import SimpleNamespace
-
 from frugaltune.training.fast import (SharedDropout, eager_attention, fast_lora_dropout, frozen_weights_in,
                                      short_sequence_attention)
 from frugaltune.training.methods import prepare_model
