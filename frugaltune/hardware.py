@@ -25,11 +25,16 @@ CPUINFO_ENV = "FRUGALTUNE_CPUINFO"
 def parse_cpuinfo(text: str) -> dict[str, Any]:
     """Model name, core counts and the flags of interest from the text of /proc/cpuinfo.
 
+    The model is the CPU's name with its x86 family and model numbers, "AMD EPYC (family 26, model 2)": a virtual
+    machine often shows one generic name for CPUs of several generations, whose bf16 and int8 speeds differ several
+    times over, and the model is what tells the kernels stage and the plan that their measurements describe another
+    CPU (frugaltune.planner.machine.measured_on, frugaltune.resolve.read_plan).
+
     Physical cores are the distinct (physical id, core id) pairs; where the kernel does not list them (some VMs,
     ARM) they are None and `cpu_facts` falls back to psutil.
     """
     processors = [block for block in text.split("\n\n") if block.strip()]
-    model = None
+    model = family = number = None
     flags: set[str] = set()
     cores: set[tuple[str, str]] = set()
     logical = 0
@@ -43,9 +48,12 @@ def parse_cpuinfo(text: str) -> dict[str, Any]:
             continue
         logical += 1
         model = model or fields.get("model name") or fields.get("Hardware") or fields.get("cpu model")
+        family, number = family or fields.get("cpu family"), number or fields.get("model")
         flags.update((fields.get("flags") or fields.get("Features") or "").split())
         if "physical id" in fields and "core id" in fields:
             cores.add((fields["physical id"], fields["core id"]))
+    if model and family and number:
+        model = f"{model} (family {family}, model {number})"
     return {
         "model": model,
         "logical_cores": logical or None,

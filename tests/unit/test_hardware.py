@@ -35,6 +35,18 @@ def test_cpuinfo_gives_model_cores_and_flags():
     assert facts["flags"] == {flag: True for flag in hardware.CPU_FLAGS}
 
 
+def test_one_generic_name_on_two_cpu_generations_is_two_machines():
+    # A VM shows "AMD EPYC" for Zen 4 (family 25, model 17) and Zen 5 (family 26, model 2): their bf16 and int8
+    # speeds differ, so the measurements and plan of one must not pass for the other's.
+    def generic(family: int, model: int) -> str:
+        return "".join(f"processor\t: {i}\nvendor_id\t: AuthenticAMD\ncpu family\t: {family}\nmodel\t\t: {model}\n"
+                       "model name\t: AMD EPYC\nflags\t\t: avx2 avx512f avx512_bf16 avx512_vnni\n\n" for i in range(2))
+
+    zen4, zen5 = parse_cpuinfo(generic(25, 17)), parse_cpuinfo(generic(26, 2))
+    assert zen4["model"] == "AMD EPYC (family 25, model 17)" and zen5["model"] == "AMD EPYC (family 26, model 2)"
+    assert zen4["flags"] == zen5["flags"]
+
+
 def test_cpuinfo_without_bf16_flags():
     flags = parse_cpuinfo(OLD_XEON)["flags"]
     assert flags["avx2"] is True
