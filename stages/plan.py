@@ -3,7 +3,7 @@
 Writes `reports/plan.json` (frugaltune.planner): for every method, fits or not in `probe.memory_limit_gb` (default:
 the machine's RAM, or the GPU's memory), the predicted peak, the micro-batch / accumulation / gradient
 checkpointing / precision / threads it recommends and the ETA, calibrated by a few real steps of `train.method`
-on this machine (`probe.calibrate`; not for a run the analytic ETA puts under `probe.calibration_min_run_s`) in the
+on this machine (`probe.calibrate`; not for a run too short for it: `probe.calibration_max_share`) in the
 precision the plan chose.
 
 The precision is decided once, here, from what this machine measured: the root pipeline's `reports/kernels.json`

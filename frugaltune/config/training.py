@@ -25,11 +25,12 @@ class ProbeParams(Section):
     calibrate: bool | Literal["auto"] = Field(
         "auto", description="Run the train stage's own loop over a few of the run's own micro-batches to fit this "
         "machine's memory and time constants (an ETA within 10 %); false = analytic estimates only; auto = calibrate "
-        "unless the analytic ETA is under calibration_min_run_s."
+        "unless the run is too short for it (calibration_max_share)."
     )
-    calibration_min_run_s: float = Field(
-        120, ge=0, description="With calibrate: auto, a run the analytic model predicts shorter than this is not "
-        "calibrated: a calibration would cost more than a tenth of it."
+    calibration_max_share: float = Field(
+        0.05, gt=0, le=1, description="With calibrate: auto, a run is calibrated only when the micro-batches the "
+        "calibration times (2 x calibration_steps - 1) are at most this share of the run's: with the model's load, "
+        "the warm-up and the other methods' steps a calibration costs a few times that share of the run's time."
     )
     calibration_by_shape_s: float | None = Field(
         100, gt=0, description="`frugaltune plan --model` of a model without weights, with calibrate: auto: the "

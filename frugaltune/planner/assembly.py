@@ -374,15 +374,19 @@ def build_plan(params: "Params", hardware: dict[str, Any], measured_precision: d
             worker.close()
 
 
-def _too_short_to_calibrate(analytic_eta: float | None, probe) -> str | None:
-    """Why a run is not worth calibrating (`probe.calibrate: auto`), or None: its analytic ETA is under
-    `probe.calibration_min_run_s`, where a calibration (a model loaded, a few steps timed, more than once) would
-    cost more than a tenth of the run."""
-    if analytic_eta is None or analytic_eta >= probe.calibration_min_run_s:
+def _too_short_to_calibrate(micro_batches: int, probe) -> str | None:
+    """Why a run is not worth calibrating (`probe.calibrate: auto`), or None: the micro-batches the calibration
+    would time are more than `probe.calibration_max_share` of the run's. A share of the run's own micro-batches,
+    not of seconds: the analytic seconds leave out the steps' overhead, the optimizer and the start-up, and how
+    much they leave out differs from one CPU and precision to another, so a threshold in seconds let a run
+    several times longer than its analytic ETA go uncalibrated on a fast CPU (docs/DECISIONS.md)."""
+    timed = 2 * probe.calibration_steps - 1
+    if micro_batches and timed <= probe.calibration_max_share * micro_batches:
         return None
-    return (f"not calibrating: the run is predicted at {analytic_eta:.0f} s by the analytic model, under "
-            f"probe.calibration_min_run_s ({probe.calibration_min_run_s:.0f} s), where a calibration would cost more "
-            "than a tenth of it; its ETA is analytic (probe.calibrate: true calibrates anyway)")
+    return (f"not calibrating: the calibration would time {timed} of the run's {micro_batches} micro-batches, over "
+            f"probe.calibration_max_share ({probe.calibration_max_share:.0%}); with the model's load and the "
+            "warm-up it would cost a good share of the run. Its ETA is analytic (probe.calibrate: true calibrates "
+            "anyway)")
 
 
 def _build_plan(params: "Params", hardware: dict[str, Any], measured_precision: dict | None,
@@ -422,7 +426,9 @@ def _build_plan(params: "Params", hardware: dict[str, Any], measured_precision: 
         if run_calibration and trained:
             log(f"plan: not calibrating: {method} does not fit by the analytic model")
         return draft
-    short = _too_short_to_calibrate(draft["methods"][method]["eta_seconds"], params.probe)
+    _, order = planned_order(lengths, spec.batch_size, spec.grad_accum, spec.epochs, spec.max_steps, spec.seed,
+                             spec.group_by_length)
+    short = _too_short_to_calibrate(len(order), params.probe)
     if run_calibration == "auto" and short:
         log(f"plan: {short}")
         draft["calibration"] = {"skipped": short}
@@ -430,8 +436,6 @@ def _build_plan(params: "Params", hardware: dict[str, Any], measured_precision: 
     entry = draft["methods"][method]
     log(f"plan: calibrating {method} in {entry['precision']}: the run's own loop over "
         f"{2 * params.probe.calibration_steps - 1} of its micro-batches at most ...")
-    _, order = planned_order(lengths, spec.batch_size, spec.grad_accum, spec.epochs, spec.max_steps, spec.seed,
-                             spec.group_by_length)
     # --model without weights: random weights of its shape, written only now that the calibration runs
     weights = model.weights_dir() if model else paths.BASE_MODEL
     others = [m for m in timing_order(methods)

@@ -928,8 +928,8 @@ def test_without_calibration_the_eta_is_the_runs_flops_at_the_layer_speed_the_ke
 
 def test_a_run_too_short_to_be_worth_a_calibration_is_planned_analytically_and_says_so(tmp_path, monkeypatch,
                                                                                     tiny_model_dir):
-    """probe.calibrate: auto (the default) skips the calibration of a run the analytic model puts under
-    probe.calibration_min_run_s: it would cost more than a tenth of the run. The plan says so and keeps the
+    """probe.calibrate: auto (the default) skips the calibration of a run whose micro-batches are too few for it:
+    the calibration would time more than probe.calibration_max_share of them. The plan says so and keeps the
     analytic ETA; a calibration is what `true` (the tests' projects) or a longer run gets."""
     from frugaltune.config import load_params
     from frugaltune.planner.assembly import build_plan
@@ -943,8 +943,23 @@ def test_a_run_too_short_to_be_worth_a_calibration_is_planned_analytically_and_s
     lines = []
     plan = build_plan(params, cpu_hardware(), measured_layer_speed(), log=lines.append)
     lora = plan["methods"]["lora"]
-    assert 0 < lora["eta_seconds"] < params.probe.calibration_min_run_s
+    assert lora["eta_seconds"] > 0
     assert lora["eta_note"].startswith("analytic, not calibrated")
     assert plan["calibration"] == {"skipped": lines[-1].removeprefix("plan: ")}
-    assert "not calibrating: the run is predicted at" in lines[-1] and "probe.calibrate: true" in lines[-1]
+    assert f"would time 5 of the run's {lora['steps']} micro-batches" in lines[-1]
+    assert "probe.calibrate: true" in lines[-1]
     assert plan["constants"]["seconds_per_token"] is None
+
+
+def test_whether_a_run_is_worth_a_calibration_is_a_share_of_its_micro_batches_not_of_analytic_seconds():
+    # The default run (186 micro-batches) is calibrated whatever the analytic model says of its seconds: on a fast
+    # CPU those seconds were a fraction of the run's, and a threshold in seconds skipped its calibration.
+    from frugaltune.config import ProbeParams
+    from frugaltune.planner.assembly import _too_short_to_calibrate
+
+    probe = ProbeParams()
+    assert _too_short_to_calibrate(186, probe) is None
+    assert _too_short_to_calibrate(100, probe) is None  # 5 of 100: the share itself
+    assert "5 of the run's 99 micro-batches" in _too_short_to_calibrate(99, probe)
+    assert _too_short_to_calibrate(0, probe)
+    assert _too_short_to_calibrate(60, ProbeParams(calibration_steps=2, calibration_max_share=0.05)) is None

@@ -122,7 +122,7 @@ def test_plan_by_shape_calibrates_a_random_model_of_that_shape_on_the_projects_r
 
     monkeypatch.chdir(tmp_path)
     tiny_project.plan_inputs(tmp_path, tiny_model_dir, LABELS, "train: {batch_size: 8, method: lora, threads: 1}\n"
-                             "probe: {calibration_steps: 2, nvml: false}\n")
+                             "probe: {calibration_steps: 2, calibration_max_share: 1, nvml: false}\n")
     (tmp_path / "qwen.json").write_text(json.dumps(TINY_QWEN2))
     assert cli.main(["plan", "--model", "qwen.json", "--memory-limit-gb", "4", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
@@ -144,7 +144,8 @@ def test_plan_by_shape_calibrates_a_random_model_of_that_shape_on_the_projects_r
     # ...and the answer comes within probe.calibration_by_shape_s: past it before the calibration could start, the
     # plan is the analytic one and says why; --calibrate has no such limit
     (tmp_path / "params.yaml").write_text("train: {batch_size: 8, method: lora, threads: 1}\n"
-                                          "probe: {calibration_steps: 2, nvml: false, calibration_by_shape_s: 0.001}\n")
+                                          "probe: {calibration_steps: 2, calibration_max_share: 1, nvml: false, "
+                                          "calibration_by_shape_s: 0.001}\n")
     assert cli.main(["plan", "--model", "qwen.json", "--memory-limit-gb", "4", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert "probe.calibration_by_shape_s" in plan["calibration"]["skipped"]
