@@ -14,7 +14,9 @@ collapse but slowed a run alone (the figures: docs/DECISIONS.md, "Two trainings 
 So the loop watches, over windows of at least `WINDOW_S` seconds, the CPU its process got per thread and what the
 other processes used of the cores it may run on (/proc/stat through psutil): when its threads get under `CROWDED`
 of a core each while the others keep at least `OTHERS_BUSY` of a core busy, it drops one thread; when a core's
-worth (`IDLE`) stays idle, it takes one back, up to the plan's. Each change is one of the run's events.
+worth (`IDLE`) stays idle, it takes one back, up to the plan's. Each change is one of the run's events. In a virtual
+machine the "others" may be outside it: time the hypervisor gave to other machines (steal) holds a thread up as
+another process would, so it counts alike, and the event names the two apart (no process here to look for).
 
 A change of threads changes a LoRA run's speed, not its weights: its step computes the same values on any thread
 count (measured: 1 to 4 threads in bf16 + int8 products with eager attention; 1 and 2 with SDPA, bf16 + int8 and fp32;
@@ -56,31 +58,35 @@ class CoreShare:
         self.cores = _cores()
         self._mark = self._sample()
 
-    def _sample(self) -> tuple[float, float, float, float]:
-        """(wall, this process's CPU seconds, the cores' busy seconds, the cores' idle seconds)."""
+    def _sample(self) -> tuple[float, float, float, float, float]:
+        """(wall, this process's CPU seconds, the cores' busy seconds, their idle seconds, the seconds the
+        hypervisor took from them: steal, counted in busy)."""
         per_cpu = psutil.cpu_times(percpu=True)
-        busy = idle = 0.0
+        busy = idle = steal = 0.0
         for cpu in self.cores:
             if cpu < len(per_cpu):
                 times = per_cpu[cpu]
                 waiting = times.idle + getattr(times, "iowait", 0.0)
                 idle += waiting
                 busy += sum(times) - waiting - getattr(times, "guest", 0.0) - getattr(times, "guest_nice", 0.0)
+                steal += getattr(times, "steal", 0.0)
         cpu = self.process.cpu_times()
-        return self.clock(), cpu.user + cpu.system, busy, idle
+        return self.clock(), cpu.user + cpu.system, busy, idle, steal
 
     def after_step(self) -> None:
         now = self._sample()
         wall = now[0] - self._mark[0]
         if wall < WINDOW_S:
             return
-        mine, busy, idle = (now[i] - self._mark[i] for i in (1, 2, 3))
+        mine, busy, idle, steal = (now[i] - self._mark[i] for i in (1, 2, 3, 4))
         self._mark = now
         per_thread = mine / wall / self.threads
-        others = max(busy - mine, 0.0) / wall
+        others, host = max(busy - mine, 0.0) / wall, min(max(steal, 0.0) / wall, max(busy - mine, 0.0) / wall)
         if self.threads > 1 and per_thread < CROWDED and others >= OTHERS_BUSY:
-            self._set(self.threads - 1, f"other processes use {others:.1f} of the cores and this run's threads got "
-                      f"{per_thread:.0%} of a core each")
+            crowd = f"other processes use {others - host:.1f} of the cores"
+            if host >= 0.05:
+                crowd += f" and the hypervisor {host:.1f} (steal: other virtual machines on them)"
+            self._set(self.threads - 1, f"{crowd} and this run's threads got {per_thread:.0%} of a core each")
         elif self.threads < self.most and idle / wall >= IDLE:
             self._set(self.threads + 1, f"{idle / wall:.1f} cores idle")
 

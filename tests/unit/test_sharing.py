@@ -17,15 +17,16 @@ from frugaltune.training.sharing import CoreShare
 
 
 class Windows(CoreShare):
-    """A CoreShare fed (seconds, this process's CPU, the cores' busy, idle) per window instead of /proc/stat."""
+    """A CoreShare fed (seconds, this process's CPU, the cores' busy, idle[, steal]) per window instead of
+    /proc/stat."""
 
-    def __init__(self, windows: list[tuple[float, float, float, float]], events: list[str]) -> None:
+    def __init__(self, windows: list[tuple[float, ...]], events: list[str]) -> None:
         self.windows = iter(windows)
-        self.total = [0.0, 0.0, 0.0, 0.0]
+        self.total = [0.0] * 5
         super().__init__(events.append)
 
     def _sample(self):
-        step = next(self.windows, (0.0, 0.0, 0.0, 0.0))
+        step = (*next(self.windows, (0.0,) * 5), 0.0)[:5]
         self.total = [a + b for a, b in zip(self.total, step)]
         return tuple(self.total)
 
@@ -55,6 +56,17 @@ def test_a_crowded_run_gives_a_thread_up_and_takes_it_back_when_a_core_is_idle(t
     assert events[1] == "threads 1 -> 2: 1.0 cores idle"
 
 
+def test_time_the_hypervisor_took_crowds_the_threads_as_a_process_would_and_the_event_says_whose(two_threads):
+    events: list[str] = []
+    # 6 s: this run got 6 CPU seconds of 12, the cores were busy 12 s, of which 4.8 s went to other virtual machines
+    windows = [(0, 0, 0, 0, 0), (6, 6, 12, 0, 4.8)]
+    with Windows(windows, events) as share:
+        share.after_step()
+        assert torch.get_num_threads() == 1
+    assert events == ["threads 2 -> 1: other processes use 0.2 of the cores and the hypervisor 0.8 (steal: other "
+                      "virtual machines on them) and this run's threads got 50% of a core each"]
+
+
 def test_a_slow_window_alone_or_a_short_one_changes_nothing_and_the_run_ends_on_the_plans_threads(two_threads):
     events: list[str] = []
     windows = [(0, 0, 0, 0),
@@ -70,11 +82,11 @@ def test_a_slow_window_alone_or_a_short_one_changes_nothing_and_the_run_ends_on_
 
 def test_the_cores_figures_are_this_machines():
     share = CoreShare(lambda message: None)
-    wall0, mine0, busy0, idle0 = share._sample()
+    wall0, mine0, busy0, idle0, _ = share._sample()
     cpu0 = time.process_time()
     while time.process_time() - cpu0 < 0.5:  # half a second of this process's CPU, however long a loaded machine takes
         pass
-    wall, mine, busy, idle = share._sample()
+    wall, mine, busy, idle, _ = share._sample()
     spent = time.process_time() - cpu0
     assert abs((mine - mine0) - spent) < 0.1  # what the sampler counts is this process's CPU, clock ticks aside
     assert mine - mine0 <= (wall - wall0) * 1.2 + 0.05  # one busy thread
