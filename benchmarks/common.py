@@ -139,21 +139,12 @@ def forced_int8(on: bool) -> dict:
 
 
 def cpu_label(hw: dict) -> str:
-    """The CPU a figure came from, as a report names it: the model name (a VM's is often just "AMD EPYC"), its
-    family and model numbers (which tell Zen 3 from Zen 4, a Skylake Xeon from a Sapphire Rapids one), cores and the
-    flags that decide precision."""
-    facts = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() in ("cpu family", "model") and key.strip() not in facts:
-                facts[key.strip()] = value.strip()
-    except OSError:
-        pass
+    """The CPU a figure came from, as a report names it: the probe's model (the name with its family and model
+    numbers, which tell Zen 3 from Zen 4 where a VM names both "AMD EPYC": frugaltune.hardware.parse_cpuinfo),
+    cores and the flags that decide precision."""
     cpu = hw["cpu"]
     flags = [name for name, on in cpu.get("flags", {}).items() if on] or ["no avx2"]
-    numbers = (f" family {facts['cpu family']} model {facts['model']}" if len(facts) == 2 else "")
-    return f"{cpu['model']}{numbers}, {cpu.get('physical_cores', '?')} cores, {'+'.join(flags)}"
+    return f"{cpu['model']}, {cpu.get('physical_cores', '?')} cores, {'+'.join(flags)}"
 
 
 # --- timing ------------------------------------------------------------------------------------------------------

@@ -268,7 +268,7 @@ def render_png(rows: list[dict], path: Path) -> None:
                                              ("predicted_peak_mb", "measured_peak_mb", "peak RSS (MB)"))):
         # one marker per CPU (filled: measured, hollow: planned), one colour per method
         for cpu, marker in zip(cpus, ("o", "^", "D", "v", "P")):
-            on = f" ({' '.join(cpu.split(',')[0].split()[-4:])})" if len(cpus) > 1 else ""  # family F model M
+            on = f" ({' '.join(cpu.split(',')[0].split()[-4:]).strip('()')})" if len(cpus) > 1 else ""  # family F model M
             for method in dict.fromkeys(r["method"] for r in rows):
                 mine = sorted((r for r in rows if r["method"] == method and r["cpu"] == cpu),
                               key=lambda r: float(r["params_b"]))

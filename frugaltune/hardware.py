@@ -25,7 +25,7 @@ CPUINFO_ENV = "FRUGALTUNE_CPUINFO"
 def parse_cpuinfo(text: str) -> dict[str, Any]:
     """Model name, core counts and the flags of interest from the text of /proc/cpuinfo.
 
-    The model is the CPU's name with its x86 family and model numbers, "AMD EPYC (family 26, model 2)": a virtual
+    The model is the CPU's name with its x86 family and model numbers, "AMD EPYC (family 26 model 2)": a virtual
     machine often shows one generic name for CPUs of several generations, whose bf16 and int8 speeds differ several
     times over, and the model is what tells the kernels stage and the plan that their measurements describe another
     CPU (frugaltune.planner.machine.measured_on, frugaltune.resolve.read_plan).
@@ -53,7 +53,7 @@ def parse_cpuinfo(text: str) -> dict[str, Any]:
         if "physical id" in fields and "core id" in fields:
             cores.add((fields["physical id"], fields["core id"]))
     if model and family and number:
-        model = f"{model} (family {family}, model {number})"
+        model = f"{model} (family {family} model {number})"
     return {
         "model": model,
         "logical_cores": logical or None,

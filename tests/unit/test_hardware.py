@@ -43,7 +43,7 @@ def test_one_generic_name_on_two_cpu_generations_is_two_machines():
                        "model name\t: AMD EPYC\nflags\t\t: avx2 avx512f avx512_bf16 avx512_vnni\n\n" for i in range(2))
 
     zen4, zen5 = parse_cpuinfo(generic(25, 17)), parse_cpuinfo(generic(26, 2))
-    assert zen4["model"] == "AMD EPYC (family 25, model 17)" and zen5["model"] == "AMD EPYC (family 26, model 2)"
+    assert zen4["model"] == "AMD EPYC (family 25 model 17)" and zen5["model"] == "AMD EPYC (family 26 model 2)"
     assert zen4["flags"] == zen5["flags"]
 
 
