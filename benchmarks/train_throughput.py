@@ -6,6 +6,7 @@ switches against the previous default, in one run.
     python benchmarks/train_throughput.py --steps 10 --batch-size 8 --warmup 0   # time from the first step
     python benchmarks/train_throughput.py --model SmolLM2-1.7B --recipes frugaltune,b --warmup 2 --steps 6
     python benchmarks/train_throughput.py --against v0.1.0 --recipes frugaltune --rounds 3   # `make bench-check`
+    python benchmarks/train_throughput.py --recipes frugaltune,b --targets params   # the train stage's adapter
 
 On a machine where torch drives a CUDA GPU every recipe trains on it (the Trainer recipes without `use_cpu`), the
 precision is the planner's (bf16 from compute capability 8.0), attention is SDPA, the measured peak is torch.matmul
@@ -117,9 +118,14 @@ def _cuda() -> bool:
 
 
 def run_recipe(recipe: str, steps: int, batch_size: int, lr: float, threads: int, bf16_ours: bool,
-               eager_max: int, warmup: int = 0, model_dir: Path = BASE) -> dict:
-    """One recipe on (warmup + steps) x batch_size rows; the last `steps` steps are timed ("cold_": the whole run)."""
+               eager_max: int, warmup: int = 0, model_dir: Path = BASE, targets: tuple[str, ...] = ()) -> dict:
+    """One recipe on (warmup + steps) x batch_size rows; the last `steps` steps are timed ("cold_": the whole run).
+    `targets`: the adapted layers (empty: MethodKnobs' q/k/v/o)."""
     import torch
+
+    from frugaltune.planner.memory import MethodKnobs
+
+    knobs = MethodKnobs(target_modules=targets) if targets else None
 
     torch.set_num_threads(threads)
     ids, labels = common.training_examples((warmup + steps) * batch_size)
@@ -134,7 +140,7 @@ def run_recipe(recipe: str, steps: int, batch_size: int, lr: float, threads: int
             from frugaltune.planner.machine import keep_sdpa_off_cudnn
 
             keep_sdpa_off_cudnn()
-        model, tokenizer = common.lora_model(bf16_ours, method, switches, model_dir=model_dir)
+        model, tokenizer = common.lora_model(bf16_ours, method, switches, knobs=knobs, model_dir=model_dir)
         int8_products = {"on": False}
         if switches:  # the plan's int8 decision for the method (train.int8_products), carried out as the train stage
             from frugaltune import methods
@@ -162,7 +168,7 @@ def run_recipe(recipe: str, steps: int, batch_size: int, lr: float, threads: int
 
     max_length = recipe == "hf_max_length_fp32"
     bf16 = bf16_ours and not max_length  # (b) as a tuned user picks it: the precision that is faster on this machine
-    model, tokenizer = common.lora_model(False, model_dir=model_dir)
+    model, tokenizer = common.lora_model(False, knobs=knobs, model_dir=model_dir)
     if max_length:  # the common recipe: every sequence padded to 128 when tokenized
         pad = tokenizer.pad_token_id
         rows = {"input_ids": [x + [pad] * (128 - len(x)) for x in ids],
@@ -317,6 +323,10 @@ def main() -> None:
                         "(latest-tag: the last release tag), alternated; exit 1 when this tree is slower than REV by "
                         "more than --tolerance")
     parser.add_argument("--tolerance", type=float, default=0.05, help="--against: the slowdown allowed (0.05 = 5 %%)")
+    parser.add_argument("--targets", default="", help="LoRA's adapted layers, comma-separated, for every recipe: "
+                        "default q/k/v/o (the reference of the figures in docs/BENCHMARKS.md); `params`: "
+                        "train.lora.target_modules, what `dvc repro train` trains (not with --against a revision "
+                        "older than this option)")
     parser.add_argument("--recipe", help=argparse.SUPPRESS)  # a child process: one recipe
     parser.add_argument("--model-dir", type=Path, default=BASE, help=argparse.SUPPRESS)
     parser.add_argument("--bf16-ours", action="store_true", help=argparse.SUPPRESS)
@@ -329,8 +339,9 @@ def main() -> None:
     hw = probe(use_nvml=cuda)
     threads = args.threads or common.machine()["threads"]  # the plan's, as the train stage reads them
     if args.recipe:
+        targets = tuple(t for t in args.targets.split(",") if t)
         print(json.dumps(run_recipe(args.recipe, args.steps, args.batch_size, args.lr, threads, args.bf16_ours,
-                                    args.eager_max, args.warmup, args.model_dir)))
+                                    args.eager_max, args.warmup, args.model_dir, targets)))
         return
     common.require(BASE, TOKENIZED, LABELS_FILE, fix="run `make pipeline` (or `dvc repro tokenize`) first")
     decided = common.machine()  # the plan's precision and attention crossover, as the train stage reads them
@@ -340,6 +351,8 @@ def main() -> None:
     if "frugaltune" not in kinds or set(kinds) - set(KINDS):
         parser.error(f"--recipes: of {', '.join(KINDS)}, frugaltune among them (the others are compared with it)")
     model_dir = common.model_dir(args.model)
+    if args.targets == "params":
+        args.targets = ",".join(load_params().train.lora.target_modules)
     recipes = ([f"{kind}:{m}" for m in methods for kind in ("frugaltune", "frugaltune-off") if kind in kinds]
                + [recipe for kind, recipe in HF_RECIPES.items() if kind in kinds])
     nominal, formula = gpu_peak_flops(bf16_ours) if cuda else cpu_peak_flops(hw, threads)
@@ -368,6 +381,8 @@ def main() -> None:
                    "--eager-max", str(eager_max)] + (["--bf16-ours"] if bf16_ours else [])
             if model_dir != BASE:  # named only when asked: a REV older than --model does not know the flag
                 cmd += ["--model-dir", str(Path(model_dir).resolve())]
+            if args.targets:  # likewise
+                cmd += ["--targets", args.targets]
             print(f"round {round_ + 1}/{args.rounds}: {recipe.replace('REV', against or '')} ...", flush=True)
             env = {**allocator.child_env(ours_on if recipe.startswith("frugaltune") else "system"), **env_extra}
             runs[recipe].append(common.run_child(cmd, recipe, env, cwd=cwd))
@@ -386,7 +401,7 @@ def main() -> None:
     ids, _ = common.training_examples((args.warmup + args.steps) * args.batch_size)
     per_token = flops_per_token(sum(len(x) for x in ids) / len(ids), model_dir)
     where = f"GPU {torch_device_name()}, " if cuda else ""
-    print(f"\nr=8 adapters on {args.model or BASE}{' (random weights of its shape)' if model_dir != BASE else ''}, {(args.warmup + args.steps) * args.batch_size} training sequences (one pass, "
+    print(f"\nr=8 adapters on {args.targets.replace(',', '/') or 'q/k/v/o'} of {args.model or BASE}{' (random weights of its shape)' if model_dir != BASE else ''}, {(args.warmup + args.steps) * args.batch_size} training sequences (one pass, "
           f"batch {args.batch_size}; {args.warmup} warm-up steps, then {args.steps} timed), {where}{threads} threads, "
           f"{args.rounds} round(s) (median), CPU {common.cpu_label(hw)}.")
     print(f"frugaltune precision: {'bf16' if bf16_ours else 'fp32'} ({why}); eager attention up to {eager_max} "
@@ -441,7 +456,7 @@ def main() -> None:
         if ratio < 1 - args.tolerance:
             slower.append(f"{m} {1 - ratio:.1%} slower")
     common.write_results("train_throughput", {
-        "cpu": common.cpu_label(hw), "model": str(args.model or BASE), "gpu": torch_device_name() if cuda else None, "nominal_peak": formula,
+        "cpu": common.cpu_label(hw), "model": str(args.model or BASE), "lora_targets": args.targets or "q_proj,k_proj,v_proj,o_proj", "gpu": torch_device_name() if cuda else None, "nominal_peak": formula,
         "nominal_peak_flops": nominal, "measured_peak_flops": peaks, "flops_per_token": per_token, "threads": threads,
         "steps": args.steps, "warmup": args.warmup, "batch_size": args.batch_size, "rounds": args.rounds,
         "precision": "bf16" if bf16_ours else "fp32", "eager_attention_max_len": eager_max, "results": results,
