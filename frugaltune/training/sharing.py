@@ -81,7 +81,8 @@ class CoreShare:
         mine, busy, idle, steal = (now[i] - self._mark[i] for i in (1, 2, 3, 4))
         self._mark = now
         per_thread = mine / wall / self.threads
-        others, host = max(busy - mine, 0.0) / wall, min(max(steal, 0.0) / wall, max(busy - mine, 0.0) / wall)
+        others = max(busy - mine, 0.0) / wall
+        host = min(max(steal, 0.0) / wall, others)  # steal is counted in busy, so it is a part of the others'
         if self.threads > 1 and per_thread < CROWDED and others >= OTHERS_BUSY:
             crowd = f"other processes use {others - host:.1f} of the cores"
             if host >= 0.05:
