@@ -14,7 +14,7 @@ on the GPU at the model's shapes and the nominal one the tensor-core (bf16) or C
 frugaltune.kernels.cuda.device_peaks at the boost clock; peak GPU memory is printed beside peak RSS.
 
 Needs `models/base` and `data/tokenized` (run `make pipeline`, or `dvc repro tokenize`). Every recipe trains the
-same adapter (peft, r=8 on q/k/v/o, dropout 0.05, the seeded classification head) on the same sequences ((warmup +
+same adapter (peft, r=8 on q/k/v/o or on `--targets`, dropout 0.05, the seeded classification head) on the same sequences ((warmup +
 steps) x batch-size rows sampled across the training split with seed 42 and wrapped in `train.input_template` as the
 train stage wraps them; one pass), with AdamW at the same rate, on the same threads. The first `--warmup` steps
 (20) of every recipe are not timed: a process's first steps pay one-off costs (torch.compile's compilation of the
