@@ -29,7 +29,7 @@ class ProbeParams(Section):
     )
     calibration_max_share: float = Field(
         0.05, gt=0, le=1, description="With calibrate: auto, a run is calibrated only when the micro-batches the "
-        "calibration times (2 x calibration_steps - 1) are at most this share of the run's: with the model's load, "
+        "calibration times (5 at calibration_steps 3) are at most this share of the run's: with the model's load, "
         "the warm-up and the other methods' steps a calibration costs a few times that share of the run's time."
     )
     calibration_by_shape_s: float | None = Field(

@@ -17,7 +17,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from frugaltune.methods import METHODS, NAMES, get as method_named, timing_order
-from frugaltune.planner.calibration import RECALIBRATE
+from frugaltune.planner.calibration import RECALIBRATE, timed_micro_batches
 from frugaltune.planner.recalibration import at_the_pick, calibrate_at
 from frugaltune.planner.machine import decide_machine, layer_flops_per_s, memory_limit
 from frugaltune.planner.memory import (Constants, GiB, MethodKnobs, MiB, ModelShape, memory_estimate, model_shape,
@@ -380,7 +380,7 @@ def _too_short_to_calibrate(micro_batches: int, probe) -> str | None:
     not of seconds: the analytic seconds leave out the steps' overhead, the optimizer and the start-up, and how
     much they leave out differs from one CPU and precision to another, so a threshold in seconds let a run
     several times longer than its analytic ETA go uncalibrated on a fast CPU (docs/DECISIONS.md)."""
-    timed = 2 * probe.calibration_steps - 1
+    timed = timed_micro_batches(probe.calibration_steps)
     if micro_batches and timed <= probe.calibration_max_share * micro_batches:
         return None
     return (f"not calibrating: the calibration would time {timed} of the run's {micro_batches} micro-batches, over "
@@ -435,7 +435,7 @@ def _build_plan(params: "Params", hardware: dict[str, Any], measured_precision: 
         return draft
     entry = draft["methods"][method]
     log(f"plan: calibrating {method} in {entry['precision']}: the run's own loop over "
-        f"{2 * params.probe.calibration_steps - 1} of its micro-batches at most ...")
+        f"{timed_micro_batches(params.probe.calibration_steps)} of its micro-batches at most ...")
     # --model without weights: random weights of its shape, written only now that the calibration runs
     weights = model.weights_dir() if model else paths.BASE_MODEL
     others = [m for m in timing_order(methods)

@@ -41,6 +41,13 @@ if TYPE_CHECKING:
     from frugaltune.training.loop_config import LoopConfig
 
 
+def timed_micro_batches(time_samples: int) -> int:
+    """How many of the run's micro-batches a calibration of `time_samples` sizes times at most: each sampled size
+    once (calibration_batches), then again under the peak, all but the largest when more than two (calibrate)."""
+    count = max(2, time_samples)
+    return count + (count - 1 if count > 2 else count)
+
+
 def calibration_batches(order: list[list[int]], lengths: list[int], part_tokens, time_samples: int) -> list[int]:
     """Positions in `order` (the run's micro-batches) that the calibration runs, `time_samples` sizes in all: the
     smallest batch first (its first step also pays the one-time warm-up: page faults, oneDNN and compiled kernels,

@@ -962,4 +962,6 @@ def test_whether_a_run_is_worth_a_calibration_is_a_share_of_its_micro_batches_no
     assert _too_short_to_calibrate(100, probe) is None  # 5 of 100: the share itself
     assert "5 of the run's 99 micro-batches" in _too_short_to_calibrate(99, probe)
     assert _too_short_to_calibrate(0, probe)
-    assert _too_short_to_calibrate(60, ProbeParams(calibration_steps=2, calibration_max_share=0.05)) is None
+    # two sizes are timed twice each (with more, the largest runs once): 4 micro-batches, at most 5 % of 80
+    two = ProbeParams(calibration_steps=2)
+    assert _too_short_to_calibrate(80, two) is None and "4 of the run's 79" in _too_short_to_calibrate(79, two)
